@@ -1,0 +1,221 @@
+"""config -> mesh + rules -> model + state -> compiled step, validated up front.
+
+``Experiment.from_config`` runs every check that can be made without compiling
+(mesh degrees, rule table, model dims against the mesh, batch and sequence
+against the data axes) and raises ``ConfigError`` naming the config field, the
+values and a fix. Everything after that is shapes and shardings derived from
+the config: parameters and optimizer state are created already sharded, and
+the train step is one ``jax.jit`` with shardings from the rule table.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+import optax
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from ndjax import rules as rules_lib
+from ndjax import state as state_lib
+from ndjax.config import check_keys
+from ndjax.data import BATCH_FIELDS
+from ndjax.errors import ConfigError
+from ndjax.mesh import ParallelDims, build_mesh
+from ndjax.models import llama
+from ndjax.train_step import Batch, train_step
+
+# Which config field sets the size of each logical parameter axis (for errors).
+FIELD_OF_AXIS = {
+    "vocab": "model.vocab_size", "embed": "model.dim", "q_heads": "model.n_heads",
+    "kv_heads": "model.n_kv_heads", "head_dim": "model.head_dim", "mlp": "model.ffn_dim",
+    "layers": "model.n_layers", "norm": "model.dim",
+}
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+
+
+def model_config(model: ml_collections.ConfigDict) -> llama.LlamaConfig:
+    """The model's dims: the preset, overridden by any field set in the config."""
+    if model.preset not in llama.PRESETS:
+        raise ConfigError(
+            f"model.preset={model.preset!r} is unknown; choose one of {sorted(llama.PRESETS)}.")
+    dims = dict(llama.PRESETS[model.preset])
+    for field in ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim",
+                  "head_dim", "rope_theta", "tie_embeddings"):
+        if model[field] is not None:
+            dims[field] = model[field]
+    for field in ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim"):
+        if dims[field] < 1:
+            raise ConfigError(f"model.{field}={dims[field]} must be >= 1.")
+    if dims["n_heads"] % dims["n_kv_heads"]:
+        raise ConfigError(
+            f"model.n_heads={dims['n_heads']} is not a multiple of model.n_kv_heads="
+            f"{dims['n_kv_heads']}: grouped-query attention shares each kv head between "
+            "n_heads / n_kv_heads query heads. Pick n_kv_heads dividing n_heads.")
+    head_dim = dims.get("head_dim") or dims["dim"] // dims["n_heads"]
+    if head_dim % 2 or (not dims.get("head_dim") and dims["dim"] % dims["n_heads"]):
+        raise ConfigError(
+            f"model: head_dim={head_dim} (model.dim={dims['dim']} / model.n_heads="
+            f"{dims['n_heads']} unless model.head_dim is set) must be a whole, even number "
+            "for rotary embeddings. Set model.head_dim or change model.dim.")
+    dtype = model.dtype
+    if dtype == "auto":
+        dtype = "float32" if jax.default_backend() == "cpu" else "bfloat16"
+    if dtype not in DTYPES:
+        raise ConfigError(f"model.dtype={model.dtype!r}: choose auto or one of {sorted(DTYPES)}.")
+    if model.remat not in llama.REMAT_POLICIES:
+        raise ConfigError(
+            f"model.remat={model.remat!r}: choose one of {sorted(llama.REMAT_POLICIES)}.")
+    return llama.LlamaConfig(**dims, dtype=DTYPES[dtype], scan_layers=bool(model.scan_layers),
+                             remat=model.remat)
+
+
+def _check_train(config: ml_collections.ConfigDict) -> None:
+    t = config.train
+    for field, low in (("steps", 0), ("batch_size", 1), ("seq_len", 1), ("warmup_steps", 0)):
+        if not isinstance(t[field], int) or t[field] < low:
+            raise ConfigError(f"train.{field}={t[field]!r} must be an int >= {low}.")
+    if t.schedule not in ("cosine", "constant"):
+        raise ConfigError(f"train.schedule={t.schedule!r}: choose 'cosine' or 'constant'.")
+    if config.log.every < 1:
+        raise ConfigError(f"log.every={config.log.every} must be >= 1.")
+    if config.data.source != "synthetic":
+        raise ConfigError(f"data.source={config.data.source!r}: the only source is 'synthetic'.")
+
+
+def _path(keys: Sequence[Any]) -> str:
+    return "/".join(str(getattr(k, "key", k)) for k in keys)
+
+
+@dataclasses.dataclass
+class Experiment:
+    config: ml_collections.ConfigDict
+    dims: ParallelDims
+    mesh: Mesh
+    rules: rules_lib.Rules
+    model_cfg: llama.LlamaConfig
+    graphdef: Any
+    param_shapes: Any     # nested dict of ShapeDtypeStruct
+    param_names: Any      # nested dict of logical-name tuples
+    schedule: optax.Schedule
+    optimizer: optax.GradientTransformation
+    state_sharding: state_lib.TrainState
+    batch_sharding: NamedSharding
+
+    @classmethod
+    def from_config(cls, config: ml_collections.ConfigDict,
+                    devices: Sequence[jax.Device] | None = None) -> Experiment:
+        check_keys(config)
+        devices = list(jax.devices() if devices is None else devices)
+        m = config.mesh
+        dims = ParallelDims(m.replica, m.fsdp, m.context, m.tensor).resolve(len(devices))
+        _check_train(config)
+        model_cfg = model_config(config.model)
+        mesh = build_mesh(dims, devices)
+        rules = rules_lib.Rules(config.rules, mesh)
+
+        abstract = nnx.eval_shape(lambda: llama.Llama(model_cfg, nnx.Rngs(0)))
+        graphdef, abstract_state = nnx.split(abstract)
+        param_shapes = nnx.to_pure_dict(abstract_state)
+        param_names = llama.logical_axes(abstract_state)
+
+        def param_sharding(path, shape, names):
+            what = f"parameter {_path(path)}"
+            spec = rules.spec(names)
+            rules_lib.check_divisible(spec, shape.shape, names, mesh, what,
+                                      labels=FIELD_OF_AXIS)
+            return NamedSharding(mesh, spec)
+
+        param_shardings = jax.tree_util.tree_map_with_path(
+            param_sharding, param_shapes, param_names)
+        _check_batch(config, rules, mesh)
+
+        schedule = state_lib.make_schedule(config.train)
+        optimizer = state_lib.make_optimizer(config.train, param_names, schedule)
+        replicated = NamedSharding(mesh, PartitionSpec())
+        state_sharding = state_lib.state_shardings(optimizer, param_shapes, param_shardings,
+                                                   replicated)
+        batch_sharding = rules.sharding(("act_batch", "act_seq"))
+        return cls(config, dims, mesh, rules, model_cfg, graphdef, param_shapes, param_names,
+                   schedule, optimizer, state_sharding, batch_sharding)
+
+    # ----- model ---------------------------------------------------------------
+
+    def apply(self, params: Any, inputs: jax.Array, positions: jax.Array,
+              segment_ids: jax.Array) -> jax.Array:
+        return nnx.merge(self.graphdef, params)(inputs, positions, segment_ids)
+
+    # ----- state ---------------------------------------------------------------
+
+    def _init(self, seed: jax.Array) -> state_lib.TrainState:
+        model = llama.Llama(self.model_cfg, nnx.Rngs(params=jax.random.key(seed)))
+        params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+        return state_lib.TrainState(step=state_lib.zero_step(), params=params,
+                                    opt_state=self.optimizer.init(params))
+
+    @functools.cached_property
+    def compiled_init(self) -> jax.stages.Compiled:
+        """Init compiled with sharded outputs: no device ever holds a full copy."""
+        with rules_lib.use(self.rules):
+            return jax.jit(self._init, out_shardings=self.state_sharding).lower(
+                jax.ShapeDtypeStruct((), jnp.uint32)).compile()
+
+    def init_state(self, seed: int | None = None) -> state_lib.TrainState:
+        seed = self.config.train.seed if seed is None else seed
+        return self.compiled_init(jnp.asarray(seed, jnp.uint32))
+
+    @functools.cached_property
+    def abstract_state(self) -> state_lib.TrainState:
+        shapes = jax.eval_shape(self._init, jax.ShapeDtypeStruct((), jnp.uint32))
+        return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
+                            shapes, self.state_sharding)
+
+    # ----- step ----------------------------------------------------------------
+
+    @property
+    def abstract_batch(self) -> Batch:
+        t = self.config.train
+        return {k: jax.ShapeDtypeStruct((t.batch_size, t.seq_len), jnp.int32,
+                                        sharding=self.batch_sharding) for k in BATCH_FIELDS}
+
+    def lower_step(self) -> jax.stages.Lowered:
+        """The train step lowered under the mesh and rules (constraints included)."""
+        step = functools.partial(train_step, self.apply, self.optimizer, self.schedule)
+        replicated = NamedSharding(self.mesh, PartitionSpec())
+        with rules_lib.use(self.rules):
+            jitted = jax.jit(step, in_shardings=(self.state_sharding, self.batch_sharding),
+                             out_shardings=(self.state_sharding, replicated),
+                             donate_argnums=0)
+            return jitted.lower(self.abstract_state, self.abstract_batch)
+
+    @functools.cached_property
+    def compiled_step(self) -> jax.stages.Compiled:
+        return self.lower_step().compile()
+
+    def device_batch(self, batch: dict[str, np.ndarray]) -> Batch:
+        """Host numpy batch (this process's rows) -> global arrays in the batch sharding."""
+        return {k: jax.make_array_from_process_local_data(self.batch_sharding, batch[k])
+                for k in BATCH_FIELDS}
+
+
+def _check_batch(config: ml_collections.ConfigDict, rules: rules_lib.Rules, mesh: Mesh) -> None:
+    t = config.train
+    checks = (("train.batch_size", t.batch_size, ("act_batch",)),
+              ("train.seq_len", t.seq_len, ("act_seq", "act_res_seq")))
+    for field, value, names in checks:
+        axes = sorted({a for n in names for a in rules.axes_of(n)}, key=mesh.axis_names.index)
+        ways = math.prod(mesh.shape[a] for a in axes)
+        if value % ways:
+            parts = " x ".join(f"{a}({mesh.shape[a]})" for a in axes)
+            raise ConfigError(
+                f"{field}={value} is not divisible by {ways} = {parts}, the mesh axes that "
+                f"split it (rules for {', '.join(names)}). Use a multiple of {ways}, e.g. "
+                f"{field}={(value // ways + 1) * ways}.")

@@ -1,0 +1,142 @@
+"""The device mesh: four named axes, validated degrees, hybrid layout across hosts.
+
+Axis order is ``replica, fsdp, context, tensor`` from outermost to innermost.
+Devices that are neighbours in ``jax.devices()`` (same node, fast NVLink) end up
+on the innermost axes, so the chattiest collectives stay inside a node:
+tensor parallelism all-reduces activations in every layer, context parallelism
+passes key/value blocks around its ring in every attention call, while FSDP
+gathers weights once per layer and replicas only all-reduce gradients once per
+step. Across processes (slow network) only ``replica`` and ``fsdp`` are split
+by default.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+
+import jax
+import numpy as np
+from jax.experimental import mesh_utils
+from jax.sharding import AxisType, Mesh
+
+from ndjax.errors import ConfigError
+
+AXES: tuple[str, ...] = ("replica", "fsdp", "context", "tensor")
+
+
+@dataclasses.dataclass(frozen=True)
+class ParallelDims:
+    """Degrees of the four mesh axes. At most one may be -1 ("the rest")."""
+
+    replica: int = 1
+    fsdp: int = -1
+    context: int = 1
+    tensor: int = 1
+
+    @property
+    def sizes(self) -> tuple[int, ...]:
+        return tuple(getattr(self, a) for a in AXES)
+
+    def resolve(self, num_devices: int) -> ParallelDims:
+        """Checks the degrees against ``num_devices`` and fills a -1.
+
+        Raises ``ValueError`` naming the ``mesh.*`` field and a fix.
+        """
+        for axis, size in zip(AXES, self.sizes):
+            if isinstance(size, bool) or not isinstance(size, (int, np.integer)):
+                raise ConfigError(
+                    f"mesh.{axis}={size!r} must be an int (a degree >= 1, or -1 for "
+                    "'all remaining devices')")
+            if size < 1 and size != -1:
+                raise ConfigError(
+                    f"mesh.{axis}={size} must be >= 1, or -1 for 'all remaining devices'")
+        fill = [a for a, s in zip(AXES, self.sizes) if s == -1]
+        if len(fill) > 1:
+            raise ConfigError(
+                f"mesh: {', '.join('mesh.' + a for a in fill)} are all -1; at most one axis "
+                "may be -1 (it takes the remaining devices). Set the others to explicit sizes.")
+        known = math.prod(s for s in self.sizes if s != -1)
+        desc = ", ".join(f"{a}={s}" for a, s in zip(AXES, self.sizes))
+        if fill:
+            if num_devices % known:
+                raise ConfigError(
+                    f"mesh: {desc}: the fixed sizes multiply to {known}, which does not "
+                    f"divide the {num_devices} devices, so mesh.{fill[0]}=-1 cannot be "
+                    f"filled. Choose sizes whose product divides {num_devices}.")
+            return dataclasses.replace(self, **{fill[0]: num_devices // known})
+        if known != num_devices:
+            raise ConfigError(
+                f"mesh: {desc} multiply to {known}, but there are {num_devices} devices. "
+                "Make the product equal the device count, or set one axis to -1 to take "
+                "the remaining devices.")
+        return self
+
+    def __str__(self) -> str:
+        return " x ".join(f"{a}={s}" for a, s in zip(AXES, self.sizes))
+
+
+@dataclasses.dataclass(frozen=True)
+class ParallelismConfig:
+    """Accelerate's names for the same degrees, for users coming from Accelerate.
+
+    ``dp_replicate_size`` -> replica, ``dp_shard_size`` -> fsdp, ``cp_size`` ->
+    context, ``tp_size`` -> tensor.
+    """
+
+    dp_replicate_size: int = 1
+    dp_shard_size: int = 1
+    tp_size: int = 1
+    cp_size: int = 1
+
+    def to_dims(self) -> ParallelDims:
+        return ParallelDims(replica=self.dp_replicate_size, fsdp=self.dp_shard_size,
+                            context=self.cp_size, tensor=self.tp_size)
+
+    def build_mesh(self, devices: Sequence[jax.Device] | None = None) -> Mesh:
+        return build_mesh(self.to_dims(), devices)
+
+
+def _split_across_processes(sizes: tuple[int, ...], num_granules: int) -> tuple[int, ...]:
+    """Splits the mesh into (per-node sizes, across-node sizes).
+
+    Outer axes take the across-node factor first (replica, then fsdp, ...), so
+    tensor and context stay inside a node unless a layout cannot avoid it.
+    """
+    remaining = num_granules
+    across = []
+    for size in sizes:
+        factor = math.gcd(size, remaining)
+        across.append(factor)
+        remaining //= factor
+    if remaining != 1:
+        raise ConfigError(
+            f"mesh: cannot lay sizes {dict(zip(AXES, sizes))} over {num_granules} processes; "
+            "make replica*fsdp a multiple of the number of processes.")
+    return tuple(across)
+
+
+def build_mesh(dims: ParallelDims, devices: Sequence[jax.Device] | None = None) -> Mesh:
+    """Builds the 4-axis mesh with Auto axis types (GSPMD-style propagation)."""
+    devices = list(jax.devices() if devices is None else devices)
+    dims = dims.resolve(len(devices))
+    axis_types = (AxisType.Auto,) * len(AXES)
+    processes = sorted({d.process_index for d in devices})
+    if len(processes) > 1:
+        across = _split_across_processes(dims.sizes, len(processes))
+        per_node = tuple(s // a for s, a in zip(dims.sizes, across))
+        device_array = mesh_utils.create_hybrid_device_mesh(
+            per_node, across, devices, process_is_granule=True)
+        return Mesh(device_array, AXES, axis_types=axis_types)
+    return jax.make_mesh(dims.sizes, AXES, axis_types=axis_types, devices=devices)
+
+
+def cross_process_axes(mesh: Mesh) -> list[str]:
+    """Mesh axes along which devices of different processes meet."""
+    procs = np.vectorize(lambda d: d.process_index)(mesh.devices)
+    crossing = []
+    for i, name in enumerate(mesh.axis_names):
+        if procs.shape[i] > 1 and not np.all(np.diff(procs, axis=i) == 0):
+            crossing.append(name)
+    return crossing

@@ -1,0 +1,301 @@
+"""Llama 3 in Flax NNX, speaking only logical axis names.
+
+Every parameter carries ``logical_axes`` metadata; key activations are
+constrained by logical name through ``ndjax.rules``. The decoder stack is one
+block with stacked parameters (leading ``layers`` axis) run by ``lax.scan``, so
+compile time does not grow with depth; ``scan_layers=False`` runs the same
+stacked parameters in a Python loop, for debugging.
+
+Weights are stored in float32 and cast to the compute dtype at use. Layouts
+follow Hugging Face's conventions (rotate-half RoPE, q/k/v/o per head) so that
+checkpoints convert by reshapes only.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
+
+from ndjax.rules import constrain, constrain_param
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeScaling:
+    """Llama 3 frequency scaling (``rope_scaling`` of type ``llama3`` in HF)."""
+
+    factor: float = 8.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+
+@dataclasses.dataclass(frozen=True)
+class LlamaConfig:
+    vocab_size: int
+    dim: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    ffn_dim: int
+    head_dim: int | None = None  # defaults to dim // n_heads
+    rope_theta: float = 500_000.0
+    rope_scaling: RopeScaling | None = None
+    rms_norm_eps: float = 1e-5
+    tie_embeddings: bool = False
+    init_std: float = 0.02
+    dtype: Any = jnp.float32      # compute dtype; parameters stay float32
+    scan_layers: bool = True
+    remat: str = "none"           # see REMAT_POLICIES
+
+    @property
+    def hd(self) -> int:
+        return self.head_dim or self.dim // self.n_heads
+
+
+PRESETS: dict[str, dict[str, Any]] = {
+    # CPU demo, about 10M parameters.
+    "tiny": dict(vocab_size=2048, dim=256, n_layers=8, n_heads=8, n_kv_heads=4,
+                 ffn_dim=1024, rope_theta=10_000.0),
+    # Dimensions of the public Llama 3.2 1B, Llama 3.1 8B and 70B models.
+    "llama3_1b": dict(vocab_size=128_256, dim=2048, n_layers=16, n_heads=32, n_kv_heads=8,
+                      ffn_dim=8192, head_dim=64, tie_embeddings=True,
+                      rope_scaling=RopeScaling(factor=32.0)),
+    "llama3_8b": dict(vocab_size=128_256, dim=4096, n_layers=32, n_heads=32, n_kv_heads=8,
+                      ffn_dim=14_336, rope_scaling=RopeScaling(factor=8.0)),
+    "llama3_70b": dict(vocab_size=128_256, dim=8192, n_layers=80, n_heads=64, n_kv_heads=8,
+                       ffn_dim=28_672, rope_scaling=RopeScaling(factor=8.0)),
+}
+
+# Activations saved for the backward pass, by name. ``checkpoint_name`` tags
+# below mark the candidates.
+REMAT_POLICIES = {
+    "none": None,  # no rematerialisation: everything is saved
+    "full": jax.checkpoint_policies.nothing_saveable,
+    # Save the projections (the expensive matmuls), recompute norms, RoPE,
+    # softmax and the SwiGLU elementwise work.
+    "save_proj": jax.checkpoint_policies.save_only_these_names(
+        "q_proj", "k_proj", "v_proj", "attn_out", "mlp_gate", "mlp_up", "mlp_out"),
+    # Save only the attention output and the block outputs: about half of
+    # "save_proj"'s memory, recomputes the QKV and MLP matmuls.
+    "save_attn": jax.checkpoint_policies.save_only_these_names("attn_out"),
+}
+
+
+def _param(rngs: nnx.Rngs, shape: tuple[int, ...], names: tuple[str, ...], std: float
+           ) -> nnx.Param:
+    value = std * jax.random.normal(rngs.params(), shape, jnp.float32)
+    return nnx.Param(value, logical_axes=names)
+
+
+def _weight(var: nnx.Param, dtype) -> jax.Array:
+    """A parameter at its point of use: gathered to its compute layout, cast."""
+    value = var[...]
+    names = var.get_metadata()["logical_axes"]
+    # Inside the layer scan a variable holds one layer's slice, while its
+    # metadata still names the stacked ``layers`` axis.
+    if len(names) == value.ndim + 1 and names[0] == "layers":
+        names = names[1:]
+    return constrain_param(value, names).astype(dtype)
+
+
+class RMSNorm(nnx.Module):
+    def __init__(self, dim: int, eps: float):
+        self.scale = nnx.Param(jnp.ones((dim,), jnp.float32), logical_axes=("norm",))
+        self.eps = eps
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        x32 = x.astype(jnp.float32)
+        x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return (x32 * self.scale[...]).astype(x.dtype)
+
+
+def rope_frequencies(cfg: LlamaConfig) -> jax.Array:
+    """Inverse frequencies, with Llama 3 scaling applied as Hugging Face does."""
+    inv = 1.0 / (cfg.rope_theta ** (jnp.arange(0, cfg.hd, 2, dtype=jnp.float32) / cfg.hd))
+    s = cfg.rope_scaling
+    if s is None:
+        return inv
+    wavelen = 2 * math.pi / inv
+    low_wavelen = s.original_max_position_embeddings / s.low_freq_factor
+    high_wavelen = s.original_max_position_embeddings / s.high_freq_factor
+    scaled = jnp.where(wavelen > low_wavelen, inv / s.factor, inv)
+    smooth = (s.original_max_position_embeddings / wavelen - s.low_freq_factor) / (
+        s.high_freq_factor - s.low_freq_factor)
+    smoothed = (1 - smooth) * scaled / s.factor + smooth * scaled
+    medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return jnp.where(medium, smoothed, scaled)
+
+
+def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """Rotate-half RoPE (HF layout). x: (b, s, heads, hd); cos/sin: (b, s, hd)."""
+    x32 = x.astype(jnp.float32)
+    x1, x2 = jnp.split(x32, 2, axis=-1)
+    rotated = jnp.concatenate([-x2, x1], axis=-1)
+    return (x32 * cos[:, :, None] + rotated * sin[:, :, None]).astype(x.dtype)
+
+
+def dot_product_attention(q: jax.Array, k: jax.Array, v: jax.Array,
+                          segment_ids: jax.Array) -> jax.Array:
+    """Causal grouped-query attention that never crosses documents.
+
+    q: (b, s, h, d); k, v: (b, s, kv, d) with h a multiple of kv; segment_ids:
+    (b, s), equal ids = same document. Softmax in float32.
+    """
+    b, s, h, d = q.shape
+    kv = k.shape[2]
+    q = q.reshape(b, s, kv, h // kv, d)
+    scores = jnp.einsum("bskgd,btkd->bkgst", q, k, preferred_element_type=jnp.float32)
+    scores = scores / math.sqrt(d)
+    idx = jnp.arange(s)
+    mask = (idx[:, None] >= idx[None, :])[None] & (
+        segment_ids[:, :, None] == segment_ids[:, None, :])
+    scores = jnp.where(mask[:, None, None], scores, jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    out = jnp.einsum("bkgst,btkd->bskgd", probs, v)
+    return out.reshape(b, s, h, d)
+
+
+class Attention(nnx.Module):
+    def __init__(self, cfg: LlamaConfig, rngs: nnx.Rngs):
+        d, hd, std = cfg.dim, cfg.hd, cfg.init_std
+        self.wq = _param(rngs, (d, cfg.n_heads, hd), ("embed", "q_heads", "head_dim"), std)
+        self.wk = _param(rngs, (d, cfg.n_kv_heads, hd), ("embed", "kv_heads", "head_dim"), std)
+        self.wv = _param(rngs, (d, cfg.n_kv_heads, hd), ("embed", "kv_heads", "head_dim"), std)
+        self.wo = _param(rngs, (cfg.n_heads, hd, d), ("q_heads", "head_dim", "embed"), std)
+        self.dtype = cfg.dtype
+
+    def __call__(self, x, cos, sin, segment_ids):
+        dt = self.dtype
+        heads = ("act_batch", "act_seq", "act_heads", "act_head_dim")
+        kv_heads = ("act_batch", "act_seq", "act_kv_heads", "act_head_dim")
+        q = jnp.einsum("bsd,dhk->bshk", x, _weight(self.wq, dt))
+        k = jnp.einsum("bsd,dhk->bshk", x, _weight(self.wk, dt))
+        v = jnp.einsum("bsd,dhk->bshk", x, _weight(self.wv, dt))
+        q = checkpoint_name(constrain(q, heads), "q_proj")
+        k = checkpoint_name(constrain(k, kv_heads), "k_proj")
+        v = checkpoint_name(constrain(v, kv_heads), "v_proj")
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        out = dot_product_attention(q, k, v, segment_ids)
+        out = checkpoint_name(constrain(out, heads), "attn_out")
+        return jnp.einsum("bshk,hkd->bsd", out, _weight(self.wo, dt))
+
+
+class MLP(nnx.Module):
+    def __init__(self, cfg: LlamaConfig, rngs: nnx.Rngs):
+        d, f, std = cfg.dim, cfg.ffn_dim, cfg.init_std
+        self.w_gate = _param(rngs, (d, f), ("embed", "mlp"), std)
+        self.w_up = _param(rngs, (d, f), ("embed", "mlp"), std)
+        self.w_down = _param(rngs, (f, d), ("mlp", "embed"), std)
+        self.dtype = cfg.dtype
+
+    def __call__(self, x):
+        dt = self.dtype
+        names = ("act_batch", "act_seq", "act_mlp")
+        gate = checkpoint_name(constrain(x @ _weight(self.w_gate, dt), names), "mlp_gate")
+        up = checkpoint_name(constrain(x @ _weight(self.w_up, dt), names), "mlp_up")
+        h = jax.nn.silu(gate) * up
+        return h @ _weight(self.w_down, dt)
+
+
+RESIDUAL = ("act_batch", "act_res_seq", "act_embed")
+HIDDEN = ("act_batch", "act_seq", "act_embed")
+
+
+class Block(nnx.Module):
+    def __init__(self, cfg: LlamaConfig, rngs: nnx.Rngs):
+        self.attn_norm = RMSNorm(cfg.dim, cfg.rms_norm_eps)
+        self.attn = Attention(cfg, rngs)
+        self.mlp_norm = RMSNorm(cfg.dim, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg, rngs)
+
+    def __call__(self, x, cos, sin, segment_ids):
+        h = constrain(self.attn_norm(x), HIDDEN)
+        attn = checkpoint_name(self.attn(h, cos, sin, segment_ids), "attn_block_out")
+        x = constrain(x + attn, RESIDUAL)
+        h = constrain(self.mlp_norm(x), HIDDEN)
+        out = checkpoint_name(self.mlp(h), "mlp_out")
+        return constrain(x + out, RESIDUAL)
+
+
+class Llama(nnx.Module):
+    def __init__(self, cfg: LlamaConfig, rngs: nnx.Rngs):
+        if cfg.remat not in REMAT_POLICIES:
+            raise ValueError(f"model.remat={cfg.remat!r}: choose one of {sorted(REMAT_POLICIES)}")
+        self.cfg = cfg
+        self.embed = _param(rngs, (cfg.vocab_size, cfg.dim), ("vocab", "embed"), cfg.init_std)
+
+        @nnx.vmap(in_axes=0, out_axes=0,
+                  transform_metadata={nnx.PARTITION_NAME: "layers", "logical_axes": "layers"})
+        def stacked(key):
+            return Block(cfg, nnx.Rngs(params=key))
+
+        self.layers = stacked(jax.random.split(rngs.params(), cfg.n_layers))
+        self.final_norm = RMSNorm(cfg.dim, cfg.rms_norm_eps)
+        if not cfg.tie_embeddings:
+            self.lm_head = _param(rngs, (cfg.dim, cfg.vocab_size), ("embed", "vocab"),
+                                  cfg.init_std)
+
+    def __call__(self, tokens: jax.Array, positions: jax.Array,
+                 segment_ids: jax.Array) -> jax.Array:
+        """tokens, positions, segment_ids: (b, s) int32 -> logits (b, s, vocab) float32."""
+        cfg = self.cfg
+        table = _weight(self.embed, cfg.dtype)
+        x = constrain(jnp.take(table, tokens, axis=0), RESIDUAL)
+
+        freqs = positions[..., None].astype(jnp.float32) * rope_frequencies(cfg)
+        freqs = jnp.concatenate([freqs, freqs], axis=-1)
+        cos, sin = jnp.cos(freqs), jnp.sin(freqs)
+
+        graphdef, stacked_state = nnx.split(self.layers)
+
+        def body(h, layer_state):
+            return nnx.merge(graphdef, layer_state)(h, cos, sin, segment_ids), None
+
+        policy = REMAT_POLICIES[cfg.remat]
+        if cfg.remat != "none":
+            body = jax.checkpoint(body, policy=policy, prevent_cse=not cfg.scan_layers)
+        if cfg.scan_layers:
+            x, _ = jax.lax.scan(body, x, stacked_state)
+        else:
+            for i in range(cfg.n_layers):
+                x, _ = body(x, jax.tree.map(lambda a, i=i: a[i], stacked_state))
+
+        x = self.final_norm(x)
+        if cfg.tie_embeddings:
+            logits = jnp.einsum("bsd,vd->bsv", x, table)
+        else:
+            logits = x @ _weight(self.lm_head, cfg.dtype)
+        logits = constrain(logits, ("act_batch", "act_seq", "act_vocab"))
+        return logits.astype(jnp.float32)
+
+
+def config_from_preset(name: str, **overrides: Any) -> LlamaConfig:
+    if name not in PRESETS:
+        raise ValueError(f"model.preset={name!r}: choose one of {sorted(PRESETS)}")
+    return LlamaConfig(**{**PRESETS[name], **overrides})
+
+
+def logical_axes(state: nnx.State) -> dict:
+    """Nested dict of logical axis names (tuples), mirroring the parameter dict."""
+    out: dict = {}
+    for path, var in nnx.to_flat_state(state):
+        node = out
+        for key in path[:-1]:
+            node = node.setdefault(key, {})
+        node[path[-1]] = tuple(var.get_metadata()["logical_axes"])
+    return out
+
+
+def num_params(cfg: LlamaConfig, *, embeddings: bool = True) -> int:
+    d, f, hd = cfg.dim, cfg.ffn_dim, cfg.hd
+    per_layer = d * hd * (2 * cfg.n_heads + 2 * cfg.n_kv_heads) + 3 * d * f + 2 * d
+    n = cfg.n_layers * per_layer + d
+    if embeddings:
+        n += cfg.vocab_size * d * (1 if cfg.tie_embeddings else 2)
+    return n

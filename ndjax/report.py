@@ -1,0 +1,50 @@
+"""Human-readable sharding table: where every parameter lives and what it costs."""
+
+from __future__ import annotations
+
+import math
+
+import jax
+from jax.sharding import NamedSharding
+
+from ndjax.experiment import Experiment
+
+
+def _bytes_per_device(shape: tuple[int, ...], itemsize: int, sharding: NamedSharding) -> int:
+    return math.prod(sharding.shard_shape(shape)) * itemsize
+
+
+def _fmt_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1024
+    raise AssertionError
+
+
+def sharding_table(exp: Experiment) -> str:
+    """One row per parameter: path, shape, logical names, PartitionSpec, bytes/device."""
+    leaves = jax.tree_util.tree_flatten_with_path(exp.param_shapes)[0]
+    names = jax.tree.leaves(exp.param_names, is_leaf=lambda x: isinstance(x, tuple))
+    shardings = jax.tree.leaves(exp.state_sharding.params)
+    rows = [("parameter", "shape", "logical axes", "PartitionSpec", "bytes/device")]
+    total = per_device = 0
+    for (path, shape), logical, sharding in zip(leaves, names, shardings):
+        nbytes = math.prod(shape.shape) * shape.dtype.itemsize
+        local = _bytes_per_device(shape.shape, shape.dtype.itemsize, sharding)
+        total += nbytes
+        per_device += local
+        rows.append(("/".join(str(k.key) for k in path), str(shape.shape),
+                     ", ".join(str(n) for n in logical), str(tuple(sharding.spec)),
+                     _fmt_bytes(local)))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    lines = [f"mesh: {exp.dims}  ({exp.mesh.devices.size} devices)",
+             "rules:", *(f"  {n:<14} -> {a}" for n, a in exp.rules.table), ""]
+    for i, row in enumerate(rows):
+        lines.append("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip())
+        if i == 0:
+            lines.append("  ".join("-" * w for w in widths))
+    lines.append("")
+    lines.append(f"parameters: {_fmt_bytes(total)} in all, {_fmt_bytes(per_device)} per device "
+                 f"(optimizer moments: 2x that)")
+    return "\n".join(lines)

@@ -1,0 +1,35 @@
+"""8 simulated CPU devices for every test, and a tiny model config."""
+
+import jax
+import pytest
+
+jax.config.update("jax_num_cpu_devices", 8)
+
+from ndjax.config import default_config  # noqa: E402
+
+# d <= 64, 2 layers: big enough to have every kind of parameter and to split 8
+# ways, small enough to compile in seconds.
+TINY_MODEL = dict(vocab_size=256, dim=64, n_layers=2, n_heads=8, n_kv_heads=4, ffn_dim=128,
+                  rope_theta=10_000.0)
+
+
+def tiny_config(mesh=None, rules="default", model=None, train=None):
+    c = default_config()
+    c.model.update({**TINY_MODEL, **(model or {})})
+    c.mesh.update({**dict(replica=1, fsdp=1, context=1, tensor=1), **(mesh or {})})
+    c.rules = rules
+    # Constant LR from step 1 so that 3 steps move the parameters for real.
+    # Adam's eps bounds how much it amplifies rounding noise in a gradient:
+    # |d update| <= lr * |d grad| / eps. With the usual 1e-8, a gradient entry
+    # that happens to be ~1e-8 turns reduction-order noise (~1e-10) into a
+    # 1e-3 parameter difference between layouts; 1e-6 keeps it below 1e-6.
+    c.train.update({**dict(steps=3, batch_size=8, seq_len=32, lr=1e-2, warmup_steps=0,
+                           schedule="constant", eps=1e-6), **(train or {})})
+    return c
+
+
+@pytest.fixture(scope="session")
+def cpu_devices():
+    devices = jax.devices()
+    assert len(devices) == 8 and devices[0].platform == "cpu", devices
+    return devices

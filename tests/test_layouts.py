@@ -1,0 +1,75 @@
+"""Every layout trains exactly like one device (f32).
+
+Tolerances: loss rtol 1e-5 and params atol 1e-4 after 3 AdamW steps. Layouts
+differ from one device only in the order of floating-point reductions
+(all-reduce trees, split matmuls), which moves f32 results by ~1e-7 relative;
+Adam's update is bounded by lr (1e-2 here) per step, so parameters cannot
+drift by more than a few ulps of that.
+"""
+
+import jax
+import numpy as np
+import pytest
+from conftest import tiny_config
+from helpers import run_steps
+
+from ndjax.experiment import Experiment
+
+LAYOUTS = {
+    "dp": (dict(replica=8), {}),
+    "fsdp": (dict(fsdp=8), {}),
+    # tensor=8 must split whole kv heads, so this model has 8 of them.
+    "tp": (dict(tensor=8), dict(n_kv_heads=8)),
+    "hsdp": (dict(replica=2, fsdp=4), {}),
+    "fsdp_tp": (dict(fsdp=4, tensor=2), {}),
+    "replica_fsdp_tp": (dict(replica=2, fsdp=2, tensor=2), {}),
+}
+
+_references: dict = {}
+
+
+def reference(model_overrides, rules="default"):
+    """Single-device run: initial state (host), losses, final params."""
+    key = tuple(sorted(model_overrides.items()))
+    if key not in _references:
+        exp = Experiment.from_config(tiny_config(model=model_overrides, rules=rules),
+                                     jax.devices()[:1])
+        init = jax.device_get(exp.init_state())
+        losses, params = run_steps(exp, init)
+        _references[key] = (init, losses, params)
+    return _references[key]
+
+
+def assert_same_training(exp, model_overrides):
+    init, ref_losses, ref_params = reference(model_overrides)
+    losses, params = run_steps(exp, init)
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-4), params, ref_params)
+    # The run must have trained for real, or equality would prove nothing.
+    assert not np.allclose(params["embed"], init.params["embed"], atol=1e-3)
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_layout_matches_single_device(layout):
+    mesh, model = LAYOUTS[layout]
+    exp = Experiment.from_config(tiny_config(mesh=mesh, model=model))
+    assert_same_training(exp, model)
+
+
+@pytest.mark.parametrize("rules", ["megatron_sp", "zero3_everywhere"])
+def test_rule_presets_match_single_device(rules):
+    exp = Experiment.from_config(tiny_config(mesh=dict(replica=2, fsdp=2, tensor=2), rules=rules))
+    assert_same_training(exp, {})
+
+
+def test_custom_rule_table_matches_single_device():
+    # A full table in the config: batch over replica x fsdp, parameters only
+    # over fsdp (nothing else sharded).
+    table = (("act_batch", ("replica", "fsdp")), ("act_seq", None), ("act_res_seq", None),
+             ("act_embed", None), ("act_heads", None), ("act_kv_heads", None),
+             ("act_head_dim", None), ("act_mlp", None), ("act_vocab", None),
+             ("layers", None), ("vocab", None), ("embed", "fsdp"), ("q_heads", None),
+             ("kv_heads", None), ("head_dim", None), ("mlp", None), ("norm", None))
+    exp = Experiment.from_config(tiny_config(mesh=dict(replica=2, fsdp=4), rules=table))
+    assert exp.state_sharding.params["layers"]["mlp"]["w_up"].spec == jax.P(None, "fsdp")
+    assert_same_training(exp, {})
