@@ -15,18 +15,55 @@ import sys
 from absl import app, flags
 from ml_collections import config_flags
 
-_CONFIG = config_flags.DEFINE_config_file(
-    "config", "configs/llama_fsdp_tp.py", "Experiment config file (configs/*.py).")
+
+def _innermost(e: BaseException) -> str:
+    """config_flags wraps the useful message in layers of exceptions."""
+    while isinstance(e, BaseException) and e.args:
+        e = e.args[0]
+    return str(e)
+
+
+def _fail(message: object) -> None:
+    print(f"train.py: error: {' '.join(str(message).split())}", file=sys.stderr)
+    sys.exit(2)
+
+
+_BAD_OVERRIDE = (AttributeError, KeyError, TypeError, ValueError)
+try:
+    # config_flags applies the --config.* overrides to the default file as soon
+    # as the flag is defined, so a bad override is reported from here.
+    _CONFIG = config_flags.DEFINE_config_file(
+        "config", os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs",
+                               "llama_fsdp_tp.py"),
+        "Experiment config file (configs/*.py).")
+except _BAD_OVERRIDE as e:
+    _fail(f"bad --config override: {_innermost(e)}")
 _WORKDIR = flags.DEFINE_string(
     "workdir", None, "Where metrics (and later checkpoints) go; default runs/<config name>.")
 _PRINT_SHARDING = flags.DEFINE_bool(
     "print_sharding", False, "Print where every parameter lives, then exit.")
 
 
+def parse_flags(argv: list[str]) -> list[str]:
+    """absl's parser, with a bad ``--config.x=...`` override as one line, not a traceback."""
+    try:
+        return flags.FLAGS(argv)
+    except flags.Error as e:
+        _fail(e)
+    except _BAD_OVERRIDE as e:
+        _fail(f"bad --config override: {_innermost(e)}")
+
+
 def main(argv: list[str]) -> None:
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-    config = _CONFIG.value
+    try:
+        config = _CONFIG.value  # loads the file and applies --config.* overrides
+        config.runtime  # noqa: B018 -- a config file that failed to load raises on access
+    except OSError as e:
+        _fail(f"cannot load --config: {_innermost(e)}")
+    except _BAD_OVERRIDE as e:
+        _fail(f"bad --config override: {_innermost(e)}")
 
     # The CPU device count must be set before JAX creates its backends. It only
     # affects the CPU backend, so it is harmless on GPU hosts.
@@ -47,9 +84,8 @@ def main(argv: list[str]) -> None:
             return
         train(config, workdir)
     except ConfigError as e:
-        print(f"train.py: error: {' '.join(str(e).split())}", file=sys.stderr)
-        sys.exit(2)
+        _fail(str(e))
 
 
 if __name__ == "__main__":
-    app.run(main)
+    app.run(main, flags_parser=parse_flags)

@@ -47,11 +47,26 @@ def make_optimizer(train: ml_collections.ConfigDict, param_names: dict,
 
 def state_shardings(optimizer: optax.GradientTransformation, abstract_params: Any,
                     param_shardings: Any, replicated: Any) -> TrainState:
-    """Shardings of the whole state: optimizer moments are laid out like their params."""
+    """Shardings of the whole state: optimizer moments are laid out like their params.
+
+    An optimizer-state leaf whose key path ends with a parameter's path (and has
+    its shape) is that parameter's moment; anything else (step counts) is
+    replicated. Matching by path keeps this free of any eager computation.
+    """
+    by_path = {}
+    for (path, shape), sharding in zip(jax.tree_util.tree_flatten_with_path(abstract_params)[0],
+                                       jax.tree.leaves(param_shardings)):
+        by_path[path] = (shape.shape, sharding)
+
+    def leaf_sharding(path, leaf):
+        for start in range(len(path)):
+            match = by_path.get(tuple(path[start:]))
+            if match is not None and match[0] == leaf.shape:
+                return match[1]
+        return replicated
+
     abstract_opt = jax.eval_shape(optimizer.init, abstract_params)
-    opt_shardings = optax.tree_map_params(
-        optimizer, lambda _, sharding: sharding, abstract_opt, param_shardings,
-        transform_non_params=lambda _: replicated)
+    opt_shardings = jax.tree_util.tree_map_with_path(leaf_sharding, abstract_opt)
     return TrainState(step=replicated, params=param_shardings, opt_state=opt_shardings)
 
 
