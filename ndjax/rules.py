@@ -204,8 +204,16 @@ def constrain(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
 
 
 def constrain_param(w: jax.Array, names: Sequence[str | None]) -> jax.Array:
-    """Constraint on a parameter at its point of use: its compute layout."""
+    """A parameter at its point of use: from its storage layout to its compute layout.
+
+    Forward, the second constraint gathers the weight over the data axes. The
+    first matters for the backward pass: constraints transpose to constraints
+    on the cotangent, so the gradient is reduce-scattered back to the storage
+    layout right here, inside the layer loop, instead of being accumulated
+    unsharded across all layers.
+    """
     rules = _ACTIVE.get()
     if rules is None:
         return w
+    w = jax.lax.with_sharding_constraint(w, rules.spec(names))
     return jax.lax.with_sharding_constraint(w, rules.compute_spec(names))

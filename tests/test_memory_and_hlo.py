@@ -78,3 +78,12 @@ def test_single_device_step_has_no_collectives():
     exp = Experiment.from_config(tiny_config(), jax.devices()[:1])
     assert sum(collectives(exp).values()) == 0
     assert np.isfinite(exp.compiled_step.memory_analysis().temp_size_in_bytes)
+
+
+def test_fsdp_keeps_no_gathered_weights_for_all_layers():
+    """FSDP must gather each layer's weights in the backward pass again, not keep
+    the gathered copies of all layers (a full unsharded model per device)."""
+    exp = Experiment.from_config(tiny_config(mesh=dict(fsdp=8), model=dict(n_layers=4)))
+    hlo = exp.compiled_step.as_text()
+    assert "f32[4,64,128]" not in hlo  # w_gate / w_up of all 4 layers, gathered
+    assert "f32[4,8,128]" in hlo       # ... while their sharded stack is there

@@ -73,9 +73,25 @@ PRESETS: dict[str, dict[str, Any]] = {
 }
 
 # Activations saved for the backward pass, by name. ``checkpoint_name`` tags
-# below mark the candidates.
+# below mark the candidates. No policy saves "gathered_weight": a weight
+# gathered for compute (FSDP) is gathered again in the backward pass rather
+# than kept for all layers at once, which would cost a full unsharded copy of
+# the model per device.
+def _save_all_but_gathered_weights(prim, *_, **params) -> bool:
+    """Saves every activation; recomputes gathered weights and resharding.
+
+    Written out because jax's ``save_anything_except_these_names`` saves
+    everything in jax 0.10. Sharding constraints are excluded too, or the value
+    just before the "gathered_weight" name (the all-gather) would be kept.
+    """
+    if prim.name == "sharding_constraint":
+        return False
+    return not (prim.name == "name" and params.get("name") == "gathered_weight")
+
+
 REMAT_POLICIES = {
-    "none": None,  # no rematerialisation: everything is saved
+    # No activation rematerialisation: every activation is saved.
+    "none": _save_all_but_gathered_weights,
     "full": jax.checkpoint_policies.nothing_saveable,
     # Save the projections (the expensive matmuls), recompute norms, RoPE,
     # softmax and the SwiGLU elementwise work.
@@ -101,7 +117,7 @@ def _weight(var: nnx.Param, dtype) -> jax.Array:
     # metadata still names the stacked ``layers`` axis.
     if len(names) == value.ndim + 1 and names[0] == "layers":
         names = names[1:]
-    return constrain_param(value, names).astype(dtype)
+    return checkpoint_name(constrain_param(value, names).astype(dtype), "gathered_weight")
 
 
 class RMSNorm(nnx.Module):
@@ -257,9 +273,8 @@ class Llama(nnx.Module):
         def body(h, layer_state):
             return nnx.merge(graphdef, layer_state)(h, cos, sin, segment_ids), None
 
-        policy = REMAT_POLICIES[cfg.remat]
-        if cfg.remat != "none":
-            body = jax.checkpoint(body, policy=policy, prevent_cse=not cfg.scan_layers)
+        body = jax.checkpoint(body, policy=REMAT_POLICIES[cfg.remat],
+                              prevent_cse=not cfg.scan_layers)
         if cfg.scan_layers:
             x, _ = jax.lax.scan(body, x, stacked_state)
         else:
