@@ -72,7 +72,7 @@ def main(argv: list[str]) -> None:
 
     from ndjax.errors import ConfigError
     from ndjax.experiment import Experiment
-    from ndjax.loop import train
+    from ndjax.loop import NonFiniteError, train
     from ndjax.report import sharding_table
 
     config_name = os.path.splitext(os.path.basename(
@@ -85,6 +85,9 @@ def main(argv: list[str]) -> None:
         train(config, workdir)
     except ConfigError as e:
         _fail(str(e))
+    except NonFiniteError as e:
+        print(f"train.py: stopped: {e}", file=sys.stderr)
+        sys.exit(3)
 
 
 if __name__ == "__main__":

@@ -59,12 +59,21 @@ def default_config() -> ml_collections.ConfigDict:
     c.train.b2 = 0.95
     c.train.eps = 1e-8
     c.train.clip_norm = 1.0       # global-norm clipping; 0 disables
+    # A NaN/Inf loss or gradient norm: "stop" (exit non-zero, save nothing) or
+    # "skip" (drop that update, count it in the metrics).
+    c.train.on_nan = "stop"
 
     c.data = ml_collections.ConfigDict()
     c.data.source = "synthetic"   # a seeded Markov chain of packed documents
 
     c.log = ml_collections.ConfigDict()
     c.log.every = 1
+    c.log.tensorboard = True      # event files under <workdir>/tb/
+    c.log.peak_tflops = config_dict.placeholder(float)  # per device; default from the device kind
+    c.log.profile_steps = ()      # (first, last): jax.profiler trace into <workdir>/profile/
+
+    c.debug = ml_collections.ConfigDict()
+    c.debug.nan_at_step = -1      # poison the loss at this step (tests of train.on_nan)
     return c
 
 

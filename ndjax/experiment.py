@@ -31,7 +31,7 @@ from ndjax.data import BATCH_FIELDS
 from ndjax.errors import ConfigError
 from ndjax.mesh import ParallelDims, build_mesh
 from ndjax.models import llama
-from ndjax.train_step import Batch, train_step
+from ndjax.train_step import Batch, StepOptions, train_step
 
 # Which config field sets the size of each logical parameter axis (for errors).
 FIELD_OF_AXIS = {
@@ -85,8 +85,15 @@ def _check_train(config: ml_collections.ConfigDict) -> None:
             raise ConfigError(f"train.{field}={t[field]!r} must be an int >= {low}.")
     if t.schedule not in ("cosine", "constant"):
         raise ConfigError(f"train.schedule={t.schedule!r}: choose 'cosine' or 'constant'.")
+    if t.on_nan not in ("stop", "skip"):
+        raise ConfigError(f"train.on_nan={t.on_nan!r}: choose 'stop' or 'skip'.")
     if config.log.every < 1:
         raise ConfigError(f"log.every={config.log.every} must be >= 1.")
+    profile = tuple(config.log.profile_steps)
+    if profile and not (len(profile) == 2 and 1 <= profile[0] <= profile[1]):
+        raise ConfigError(
+            f"log.profile_steps={profile!r} must be empty or (first, last) with "
+            "1 <= first <= last, e.g. --config.log.profile_steps='(5, 7)'.")
     if config.data.source != "synthetic":
         raise ConfigError(f"data.source={config.data.source!r}: the only source is 'synthetic'.")
 
@@ -188,7 +195,9 @@ class Experiment:
 
     def lower_step(self) -> jax.stages.Lowered:
         """The train step lowered under the mesh and rules (constraints included)."""
-        step = functools.partial(train_step, self.apply, self.optimizer, self.schedule)
+        options = StepOptions(skip_nonfinite=self.config.train.on_nan == "skip",
+                              nan_at_step=int(self.config.debug.nan_at_step))
+        step = functools.partial(train_step, self.apply, self.optimizer, self.schedule, options)
         replicated = NamedSharding(self.mesh, PartitionSpec())
         with rules_lib.use(self.rules):
             jitted = jax.jit(step, in_shardings=(self.state_sharding, self.batch_sharding),

@@ -22,7 +22,7 @@ def _fmt_bytes(n: float) -> str:
     raise AssertionError
 
 
-def sharding_table(exp: Experiment) -> str:
+def sharding_table(exp: Experiment, compile_step: bool = True) -> str:
     """One row per parameter: path, shape, logical names, PartitionSpec, bytes/device."""
     leaves = jax.tree_util.tree_flatten_with_path(exp.param_shapes)[0]
     names = jax.tree.leaves(exp.param_names, is_leaf=lambda x: isinstance(x, tuple))
@@ -44,7 +44,14 @@ def sharding_table(exp: Experiment) -> str:
         lines.append("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip())
         if i == 0:
             lines.append("  ".join("-" * w for w in widths))
+    opt_leaves = zip(jax.tree.leaves(exp.abstract_state.opt_state),
+                     jax.tree.leaves(exp.state_sharding.opt_state))
+    opt_local = sum(_bytes_per_device(s.shape, s.dtype.itemsize, sh) for s, sh in opt_leaves)
     lines.append("")
-    lines.append(f"parameters: {_fmt_bytes(total)} in all, {_fmt_bytes(per_device)} per device "
-                 f"(optimizer moments: 2x that)")
+    lines.append(f"parameters: {_fmt_bytes(total)} in all, {_fmt_bytes(per_device)} per device")
+    lines.append(f"optimizer state: {_fmt_bytes(opt_local)} per device")
+    if compile_step:
+        # Activations, gradients and collective buffers of one step, as XLA planned them.
+        temp = exp.compiled_step.memory_analysis().temp_size_in_bytes
+        lines.append(f"step temporaries (compiled): {_fmt_bytes(temp)} per device")
     return "\n".join(lines)

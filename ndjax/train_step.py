@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
@@ -39,17 +40,37 @@ def loss_fn(apply: ApplyFn, params: Any, batch: Batch) -> tuple[jax.Array, jax.A
     return loss, tokens
 
 
+@dataclasses.dataclass(frozen=True)
+class StepOptions:
+    skip_nonfinite: bool = False  # drop the update when loss or grad norm is NaN/Inf
+    nan_at_step: int = -1         # debug: poison the loss at this logged step (1-based)
+
+
 def train_step(apply: ApplyFn, optimizer: optax.GradientTransformation,
-               schedule: optax.Schedule, state: TrainState, batch: Batch
-               ) -> tuple[TrainState, dict[str, jax.Array]]:
-    (loss, tokens), grads = jax.value_and_grad(
-        lambda p: loss_fn(apply, p, batch), has_aux=True)(state.params)
+               schedule: optax.Schedule, options: StepOptions, state: TrainState,
+               batch: Batch) -> tuple[TrainState, dict[str, jax.Array]]:
+    def loss_of(params):
+        loss, tokens = loss_fn(apply, params, batch)
+        if options.nan_at_step >= 0:
+            loss = loss * jnp.where(state.step + 1 == options.nan_at_step, jnp.nan, 1.0)
+        return loss, tokens
+
+    (loss, tokens), grads = jax.value_and_grad(loss_of, has_aux=True)(state.params)
+    grad_norm = optax.tree.norm(grads)
+    finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
     updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
+    if options.skip_nonfinite:
+        # Keep the old parameters and moments; the step counter still advances
+        # so the schedule and the data stay in step with an uninterrupted run.
+        keep = lambda new, old: jnp.where(finite, new, old)  # noqa: E731
+        params = jax.tree.map(keep, params, state.params)
+        opt_state = jax.tree.map(keep, opt_state, state.opt_state)
     metrics = {
         "loss": loss,
-        "grad_norm": optax.tree.norm(grads),
+        "grad_norm": grad_norm,
         "lr": schedule(state.step),
         "tokens": tokens,
+        "finite": finite,
     }
     return TrainState(step=state.step + 1, params=params, opt_state=opt_state), metrics

@@ -68,3 +68,12 @@ def test_print_sharding(tmp_path):
     assert "layers/attn/wq" in out and "(32, 4096, 32, 128)" in out
     assert "(None, 'fsdp', 'tensor')" in out
     assert "parameters: 29.9 GiB in all, 3.7 GiB per device" in out
+
+
+def test_nan_stop_exits_non_zero_with_one_line(tmp_path):
+    result = run("--config=configs/llama_fsdp.py", f"--workdir={tmp_path}", *TINY_FLAGS,
+                 "--config.debug.nan_at_step=2")
+    assert result.returncode == 3, result.stderr[-2000:]
+    stops = [line for line in result.stderr.splitlines() if line.startswith("train.py: stopped")]
+    assert len(stops) == 1 and "at step 2 (last good step 1)" in stops[0]
+    assert "Traceback" not in result.stderr

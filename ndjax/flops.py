@@ -1,0 +1,55 @@
+"""Model FLOPs per token, peak TFLOP/s per device, and MFU.
+
+Training FLOPs per token (forward + backward = 3 x forward, each multiply-add
+counted as 2 FLOPs):
+
+    6 * N_matmul                     # weights of the decoder blocks
+  + 6 * dim * vocab                  # LM head (tied or not; the lookup is free)
+  + 6 * n_layers * n_heads * head_dim * (seq_len + 1)   # attention, causal mask
+
+where N_matmul = n_layers * (dim * head_dim * (2 n_heads + 2 n_kv_heads)
++ 3 * dim * ffn_dim), i.e. the non-embedding parameters less the norm scales.
+The attention term: per layer and head, QK^T and PV are each 2 * head_dim
+FLOPs per (query, key) pair; under the causal mask a query sees on average
+(seq_len + 1) / 2 keys; x3 for training gives 6 * head_dim * (seq_len + 1).
+Packed documents attend to fewer keys than that; we count the causal row, as
+is usual, so MFU is comparable across data sets.
+
+MFU = achieved model FLOP/s per device / peak dense bf16 FLOP/s of that device.
+"""
+
+from __future__ import annotations
+
+from ndjax.models.llama import LlamaConfig
+
+# Dense (no sparsity) bf16 tensor-core peaks, TFLOP/s, from the vendors' data
+# sheets. First match wins, so more specific names come first.
+PEAK_TFLOPS: tuple[tuple[str, float], ...] = (
+    ("GH200", 989.0),
+    ("H200", 989.0),
+    ("H100 PCIe", 756.0),
+    ("H100 NVL", 835.0),
+    ("H100", 989.0),       # SXM
+    ("A100", 312.0),
+    ("B200", 2250.0),
+    ("L40S", 362.0),
+)
+
+
+def flops_per_token(cfg: LlamaConfig, seq_len: int) -> float:
+    """Training FLOPs per token (see the module docstring for the formula)."""
+    d, hd = cfg.dim, cfg.hd
+    matmul = cfg.n_layers * (d * hd * (2 * cfg.n_heads + 2 * cfg.n_kv_heads) + 3 * d * cfg.ffn_dim)
+    head = d * cfg.vocab_size
+    attention = cfg.n_layers * cfg.n_heads * hd * (seq_len + 1)
+    return 6.0 * (matmul + head + attention)
+
+
+def peak_tflops(device_kind: str, override: float | None = None) -> float | None:
+    """Peak bf16 TFLOP/s of a device, or None where it is not known (CPUs)."""
+    if override:
+        return float(override)
+    for name, peak in PEAK_TFLOPS:
+        if name.lower() in device_kind.lower():
+            return peak
+    return None

@@ -1,0 +1,69 @@
+"""Where metrics go: metrics.jsonl (always), TensorBoard, and the terminal.
+
+Only process 0 writes or prints; other processes get a Sinks that does nothing.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+from typing import Any
+
+PROGRESS_FIELDS = ("loss", "tokens_per_sec")
+
+
+def _json_value(v: Any) -> Any:
+    # NaN/Inf are not JSON: a skipped step's loss is written as null.
+    return None if isinstance(v, float) and not math.isfinite(v) else v
+
+
+class Sinks:
+    def __init__(self, workdir: str, total_steps: int, *, enabled: bool = True,
+                 tensorboard: bool = True, verbose: bool = True):
+        self.enabled, self.verbose, self.total_steps = enabled, verbose, total_steps
+        self._jsonl = self._tb = self._bar = None
+        if not enabled:
+            return
+        self._jsonl = open(os.path.join(workdir, "metrics.jsonl"), "w")
+        if tensorboard:
+            from tensorboardX import SummaryWriter
+            self._tb = SummaryWriter(logdir=os.path.join(workdir, "tb"))
+        if verbose and sys.stdout.isatty():
+            from tqdm import tqdm
+            self._bar = tqdm(total=total_steps, unit="step", dynamic_ncols=True)
+
+    def write(self, record: dict[str, Any]) -> None:
+        if not self.enabled:
+            return
+        self._jsonl.write(json.dumps({k: _json_value(v) for k, v in record.items()}) + "\n")
+        self._jsonl.flush()
+        step = record["step"]
+        if self._tb is not None:
+            for key, value in record.items():
+                if key != "step" and isinstance(value, (int, float)) and value is not None:
+                    self._tb.add_scalar(key, value, step)
+        if self._bar is not None:
+            self._bar.n = step
+            self._bar.set_postfix(loss=f"{record['loss']:.4f}",
+                                  tok_s=f"{record['tokens_per_sec']:.0f}")
+        elif self.verbose:
+            mfu = record.get("mfu")
+            print(f"step {step}/{self.total_steps}  loss {record['loss']:.4f}  "
+                  f"grad_norm {record['grad_norm']:.3f}  lr {record['lr']:.2e}  "
+                  f"{record['tokens_per_sec']:.0f} tok/s  "
+                  f"{record['tflops_per_device']:.3g} TFLOP/s/device"
+                  + (f"  MFU {100 * mfu:.1f}%" if mfu is not None else ""), flush=True)
+
+    def message(self, text: str) -> None:
+        if self.enabled and self.verbose:
+            (self._bar.write if self._bar is not None else print)(text)
+
+    def close(self) -> None:
+        if self._jsonl is not None:
+            self._jsonl.close()
+        if self._tb is not None:
+            self._tb.close()
+        if self._bar is not None:
+            self._bar.close()

@@ -1,0 +1,125 @@
+"""Metrics, TensorBoard, plots, profiles and the NaN guard."""
+
+import json
+import os
+import struct
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+from conftest import tiny_config
+from helpers import run_steps
+
+from ndjax.experiment import Experiment
+from ndjax.loop import NonFiniteError, train
+from ndjax.plot import plot
+
+FIELDS = {"step": int, "loss": float, "grad_norm": float, "lr": float, "tokens": float,
+          "step_time": float, "tokens_per_sec": float, "tokens_per_sec_per_device": float,
+          "tflops_per_device": float, "skipped_steps": int}
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory):
+    workdir = str(tmp_path_factory.mktemp("run"))
+    config = tiny_config(mesh=dict(fsdp=4, tensor=2))
+    config.log.profile_steps = (2, 3)
+    config.log.peak_tflops = 0.5  # a CPU has no known peak; this one is made up for the test
+    train(config, workdir, verbose=False)
+    return workdir
+
+
+def read_jsonl(workdir):
+    with open(os.path.join(workdir, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+def test_metrics_fields_and_types(run_dir):
+    records = read_jsonl(run_dir)
+    assert [r["step"] for r in records] == [1, 2, 3]
+    for r in records:
+        for key, kind in FIELDS.items():
+            assert isinstance(r[key], kind), (key, r[key])
+        assert r["mfu"] == pytest.approx(r["tflops_per_device"] / 0.5)
+        assert r["tokens_per_sec"] == pytest.approx(r["tokens_per_sec_per_device"] * 8)
+        assert "mem_in_use_bytes" in r and "mem_peak_bytes" in r
+    assert json.load(open(os.path.join(run_dir, "config.json")))["mesh"]["fsdp"] == 4
+
+
+def tfrecords(path):
+    """Minimal TFRecord reader: (length u64, crc u32, data, crc u32) records."""
+    with open(path, "rb") as f:
+        data = f.read()
+    pos = 0
+    while pos < len(data):
+        (length,) = struct.unpack("<Q", data[pos:pos + 8])
+        yield data[pos + 12:pos + 12 + length]
+        pos += 12 + length + 4
+
+
+def test_tensorboard_events_read_back(run_dir):
+    from tensorboardX.proto import event_pb2
+
+    tb = os.path.join(run_dir, "tb")
+    (name,) = os.listdir(tb)
+    scalars = {}
+    for record in tfrecords(os.path.join(tb, name)):
+        event = event_pb2.Event.FromString(record)
+        for value in event.summary.value:
+            scalars.setdefault(value.tag, {})[event.step] = value.simple_value
+    losses = {r["step"]: r["loss"] for r in read_jsonl(run_dir)}
+    assert scalars["loss"] == pytest.approx(losses)
+    assert set(scalars) >= {"grad_norm", "lr", "tokens_per_sec", "tflops_per_device"}
+
+
+def test_profile_written(run_dir):
+    found = [f for _, _, files in os.walk(os.path.join(run_dir, "profile")) for f in files]
+    assert any(f.endswith(".xplane.pb") for f in found), found
+
+
+def test_plot_two_runs(run_dir, tmp_path):
+    other = tmp_path / "other"
+    other.mkdir()
+    with open(other / "metrics.jsonl", "w") as f:
+        for step in (1, 2, 3):
+            f.write(json.dumps({"step": step, "loss": 5.0 - step, "tokens_per_sec": 100.0,
+                                "mfu": 0.4, "eval_loss": 4.5 if step == 3 else None}) + "\n")
+    out = plot([run_dir, str(other)], str(tmp_path / "cmp.png"))
+    with open(out, "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+    # The CLI: default output next to the first run.
+    env = {**os.environ, "PYTHONPATH": os.path.dirname(os.path.dirname(__file__))}
+    subprocess.run([sys.executable, "-m", "ndjax.plot", f"--workdir={run_dir}",
+                    f"--workdir={other}"], check=True, env=env, capture_output=True)
+    assert os.path.getsize(os.path.join(run_dir, "plot.png")) > 1000
+
+
+def test_nan_stop_raises_and_names_the_steps(tmp_path):
+    config = tiny_config(mesh=dict(fsdp=8), train=dict(steps=4))
+    config.debug.nan_at_step = 3
+    with pytest.raises(NonFiniteError, match=r"at step 3 \(last good step 2\)"):
+        train(config, str(tmp_path), verbose=False)
+    assert [r["step"] for r in read_jsonl(tmp_path)] == [1, 2]
+
+
+def test_nan_skip_drops_the_update():
+    config = tiny_config(mesh=dict(fsdp=8), train=dict(on_nan="skip"))
+    config.debug.nan_at_step = 2
+    exp = Experiment.from_config(config)
+    init = jax.device_get(exp.init_state())
+    _, after_1 = run_steps(exp, init, steps=1)
+    losses, after_2 = run_steps(exp, init, steps=2)
+    assert np.isfinite(losses[0]) and np.isnan(losses[1])
+    jax.tree.map(np.testing.assert_array_equal, after_2, after_1)  # step 2 changed nothing
+
+
+def test_nan_skip_counts_in_metrics(tmp_path):
+    config = tiny_config(mesh=dict(fsdp=8), train=dict(on_nan="skip"))
+    config.debug.nan_at_step = 2
+    records = train(config, str(tmp_path), verbose=False)
+    assert [r["skipped_steps"] for r in records] == [0, 1, 1]
+    assert records[0]["mfu"] is None  # no known peak for a CPU: null, not a made-up number
+    written = read_jsonl(tmp_path)
+    assert written[1]["loss"] is None and np.isfinite(written[2]["loss"])
