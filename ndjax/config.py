@@ -66,6 +66,12 @@ def default_config() -> ml_collections.ConfigDict:
     c.data = ml_collections.ConfigDict()
     c.data.source = "synthetic"   # a seeded Markov chain of packed documents
 
+    c.checkpoint = ml_collections.ConfigDict()
+    c.checkpoint.every = 0        # save every N steps (0: only at the end and on SIGTERM)
+    c.checkpoint.keep = 3         # newest checkpoints kept (0: all)
+    c.checkpoint["async"] = True  # write files in the background while training goes on
+    c.checkpoint.resume = "auto"  # auto (newest complete one) | never | a step number
+
     c.log = ml_collections.ConfigDict()
     c.log.every = 1
     c.log.tensorboard = True      # event files under <workdir>/tb/

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from collections.abc import Sequence
@@ -11,6 +12,7 @@ import jax
 import ml_collections
 import numpy as np
 
+from ndjax.checkpoint import Checkpointer, Preemption
 from ndjax.data.synthetic import SyntheticSource
 from ndjax.experiment import Experiment
 from ndjax.flops import flops_per_token, peak_tflops
@@ -51,21 +53,43 @@ class Profiler:
             jax.profiler.stop_trace()
 
 
+def _keep_metrics_until(path: str, step: int) -> None:
+    """On resume, drop records of steps after the restored one: they are redone."""
+    if not os.path.exists(path):
+        return
+    with open(path) as f:
+        lines = [line for line in f if line.strip() and json.loads(line)["step"] <= step]
+    with open(path, "w") as f:
+        f.writelines(lines)
+
+
 def train(config: ml_collections.ConfigDict, workdir: str,
           devices: Sequence[jax.Device] | None = None, verbose: bool = True
           ) -> list[dict[str, Any]]:
-    """Builds the experiment from ``config``, trains, returns the logged metrics."""
+    """Builds the experiment from ``config``, trains, returns the logged metrics.
+
+    Resumes from ``<workdir>/checkpoints`` as ``checkpoint.resume`` says; on
+    SIGTERM, saves after the current step and returns early.
+    """
     exp = Experiment.from_config(config, devices)  # every check before any compile
     t = config.train
     is_main = jax.process_index() == 0
     os.makedirs(workdir, exist_ok=True)
+    checkpointer = Checkpointer(workdir, config.checkpoint)
+    resume_step = checkpointer.step_to_restore()
+    if resume_step is not None:
+        state, data_state = checkpointer.restore(resume_step, exp.abstract_state)
+        first_step = int(data_state["next_step"])
+        dropped = checkpointer.drop_newer_than(resume_step)
+    else:
+        state, first_step = exp.init_state(), 1
     if is_main:
         with open(os.path.join(workdir, "config.json"), "w") as f:
             f.write(config.to_json_best_effort(indent=2))
+        _keep_metrics_until(os.path.join(workdir, "metrics.jsonl"), first_step - 1)
 
     source = SyntheticSource(exp.model_cfg.vocab_size, t.seq_len, t.seed)
     start, count = _host_rows(t.batch_size)
-    state = exp.init_state()
     step_fn = exp.compiled_step
 
     num_devices = exp.mesh.devices.size
@@ -74,7 +98,10 @@ def train(config: ml_collections.ConfigDict, workdir: str,
     peak = peak_tflops(exp.mesh.devices.flat[0].device_kind, config.log.peak_tflops)
     profiler = Profiler(config.log.profile_steps, os.path.join(workdir, "profile"))
     sinks = Sinks(workdir, t.steps, enabled=is_main, tensorboard=config.log.tensorboard,
-                  verbose=verbose)
+                  verbose=verbose, append=resume_step is not None)
+    if resume_step is not None:
+        sinks.message(f"resumed from checkpoint step {resume_step}" + (
+            f"; removed newer checkpoints {dropped}, this run replaces them" if dropped else ""))
 
     logged: list[dict[str, Any]] = []
     last_time = time.perf_counter()
@@ -106,9 +133,11 @@ def train(config: ml_collections.ConfigDict, workdir: str,
         sinks.write(record)
         logged.append(record)
 
+    every = config.checkpoint.every
+    preemption = Preemption()
     pending = None
     try:
-        for step in range(1, t.steps + 1):
+        for step in range(first_step, t.steps + 1):
             batch = exp.device_batch(source.rows(step - 1, start, count))
             profiler.before(step)
             state, metrics = step_fn(state, batch)
@@ -119,8 +148,20 @@ def train(config: ml_collections.ConfigDict, workdir: str,
             if pending is not None:
                 flush(*pending)
             pending = (step, metrics)
+            stop = preemption.requested
+            if stop or step == t.steps or (every and step % every == 0):
+                flush(*pending)  # a NaN stop must come before the save
+                pending = None
+                checkpointer.save(step, state, {"next_step": step + 1})
+            if stop:
+                checkpointer.wait()
+                sinks.message(f"SIGTERM: saved checkpoint step {step} in "
+                              f"{checkpointer.directory}; exiting")
+                break
         if pending is not None:
             flush(*pending)
     finally:
+        preemption.close()
+        checkpointer.close()
         sinks.close()
     return logged

@@ -21,12 +21,12 @@ def _json_value(v: Any) -> Any:
 
 class Sinks:
     def __init__(self, workdir: str, total_steps: int, *, enabled: bool = True,
-                 tensorboard: bool = True, verbose: bool = True):
+                 tensorboard: bool = True, verbose: bool = True, append: bool = False):
         self.enabled, self.verbose, self.total_steps = enabled, verbose, total_steps
         self._jsonl = self._tb = self._bar = None
         if not enabled:
             return
-        self._jsonl = open(os.path.join(workdir, "metrics.jsonl"), "w")
+        self._jsonl = open(os.path.join(workdir, "metrics.jsonl"), "a" if append else "w")
         if tensorboard:
             from tensorboardX import SummaryWriter
             self._tb = SummaryWriter(logdir=os.path.join(workdir, "tb"))

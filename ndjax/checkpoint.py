@@ -1,0 +1,131 @@
+"""Checkpoints with orbax: async saves, exact resume, restore onto any mesh.
+
+A checkpoint holds the whole TrainState (parameters, optimizer state, step)
+and the data loader's position, under ``<workdir>/checkpoints/<step>/``. Every
+process writes its own shards. Orbax writes into a temporary directory and
+renames it when complete, so a save cut short (even by kill -9) is never
+picked up by a restore.
+
+Restoring targets the *current* experiment's shardings, so a checkpoint saved
+on one layout (or device count) resumes on another.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from typing import Any
+
+import jax
+import ml_collections
+import orbax.checkpoint as ocp
+
+from ndjax.errors import ConfigError
+from ndjax.state import TrainState
+
+
+def _key_str(path: tuple) -> str:
+    return "/".join(str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k))))
+                    for k in path)
+
+
+class Checkpointer:
+    def __init__(self, workdir: str, cfg: ml_collections.ConfigDict):
+        self.cfg = cfg
+        self.directory = os.path.abspath(os.path.join(workdir, "checkpoints"))
+        options = ocp.CheckpointManagerOptions(
+            max_to_keep=cfg.keep if cfg.keep > 0 else None,
+            enable_async_checkpointing=bool(cfg["async"]), create=True,
+            cleanup_tmp_directories=True)
+        # Handlers named up front so that a fresh process can read metadata
+        # (for the model-mismatch check) before it restores anything.
+        self.manager = ocp.CheckpointManager(
+            self.directory, options=options,
+            item_handlers={"state": ocp.StandardCheckpointHandler(),
+                           "data": ocp.JsonCheckpointHandler()})
+
+    def steps(self) -> list[int]:
+        return sorted(self.manager.all_steps())
+
+    def step_to_restore(self) -> int | None:
+        """The step ``checkpoint.resume`` asks for: auto = newest, never = none."""
+        resume = str(self.cfg.resume)
+        steps = self.steps()
+        if resume == "never":
+            return None
+        if resume == "auto":
+            return steps[-1] if steps else None
+        if not resume.isdigit():
+            raise ConfigError(f"checkpoint.resume={resume!r}: use 'auto', 'never' or a step "
+                              "number.")
+        if int(resume) not in steps:
+            raise ConfigError(f"checkpoint.resume={resume}: no complete checkpoint of that step "
+                              f"in {self.directory}; there are {steps or 'none'}.")
+        return int(resume)
+
+    def drop_newer_than(self, step: int) -> list[int]:
+        """Deletes checkpoints after ``step`` (resuming from an older one starts a
+        new timeline; its saves will take those step numbers)."""
+        newer = [s for s in self.steps() if s > step]
+        for s in newer:
+            self.manager.delete(s)
+        return newer
+
+    def check_compatible(self, step: int, abstract_state: TrainState) -> None:
+        """ConfigError naming the first array whose shape differs from the checkpoint's."""
+        saved = {_key_str(p): tuple(m.shape) for p, m in
+                 jax.tree_util.tree_flatten_with_path(self.manager.item_metadata(step)["state"])[0]}
+        for path, leaf in jax.tree_util.tree_flatten_with_path(abstract_state)[0]:
+            name = _key_str(path)
+            if name not in saved:
+                raise ConfigError(
+                    f"checkpoint step {step} in {self.directory} has no {name!r}: it was written "
+                    "by a different model or optimizer. Use another --workdir or "
+                    "--config.checkpoint.resume=never.")
+            if saved[name] != tuple(leaf.shape):
+                raise ConfigError(
+                    f"checkpoint step {step} has {name} of shape {saved[name]}, but this "
+                    f"config's model needs {tuple(leaf.shape)}: the model dims differ from "
+                    "the checkpoint's. Use the same model.* settings, another --workdir, or "
+                    "--config.checkpoint.resume=never.")
+
+    def restore(self, step: int, abstract_state: TrainState) -> tuple[TrainState, dict]:
+        self.check_compatible(step, abstract_state)
+        restored = self.manager.restore(step, args=ocp.args.Composite(
+            state=ocp.args.StandardRestore(abstract_state), data=ocp.args.JsonRestore()))
+        return restored["state"], dict(restored["data"])
+
+    def save(self, step: int, state: TrainState, data_state: dict[str, Any]) -> None:
+        """Starts a save; with async on, it returns once the arrays are copied off
+        the devices, so the next (donating) step can run while files are written."""
+        self.manager.save(step, args=ocp.args.Composite(
+            state=ocp.args.StandardSave(state), data=ocp.args.JsonSave(data_state)), force=True)
+
+    def wait(self) -> None:
+        self.manager.wait_until_finished()
+
+    def close(self) -> None:
+        self.manager.wait_until_finished()
+        self.manager.close()
+
+
+class Preemption:
+    """SIGTERM (SLURM, Kubernetes, spot VMs): the first asks the loop to save
+    and stop after the current step; a second one exits at once."""
+
+    def __init__(self):
+        self.requested = False
+        self._previous = None
+        try:
+            self._previous = signal.signal(signal.SIGTERM, self._handle)
+        except ValueError:  # not the main thread: leave signals alone
+            self._previous = None
+
+    def _handle(self, signum, frame) -> None:
+        if self.requested:
+            os._exit(128 + signal.SIGTERM)
+        self.requested = True
+
+    def close(self) -> None:
+        if self._previous is not None:
+            signal.signal(signal.SIGTERM, self._previous)

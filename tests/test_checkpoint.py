@@ -1,0 +1,171 @@
+"""Checkpoints: exact resume, resharding, preemption, safety, pruning."""
+
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import jax
+import numpy as np
+import pytest
+from conftest import tiny_config
+from helpers import host_batches
+
+from ndjax.checkpoint import Checkpointer
+from ndjax.errors import ConfigError
+from ndjax.experiment import Experiment
+from ndjax.loop import train
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TINY_FLAGS = ["--config.model.vocab_size=256", "--config.model.dim=64",
+              "--config.model.n_layers=2", "--config.model.n_heads=8",
+              "--config.model.n_kv_heads=4", "--config.model.ffn_dim=128",
+              "--config.train.seq_len=32", "--config.train.schedule=constant",
+              "--config.train.warmup_steps=0", "--config.train.lr=0.01",
+              "--config.train.eps=1e-6", "--config.log.tensorboard=False"]
+
+
+def start(workdir, *args):
+    env = {**os.environ, "PYTHONPATH": ROOT, "PYTHONUNBUFFERED": "1"}
+    return subprocess.Popen(
+        [sys.executable, os.path.join(ROOT, "train.py"), "--config=configs/llama_fsdp.py",
+         f"--workdir={workdir}", *TINY_FLAGS, *args],
+        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def logged_steps(workdir):
+    path = os.path.join(workdir, "metrics.jsonl")
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.endswith("\n")]
+
+
+def wait_for_step(proc, workdir, step, timeout=240):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if any(r["step"] >= step for r in logged_steps(workdir)):
+            return
+        assert proc.poll() is None, proc.communicate()[1][-2000:]
+        time.sleep(0.05)
+    raise AssertionError(f"no step {step} within {timeout}s")
+
+
+def losses_by_step(records):
+    return {r["step"]: r["loss"] for r in records}
+
+
+def test_kill_9_and_resume_is_bitwise_exact(tmp_path):
+    steps = 10
+    config = tiny_config(mesh=dict(fsdp=8), train=dict(steps=steps))
+    config.log.tensorboard = False
+    reference = losses_by_step(train(config, str(tmp_path / "ref"), verbose=False))
+
+    workdir = str(tmp_path / "killed")
+    proc = start(workdir, f"--config.train.steps={steps}", "--config.checkpoint.every=2")
+    wait_for_step(proc, workdir, random.Random(0).randint(3, 7))
+    proc.kill()  # SIGKILL: no chance to clean up
+    proc.wait()
+    saved = Checkpointer(workdir, tiny_config().checkpoint).steps()
+    assert saved and max(saved) < steps
+
+    again = start(workdir, f"--config.train.steps={steps}", "--config.checkpoint.every=2")
+    out, err = again.communicate(timeout=300)
+    assert again.returncode == 0, err[-2000:]
+    assert f"resumed from checkpoint step {max(saved)}" in out
+    resumed = losses_by_step(logged_steps(workdir))
+    assert sorted(resumed) == list(range(1, steps + 1))
+    for step in range(max(saved) + 1, steps + 1):
+        assert resumed[step] == reference[step], step  # bitwise: same mesh, same program
+
+
+@pytest.mark.parametrize("mesh, devices", [
+    (dict(replica=2, fsdp=2, tensor=2), 8),
+    (dict(fsdp=4), 4),
+])
+def test_restore_onto_another_layout(tmp_path_factory, mesh, devices):
+    base = tmp_path_factory.getbasetemp() / "reshard_source"
+    config = tiny_config(mesh=dict(fsdp=8), train=dict(steps=4))
+    config.checkpoint.every = 2
+    config.log.tensorboard = False
+    if not (base / "checkpoints").exists():
+        train(config, str(base), verbose=False)
+    reference = losses_by_step(logged_steps(str(base)))
+
+    workdir = tmp_path_factory.mktemp("reshard")
+    shutil.copytree(base / "checkpoints", workdir / "checkpoints")
+    other = tiny_config(mesh=mesh, train=dict(steps=4))
+    other.checkpoint.resume = "2"
+    other.checkpoint.every = 0
+    other.log.tensorboard = False
+    records = train(other, str(workdir), devices=jax.devices()[:devices], verbose=False)
+    assert [r["step"] for r in records] == [3, 4]
+    np.testing.assert_allclose([r["loss"] for r in records], [reference[3], reference[4]],
+                               rtol=1e-5)
+
+
+def test_async_save_is_safe_while_donating_steps_run(tmp_path):
+    config = tiny_config(mesh=dict(fsdp=4, tensor=2), train=dict(steps=6))
+    exp = Experiment.from_config(config)
+    ckpt = Checkpointer(str(tmp_path), config.checkpoint)
+    assert config.checkpoint["async"]
+    state = exp.init_state()
+    batches = host_batches(config, 6)
+    state, _ = exp.compiled_step(state, exp.device_batch(batches[0]))
+    saved = jax.device_get(state)
+    ckpt.save(1, state, {"next_step": 2})
+    for batch in batches[1:]:  # each call donates (and so deletes) the previous state
+        state, _ = exp.compiled_step(state, exp.device_batch(batch))
+    ckpt.wait()
+    restored, data = ckpt.restore(1, exp.abstract_state)
+    assert data == {"next_step": 2}
+    jax.tree.map(np.testing.assert_array_equal, jax.device_get(restored), saved)
+    ckpt.close()
+
+
+def test_sigterm_saves_and_exits_zero(tmp_path):
+    workdir = str(tmp_path)
+    proc = start(workdir, "--config.train.steps=100000", "--config.checkpoint.every=0")
+    wait_for_step(proc, workdir, 2)
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err[-2000:]
+    last = max(r["step"] for r in logged_steps(workdir))
+    assert Checkpointer(workdir, tiny_config().checkpoint).steps() == [last]
+    assert f"SIGTERM: saved checkpoint step {last}" in out
+
+
+def test_unfinished_save_is_ignored(tmp_path):
+    ckpt_dir = tmp_path / "checkpoints"
+    # What a save cut short by kill -9 leaves behind: orbax's temporary directory.
+    (ckpt_dir / "7.orbax-checkpoint-tmp-1764480000000000").mkdir(parents=True)
+    (ckpt_dir / "7.orbax-checkpoint-tmp-1764480000000000" / "state").mkdir()
+    ckpt = Checkpointer(str(tmp_path), tiny_config().checkpoint)
+    assert ckpt.steps() == [] and ckpt.step_to_restore() is None
+
+
+def test_keep_prunes_old_checkpoints(tmp_path):
+    config = tiny_config(mesh=dict(fsdp=8), train=dict(steps=5))
+    config.checkpoint.every = 1
+    config.checkpoint.keep = 2
+    config.log.tensorboard = False
+    train(config, str(tmp_path), verbose=False)
+    assert Checkpointer(str(tmp_path), config.checkpoint).steps() == [4, 5]
+
+
+def test_model_mismatch_is_a_clear_error(tmp_path):
+    config = tiny_config(mesh=dict(fsdp=8), train=dict(steps=1))
+    config.log.tensorboard = False
+    train(config, str(tmp_path), verbose=False)
+    other = tiny_config(mesh=dict(fsdp=8), model=dict(ffn_dim=192))
+    with pytest.raises(ConfigError, match=r"layers/mlp/w_down of shape \(2, 128, 64\), but this "
+                                          r"config's model needs \(2, 192, 64\)"):
+        train(other, str(tmp_path), verbose=False)
+    missing = tiny_config(mesh=dict(fsdp=8))
+    missing.checkpoint.resume = "5"
+    with pytest.raises(ConfigError, match=r"checkpoint.resume=5: no complete checkpoint"):
+        train(missing, str(tmp_path), verbose=False)
