@@ -1,9 +1,22 @@
 """8 simulated CPU devices for every test, and a tiny model config."""
 
+import os
+import tempfile
+
 import jax
 import pytest
 
 jax.config.update("jax_num_cpu_devices", 8)
+
+# Many tests compile the same programs (the same tiny model on the same mesh)
+# through different jit objects; a persistent compilation cache, fresh for each
+# test session, turns those repeats into cache hits. train.py subprocesses
+# started by the tests share it through the environment.
+_CACHE = os.environ.setdefault("JAX_COMPILATION_CACHE_DIR",
+                               tempfile.mkdtemp(prefix="ndjax-test-xla-cache-"))
+jax.config.update("jax_compilation_cache_dir", _CACHE)
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 from ndjax.config import default_config  # noqa: E402
 
