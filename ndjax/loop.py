@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import time
 from collections.abc import Sequence
@@ -12,8 +13,9 @@ import jax
 import ml_collections
 import numpy as np
 
-from ndjax.data.synthetic import SyntheticSource
+from ndjax.data.loader import make_loader
 from ndjax.experiment import Experiment
+from ndjax.train_step import Batch
 
 
 class MetricsWriter:
@@ -31,10 +33,21 @@ class MetricsWriter:
         self._file.close()
 
 
-def _host_rows(batch_size: int) -> tuple[int, int]:
-    """This process's slice of the global batch rows."""
-    per_process = batch_size // jax.process_count()
-    return jax.process_index() * per_process, per_process
+def _eval_batches(exp: Experiment) -> list[Batch]:
+    """The first train.eval_steps batches of the validation split, on device. The same
+    batches every time, so evaluations are comparable."""
+    config = exp.config
+    with make_loader(config, exp.model_cfg.vocab_size, "eval", prefetch=0) as held_out:
+        return [exp.device_batch(held_out.batch(i)) for i in range(config.train.eval_steps)]
+
+
+def evaluate(exp: Experiment, params: Any, batches: Sequence[Batch]) -> dict[str, float]:
+    """Token-weighted mean loss over ``batches`` (the validation split) and its perplexity."""
+    outs = jax.device_get([exp.compiled_eval(params, b) for b in batches])
+    tokens = sum(float(o["tokens"]) for o in outs)
+    loss = sum(float(o["loss"]) * float(o["tokens"]) for o in outs) / max(tokens, 1.0)
+    return {"eval_loss": loss, "eval_perplexity": math.exp(loss) if loss < 700 else math.inf,
+            "eval_tokens": tokens}
 
 
 def train(config: ml_collections.ConfigDict, workdir: str,
@@ -43,14 +56,23 @@ def train(config: ml_collections.ConfigDict, workdir: str,
     """Builds the experiment from ``config``, trains, returns the logged metrics."""
     exp = Experiment.from_config(config, devices)  # every check before any compile
     t = config.train
+    # This process reads and tokenizes its share now, before anything compiles
+    # or is written, so bad data fails fast; a thread then prepares batches
+    # ahead of the steps.
+    data = make_loader(config, exp.model_cfg.vocab_size, transform=exp.device_batch)
+    try:
+        eval_batches = _eval_batches(exp) if t.eval_every else []
+    except BaseException:
+        data.close()
+        raise
     os.makedirs(workdir, exist_ok=True)
     with open(os.path.join(workdir, "config.json"), "w") as f:
         f.write(config.to_json_best_effort(indent=2))
 
-    source = SyntheticSource(exp.model_cfg.vocab_size, t.seq_len, t.seed)
-    start, count = _host_rows(t.batch_size)
     state = exp.init_state()
     step_fn = exp.compiled_step
+    if t.eval_every:
+        exp.compiled_eval  # noqa: B018 -- compile now, not inside the first timed step
     tokens_per_step = t.batch_size * t.seq_len
 
     writer = MetricsWriter(os.path.join(workdir, "metrics.jsonl"))
@@ -77,15 +99,29 @@ def train(config: ml_collections.ConfigDict, workdir: str,
 
     try:
         for step in range(1, t.steps + 1):
-            batch = exp.device_batch(source.rows(step - 1, start, count))
+            waited = time.perf_counter()
+            batch = next(data)  # already on device, in the batch sharding
+            waited = time.perf_counter() - waited  # how long this step waited for its data
             state, metrics = step_fn(state, batch)
+            metrics = {**metrics, "data_wait": waited}
             # Read the previous step's metrics only now, after this step has
             # been dispatched, so the host never stalls the device.
             if pending is not None:
                 flush(pending)
             pending = (step, metrics)
+            if t.eval_every and step % t.eval_every == 0:
+                flush(pending)  # keep metrics.jsonl in step order
+                pending = None
+                record = {"step": step, **evaluate(exp, state.params, eval_batches)}
+                writer.write(record)
+                logged.append(record)
+                last_time = time.perf_counter()  # the next step_time excludes the evaluation
+                if verbose:
+                    print(f"step {step}/{t.steps}  eval loss {record['eval_loss']:.4f}  "
+                          f"perplexity {record['eval_perplexity']:.2f}", flush=True)
         if pending is not None:
             flush(pending)
     finally:
+        data.close()
         writer.close()
     return logged

@@ -39,6 +39,12 @@ def loss_fn(apply: ApplyFn, params: Any, batch: Batch) -> tuple[jax.Array, jax.A
     return loss, tokens
 
 
+def eval_step(apply: ApplyFn, params: Any, batch: Batch) -> dict[str, jax.Array]:
+    """The train step's loss without the update: for the validation split."""
+    loss, tokens = loss_fn(apply, params, batch)
+    return {"loss": loss, "tokens": tokens}
+
+
 def train_step(apply: ApplyFn, optimizer: optax.GradientTransformation,
                schedule: optax.Schedule, state: TrainState, batch: Batch
                ) -> tuple[TrainState, dict[str, jax.Array]]:

@@ -13,7 +13,8 @@ TINY_FLAGS = ["--config.model.vocab_size=256", "--config.model.dim=64",
               "--config.model.n_layers=2", "--config.model.n_heads=8",
               "--config.model.n_kv_heads=4", "--config.model.ffn_dim=128",
               "--config.train.seq_len=32", "--config.train.steps=3",
-              "--config.train.schedule=constant", "--config.train.warmup_steps=0"]
+              "--config.train.schedule=constant", "--config.train.warmup_steps=0",
+              "--config.data.source=synthetic"]
 
 
 def run(*args, cwd=ROOT):
