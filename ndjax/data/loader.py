@@ -112,17 +112,24 @@ def check_config(config: ml_collections.ConfigDict, vocab_size: int) -> None:
             windows = sum((f.n_tokens - 1) // t.seq_len for f in files)
             if windows < t.batch_size:
                 raise ConfigError(
-                    f"{field}: the token files hold {windows} rows of train.seq_len="
-                    f"{t.seq_len} (+1) tokens, shorter than one batch (train.batch_size="
-                    f"{t.batch_size} rows); use more data or a smaller batch_size/seq_len.")
+                    f"{field}: {_names(tuple(f.path for f in files))} hold {windows} rows of "
+                    f"train.seq_len={t.seq_len} (+1) tokens, shorter than one batch "
+                    f"(train.batch_size={t.batch_size} rows); use more data or a smaller "
+                    "batch_size/seq_len.")
         else:
             corpus = sources.open_corpus(d.source, _files(config, split), field,
                                          d.text_field, split)
             if corpus.total < t.batch_size:
                 raise ConfigError(
-                    f"{corpus.field}: {corpus.total} {_unit(corpus)} in all is shorter than one "
-                    f"batch: each of the train.batch_size={t.batch_size} rows reads its own "
-                    "share of the corpus. Use more data or a smaller batch_size.")
+                    f"{corpus.field}: the corpus ({_names(corpus.files)}) has {corpus.total} "
+                    f"{_unit(corpus)} in all, shorter than one batch: each of the "
+                    f"train.batch_size={t.batch_size} rows reads its own share of the corpus. "
+                    "Use more data or a smaller batch_size.")
+
+
+def _names(files: tuple[str, ...]) -> str:
+    more = f" and {len(files) - 3} more" if len(files) > 3 else ""
+    return ", ".join(sorted(files)[:3]) + more
 
 
 def _unit(corpus: sources.Corpus) -> str:
@@ -148,18 +155,19 @@ def _text_rows(config: ml_collections.ConfigDict, tok: Tokenizer, split: str,
     field = _files_field(split)
     corpus = sources.open_corpus(d.source, _files(config, split), field, d.text_field,
                                  split, seed=t.seed)
-    docs = {}
-    for j in slots:
-        lo, hi = j * corpus.total // t.batch_size, (j + 1) * corpus.total // t.batch_size
-        docs[j] = _tokenize(corpus.share(lo, hi), tok)
+    cuts = {j: (j * corpus.total // t.batch_size, (j + 1) * corpus.total // t.batch_size)
+            for j in slots}
+    # Read everything first: a bad record anywhere is a clearer error than a short share.
+    docs = {j: _tokenize(corpus.share(lo, hi), tok) for j, (lo, hi) in cuts.items()}
+    need = t.seq_len + 1 if d.packing else 1
+    for j, (lo, hi) in cuts.items():
         tokens = sum(len(x) + 1 for x in docs[j])
-        need = t.seq_len + 1 if d.packing else 1
         if tokens < need:
             raise ConfigError(
                 f"{corpus.field}: the corpus is shorter than one batch: batch row {j} of "
                 f"train.batch_size={t.batch_size} reads {_unit(corpus)} {lo}..{hi} of "
-                f"{corpus.total} and gets {len(docs[j])} documents, {tokens} tokens, fewer than "
-                f"one row (train.seq_len={t.seq_len} + 1). Use more data or a smaller "
+                f"{corpus.total} and gets {tokens} tokens in {len(docs[j])} document(s), fewer "
+                f"than one row (train.seq_len={t.seq_len} + 1). Use more data or a smaller "
                 "batch_size or seq_len.")
     rows = TextRows(docs, t.seq_len, t.seed, tok.eos_id, tok.pad_id, packing=d.packing)
     return rows, corpus.fingerprint()

@@ -43,6 +43,7 @@ class Document:
     path: str
     offset: int  # byte offset in the file (text, jsonl) or row index (parquet)
     kind: str
+    field: str = "data.files"  # the config field that named the file, for errors
 
     def where(self, extra: int = 0) -> str:
         """``path:line`` (``path row N`` for Parquet), for error messages."""
@@ -57,8 +58,8 @@ class Document:
         try:
             return self.content.decode("utf-8")
         except UnicodeDecodeError as e:
-            raise ConfigError(f"{self.where(e.start)}: not valid UTF-8 ({e.reason}); a "
-                              "tokenizer.json needs text. Fix the file or use "
+            raise ConfigError(f"{self.field}: {self.where(e.start)}: not valid UTF-8 "
+                              f"({e.reason}); a tokenizer.json needs text. Fix the file or use "
                               "data.tokenizer=byte.") from None
 
 
@@ -176,13 +177,13 @@ class Corpus:
             f.seek(start)
             data = f.read(end - start)
         if self.kind != "jsonl":
-            yield Document(data, path, start, self.kind)
+            yield Document(data, path, start, self.kind, self.field)
             return
         pos = 0
         for line in data.split(b"\n"):
             if line.strip():
                 yield Document(self._json_text(line, path, start + pos), path, start + pos,
-                               "jsonl")
+                               "jsonl", self.field)
             pos += len(line) + 1
 
     def _json_text(self, line: bytes, path: str, offset: int) -> str:
@@ -255,7 +256,7 @@ def _parquet_rows(path: str, a: int, b: int, text_field: str, field: str
             for i in range(max(a, row) - row, min(b, row + n) - row):
                 if values[i] is None:
                     raise ConfigError(f"{field}: {path} row {row + i}: {text_field!r} is null.")
-                yield Document(values[i], path, row + i, "parquet")
+                yield Document(values[i], path, row + i, "parquet", field)
         row += n
         if row >= b:
             return

@@ -79,8 +79,8 @@ class HFTokenizer:
         names = (eos_token,) if eos_token else EOS_CANDIDATES
         found = [t for t in names if self._tok.token_to_id(t) is not None]
         if not found:
-            what = f"data.eos_token={eos_token!r} is" if eos_token else "none of " + ", ".join(
-                EOS_CANDIDATES) + " is"
+            what = (f"data.eos_token={eos_token!r} is not" if eos_token
+                    else f"none of {', '.join(EOS_CANDIDATES)} is")
             raise ConfigError(f"{field}={path!r}: {what} a token of this tokenizer; set "
                               "data.eos_token to the token that ends a document.")
         self.eos_id = self._tok.token_to_id(found[0])
