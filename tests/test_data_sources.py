@@ -191,6 +191,9 @@ BAD = {
     "eval without eval files": (
         lambda p, t: _with_eval(data_config("text", write_corpus("text", p))),
         r"train.eval_every=2 needs a validation split: set data.eval_files"),
+    "unpacked token files": (
+        lambda p, t: data_config("tokens", _npy(p, range(1000)), packing=False),
+        r"data.packing=False needs document boundaries"),
     "unknown source": (lambda p, t: data_config("webdataset"), r"data.source='webdataset'"),
     "files for the builtin source": (lambda p, t: data_config("builtin", "a.txt"),
                                      r"data.source='builtin' reads no files"),

@@ -63,6 +63,9 @@ def _check_source(config: ml_collections.ConfigDict) -> None:
     if d.source == "tokens" and not d.packing:
         raise ConfigError("data.packing=False needs document boundaries, which pre-tokenized "
                           "files do not index; use data.packing=True with data.source=tokens.")
+    if d.source == "synthetic" and not d.packing:
+        raise ConfigError("data.packing=False: the synthetic source only makes packed rows; "
+                          "use data.packing=True or a text source.")
 
 
 def splits(config: ml_collections.ConfigDict) -> tuple[str, ...]:

@@ -35,6 +35,9 @@ def prepare(source: str, files: str, out: str, *, tokenizer: str = "byte", eos_t
     """Tokenizes every document of the corpus into ``out``; returns the sidecar's contents."""
     if source not in sources.TEXT_KINDS:
         raise ConfigError(f"--source={source!r}: choose one of {', '.join(sources.TEXT_KINDS)}.")
+    if source == "builtin" and files:
+        raise ConfigError("--source=builtin reads the stdlib, not --files; did you mean "
+                          "--source=text, jsonl or parquet?")
     corpus = sources.open_corpus(source, files, "--files", text_field, split)
     tok = load_tokenizer(tokenizer, eos_token)
     dtype = token_dtype(tok.vocab_size)
