@@ -4,8 +4,9 @@
 tokenizer against the model's vocabulary); ``Experiment.from_config`` calls it
 before anything compiles. ``make_loader`` then reads and tokenizes this
 process's share (its rows of every global batch) and returns a ``Loader``: an
-iterator of numpy batches, prepared ahead by a thread, whose position is a
-small dict of ints (``get_state`` / ``set_state``).
+iterator of batches (numpy, or on device after ``transform``), prepared ahead
+by a thread, whose position is a small dict of ints (``get_state`` /
+``set_state``).
 """
 
 from __future__ import annotations
