@@ -62,9 +62,22 @@ def default_config() -> ml_collections.ConfigDict:
     # A NaN/Inf loss or gradient norm: "stop" (exit non-zero, save nothing) or
     # "skip" (drop that update, count it in the metrics).
     c.train.on_nan = "stop"
+    c.train.eval_every = 0        # loss on the validation split every N steps; 0 = never
+    c.train.eval_steps = 4        # batches per evaluation (the same ones every time)
 
+    # Where batches come from (see ndjax/data/ and the README's Data section).
     c.data = ml_collections.ConfigDict()
-    c.data.source = "synthetic"   # a seeded Markov chain of packed documents
+    # builtin: this Python's standard library source | synthetic: a seeded Markov
+    # chain | text | jsonl | parquet: local files | tokens: pre-tokenized files
+    c.data.source = "builtin"
+    c.data.files = ""             # comma-separated paths or globs (text/jsonl/parquet/tokens)
+    c.data.eval_files = ""        # the validation split of those sources, same format
+    c.data.text_field = "text"    # JSON Lines key / Parquet column holding the text
+    c.data.tokenizer = "byte"     # byte (256 bytes + EOS/BOS/PAD) or a tokenizer.json path
+    c.data.eos_token = ""         # a tokenizer.json's end-of-document token; "" = guess
+    c.data.token_dtype = "auto"   # raw token files: uint16 | uint32; auto = from the sidecar
+    c.data.packing = True         # pack documents into full rows; False: one piece per row
+    c.data.prefetch = 2           # batches a loader thread prepares ahead; 0 = no thread
 
     c.checkpoint = ml_collections.ConfigDict()
     c.checkpoint.every = 0        # save every N steps (0: only at the end and on SIGTERM)

@@ -27,11 +27,11 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from ndjax import rules as rules_lib
 from ndjax import state as state_lib
 from ndjax.config import check_keys
-from ndjax.data import BATCH_FIELDS
+from ndjax.data import BATCH_FIELDS, loader
 from ndjax.errors import ConfigError
 from ndjax.mesh import ParallelDims, build_mesh
 from ndjax.models import llama
-from ndjax.train_step import Batch, StepOptions, train_step
+from ndjax.train_step import Batch, StepOptions, eval_step, train_step
 
 # Which config field sets the size of each logical parameter axis (for errors).
 FIELD_OF_AXIS = {
@@ -94,8 +94,6 @@ def _check_train(config: ml_collections.ConfigDict) -> None:
         raise ConfigError(
             f"log.profile_steps={profile!r} must be empty or (first, last) with "
             "1 <= first <= last, e.g. --config.log.profile_steps='(5, 7)'.")
-    if config.data.source != "synthetic":
-        raise ConfigError(f"data.source={config.data.source!r}: the only source is 'synthetic'.")
 
 
 def _path(keys: Sequence[Any]) -> str:
@@ -126,6 +124,7 @@ class Experiment:
         dims = ParallelDims(m.replica, m.fsdp, m.context, m.tensor).resolve(len(devices))
         _check_train(config)
         model_cfg = model_config(config.model)
+        loader.check_config(config, model_cfg.vocab_size)  # names, sizes, tokenizer vs vocab
         mesh = build_mesh(dims, devices)
         rules = rules_lib.Rules(config.rules, mesh)
 
@@ -208,6 +207,20 @@ class Experiment:
     @functools.cached_property
     def compiled_step(self) -> jax.stages.Compiled:
         return self.lower_step().compile()
+
+    def lower_eval(self) -> jax.stages.Lowered:
+        """The loss without the update, in the train step's shardings: (params, batch) ->
+        {loss, tokens}."""
+        step = functools.partial(eval_step, self.apply)
+        replicated = NamedSharding(self.mesh, PartitionSpec())
+        with rules_lib.use(self.rules):
+            jitted = jax.jit(step, in_shardings=(self.state_sharding.params, self.batch_sharding),
+                             out_shardings=replicated)
+            return jitted.lower(self.abstract_state.params, self.abstract_batch)
+
+    @functools.cached_property
+    def compiled_eval(self) -> jax.stages.Compiled:
+        return self.lower_eval().compile()
 
     def device_batch(self, batch: dict[str, np.ndarray]) -> Batch:
         """Host numpy batch (this process's rows) -> global arrays in the batch sharding."""

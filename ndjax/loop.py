@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import time
 from collections.abc import Sequence
@@ -13,20 +14,32 @@ import ml_collections
 import numpy as np
 
 from ndjax.checkpoint import Checkpointer, Preemption
-from ndjax.data.synthetic import SyntheticSource
+from ndjax.data.loader import make_loader
 from ndjax.experiment import Experiment
 from ndjax.flops import flops_per_token, peak_tflops
 from ndjax.sinks import Sinks
+from ndjax.train_step import Batch
 
 
 class NonFiniteError(RuntimeError):
     """The loss or gradient norm became NaN/Inf and train.on_nan is 'stop'."""
 
 
-def _host_rows(batch_size: int) -> tuple[int, int]:
-    """This process's slice of the global batch rows."""
-    per_process = batch_size // jax.process_count()
-    return jax.process_index() * per_process, per_process
+def _eval_batches(exp: Experiment) -> list[Batch]:
+    """The first train.eval_steps batches of the validation split, on device. The same
+    batches every time, so evaluations are comparable."""
+    config = exp.config
+    with make_loader(config, exp.model_cfg.vocab_size, "eval", prefetch=0) as held_out:
+        return [exp.device_batch(held_out.batch(i)) for i in range(config.train.eval_steps)]
+
+
+def evaluate(exp: Experiment, params: Any, batches: Sequence[Batch]) -> dict[str, float]:
+    """Token-weighted mean loss over ``batches`` (the validation split) and its perplexity."""
+    outs = jax.device_get([exp.compiled_eval(params, b) for b in batches])
+    tokens = sum(float(o["tokens"]) for o in outs)
+    loss = sum(float(o["loss"]) * float(o["tokens"]) for o in outs) / max(tokens, 1.0)
+    return {"eval_loss": loss, "eval_perplexity": math.exp(loss) if loss < 700 else math.inf,
+            "eval_tokens": tokens}
 
 
 def device_memory() -> dict[str, int | None]:
@@ -74,12 +87,22 @@ def train(config: ml_collections.ConfigDict, workdir: str,
     exp = Experiment.from_config(config, devices)  # every check before any compile
     t = config.train
     is_main = jax.process_index() == 0
+    # This process reads and tokenizes its share now, before anything compiles
+    # or is written, so bad data fails fast; a thread then prepares batches
+    # (already on the devices) ahead of the steps.
+    data = make_loader(config, exp.model_cfg.vocab_size, transform=exp.device_batch)
+    try:
+        eval_batches = _eval_batches(exp) if t.eval_every else []
+    except BaseException:
+        data.close()
+        raise
     os.makedirs(workdir, exist_ok=True)
     checkpointer = Checkpointer(workdir, config.checkpoint)
     resume_step = checkpointer.step_to_restore()
     if resume_step is not None:
         state, data_state = checkpointer.restore(resume_step, exp.abstract_state)
-        first_step = int(data_state["next_step"])
+        data.set_state(data_state)  # the next batch is the one after the saved step
+        first_step = data_state["rows"] // t.batch_size + 1
         dropped = checkpointer.drop_newer_than(resume_step)
     else:
         state, first_step = exp.init_state(), 1
@@ -88,9 +111,9 @@ def train(config: ml_collections.ConfigDict, workdir: str,
             f.write(config.to_json_best_effort(indent=2))
         _keep_metrics_until(os.path.join(workdir, "metrics.jsonl"), first_step - 1)
 
-    source = SyntheticSource(exp.model_cfg.vocab_size, t.seq_len, t.seed)
-    start, count = _host_rows(t.batch_size)
     step_fn = exp.compiled_step
+    if t.eval_every:
+        exp.compiled_eval  # noqa: B018 -- compile now, not inside the first timed step
 
     num_devices = exp.mesh.devices.size
     tokens_per_step = t.batch_size * t.seq_len
@@ -138,21 +161,32 @@ def train(config: ml_collections.ConfigDict, workdir: str,
     pending = None
     try:
         for step in range(first_step, t.steps + 1):
-            batch = exp.device_batch(source.rows(step - 1, start, count))
+            waited = time.perf_counter()
+            batch = next(data)  # already on device, in the batch sharding
+            waited = time.perf_counter() - waited  # how long this step waited for its data
             profiler.before(step)
             state, metrics = step_fn(state, batch)
             profiler.after(step, metrics)
+            metrics = {**metrics, "data_wait": waited}
             # Read the previous step's metrics only now, after this step has
             # been dispatched: the host waits for step-1 while step runs, so
             # logging never leaves the device idle.
             if pending is not None:
                 flush(*pending)
             pending = (step, metrics)
+            if t.eval_every and step % t.eval_every == 0:
+                flush(*pending)  # keep metrics.jsonl in step order
+                pending = None
+                record = {"step": step, **evaluate(exp, state.params, eval_batches)}
+                sinks.write_eval(record)
+                logged.append(record)
+                last_time = time.perf_counter()  # the next step_time excludes the evaluation
             stop = preemption.requested
             if stop or step == t.steps or (every and step % every == 0):
-                flush(*pending)  # a NaN stop must come before the save
-                pending = None
-                checkpointer.save(step, state, {"next_step": step + 1})
+                if pending is not None:
+                    flush(*pending)  # a NaN stop must come before the save
+                    pending = None
+                checkpointer.save(step, state, data.get_state())
             if stop:
                 checkpointer.wait()
                 sinks.message(f"SIGTERM: saved checkpoint step {step} in "
@@ -161,6 +195,7 @@ def train(config: ml_collections.ConfigDict, workdir: str,
         if pending is not None:
             flush(*pending)
     finally:
+        data.close()
         preemption.close()
         checkpointer.close()
         sinks.close()

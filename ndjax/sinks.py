@@ -56,6 +56,18 @@ class Sinks:
                   f"{record['tflops_per_device']:.3g} TFLOP/s/device"
                   + (f"  MFU {100 * mfu:.1f}%" if mfu is not None else ""), flush=True)
 
+    def write_eval(self, record: dict[str, Any]) -> None:
+        """An evaluation record: {step, eval_loss, eval_perplexity, eval_tokens}."""
+        if not self.enabled:
+            return
+        self._jsonl.write(json.dumps({k: _json_value(v) for k, v in record.items()}) + "\n")
+        self._jsonl.flush()
+        if self._tb is not None:
+            for key in ("eval_loss", "eval_perplexity"):
+                self._tb.add_scalar(key, record[key], record["step"])
+        self.message(f"step {record['step']}/{self.total_steps}  eval loss "
+                     f"{record['eval_loss']:.4f}  perplexity {record['eval_perplexity']:.2f}")
+
     def message(self, text: str) -> None:
         if self.enabled and self.verbose:
             (self._bar.write if self._bar is not None else print)(text)

@@ -40,6 +40,12 @@ def loss_fn(apply: ApplyFn, params: Any, batch: Batch) -> tuple[jax.Array, jax.A
     return loss, tokens
 
 
+def eval_step(apply: ApplyFn, params: Any, batch: Batch) -> dict[str, jax.Array]:
+    """The train step's loss without the update: for the validation split."""
+    loss, tokens = loss_fn(apply, params, batch)
+    return {"loss": loss, "tokens": tokens}
+
+
 @dataclasses.dataclass(frozen=True)
 class StepOptions:
     skip_nonfinite: bool = False  # drop the update when loss or grad norm is NaN/Inf

@@ -31,6 +31,8 @@ def tiny_config(mesh=None, rules="default", model=None, train=None):
     c.model.update({**TINY_MODEL, **(model or {})})
     c.mesh.update({**dict(replica=1, fsdp=1, context=1, tensor=1), **(mesh or {})})
     c.rules = rules
+    # The Markov-chain source: fast, learnable, and any vocab_size fits it.
+    c.data.source = "synthetic"
     # Constant LR from step 1 so that 3 steps move the parameters for real.
     # Adam's eps bounds how much it amplifies rounding noise in a gradient:
     # |d update| <= lr * |d grad| / eps. With the usual 1e-8, a gradient entry

@@ -26,7 +26,8 @@ TINY_FLAGS = ["--config.model.vocab_size=256", "--config.model.dim=64",
               "--config.model.n_kv_heads=4", "--config.model.ffn_dim=128",
               "--config.train.seq_len=32", "--config.train.schedule=constant",
               "--config.train.warmup_steps=0", "--config.train.lr=0.01",
-              "--config.train.eps=1e-6", "--config.log.tensorboard=False"]
+              "--config.train.eps=1e-6", "--config.log.tensorboard=False",
+              "--config.data.source=synthetic"]
 
 
 def start(workdir, *args):

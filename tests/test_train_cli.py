@@ -1,19 +1,24 @@
 """train.py as a user runs it: real subprocesses."""
 
 import json
+import math
 import os
 import subprocess
 import sys
 
 import numpy as np
 import pytest
+from data_files import data_config
+
+from ndjax.data.loader import make_loader
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY_FLAGS = ["--config.model.vocab_size=256", "--config.model.dim=64",
               "--config.model.n_layers=2", "--config.model.n_heads=8",
               "--config.model.n_kv_heads=4", "--config.model.ffn_dim=128",
               "--config.train.seq_len=32", "--config.train.steps=3",
-              "--config.train.schedule=constant", "--config.train.warmup_steps=0"]
+              "--config.train.schedule=constant", "--config.train.warmup_steps=0",
+              "--config.data.source=synthetic"]
 
 
 def run(*args, cwd=ROOT):
@@ -57,6 +62,40 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, args, message):
     assert len(errors) == 1 and message in errors[0], result.stderr[-2000:]
     assert "Traceback" not in result.stderr
     assert not (tmp_path / "w").exists()  # nothing half-written
+
+
+def test_builtin_source_trains_and_logs_eval_and_data_wait(tmp_path):
+    flags = [f for f in TINY_FLAGS if "vocab_size" not in f and "data.source" not in f]
+    # One device: the layouts are tested above; this is about the data path.
+    result = run(f"--workdir={tmp_path}", *flags, "--config.runtime.cpu_devices=1",
+                 "--config.mesh.fsdp=1", "--config.mesh.tensor=1",
+                 "--config.model.vocab_size=384", "--config.train.eval_every=2",
+                 "--config.train.eval_steps=2")  # data.source: the default, builtin
+    assert result.returncode == 0, result.stderr[-2000:]
+    records = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
+    steps = [r for r in records if "loss" in r]
+    evals = [r for r in records if "eval_loss" in r]
+    assert [r["step"] for r in records] == [1, 2, 2, 3] and [r["step"] for r in evals] == [2]
+    assert all(0 <= r["data_wait"] < r["step_time"] + 1 for r in steps)
+    ev = evals[0]
+    assert 0 < ev["eval_loss"] < math.log(384) + 1
+    assert ev["eval_perplexity"] == pytest.approx(math.exp(ev["eval_loss"]))
+    # The first two batches of the stdlib's validation files, their unmasked targets.
+    with make_loader(data_config("builtin", seq_len=32), 384, "eval", prefetch=0) as held_out:
+        assert ev["eval_tokens"] == sum(held_out.batch(i)["loss_mask"].sum() for i in range(2))
+    assert "eval loss" in result.stdout
+
+
+def test_bad_data_is_one_line_and_exit_2(tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"text": "a line of text"}\n' * 50 + '{"body": "b"}\n')
+    result = run("--config.data.source=jsonl", f"--config.data.files={bad}",
+                 f"--workdir={tmp_path / 'w'}")
+    assert result.returncode == 2, result.stderr[-2000:]
+    errors = [line for line in result.stderr.splitlines() if line.startswith("train.py: error:")]
+    assert len(errors) == 1 and "bad.jsonl:51: no 'text' field" in errors[0], result.stderr
+    assert "Traceback" not in result.stderr
+    assert not (tmp_path / "w").exists()
 
 
 def test_print_sharding(tmp_path):

@@ -1,3 +1,14 @@
-"""Data sources. Each yields numpy batches with the fields of ``BATCH_FIELDS``."""
+"""The data pipeline: documents -> tokens -> packed rows -> this process's share of each batch.
+
+- ``sources``: the builtin corpus, local text / JSON Lines / Parquet files, token files
+- ``tokenizers``: byte-level (the default) or a Hugging Face tokenizer.json
+- ``packing``: token windows -> the batch fields (segment ids, positions, loss mask)
+- ``streams``: the rows of any global batch as a pure function of (data, seed, step, row)
+- ``loader``: config -> checks -> a prefetching iterator with a resumable position
+- ``prepare``: ``python -m ndjax.data.prepare``, offline pre-tokenization
+- ``synthetic``: a learnable Markov-chain source that needs no files (tests, layouts)
+
+Every batch is a dict of int32 arrays ``(rows, train.seq_len)`` with the fields below.
+"""
 
 BATCH_FIELDS = ("inputs", "targets", "positions", "segment_ids", "loss_mask")

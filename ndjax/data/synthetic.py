@@ -19,8 +19,9 @@ EOS = 0
 
 class SyntheticSource:
     def __init__(self, vocab_size: int, seq_len: int, seed: int, *,
-                 follow: float = 0.9, mean_doc_len: int = 96, alphabet: int = 255):
-        self.vocab_size, self.seq_len, self.seed = vocab_size, seq_len, seed
+                 follow: float = 0.9, mean_doc_len: int = 96, alphabet: int = 255,
+                 split: int = 0):
+        self.vocab_size, self.seq_len, self.seed, self.split = vocab_size, seq_len, seed, split
         self.follow, self.mean_doc_len = follow, mean_doc_len
         self.alphabet = min(alphabet, vocab_size - 1)  # tokens 1..alphabet; 0 is EOS
         perm = np.random.default_rng([seed, 0x5EED]).permutation(self.alphabet)
@@ -32,7 +33,8 @@ class SyntheticSource:
         stream = np.empty((count, n), np.int32)
         doc = np.empty((count, n), np.int32)
         for i in range(count):
-            rng = np.random.default_rng([self.seed, step, start + i])
+            key = [self.seed, step, start + i] + ([self.split] if self.split else [])
+            rng = np.random.default_rng(key)
             stream[i], doc[i] = self._row(rng, n)
         seg_in, seg_tgt = doc[:, :-1], doc[:, 1:]
         first = np.concatenate([np.ones((count, 1), bool), seg_in[:, 1:] != seg_in[:, :-1]], 1)

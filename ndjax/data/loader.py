@@ -1,0 +1,348 @@
+"""config -> this process's batches: the one object the training loop consumes.
+
+``check_config`` runs the cheap checks of ``data.*`` (file names and sizes,
+tokenizer against the model's vocabulary); ``Experiment.from_config`` calls it
+before anything compiles. ``make_loader`` then reads and tokenizes this
+process's share (its rows of every global batch) and returns a ``Loader``: an
+iterator of batches (numpy, or on device after ``transform``), prepared ahead
+by a thread, whose position is a small dict of ints (``get_state`` /
+``set_state``).
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import jax
+import ml_collections
+import numpy as np
+
+from ndjax.data import sources
+from ndjax.data.streams import RowSource, TextRows, TokenRows
+from ndjax.data.synthetic import SyntheticSource
+from ndjax.data.tokenizers import Tokenizer, load_tokenizer
+from ndjax.errors import ConfigError
+
+SOURCES = ("builtin", "synthetic", "text", "jsonl", "parquet", "tokens")
+STATE_VERSION = 1
+_TOKENIZE_BATCH = 256  # documents per encode_batch call (the HF tokenizer threads over them)
+
+
+def _files_field(split: str) -> str:
+    return "data.files" if split == "train" else "data.eval_files"
+
+
+def _files(config: ml_collections.ConfigDict, split: str) -> str:
+    return config.data.files if split == "train" else config.data.eval_files
+
+
+def _check_source(config: ml_collections.ConfigDict) -> None:
+    d, t = config.data, config.train
+    if d.source not in SOURCES:
+        raise ConfigError(f"data.source={d.source!r}: choose one of {', '.join(SOURCES)}.")
+    if not isinstance(d.prefetch, int) or d.prefetch < 0:
+        raise ConfigError(f"data.prefetch={d.prefetch!r} must be an int >= 0 (0: no thread).")
+    for field, low in (("eval_every", 0), ("eval_steps", 1)):
+        if not isinstance(t[field], int) or t[field] < low:
+            raise ConfigError(f"train.{field}={t[field]!r} must be an int >= {low}.")
+    if d.source in ("text", "jsonl", "parquet", "tokens"):
+        if not sources.split_patterns(d.files):
+            raise ConfigError(f"data.source={d.source!r} reads data.files, which is empty: set "
+                              "it to comma-separated paths or globs, e.g. "
+                              "--config.data.files='corpus/*.txt'.")
+        if t.eval_every and not sources.split_patterns(d.eval_files):
+            raise ConfigError(f"train.eval_every={t.eval_every} needs a validation split: set "
+                              f"data.eval_files (paths or globs of {d.source} files, like "
+                              "data.files) or train.eval_every=0.")
+    elif sources.split_patterns(d.files) or sources.split_patterns(d.eval_files):
+        raise ConfigError(f"data.source={d.source!r} reads no files, but data.files / "
+                          "data.eval_files are set; did you mean data.source=text, jsonl, "
+                          "parquet or tokens?")
+    if d.source == "tokens" and not d.packing:
+        raise ConfigError("data.packing=False needs document boundaries, which pre-tokenized "
+                          "files do not index; use data.packing=True with data.source=tokens.")
+    if d.source == "synthetic" and not d.packing:
+        raise ConfigError("data.packing=False: the synthetic source only makes packed rows; "
+                          "use data.packing=True or a text source.")
+
+
+def splits(config: ml_collections.ConfigDict) -> tuple[str, ...]:
+    return ("train", "eval") if config.train.eval_every else ("train",)
+
+
+def _tokenizer(config: ml_collections.ConfigDict, vocab_size: int) -> Tokenizer:
+    tok = load_tokenizer(config.data.tokenizer, config.data.eos_token)
+    if tok.vocab_size > vocab_size:
+        fit = -(-tok.vocab_size // 128) * 128
+        raise ConfigError(
+            f"model.vocab_size={vocab_size} is smaller than data.tokenizer={tok.name!r}, which "
+            f"has {tok.vocab_size} ids; set model.vocab_size >= {tok.vocab_size} (e.g. {fit}, "
+            "a multiple of 128 that tensor parallelism can split).")
+    return tok
+
+
+def _token_eos(files: list[sources.TokenFile], tok: Tokenizer, field: str) -> int:
+    """The EOS id that separates documents: the sidecar's, which must agree with the
+    tokenizer's (a file without a sidecar uses the tokenizer's)."""
+    for f in files:
+        if f.eos_id is not None and f.eos_id != tok.eos_id:
+            raise ConfigError(
+                f"{field}: {f.path} was written with EOS id {f.eos_id} (its sidecar), but "
+                f"data.tokenizer={tok.name!r} has EOS id {tok.eos_id}; set data.tokenizer "
+                "(and data.eos_token) to the tokenizer that wrote the file.")
+    return tok.eos_id
+
+
+def check_config(config: ml_collections.ConfigDict, vocab_size: int) -> None:
+    """Every check of ``data.*`` that reads no file contents (sizes, names, footers)."""
+    _check_source(config)
+    d, t = config.data, config.train
+    if d.source == "synthetic":
+        return
+    tok = _tokenizer(config, vocab_size)
+    for split in splits(config):
+        field = _files_field(split)
+        if d.source == "tokens":
+            files = sources.open_token_files(_files(config, split), field, d.token_dtype)
+            _token_eos(files, tok, field)
+            for f in files:
+                if f.max_id is not None and f.max_id >= vocab_size:
+                    raise ConfigError(
+                        f"{field}: {f.path} holds token id {f.max_id} (its sidecar), not below "
+                        f"model.vocab_size={vocab_size}; set model.vocab_size > {f.max_id}.")
+            windows = sum((f.n_tokens - 1) // t.seq_len for f in files)
+            if windows < t.batch_size:
+                raise ConfigError(
+                    f"{field}: {_names(tuple(f.path for f in files))} hold {windows} rows of "
+                    f"train.seq_len={t.seq_len} (+1) tokens, shorter than one batch "
+                    f"(train.batch_size={t.batch_size} rows); use more data or a smaller "
+                    "batch_size/seq_len.")
+        else:
+            corpus = sources.open_corpus(d.source, _files(config, split), field,
+                                         d.text_field, split)
+            if corpus.total < t.batch_size:
+                raise ConfigError(
+                    f"{corpus.field}: the corpus ({_names(corpus.files)}) has {corpus.total} "
+                    f"{_unit(corpus)} in all, shorter than one batch: each of the "
+                    f"train.batch_size={t.batch_size} rows reads its own share of the corpus. "
+                    "Use more data or a smaller batch_size.")
+
+
+def _names(files: tuple[str, ...]) -> str:
+    more = f" and {len(files) - 3} more" if len(files) > 3 else ""
+    return ", ".join(sorted(files)[:3]) + more
+
+
+def _unit(corpus: sources.Corpus) -> str:
+    return "rows" if corpus.kind == "parquet" else "bytes"
+
+
+def process_rows(batch_size: int, process_index: int | None = None,
+                 process_count: int | None = None) -> tuple[int, int]:
+    """This process's rows of every global batch: ``(start, count)``."""
+    index = jax.process_index() if process_index is None else process_index
+    count = jax.process_count() if process_count is None else process_count
+    if batch_size % count:
+        raise ConfigError(f"train.batch_size={batch_size} is not divisible by the "
+                          f"{count} processes; use a multiple of {count}.")
+    per_process = batch_size // count
+    return index * per_process, per_process
+
+
+def _text_rows(config: ml_collections.ConfigDict, tok: Tokenizer, split: str,
+               slots: range) -> tuple[TextRows, int]:
+    """Reads and tokenizes the shares of ``slots`` only; checks each is long enough."""
+    d, t = config.data, config.train
+    field = _files_field(split)
+    corpus = sources.open_corpus(d.source, _files(config, split), field, d.text_field,
+                                 split, seed=t.seed)
+    cuts = {j: (j * corpus.total // t.batch_size, (j + 1) * corpus.total // t.batch_size)
+            for j in slots}
+    # Read everything first: a bad record anywhere is a clearer error than a short share.
+    docs = {j: _tokenize(corpus.share(lo, hi), tok) for j, (lo, hi) in cuts.items()}
+    need = t.seq_len + 1 if d.packing else 1
+    for j, (lo, hi) in cuts.items():
+        tokens = sum(len(x) + 1 for x in docs[j])
+        if tokens < need:
+            raise ConfigError(
+                f"{corpus.field}: the corpus is shorter than one batch: batch row {j} of "
+                f"train.batch_size={t.batch_size} reads {_unit(corpus)} {lo}..{hi} of "
+                f"{corpus.total} and gets {tokens} tokens in {len(docs[j])} document(s), fewer "
+                f"than one row (train.seq_len={t.seq_len} + 1). Use more data or a smaller "
+                "batch_size or seq_len.")
+    rows = TextRows(docs, t.seq_len, t.seed, tok.eos_id, tok.pad_id, packing=d.packing)
+    return rows, corpus.fingerprint()
+
+
+def _tokenize(documents: Iterator[sources.Document], tok: Tokenizer) -> list[np.ndarray]:
+    out: list[np.ndarray] = []
+    batch: list[str | bytes] = []
+
+    def flush() -> None:
+        out.extend(x for x in tok.encode_batch(batch) if len(x))  # empty documents add nothing
+        batch.clear()
+
+    for doc in documents:
+        batch.append(doc.content if tok.takes_bytes else doc.text())
+        if len(batch) == _TOKENIZE_BATCH:
+            flush()
+    flush()
+    return out
+
+
+def make_loader(config: ml_collections.ConfigDict, vocab_size: int, split: str = "train", *,
+                process_index: int | None = None, process_count: int | None = None,
+                prefetch: int | None = None,
+                transform: Callable[[dict[str, np.ndarray]], Any] | None = None) -> Loader:
+    """This process's loader for ``split`` ('train' or 'eval'); reads its share now.
+
+    ``process_index`` / ``process_count`` default to JAX's; tests pass them to
+    simulate many hosts in one. ``transform`` (e.g. ``Experiment.device_batch``)
+    runs on each batch in the loader thread, so the host-to-device copy is off
+    the step's path too.
+    """
+    check_config(config, vocab_size)
+    d, t = config.data, config.train
+    start, count = process_rows(t.batch_size, process_index, process_count)
+    fingerprint = 0
+    if d.source == "synthetic":
+        source: RowSource = SyntheticSource(vocab_size, t.seq_len, t.seed,
+                                            split=int(split != "train"))
+    elif d.source == "tokens":
+        field = _files_field(split)
+        files = sources.open_token_files(_files(config, split), field, d.token_dtype)
+        eos = _token_eos(files, _tokenizer(config, vocab_size), field)
+        source = TokenRows(files, t.seq_len, t.batch_size, t.seed, eos, vocab_size, field)
+        fingerprint = sources.Corpus("tokens", tuple(f.path for f in files),
+                                     tuple(f.n_tokens for f in files), field, "").fingerprint()
+    else:
+        source, fingerprint = _text_rows(config, _tokenizer(config, vocab_size), split,
+                                         range(start, start + count))
+    state_key = {"batch_size": t.batch_size, "seq_len": t.seq_len, "seed": t.seed,
+                 "corpus": fingerprint}
+    return Loader(source, start, count, state_key,
+                  d.prefetch if prefetch is None else prefetch, transform)
+
+
+class Loader:
+    """This process's rows of each global batch, in order, prepared ahead by a thread.
+
+    ``get_state()`` is the position: ``rows``, the number of global rows consumed
+    (batches x train.batch_size), and what the batches depend on. Batches are a
+    pure function of (data, seed, step), so ``set_state`` only moves the
+    position, and the next batch is the one an uninterrupted run would have
+    seen, whatever the number of processes now. Changing train.batch_size,
+    seq_len, seed or the files between save and restore is refused: each batch
+    row reads its own 1/batch_size share of the corpus, so those change every row.
+    """
+
+    def __init__(self, source: RowSource, start: int, count: int, state_key: dict[str, int],
+                 prefetch: int = 2,
+                 transform: Callable[[dict[str, np.ndarray]], Any] | None = None):
+        self.source, self.start, self.count = source, start, count
+        self.state_key, self.prefetch, self.transform = dict(state_key), prefetch, transform
+        self.batch_size = state_key["batch_size"]
+        self._step = 0
+        self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
+        self._queue: queue.Queue = queue.Queue()
+        if prefetch:
+            self._start()
+
+    def batch(self, step: int) -> dict[str, np.ndarray]:
+        """This process's rows of the batch of ``step`` (random access, no thread)."""
+        return self.source.rows(step, self.start, self.count)
+
+    def __iter__(self) -> Loader:
+        return self
+
+    def __next__(self) -> Any:
+        """The next batch: numpy rows, or what ``transform`` makes of them."""
+        batch = self._take() if self.prefetch else self._make(self._step)
+        self._step += 1
+        return batch
+
+    def _make(self, step: int) -> Any:
+        batch = self.batch(step)
+        return batch if self.transform is None else self.transform(batch)
+
+    # ----- position --------------------------------------------------------------
+
+    def get_state(self) -> dict[str, int]:
+        return {"version": STATE_VERSION, "rows": self._step * self.batch_size,
+                **self.state_key}
+
+    def set_state(self, state: dict[str, Any]) -> None:
+        if state.get("version") != STATE_VERSION:
+            raise ConfigError(f"data loader state has version {state.get('version')!r}; this "
+                              f"ndjax reads version {STATE_VERSION}.")
+        for key, now in self.state_key.items():
+            if state.get(key) != now:
+                field = {"corpus": "data files (names or sizes)"}.get(key, f"train.{key}")
+                raise ConfigError(
+                    f"data loader state was saved with {key}={state.get(key)!r} but this run "
+                    f"has {now!r}: the {field} changed, so the saved position does not name "
+                    "the same batches. Restore with the settings it was saved with.")
+        rows = int(state["rows"])
+        if rows < 0 or rows % self.batch_size:
+            raise ConfigError(f"data loader state rows={rows} is not a whole number of "
+                              f"batches of {self.batch_size}.")
+        self.close()
+        self._step = rows // self.batch_size
+        if self.prefetch:
+            self._start()
+
+    # ----- the prefetch thread ---------------------------------------------------
+
+    def _start(self) -> None:
+        self._stop = threading.Event()
+        self._queue = queue.Queue(self.prefetch)
+        self._thread = threading.Thread(target=self._produce, name="ndjax-data",
+                                        args=(self._step, self._queue, self._stop), daemon=True)
+        self._thread.start()
+
+    def _produce(self, step: int, out: queue.Queue, stop: threading.Event) -> None:
+        while not stop.is_set():
+            try:
+                item: Any = self._make(step)
+            except BaseException as e:  # handed to the consumer, which raises it
+                item = e
+            while not stop.is_set():
+                try:
+                    out.put(item, timeout=0.1)
+                    break
+                except queue.Full:
+                    continue
+            if isinstance(item, BaseException):
+                return
+            step += 1
+
+    def _take(self) -> Any:
+        if self._thread is None:
+            self._start()
+        while True:
+            try:
+                item = self._queue.get(timeout=1.0)
+            except queue.Empty:
+                if not self._thread.is_alive():  # cannot happen; never wait forever anyway
+                    raise RuntimeError("the data loader thread stopped") from None
+                continue
+            if isinstance(item, BaseException):
+                self.close()
+                raise item
+            return item
+
+    def close(self) -> None:
+        if self._thread is not None:
+            self._stop.set()
+            self._thread.join()
+            self._thread = None
+
+    def __enter__(self) -> Loader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

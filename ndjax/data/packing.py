@@ -1,0 +1,72 @@
+"""Token windows -> the batch fields: inputs, targets, positions, segment_ids, loss_mask.
+
+Packed rows are windows of ``seq_len + 1`` tokens of a stream of documents, each
+document followed by EOS (the EOS belongs to the document it ends). Inputs are
+the first ``seq_len`` tokens, targets the last ``seq_len``. In each row,
+segment ids number the documents from 1, so attention never crosses documents,
+and positions restart at 0 with each document (and at the row start), so RoPE
+sees every document from its beginning. Predicting a document's EOS is learned;
+predicting the first token of the next document is not (the loss mask drops
+it). Unpacked rows hold one piece of one document each, padded with segment 0
+and a zero loss mask.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+
+def segments_from_eos(tokens: np.ndarray, eos_id: int) -> np.ndarray:
+    """A document key per token of windows ``(n, L+1)`` where only EOS marks boundaries:
+    the number of EOS tokens strictly before it in the window."""
+    ends = (tokens == eos_id).astype(np.int32)
+    return np.concatenate([np.zeros_like(ends[:, :1]), np.cumsum(ends[:, :-1], axis=1)], 1)
+
+
+def packed_fields(tokens: np.ndarray, docs: np.ndarray) -> dict[str, np.ndarray]:
+    """Batch fields of windows ``tokens`` ``(n, L+1)``; ``docs`` has the same shape and
+    any integer key per token that changes exactly where a new document starts."""
+    seq_len = tokens.shape[1] - 1
+    first = np.concatenate([np.ones_like(docs[:, :1], bool), docs[:, 1:] != docs[:, :-1]], 1)
+    segments = np.cumsum(first, axis=1, dtype=np.int32)
+    seg_in, seg_tgt = segments[:, :-1], segments[:, 1:]
+    starts = np.where(first[:, :-1], np.arange(seq_len), 0)
+    positions = np.arange(seq_len) - np.maximum.accumulate(starts, axis=1)
+    tokens = tokens.astype(np.int32)
+    return {
+        "inputs": tokens[:, :-1],
+        "targets": tokens[:, 1:],
+        "positions": positions.astype(np.int32),
+        "segment_ids": seg_in,
+        "loss_mask": (seg_in == seg_tgt).astype(np.int32),
+    }
+
+
+def padded_fields(pieces: Sequence[np.ndarray], seq_len: int, pad_id: int
+                  ) -> dict[str, np.ndarray]:
+    """One row per document piece of 2..``seq_len + 1`` tokens, padded at the end."""
+    n = len(pieces)
+    inputs = np.full((n, seq_len), pad_id, np.int32)
+    targets = np.full((n, seq_len), pad_id, np.int32)
+    real = np.zeros((n, seq_len), np.int32)
+    for i, piece in enumerate(pieces):
+        m = len(piece) - 1
+        inputs[i, :m], targets[i, :m], real[i, :m] = piece[:-1], piece[1:], 1
+    return {
+        "inputs": inputs,
+        "targets": targets,
+        "positions": np.where(real, np.arange(seq_len), 0).astype(np.int32),
+        "segment_ids": real,
+        "loss_mask": real.copy(),
+    }
+
+
+def unpack(row: dict[str, np.ndarray]) -> list[np.ndarray]:
+    """The documents of one row (its input tokens per segment, in order, padding dropped):
+    the inverse of packing, for tests and for looking at what a model was fed."""
+    seg, inputs = np.asarray(row["segment_ids"]), np.asarray(row["inputs"])
+    ids = seg[seg > 0]
+    order = ids[np.concatenate([[True], ids[1:] != ids[:-1]])] if ids.size else ids
+    return [inputs[seg == s] for s in order]

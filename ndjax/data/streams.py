@@ -1,0 +1,209 @@
+"""Row sources: the rows of any global batch, as a pure function of (data, seed, step, row).
+
+Every source has ``rows(step, start, count)``: rows ``start .. start+count`` of
+the global batch of ``step``. Nothing depends on which process asks or on what
+was asked before, so batches are the same for any mesh layout or number of
+processes, and resuming is just asking for the next step.
+
+- ``TextRows``: row ``j`` of every batch (*slot* ``j``) reads its own stream:
+  the documents of the ``j``-th ``1/batch_size`` share of the corpus, each
+  followed by EOS, in a fresh seeded order every epoch. An epoch of slot ``j``
+  is its ``W`` windows of ``L+1`` tokens at stride ``L``, in a seeded order;
+  row ``j`` of step ``t`` is window ``t mod W`` of epoch ``t // W``. A process
+  builds only the slots of its rows, so it reads and tokenizes only its share.
+- ``TokenRows``: windows of ``L+1`` tokens of pre-tokenized files at stride
+  ``L``; global row ``g = step*batch_size + j`` is window ``permute(g mod n)``
+  of epoch ``g // n``, a seeded bijection, so every window is seen once per epoch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Protocol
+
+import numpy as np
+
+from ndjax.data.packing import packed_fields, padded_fields, segments_from_eos
+from ndjax.data.sources import TokenFile
+from ndjax.errors import ConfigError
+
+
+class RowSource(Protocol):
+    def rows(self, step: int, start: int, count: int) -> dict[str, np.ndarray]: ...
+
+
+_MASK64 = np.uint64(0xFFFFFFFFFFFFFFFF)
+
+
+def permute(index: np.ndarray, n: int, key: Sequence[int]) -> np.ndarray:
+    """A seeded bijection of ``[0, n)`` applied to ``index``, in O(1) memory.
+
+    A 4-round Feistel network over the smallest domain of an even number of bits
+    that holds ``n``; values that land in ``[n, domain)`` are sent through again
+    (cycle walking), which keeps it a bijection of ``[0, n)``. A full shuffle of
+    ``n`` windows would need ``8n`` bytes: ~1 GiB for a 10B-token file at L=64.
+    """
+    index = np.asarray(index, np.uint64)
+    if n <= 1:
+        return np.zeros_like(index)
+    half = max(1, ((n - 1).bit_length() + 1) // 2)
+    low = np.uint64((1 << half) - 1)
+    keys = np.random.default_rng(list(key)).integers(0, 1 << 62, size=4, dtype=np.uint64)
+
+    def rounds(x: np.ndarray) -> np.ndarray:
+        left, right = x >> np.uint64(half), x & low
+        for k in keys:
+            h = (right ^ k) * np.uint64(0x9E3779B97F4A7C15) & _MASK64
+            h ^= h >> np.uint64(29)
+            left, right = right, left ^ (h & low)
+        return (left << np.uint64(half)) | right
+
+    out = rounds(index)
+    while (bad := out >= n).any():
+        out[bad] = rounds(out[bad])
+    return out.astype(np.int64)
+
+
+class _Slot:
+    """One row slot's infinite stream over its documents (see the module docstring)."""
+
+    packed = True
+
+    def __init__(self, docs: Sequence[np.ndarray], key: Sequence[int], eos_id: int):
+        self.key = list(key)
+        dtype = np.result_type(*(d.dtype for d in docs), np.min_scalar_type(eos_id))
+        self.lengths = np.array([len(d) + 1 for d in docs], np.int64)   # + EOS
+        self.starts = np.cumsum(self.lengths) - self.lengths
+        self.flat = np.empty(int(self.lengths.sum()), dtype)
+        for d, s, n in zip(docs, self.starts, self.lengths):
+            self.flat[s:s + n - 1], self.flat[s + n - 1] = d, eos_id
+        self.total = len(self.flat)
+        self._epochs: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+
+    def epoch(self, e: int, n: int) -> tuple[np.ndarray, np.ndarray]:
+        """The shuffled order of ``n`` items in epoch ``e``, and the end offset of each
+        document in that order. Only the latest two epochs are kept: steps move forward."""
+        cached = self._epochs.get(e)
+        if cached is None:
+            for old in sorted(self._epochs)[:-1]:
+                self._epochs.pop(old, None)
+            order = np.random.default_rng([*self.key, e]).permutation(n)
+            ends = np.cumsum(self.lengths[order]) if self.packed else order[:0]
+            cached = self._epochs[e] = order, ends
+        return cached
+
+    def row(self, t: int, seq_len: int) -> tuple[np.ndarray, np.ndarray]:
+        """Row ``t``: a window of ``seq_len + 1`` tokens at a multiple of ``seq_len`` in the
+        stream of epoch ``t // W`` (``W`` windows fit in one epoch), and a document key per
+        token. Windows are visited in a seeded order, once each per epoch: consecutive
+        steps read unrelated parts of the share, not the next lines of the same file."""
+        n_windows = (self.total - 1) // seq_len
+        e, i = divmod(t, n_windows)
+        order, ends = self.epoch(e, len(self.lengths))
+        offset = int(permute(np.array([i]), n_windows, [*self.key, e, 1])[0]) * seq_len
+        width = seq_len + 1
+        first = int(np.searchsorted(ends, offset, side="right"))
+        tokens, docs = [], []
+        for k in range(first, len(order)):  # the documents the window overlaps, in order
+            d = order[k]
+            within = max(offset - (ends[k] - self.lengths[d]), 0)
+            take = int(min(self.lengths[d] - within, width))
+            start = self.starts[d] + within
+            tokens.append(self.flat[start:start + take])
+            docs.append(np.full(take, k, np.int64))
+            width -= take
+            if width == 0:
+                break
+        return np.concatenate(tokens), np.concatenate(docs)
+
+
+class _PaddedSlot(_Slot):
+    """Without packing: each row is one piece (at most L+1 tokens) of one document."""
+
+    packed = False
+
+    def __init__(self, docs: Sequence[np.ndarray], key: Sequence[int], eos_id: int,
+                 seq_len: int):
+        super().__init__(docs, key, eos_id)
+        self.seq_len = seq_len
+        # Piece k of a document (with its EOS) is tokens [k*L, k*L+L]: consecutive
+        # pieces overlap by one token, so every token is a target exactly once.
+        counts = (self.lengths - 1 + seq_len - 1) // seq_len
+        self.piece_doc = np.repeat(np.arange(len(counts)), counts)
+        self.piece_k = np.arange(len(self.piece_doc)) - np.repeat(np.cumsum(counts) - counts,
+                                                                  counts)
+
+    def piece(self, t: int) -> np.ndarray:
+        e, i = divmod(t, len(self.piece_doc))
+        p = self.epoch(e, len(self.piece_doc))[0][i]
+        d = self.piece_doc[p]
+        a = self.starts[d] + self.piece_k[p] * self.seq_len
+        return self.flat[a:min(a + self.seq_len + 1, self.starts[d] + self.lengths[d])]
+
+
+class TextRows:
+    """Rows of tokenized documents, one stream per row slot (see the module docstring).
+
+    ``docs`` maps each slot this process feeds to that slot's documents (token
+    arrays without EOS; at least one, and at least ``seq_len + 1`` tokens in all
+    when packing).
+    """
+
+    def __init__(self, docs: Mapping[int, Sequence[np.ndarray]], seq_len: int, seed: int,
+                 eos_id: int, pad_id: int, packing: bool = True):
+        self.seq_len, self.pad_id, self.packing = seq_len, pad_id, packing
+        self.slots: dict[int, _Slot] = {
+            j: (_Slot(d, [seed, j], eos_id) if packing
+                else _PaddedSlot(d, [seed, j], eos_id, seq_len))
+            for j, d in docs.items()}
+
+    def rows(self, step: int, start: int, count: int) -> dict[str, np.ndarray]:
+        missing = sorted(set(range(start, start + count)) - set(self.slots))
+        if missing:
+            raise ValueError(f"rows {missing} are not loaded by this process")
+        slots = [self.slots[j] for j in range(start, start + count)]
+        if not self.packing:
+            return padded_fields([s.piece(step) for s in slots], self.seq_len, self.pad_id)
+        windows = [s.row(step, self.seq_len) for s in slots]
+        return packed_fields(np.stack([w[0] for w in windows]),
+                             np.stack([w[1] for w in windows]))
+
+
+class TokenRows:
+    """Packed rows from pre-tokenized files (see the module docstring).
+
+    Windows never straddle two files. Every window is checked against the
+    model's vocabulary as it is read: a bad id is an error naming the file and
+    the token's offset, never silent garbage.
+    """
+
+    def __init__(self, files: Sequence[TokenFile], seq_len: int, batch_size: int, seed: int,
+                 eos_id: int, vocab_size: int, field: str):
+        self.files, self.seq_len, self.batch_size = list(files), seq_len, batch_size
+        self.seed, self.eos_id, self.vocab_size, self.field = seed, eos_id, vocab_size, field
+        self.arrays = [f.array() for f in self.files]  # memory maps: nothing read yet
+        per_file = np.array([(f.n_tokens - 1) // seq_len for f in self.files], np.int64)
+        self.ends = np.cumsum(per_file)
+        self.per_file = per_file
+        self.n_windows = int(self.ends[-1])
+
+    def rows(self, step: int, start: int, count: int) -> dict[str, np.ndarray]:
+        g = step * self.batch_size + np.arange(start, start + count, dtype=np.int64)
+        epoch, index = g // self.n_windows, g % self.n_windows
+        window = np.empty_like(index)
+        for e in np.unique(epoch):
+            sel = epoch == e
+            window[sel] = permute(index[sel], self.n_windows, [self.seed, 0x70C5, int(e)])
+        file = np.searchsorted(self.ends, window, side="right")
+        local = window - (self.ends[file] - self.per_file[file])
+        L = self.seq_len
+        tokens = np.stack([np.asarray(self.arrays[f][k * L:k * L + L + 1], np.int64)
+                           for f, k in zip(file, local)])
+        bad = (tokens < 0) | (tokens >= self.vocab_size)
+        if bad.any():
+            r, c = np.argwhere(bad)[0]
+            raise ConfigError(
+                f"{self.field}: {self.files[file[r]].path}: token id {tokens[r, c]} at token "
+                f"{local[r] * L + c} is not below model.vocab_size={self.vocab_size}; the file "
+                "was made with another tokenizer, or model.vocab_size is too small.")
+        return packed_fields(tokens, segments_from_eos(tokens, self.eos_id))

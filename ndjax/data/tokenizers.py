@@ -1,0 +1,114 @@
+"""Text -> token ids: byte-level (the default, needs nothing) or a Hugging Face tokenizer.json.
+
+Both expose the same small interface (``Tokenizer``): ``vocab_size`` (one past
+the largest id it can emit, what the model's embedding must cover), ``eos_id``
+(appended after every document when packing), ``pad_id`` (the input id of
+padding, which the loss mask and segment id 0 hide) and ``encode_batch``.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from collections.abc import Sequence
+from typing import Protocol
+
+import numpy as np
+
+from ndjax.errors import ConfigError
+
+# Special tokens of HF tokenizers that end a document, most specific first.
+EOS_CANDIDATES = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>", "<|eos|>", "[SEP]")
+
+
+class Tokenizer(Protocol):
+    name: str
+    vocab_size: int
+    eos_id: int
+    pad_id: int
+    takes_bytes: bool  # False: documents must be decoded to str first
+
+    def encode_batch(self, texts: Sequence[str | bytes]) -> list[np.ndarray]: ...
+
+
+def token_dtype(vocab_size: int) -> np.dtype:
+    """The smallest unsigned dtype that holds every id (halves memory for vocabs <= 65536)."""
+    return np.dtype(np.uint16 if vocab_size <= 1 << 16 else np.uint32)
+
+
+class ByteTokenizer:
+    """UTF-8 bytes are ids 0..255; the special tokens come after them."""
+
+    name = "byte"
+    EOS, BOS, PAD = 256, 257, 258
+    vocab_size = 259
+    eos_id, pad_id = EOS, PAD
+    takes_bytes = True
+
+    def encode_batch(self, texts: Sequence[str | bytes]) -> list[np.ndarray]:
+        # Bytes pass straight through: no decoding, so any file (even one that
+        # is not valid UTF-8) tokenizes.
+        return [np.frombuffer(t if isinstance(t, bytes) else t.encode("utf-8"), np.uint8)
+                .astype(np.uint16) for t in texts]
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return bytes(int(i) for i in ids if i < 256).decode("utf-8", errors="replace")
+
+
+class HFTokenizer:
+    """A Hugging Face ``tokenizer.json`` read with the ``tokenizers`` library."""
+
+    takes_bytes = False
+
+    def __init__(self, path: str, eos_token: str = "", field: str = "data.tokenizer"):
+        try:
+            from tokenizers import Tokenizer as _Tokenizer
+        except ImportError as e:  # a runtime dependency, but be clear if it is missing
+            raise ConfigError(f"{field}={path!r} needs the tokenizers package: "
+                              "pip install tokenizers.") from e
+        if not os.path.isfile(path):
+            raise ConfigError(f"{field}={path!r}: no such file. Give the path of a Hugging Face "
+                              "tokenizer.json, or 'byte' for the byte-level tokenizer.")
+        try:
+            self._tok = _Tokenizer.from_file(path)
+        except Exception as e:  # the Rust side raises a bare Exception
+            raise ConfigError(f"{field}={path!r} is not a valid tokenizer.json: "
+                              f"{str(e).splitlines()[0]}") from None
+        self.name = path
+        self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
+        names = (eos_token,) if eos_token else EOS_CANDIDATES
+        found = [t for t in names if self._tok.token_to_id(t) is not None]
+        if not found:
+            what = (f"data.eos_token={eos_token!r} is not" if eos_token
+                    else f"none of {', '.join(EOS_CANDIDATES)} is")
+            raise ConfigError(f"{field}={path!r}: {what} a token of this tokenizer; set "
+                              "data.eos_token to the token that ends a document.")
+        self.eos_id = self._tok.token_to_id(found[0])
+        # Padding is masked out of the loss and attention, so any valid id works.
+        self.pad_id = next((i for i in (self._tok.token_to_id(t) for t in ("<pad>", "[PAD]"))
+                            if i is not None), self.eos_id)
+        self._dtype = token_dtype(self.vocab_size)
+
+    def encode_batch(self, texts: Sequence[str | bytes]) -> list[np.ndarray]:
+        # Callers decode bytes themselves (sources.Document.text names the file
+        # and line of bad UTF-8). Documents get no BOS/EOS from the tokenizer's
+        # post-processor: packing adds exactly one EOS after each.
+        if any(isinstance(t, bytes) for t in texts):
+            raise TypeError("HFTokenizer.encode_batch takes str; decode bytes first")
+        encoded = self._tok.encode_batch(list(texts), add_special_tokens=False)
+        return [np.asarray(e.ids, self._dtype) for e in encoded]
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self._tok.decode([int(i) for i in ids], skip_special_tokens=False)
+
+
+@functools.lru_cache(maxsize=8)
+def load_tokenizer(name: str, eos_token: str = "") -> ByteTokenizer | HFTokenizer:
+    """``'byte'`` or the path of a tokenizer.json (cached: the config check and the loader
+    both ask for it)."""
+    if name == "byte":
+        if eos_token:
+            raise ConfigError(f"data.eos_token={eos_token!r} applies to a tokenizer.json; the "
+                              "byte tokenizer's EOS is id 256. Leave data.eos_token empty.")
+        return ByteTokenizer()
+    return HFTokenizer(name, eos_token)

@@ -1,0 +1,122 @@
+"""The loader: per-process shares, determinism, resume from state, the thread."""
+
+import json
+
+import numpy as np
+import pytest
+from data_files import data_config, texts, write_jsonl, write_text
+
+from ndjax.data import BATCH_FIELDS, sources
+from ndjax.data.loader import make_loader
+from ndjax.data.prepare import prepare
+from ndjax.errors import ConfigError
+
+VOCAB = 384
+
+
+def config_for(kind, root, **kwargs):
+    if kind == "text":
+        write_text(root / "txt", texts(40))
+        return data_config("text", str(root / "txt" / "*.txt"), **kwargs)
+    if kind == "jsonl":
+        return data_config("jsonl", str(write_jsonl(root / "c.jsonl", texts(40))), **kwargs)
+    if kind == "tokens":
+        prepare("jsonl", str(write_jsonl(root / "c.jsonl", texts(40))), str(root / "t.bin"),
+                progress=False)
+        return data_config("tokens", str(root / "t.bin"), **kwargs)
+    return data_config(kind, **kwargs)
+
+
+def assert_same(a, b):
+    for k in BATCH_FIELDS:
+        np.testing.assert_array_equal(a[k], b[k], err_msg=k)
+
+
+@pytest.mark.parametrize("processes", [2, 4])
+@pytest.mark.parametrize("kind", ["text", "jsonl", "tokens", "synthetic"])
+def test_each_process_reads_only_its_rows_and_they_match_one_process(
+        tmp_path, monkeypatch, kind, processes):
+    config = config_for(kind, tmp_path)
+    reads: dict = {}
+    share = sources.Corpus.share
+    who = ["whole"]
+    monkeypatch.setattr(sources.Corpus, "share", lambda self, lo, hi: (
+        reads.setdefault(who[0], []).append((lo, hi)) or share(self, lo, hi)))
+    with make_loader(config, VOCAB, prefetch=0) as whole:
+        full = [whole.batch(step) for step in (0, 1, 5, 50)]
+    for p in range(processes):
+        who[0] = p
+        with make_loader(config, VOCAB, process_index=p, process_count=processes,
+                         prefetch=0) as part:
+            rows = slice(p * 8 // processes, (p + 1) * 8 // processes)
+            assert (part.start, part.count) == (rows.start, rows.stop - rows.start)
+            for step, batch in zip((0, 1, 5, 50), full):
+                assert_same(part.batch(step), {k: v[rows] for k, v in batch.items()})
+            if kind in ("text", "jsonl"):
+                assert sorted(part.source.slots) == list(range(rows.start, rows.stop))
+    if kind in ("text", "jsonl"):
+        # The processes' byte ranges are disjoint and tile the corpus, like one process's.
+        ranges = sorted(r for p in range(processes) for r in reads[p])
+        assert ranges == sorted(reads["whole"]) and len(ranges) == 8
+        assert ranges[0][0] == 0 and all(a[1] == b[0] for a, b in zip(ranges, ranges[1:]))
+
+
+@pytest.mark.parametrize("kind", ["text", "tokens", "synthetic"])
+def test_resume_from_state_gives_the_batches_of_an_uninterrupted_run(tmp_path, kind):
+    config = config_for(kind, tmp_path, seq_len=32)
+    with make_loader(config, VOCAB) as run:  # with the prefetch thread
+        uninterrupted = [next(run) for _ in range(40)]
+        if kind == "text":  # past the end of every row's first epoch
+            assert max((s.total - 1) // 32 for s in run.source.slots.values()) < 25
+        if kind == "tokens":
+            assert run.source.n_windows < 25 * 8
+    with make_loader(config, VOCAB) as first:
+        for _ in range(25):
+            next(first)
+        state = json.loads(json.dumps(first.get_state()))  # it survives serialization
+    assert state["rows"] == 25 * 8 and all(type(v) is int for v in state.values())
+    # Restored by two processes instead of one: each gets its rows of the same batches.
+    for p in range(2):
+        with make_loader(config, VOCAB, process_index=p, process_count=2) as resumed:
+            next(resumed)  # a position that set_state replaces
+            resumed.set_state(state)
+            for step in range(25, 40):
+                assert_same(next(resumed), {k: v[p * 4:p * 4 + 4]
+                                            for k, v in uninterrupted[step].items()})
+            assert resumed.get_state()["rows"] == 40 * 8
+
+
+def test_state_from_other_settings_is_refused(tmp_path):
+    config = config_for("text", tmp_path)
+    with make_loader(config, VOCAB, prefetch=0) as loader:
+        next(loader)
+        state = loader.get_state()
+        with pytest.raises(ConfigError, match="rows=12 is not a whole number of batches of 8"):
+            loader.set_state({**state, "rows": 12})
+    bigger = config_for("text", tmp_path, batch_size=16)
+    with make_loader(bigger, VOCAB, prefetch=0) as loader:
+        with pytest.raises(ConfigError, match=r"saved with batch_size=8 but this run has 16"):
+            loader.set_state(state)
+    with open(tmp_path / "txt" / "part00.txt", "a") as f:
+        f.write("one more line\n")
+    with make_loader(config, VOCAB, prefetch=0) as loader:
+        with pytest.raises(ConfigError, match=r"the data files \(names or sizes\) changed"):
+            loader.set_state(state)
+
+
+def test_same_seed_same_batches_and_splits_differ():
+    config = data_config("builtin", seq_len=32)
+    with make_loader(config, VOCAB) as a, make_loader(config, VOCAB, prefetch=0) as b:
+        for _ in range(3):
+            assert_same(next(a), next(b))
+    with make_loader(config, VOCAB, "eval", prefetch=0) as held_out:
+        assert not np.array_equal(held_out.batch(0)["inputs"], a.batch(0)["inputs"])
+    config.train.seed = 1
+    with make_loader(config, VOCAB, prefetch=0) as other:
+        assert not np.array_equal(other.batch(0)["inputs"], a.batch(0)["inputs"])
+
+
+def test_closing_a_loader_with_a_full_queue_returns():
+    with make_loader(data_config("synthetic"), VOCAB, prefetch=1) as loader:
+        next(loader)
+    assert loader._thread is None

@@ -1,0 +1,116 @@
+"""Packing: documents -> rows and back; segment ids, positions and loss mask at boundaries."""
+
+import numpy as np
+import pytest
+
+from ndjax.data import BATCH_FIELDS
+from ndjax.data.packing import packed_fields, segments_from_eos, unpack
+from ndjax.data.streams import TextRows, permute
+
+EOS, PAD = 0, 99
+
+
+def test_fields_at_document_boundaries():
+    # Documents [1 2 3] [4 5] [6 7 8 9], each followed by EOS; one row of 8 tokens.
+    window = np.array([[1, 2, 3, EOS, 4, 5, EOS, 6, 7]])
+    docs = segments_from_eos(window, EOS)
+    np.testing.assert_array_equal(docs, [[0, 0, 0, 0, 1, 1, 1, 2, 2]])
+    row = packed_fields(window, docs)
+    assert set(row) == set(BATCH_FIELDS) and all(v.dtype == np.int32 for v in row.values())
+    np.testing.assert_array_equal(row["inputs"], [[1, 2, 3, EOS, 4, 5, EOS, 6]])
+    np.testing.assert_array_equal(row["targets"], [[2, 3, EOS, 4, 5, EOS, 6, 7]])
+    np.testing.assert_array_equal(row["segment_ids"], [[1, 1, 1, 1, 2, 2, 2, 3]])
+    np.testing.assert_array_equal(row["positions"], [[0, 1, 2, 3, 0, 1, 2, 0]])
+    # Predicting EOS is learned; predicting the next document's first token is not.
+    np.testing.assert_array_equal(row["loss_mask"], [[1, 1, 1, 0, 1, 1, 0, 1]])
+    assert [d.tolist() for d in unpack({k: v[0] for k, v in row.items()})] == [
+        [1, 2, 3, EOS], [4, 5, EOS], [6]]
+
+
+def test_row_that_starts_mid_document_and_ends_on_eos():
+    window = np.array([[7, 8, EOS, 5, EOS]])
+    row = packed_fields(window, segments_from_eos(window, EOS))
+    np.testing.assert_array_equal(row["segment_ids"], [[1, 1, 1, 2]])
+    np.testing.assert_array_equal(row["positions"], [[0, 1, 2, 0]])
+    np.testing.assert_array_equal(row["loss_mask"], [[1, 1, 0, 1]])  # 5 -> EOS is learned
+
+
+def _docs(rng, n, low, high):
+    return [rng.integers(1, 50, rng.integers(low, high)).astype(np.uint16) for _ in range(n)]
+
+
+def test_one_row_per_epoch_gives_every_document_back():
+    rng = np.random.default_rng(0)
+    docs = _docs(rng, 7, 1, 9)
+    seq_len = sum(len(d) + 1 for d in docs) - 1  # the whole share is exactly one window
+    rows = TextRows({0: docs}, seq_len, seed=3, eos_id=EOS, pad_id=PAD)
+    orders = []
+    for step in range(3):  # each step is a new epoch with a new document order
+        row = {k: v[0] for k, v in rows.rows(step, 0, 1).items()}
+        pieces = unpack(row)
+        pieces[-1] = np.append(pieces[-1], row["targets"][-1])  # the window's last token
+        assert all(p[-1] == EOS for p in pieces)
+        got = [p[:-1].tolist() for p in pieces]
+        assert sorted(got) == sorted(d.tolist() for d in docs)
+        orders.append(got)
+    assert orders[0] != orders[1]
+
+
+def test_windows_of_an_epoch_tile_the_shuffled_stream():
+    rng = np.random.default_rng(1)
+    docs, seq_len, seed, slot = _docs(rng, 40, 1, 30), 16, 5, 2
+    rows = TextRows({slot: docs}, seq_len, seed, EOS, PAD)
+    total = sum(len(d) + 1 for d in docs)
+    n_windows = (total - 1) // seq_len
+    stream = np.full(n_windows * seq_len + 1, -1)
+    offsets = permute(np.arange(n_windows), n_windows, [seed, slot, 0, 1]) * seq_len
+    for step, offset in enumerate(offsets):
+        row = {k: v[0] for k, v in rows.rows(step, slot, 1).items()}
+        stream[offset:offset + seq_len] = row["inputs"]
+        stream[offset + seq_len] = row["targets"][-1]
+        # Inside a row, every segment but the first and the last is a whole document.
+        for piece in unpack(row)[1:-1]:
+            assert piece[-1] == EOS and any(np.array_equal(piece[:-1], d) for d in docs)
+    assert (stream >= 0).all()  # every window of the epoch was visited once
+    # Split at EOS: the documents, whole, in the epoch's order.
+    ends = np.flatnonzero(stream == EOS)
+    found = [stream[a + 1:b].tolist() for a, b in zip(np.r_[-1, ends[:-1]], ends)]
+    order = np.random.default_rng([seed, slot, 0]).permutation(len(docs))
+    assert found == [docs[i].tolist() for i in order[:len(found)]]
+
+
+def test_positions_restart_and_mask_follows_segments():
+    rng = np.random.default_rng(2)
+    rows = TextRows({0: _docs(rng, 30, 1, 12), 1: _docs(rng, 30, 1, 12)}, 24, 0, EOS, PAD)
+    batch = rows.rows(4, 0, 2)
+    seg, pos, inputs = batch["segment_ids"], batch["positions"], batch["inputs"]
+    new = np.concatenate([np.ones((2, 1), bool), seg[:, 1:] != seg[:, :-1]], 1)
+    assert (pos[new] == 0).all() and (pos[~new] == np.roll(pos, 1, 1)[~new] + 1).all()
+    assert (seg >= 1).all()
+    # The only masked targets follow an EOS input (the next document's first token).
+    np.testing.assert_array_equal(batch["loss_mask"] == 0, inputs == EOS)
+
+
+def test_unpacked_rows_are_padded_pieces_of_one_document():
+    docs = [np.arange(1, 4, dtype=np.uint16), np.arange(1, 41, dtype=np.uint16)]
+    rows = TextRows({0: docs}, 16, 0, EOS, PAD, packing=False)
+    # 4 tokens with EOS -> 1 piece; 41 tokens -> pieces [0,16], [16,32], [32,40].
+    pieces = [{k: v[0] for k, v in rows.rows(t, 0, 1).items()} for t in range(4)]
+    short = next(p for p in pieces if p["inputs"][0] == 1 and p["inputs"][3] == PAD)
+    np.testing.assert_array_equal(short["inputs"][:4], [1, 2, 3, PAD])
+    np.testing.assert_array_equal(short["targets"][:3], [2, 3, EOS])
+    np.testing.assert_array_equal(short["segment_ids"], [1] * 3 + [0] * 13)
+    np.testing.assert_array_equal(short["loss_mask"], short["segment_ids"])
+    np.testing.assert_array_equal(short["positions"], list(range(3)) + [0] * 13)
+    # The long document's pieces, put back together, are the document and its EOS.
+    long = sorted((p for p in pieces if p is not short), key=lambda p: p["inputs"][0])
+    rebuilt = np.concatenate([unpack(p)[0] for p in long] + [long[-1]["targets"][[7]]])
+    np.testing.assert_array_equal(rebuilt, np.append(docs[1], EOS))
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 7, 64, 1000, 4099])
+def test_permute_is_a_bijection(n):
+    out = permute(np.arange(n), n, [7, 1])
+    np.testing.assert_array_equal(np.sort(out), np.arange(n))
+    if n > 8:
+        assert (out != np.arange(n)).mean() > 0.5
