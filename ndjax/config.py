@@ -45,7 +45,8 @@ def default_config() -> ml_collections.ConfigDict:
     c.runtime.cpu_devices = 8     # simulated devices on a CPU-only host; ignored on GPU
 
     c.train = ml_collections.ConfigDict()
-    # Defaults are the CPU demo: the loss falls from 7.6 to ~1.5 in 100 steps.
+    # Defaults are the CPU demo (tiny model, builtin corpus): the loss falls from
+    # 7.8 to about 2.7 in 100 steps.
     c.train.steps = 100
     c.train.batch_size = 8        # global batch, in rows of seq_len tokens
     c.train.seq_len = 64
