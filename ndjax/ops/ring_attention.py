@@ -27,10 +27,10 @@ chunk is entirely masked, and never computed. Which blocks are needed depends
 only on whether the keys' owner is this shard, an earlier or a later one
 (``OWN_BLOCKS``, ``_zigzag_blocks``): with zigzag every step after the first is
 two blocks picked by index, with no branch; with contiguous a ``lax.cond``
-skips a later shard's block. The mask inside a block is built from
-global token indices (from the layout and the owner's index) and segment ids
-(which travel with the keys), so it is exactly the dense mask: causal by index
-in the unpermuted sequence, never across documents. Positions are not needed.
+skips a later shard's block. The mask inside a block is built from global
+token indices (from the layout and the owner's index) and segment ids (which
+travel with the keys), so it is exactly the dense mask: causal by index in the
+unpermuted sequence, never across documents. Positions are not needed.
 
 Backward: a ``jax.custom_vjp`` that runs the ring a second time, as
 FlashAttention-2 and the ring-flash-attention reference do. The forward saves
@@ -45,10 +45,10 @@ exists to avoid.
 Collective-permutes executed per call with c shards
 (``expected_collective_permutes``): forward 3(c-1) (keys, values, segment ids);
 backward 2(c-1) + c (keys and values stacked, segment ids, and the stacked
-dK/dV, which make c hops to come home). When forward and backward land in one
-XLA computation (unscanned layers, or remat recomputing the forward inside the
-backward) XLA may reuse the forward's received segment ids (4 bytes a token)
-instead of sending them again.
+dK/dV, which make c hops to come home). Segment ids (4 bytes a token) are the
+same in every layer and in both passes, so XLA may hoist their sends out of
+the layer loop and share them between the passes (BENCHMARKS.md); keys and
+values it cannot share (see ``_backward_local``).
 
 On one context shard the model keeps the dense path (``model.attn_impl=auto``);
 cuDNN flash attention (``jax.nn.dot_product_attention``) is not wired in yet.
