@@ -35,6 +35,8 @@ def test_context_layout_matches_single_device(layout):
     assert ra.uses_ring(exp.model_cfg.attn_impl, exp.rules)
     # The single-device reference runs dense attention on the unpermuted batch.
     assert_same_training(exp, {})
+    # The step really ran the ring: its key/value blocks moved between devices.
+    assert "collective-permute" in exp.compiled_step.as_text()
 
 
 def test_zigzag_batch_is_permuted_on_the_host():
