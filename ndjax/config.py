@@ -30,6 +30,12 @@ def default_config() -> ml_collections.ConfigDict:
     c.model.dtype = "auto"        # compute dtype: auto = bfloat16 on GPU/TPU, float32 on CPU
     c.model.scan_layers = True
     c.model.remat = "none"        # none | full | save_proj | save_attn
+    # Attention: auto = ring attention when mesh.context > 1, else dense; or
+    # force dense | ring. Ring attention's layout (zigzag balances the causal
+    # work, contiguous does not) and key tile (memory O(local_len x tile)).
+    c.model.attn_impl = "auto"
+    c.model.cp_layout = "zigzag"
+    c.model.attn_kv_tile = 512
 
     c.mesh = ml_collections.ConfigDict()
     c.mesh.replica = 1

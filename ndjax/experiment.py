@@ -31,6 +31,7 @@ from ndjax.data import BATCH_FIELDS, loader
 from ndjax.errors import ConfigError
 from ndjax.mesh import ParallelDims, build_mesh
 from ndjax.models import llama
+from ndjax.ops import ring_attention as ring
 from ndjax.train_step import Batch, StepOptions, eval_step, train_step
 
 # Which config field sets the size of each logical parameter axis (for errors).
@@ -74,8 +75,19 @@ def model_config(model: ml_collections.ConfigDict) -> llama.LlamaConfig:
     if model.remat not in llama.REMAT_POLICIES:
         raise ConfigError(
             f"model.remat={model.remat!r}: choose one of {sorted(llama.REMAT_POLICIES)}.")
+    if model.attn_impl not in ring.IMPLS:
+        raise ConfigError(
+            f"model.attn_impl={model.attn_impl!r}: choose one of {ring.IMPLS} (auto: ring "
+            "attention when mesh.context > 1, else dense).")
+    if model.cp_layout not in ring.LAYOUTS:
+        raise ConfigError(
+            f"model.cp_layout={model.cp_layout!r}: choose one of {ring.LAYOUTS} (zigzag "
+            "balances the causal work over the context shards).")
+    if not isinstance(model.attn_kv_tile, int) or model.attn_kv_tile < 1:
+        raise ConfigError(f"model.attn_kv_tile={model.attn_kv_tile!r} must be an int >= 1.")
     return llama.LlamaConfig(**dims, dtype=DTYPES[dtype], scan_layers=bool(model.scan_layers),
-                             remat=model.remat)
+                             remat=model.remat, attn_impl=model.attn_impl,
+                             cp_layout=model.cp_layout, attn_kv_tile=model.attn_kv_tile)
 
 
 def _check_train(config: ml_collections.ConfigDict) -> None:
@@ -114,6 +126,9 @@ class Experiment:
     optimizer: optax.GradientTransformation
     state_sharding: state_lib.TrainState
     batch_sharding: NamedSharding
+    # Host-side order of the sequence that ring attention's layout needs
+    # (zigzag); None keeps the data's order. ``device_batch`` applies it.
+    seq_permutation: np.ndarray | None = None
 
     @classmethod
     def from_config(cls, config: ml_collections.ConfigDict,
@@ -143,6 +158,7 @@ class Experiment:
         param_shardings = jax.tree_util.tree_map_with_path(
             param_sharding, param_shapes, param_names)
         _check_batch(config, rules, mesh)
+        seq_permutation = _check_attention(config, model_cfg, rules)
 
         schedule = state_lib.make_schedule(config.train)
         optimizer = state_lib.make_optimizer(config.train, param_names, schedule)
@@ -151,7 +167,7 @@ class Experiment:
                                                    replicated)
         batch_sharding = rules.sharding(("act_batch", "act_seq"))
         return cls(config, dims, mesh, rules, model_cfg, graphdef, param_shapes, param_names,
-                   schedule, optimizer, state_sharding, batch_sharding)
+                   schedule, optimizer, state_sharding, batch_sharding, seq_permutation)
 
     # ----- model ---------------------------------------------------------------
 
@@ -223,8 +239,15 @@ class Experiment:
         return self.lower_eval().compile()
 
     def device_batch(self, batch: dict[str, np.ndarray]) -> Batch:
-        """Host numpy batch (this process's rows) -> global arrays in the batch sharding."""
-        return {k: jax.make_array_from_process_local_data(self.batch_sharding, batch[k])
+        """Host numpy batch (this process's rows) -> global arrays in the batch sharding.
+
+        With ring attention's zigzag layout the sequence axis of every field is
+        permuted here, all alike, so each context shard receives its two chunks;
+        the token-weighted loss is a sum over tokens and does not change.
+        """
+        perm = self.seq_permutation
+        return {k: jax.make_array_from_process_local_data(
+                    self.batch_sharding, batch[k] if perm is None else batch[k][:, perm])
                 for k in BATCH_FIELDS}
 
 
@@ -241,3 +264,30 @@ def _check_batch(config: ml_collections.ConfigDict, rules: rules_lib.Rules, mesh
                 f"{field}={value} is not divisible by {ways} = {parts}, the mesh axes that "
                 f"split it (rules for {', '.join(names)}). Use a multiple of {ways}, e.g. "
                 f"{field}={(value // ways + 1) * ways}.")
+
+
+def _check_attention(config: ml_collections.ConfigDict, model_cfg: llama.LlamaConfig,
+                     rules: rules_lib.Rules) -> np.ndarray | None:
+    """Ring attention's constraints on the sequence; returns the batch permutation."""
+    if not ring.uses_ring(model_cfg.attn_impl, rules):
+        return None
+    seq_len, context, layout = config.train.seq_len, ring.context_shards(rules), model_cfg.cp_layout
+    pieces = ring.PIECES[layout]
+    if seq_len % (pieces * context):
+        ways = pieces * context
+        what = (f"2 x mesh.context({context}) = {ways}: model.cp_layout='zigzag' cuts it "
+                "into 2 chunks per context shard" if pieces == 2 else f"mesh.context({context})")
+        raise ConfigError(
+            f"train.seq_len={seq_len} is not divisible by {what}. Use a multiple of {ways}, "
+            f"e.g. train.seq_len={(seq_len // ways + 1) * ways}"
+            + (", or model.cp_layout='contiguous'." if pieces == 2 else "."))
+    piece = ring.piece_len(layout, seq_len, context)
+    tile = model_cfg.attn_kv_tile
+    if tile < piece and piece % tile:
+        fit = max(t for t in range(1, tile + 1) if piece % t == 0)
+        raise ConfigError(
+            f"model.attn_kv_tile={tile} does not divide ring attention's block of {piece} "
+            f"tokens (train.seq_len={seq_len} / ({pieces} x mesh.context={context}), "
+            f"model.cp_layout={layout!r}). Use a divisor of {piece}, e.g. "
+            f"model.attn_kv_tile={fit}.")
+    return ring.layout_permutation(layout, seq_len, context)

@@ -1,9 +1,10 @@
-"""Shared test helpers: run a few train steps of an Experiment."""
+"""Shared test helpers: run a few train steps of an Experiment, compare with one device."""
 
 from __future__ import annotations
 
 import jax
 import numpy as np
+from conftest import tiny_config
 
 from ndjax.data.synthetic import SyntheticSource
 from ndjax.experiment import Experiment
@@ -31,3 +32,32 @@ def run_steps(exp: Experiment, initial_state=None, steps: int | None = None):
         state, metrics = exp.compiled_step(state, exp.device_batch(batch))
         losses.append(float(metrics["loss"]))
     return np.array(losses), jax.device_get(state.params)
+
+
+_references: dict = {}
+
+
+def reference(model_overrides, rules="default"):
+    """Single-device run of ``tiny_config``: initial state (host), losses, final params.
+
+    Cached per process, so every layout test of a session shares one reference.
+    """
+    key = (tuple(sorted(model_overrides.items())), rules)
+    if key not in _references:
+        exp = Experiment.from_config(tiny_config(model=model_overrides, rules=rules),
+                                     jax.devices()[:1])
+        init = jax.device_get(exp.init_state())
+        losses, params = run_steps(exp, init)
+        _references[key] = (init, losses, params)
+    return _references[key]
+
+
+def assert_same_training(exp, model_overrides):
+    """3 AdamW steps of ``exp`` equal the single-device run (see test_layouts for the
+    tolerances)."""
+    init, ref_losses, ref_params = reference(model_overrides)
+    losses, params = run_steps(exp, init)
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-4), params, ref_params)
+    # The run must have trained for real, or equality would prove nothing.
+    assert not np.allclose(params["embed"], init.params["embed"], atol=1e-3)

@@ -8,10 +8,9 @@ drift by more than a few ulps of that.
 """
 
 import jax
-import numpy as np
 import pytest
 from conftest import tiny_config
-from helpers import run_steps
+from helpers import assert_same_training
 
 from ndjax.experiment import Experiment
 
@@ -24,30 +23,6 @@ LAYOUTS = {
     "fsdp_tp": (dict(fsdp=4, tensor=2), {}),
     "replica_fsdp_tp": (dict(replica=2, fsdp=2, tensor=2), {}),
 }
-
-_references: dict = {}
-
-
-def reference(model_overrides, rules="default"):
-    """Single-device run: initial state (host), losses, final params."""
-    key = tuple(sorted(model_overrides.items()))
-    if key not in _references:
-        exp = Experiment.from_config(tiny_config(model=model_overrides, rules=rules),
-                                     jax.devices()[:1])
-        init = jax.device_get(exp.init_state())
-        losses, params = run_steps(exp, init)
-        _references[key] = (init, losses, params)
-    return _references[key]
-
-
-def assert_same_training(exp, model_overrides):
-    init, ref_losses, ref_params = reference(model_overrides)
-    losses, params = run_steps(exp, init)
-    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
-    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-4), params, ref_params)
-    # The run must have trained for real, or equality would prove nothing.
-    assert not np.allclose(params["embed"], init.params["embed"], atol=1e-3)
-
 
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
 def test_layout_matches_single_device(layout):

@@ -39,6 +39,24 @@ CASES = {
     "seq vs sequence parallelism": (
         dict(mesh=dict(fsdp=4, tensor=2), rules="megatron_sp", train=dict(seq_len=33)),
         r"train.seq_len=33 is not divisible by 2 = tensor\(2\)"),
+    "context vs devices": (dict(mesh=dict(fsdp=-1, context=3)),
+                           r"fixed sizes multiply to 3, which does not divide the 8 devices"),
+    "seq vs zigzag ring": (dict(mesh=dict(fsdp=4, context=2), train=dict(seq_len=34)),
+                           r"train.seq_len=34 is not divisible by 2 x mesh.context\(2\) = 4: "
+                           r"model.cp_layout='zigzag' .* e.g. train.seq_len=36, or "
+                           r"model.cp_layout='contiguous'"),
+    "kv tile vs ring block": (dict(mesh=dict(fsdp=4, context=2), train=dict(seq_len=48),
+                                   model=dict(attn_kv_tile=8)),
+                              r"model.attn_kv_tile=8 does not divide ring attention's block of "
+                              r"12 tokens .* e.g. model.attn_kv_tile=6"),
+    "kv tile on one shard": (dict(mesh=dict(fsdp=8), model=dict(attn_impl="ring", attn_kv_tile=5)),
+                             r"model.attn_kv_tile=5 does not divide .* block of 16 tokens"),
+    "bad kv tile": (dict(mesh=dict(fsdp=8), model=dict(attn_kv_tile=0)),
+                    r"model.attn_kv_tile=0 must be an int >= 1"),
+    "bad layout": (dict(mesh=dict(fsdp=8), model=dict(cp_layout="striped")),
+                   r"model.cp_layout='striped': choose one of \('zigzag', 'contiguous'\)"),
+    "bad attention": (dict(mesh=dict(fsdp=8), model=dict(attn_impl="flash")),
+                      r"model.attn_impl='flash': choose one of \('auto', 'dense', 'ring'\)"),
     "heads vs kv heads": (dict(mesh=dict(fsdp=8), model=dict(n_heads=8, n_kv_heads=3)),
                           r"model.n_heads=8 is not a multiple of model.n_kv_heads=3"),
     "odd head dim": (dict(mesh=dict(fsdp=8), model=dict(dim=72, n_heads=8)),

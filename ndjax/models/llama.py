@@ -22,7 +22,8 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
-from ndjax.rules import constrain, constrain_param
+from ndjax.ops import ring_attention as ring
+from ndjax.rules import active, constrain, constrain_param
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,6 +53,9 @@ class LlamaConfig:
     dtype: Any = jnp.float32      # compute dtype; parameters stay float32
     scan_layers: bool = True
     remat: str = "none"           # see REMAT_POLICIES
+    attn_impl: str = "auto"       # auto | dense | ring (see ndjax.ops.ring_attention)
+    cp_layout: str = "zigzag"     # ring attention's sequence layout: zigzag | contiguous
+    attn_kv_tile: int = 512       # ring attention's key tile: memory O(local_len x tile)
 
     @property
     def hd(self) -> int:
@@ -177,6 +181,18 @@ def dot_product_attention(q: jax.Array, k: jax.Array, v: jax.Array,
     return out.reshape(b, s, h, d)
 
 
+def attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array,
+              cfg: LlamaConfig) -> jax.Array:
+    """Dense attention, or ring attention when the active rules split the
+    sequence over the context axis (or ``cfg.attn_impl == 'ring'``)."""
+    rules = active()
+    if not ring.uses_ring(cfg.attn_impl, rules):
+        return dot_product_attention(q, k, v, segment_ids)
+    mesh = rules.mesh if ring.context_shards(rules) > 1 else None
+    return ring.ring_attention(q, k, v, segment_ids, mesh=mesh, layout=cfg.cp_layout,
+                               kv_tile=cfg.attn_kv_tile)
+
+
 class Attention(nnx.Module):
     def __init__(self, cfg: LlamaConfig, rngs: nnx.Rngs):
         d, hd, std = cfg.dim, cfg.hd, cfg.init_std
@@ -185,6 +201,7 @@ class Attention(nnx.Module):
         self.wv = _param(rngs, (d, cfg.n_kv_heads, hd), ("embed", "kv_heads", "head_dim"), std)
         self.wo = _param(rngs, (cfg.n_heads, hd, d), ("q_heads", "head_dim", "embed"), std)
         self.dtype = cfg.dtype
+        self.cfg = cfg
 
     def __call__(self, x, cos, sin, segment_ids):
         dt = self.dtype
@@ -197,7 +214,7 @@ class Attention(nnx.Module):
         k = checkpoint_name(constrain(k, kv_heads), "k_proj")
         v = checkpoint_name(constrain(v, kv_heads), "v_proj")
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        out = dot_product_attention(q, k, v, segment_ids)
+        out = attention(q, k, v, segment_ids, self.cfg)
         out = checkpoint_name(constrain(out, heads), "attn_out")
         return jnp.einsum("bshk,hkd->bsd", out, _weight(self.wo, dt))
 

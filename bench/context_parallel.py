@@ -1,0 +1,184 @@
+"""Context parallelism: memory per device, causal work balance, collective-permutes.
+
+Three measurements on simulated CPU devices, none of them timed:
+
+1. Per-device temp memory of the compiled train step
+   (``memory_analysis().temp_size_in_bytes``) at a long sequence, batch 1, tiny
+   model, for context 1, 2, 4, 8 (mesh context=c over c devices). Context 1
+   runs the same tiled kernel on one shard (``model.attn_impl=ring``); dense
+   attention at context 1 is shown for contrast. Claim: falls roughly as 1/c.
+2. Blocks each context shard computes under the causal mask, counted by the
+   kernel as it runs (``ring_attention_blocks``), zigzag vs contiguous, in units
+   of one (S/2c x S/2c) block. Claim: zigzag equal across shards (within one
+   block), contiguous growing with the shard index.
+3. Collective-permutes executed per train step, from the compiled HLO (each
+   while loop's count times its known trip count), against the design's
+   n_layers x (forward 3(c-1) + backward 2(c-1) + c), split into keys/values
+   and their gradients (float) and segment ids (int; the same in every layer,
+   so XLA may hoist or share their sends).
+
+Run from the repo root:
+
+    PYTHONPATH=. python bench/context_parallel.py --seq-len 16384
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+import time
+
+import jax
+
+jax.config.update("jax_num_cpu_devices", 8)
+
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from ndjax.config import default_config  # noqa: E402
+from ndjax.experiment import Experiment  # noqa: E402
+from ndjax.mesh import ParallelDims, build_mesh  # noqa: E402
+from ndjax.ops import ring_attention as ra  # noqa: E402
+
+MODEL = dict(vocab_size=256, dim=64, n_layers=2, n_heads=8, n_kv_heads=4, ffn_dim=128)
+CONTEXTS = (1, 2, 4, 8)
+
+
+def experiment(context: int, seq_len: int, impl: str, layout: str = "zigzag") -> Experiment:
+    c = default_config()
+    c.model.update(dict(MODEL, attn_impl=impl, cp_layout=layout))
+    c.mesh.update(dict(replica=1, fsdp=1, context=context, tensor=1))
+    c.train.update(dict(batch_size=1, seq_len=seq_len))
+    return Experiment.from_config(c, jax.devices()[:context])
+
+
+# ----- HLO: collective-permutes executed per step ------------------------------------------
+
+_COMPUTATION = re.compile(r"^(?:ENTRY )?%?([\w.\-]+) \(.*\{$")
+
+
+def executed_collective_permutes(hlo: str) -> dict[str, tuple[int, int]]:
+    """Collective-permutes of float (keys, values, their gradients) and integer
+    (segment ids) arrays: (static count in the text, count executed per step).
+
+    Executed: a computation's own collective-permutes, plus its while loops'
+    bodies times their known trip counts, plus called computations; of a
+    conditional's branches the largest (one runs).
+    """
+    bodies: dict[str, list[str]] = {}
+    entry, name = None, None
+    for line in hlo.splitlines():
+        m = _COMPUTATION.match(line)
+        if m:
+            name = m.group(1)
+            bodies[name] = []
+            if line.startswith("ENTRY"):
+                entry = name
+        elif name is not None:
+            bodies[name].append(line)
+    op = re.compile(r"= \(?([a-z]+)\d*\[.*collective-permute(-start)?\(")
+
+    def count(comp: str, kind: str) -> int:
+        total = 0
+        for line in bodies.get(comp, []):
+            m = op.search(line)
+            if m and (m.group(1) == "s") == (kind == "int"):
+                total += 1
+            if " while(" in line:
+                trips = re.search(r'known_trip_count":\{"n":"(\d+)"', line)
+                if trips is None:
+                    raise ValueError(f"while loop without a known trip count: {line[:200]}")
+                body = re.search(r"body=%([\w.\-]+)", line).group(1)
+                total += int(trips.group(1)) * count(body, kind)
+            elif " call(" in line:
+                total += count(re.search(r"to_apply=%([\w.\-]+)", line).group(1), kind)
+            elif " conditional(" in line:
+                branches = re.findall(r"(?:true|false)_computation=%([\w.\-]+)", line) or \
+                    re.findall(r"%([\w.\-]+)", line.split("branch_computations={")[1].split("}")[0])
+                total += max(count(b, kind) for b in branches)
+        return total
+
+    static = {"float": 0, "int": 0}
+    for line in hlo.splitlines():
+        m = op.search(line)
+        if m:
+            static["int" if m.group(1) == "s" else "float"] += 1
+    return {kind: (static[kind], count(entry, kind)) for kind in ("float", "int")}
+
+
+# ----- the three measurements --------------------------------------------------------------
+
+
+def memory_and_permutes(seq_len: int) -> None:
+    print(f"### 1+3. Train step at {seq_len} tokens, batch 1: temp memory and "
+          "collective-permutes\n")
+    print("Permutes: K/V/dK/dV (float) and segment ids (int), executed per step (in the HLO "
+          "text); predicted from the design, n_layers x per call.\n")
+    print("| context | attention | layout | temp MiB/device | / context-1 ring | ideal 1/c "
+          "| K/V permutes | predicted | segment-id permutes | predicted at most | compile s |")
+    print("|---:|:---|:---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    base = None
+    rows = [(1, "dense", "-")] + [(c, "ring", "zigzag") for c in CONTEXTS] + \
+        [(CONTEXTS[-1], "ring", "contiguous")]
+    n_layers = MODEL["n_layers"]
+    for context, impl, layout in rows:
+        exp = experiment(context, seq_len, impl, "zigzag" if layout == "-" else layout)
+        t0 = time.perf_counter()
+        compiled = exp.compiled_step
+        seconds = time.perf_counter() - t0
+        temp = compiled.memory_analysis().temp_size_in_bytes
+        counts = executed_collective_permutes(compiled.as_text())
+        hops = context - 1
+        # Forward: K and V, c-1 hops each; backward: stacked K/V c-1 hops, stacked
+        # dK/dV c hops. Segment ids: c-1 hops in each direction, at most.
+        kv = n_layers * (2 * hops + hops + (context if context > 1 else 0))
+        segs = n_layers * 2 * hops
+        if impl == "ring" and context == 1:
+            base = temp
+        ratio = f"{temp / base:.3f}" if base and impl == "ring" else "-"
+        ideal = f"{1 / context:.3f}" if impl == "ring" else "-"
+        (kv_static, kv_run), (seg_static, seg_run) = counts["float"], counts["int"]
+        print(f"| {context} | {impl} | {layout} | {temp / 2**20:.1f} | {ratio} | {ideal} | "
+              f"{kv_run} ({kv_static} in text) | {kv} | {seg_run} ({seg_static} in text) | "
+              f"{segs} | {seconds:.1f} |", flush=True)
+    print()
+
+
+def work_balance(seq_len: int) -> None:
+    print(f"### 2. Blocks computed per context shard under the causal mask ({seq_len} tokens)\n")
+    print("Unit: one (S/2c x S/2c) block; a contiguous block (S/c x S/c) counts 4. "
+          "Needed in all: c(2c+1) (the blocks on or below the diagonal).\n")
+    print("| context | layout | blocks per shard | max - min | total | needed |")
+    print("|---:|:---|:---|---:|---:|---:|")
+    rng = np.random.default_rng(0)
+    b, h, kv, d = 1, 4, 2, 8
+    q = jnp.asarray(rng.normal(size=(b, seq_len, h, d)), jnp.float32)
+    k = jnp.asarray(rng.normal(size=(b, seq_len, kv, d)), jnp.float32)
+    seg = jnp.zeros((b, seq_len), jnp.int32)
+    for context in CONTEXTS:
+        mesh = build_mesh(ParallelDims(fsdp=1, context=context), jax.devices()[:context]) \
+            if context > 1 else None
+        for layout in ra.LAYOUTS:
+            unit = 4 // ra.PIECES[layout] ** 2  # contiguous pieces are twice as long
+            run = jax.jit(lambda q, k, seg, layout=layout, mesh=mesh: ra.ring_attention_blocks(
+                q, k, k, seg, mesh=mesh, layout=layout, kv_tile=128)[1])
+            blocks = [int(x) * unit for x in np.asarray(run(q, k, seg))]
+            print(f"| {context} | {layout} | {blocks} | {max(blocks) - min(blocks)} | "
+                  f"{sum(blocks)} | {context * (2 * context + 1)} |", flush=True)
+    print()
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--seq-len", type=int, default=16384)
+    p.add_argument("--balance-seq-len", type=int, default=1024)
+    a = p.parse_args()
+    print(f"jax {jax.__version__}, {jax.device_count()} simulated {jax.default_backend()} "
+          f"devices; model {MODEL}; kv tile 512\n")
+    memory_and_permutes(a.seq_len)
+    work_balance(a.balance_seq_len)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""Hand-written operations that the partitioner cannot derive from the model alone."""

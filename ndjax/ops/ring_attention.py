@@ -1,0 +1,441 @@
+"""Ring attention over the ``context`` mesh axis: causal, load-balanced, packed documents.
+
+Each context shard keeps its queries. Key/value blocks (kv heads only: grouped-query
+attention is not expanded before the ring) travel around the ring with
+``lax.ppermute``, one hop per ring step, and are combined with an online
+(flash-style) softmax in float32. Inside a ring step each block is tiled over
+keys (``kv_tile``), so the per-device score buffer is (local queries x tile) per
+head, never (local x local): a 128k sequence on 8 shards never holds a 16k x 16k
+score matrix.
+
+The op is a ``jax.shard_map`` over the context axis only; every other mesh axis
+stays automatic, so batch, heads and the rest of the GSPMD step partition as
+the rule table says. Ring steps 1 .. c-2 run in a ``fori_loop``, so compile time
+and program size do not grow with the number of shards.
+
+Layouts: the sequence is cut into chunks; the layout says which chunks a shard holds.
+
+* ``zigzag`` (balanced): 2c chunks; shard i holds chunks i and 2c-1-i, as two
+  pieces. Under the causal mask every shard then computes the same number of
+  piece x piece blocks, 2c+1. The batch's sequence must be permuted on the host
+  with ``zigzag_permutation`` (``Experiment.device_batch`` does it).
+* ``contiguous``: c chunks; shard i holds chunk i, no permutation. Shard i
+  computes i+1 blocks, so the last shard does c times the work of the first.
+
+Skipping: a (query piece, key piece) block whose key chunk comes after the query
+chunk is entirely masked, and never computed. Which blocks are needed depends
+only on whether the keys' owner is this shard, an earlier or a later one
+(``OWN_BLOCKS``, ``_zigzag_blocks``): with zigzag every step after the first is
+two blocks picked by index, with no branch; with contiguous a ``lax.cond``
+skips a later shard's block. The mask inside a block is built from global
+token indices (from the layout and the owner's index) and segment ids (which
+travel with the keys), so it is exactly the dense mask: causal by index in the
+unpermuted sequence, never across documents. Positions are not needed.
+
+Backward: a ``jax.custom_vjp`` that runs the ring a second time, as
+FlashAttention-2 and the ring-flash-attention reference do. The forward saves
+only its inputs, the output and the rows' log-sum-exp (all O(local_len)); the
+backward recomputes each block's probabilities tile by tile, accumulates dQ
+locally and sends dK/dV around the ring with their key/value block, one last
+hop bringing them home. Autodiff through a scan over ring steps would instead
+save every step's key/value block (memory growing with the number of steps)
+and every tile's probabilities (O(local_len^2) in all), which is what this op
+exists to avoid.
+
+Collective-permutes executed per call with c shards
+(``expected_collective_permutes``): forward 3(c-1) (keys, values, segment ids);
+backward 2(c-1) + c (keys and values stacked, segment ids, and the stacked
+dK/dV, which make c hops to come home). Segment ids (4 bytes a token) are the
+same in every layer and in both passes, so XLA may hoist their sends out of
+the layer loop and share them between the passes (BENCHMARKS.md); keys and
+values it cannot share (see ``_backward_local``).
+
+On one context shard the model keeps the dense path (``model.attn_impl=auto``);
+cuDNN flash attention (``jax.nn.dot_product_attention``) is not wired in yet.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.sharding import Mesh, PartitionSpec
+
+from ndjax.rules import Rules
+
+LAYOUTS = ("zigzag", "contiguous")
+# auto: ring attention when the sequence is split over context, else dense.
+IMPLS = ("auto", "dense", "ring")
+PIECES = {"zigzag": 2, "contiguous": 1}
+
+# Which (query piece, key piece) blocks a shard computes when it holds the keys of
+# shard ``owner``. A block is needed iff its key chunk <= its query chunk
+# (diagonal blocks are masked inside).
+#
+# Zigzag, shard i holds chunks (i, 2c-1-i) as pieces 0 and 1. Its own keys:
+# (0, 0), (1, 0), (1, 1). Keys of j != i, with u = [j > i]: (u, 0) and (1, u).
+# For j < i, key piece 0 (chunk j) precedes both query chunks and key piece 1
+# (chunk 2c-1-j > 2c-1-i >= c > i) follows both: (0, 0), (1, 0). For j > i,
+# query piece 0 (chunk i < j < c <= 2c-1-j) sees neither key chunk and query
+# piece 1 (chunk 2c-1-i >= c > j, and > 2c-1-j) sees both: (1, 0), (1, 1). So
+# every later step is two blocks picked by index: the same code, no branch.
+#
+# Contiguous, one piece: own keys (0, 0); keys of j < i the full block (0, 0);
+# keys of j > i nothing, a ``lax.cond`` that skips the block.
+OWN_BLOCKS = {"zigzag": ((0, 0), (1, 0), (1, 1)), "contiguous": ((0, 0),)}
+
+
+def _zigzag_blocks(me: jax.Array, owner: jax.Array) -> jax.Array:
+    u = (owner > me).astype(jnp.int32)
+    return jnp.stack([jnp.stack([u, jnp.int32(0)]), jnp.stack([jnp.int32(1), u])])
+
+
+def zigzag_permutation(seq_len: int, context: int) -> np.ndarray:
+    """Indices ``perm`` such that ``x[:, perm]`` is the zigzag layout of ``x``.
+
+    Cut the sequence into 2 * context chunks; the permuted sequence is chunks
+    0, 2c-1, 1, 2c-2, ..., so that context shard i (the i-th contiguous slice)
+    holds chunks i and 2c-1-i. ``np.argsort(perm)`` undoes it.
+    """
+    if seq_len % (2 * context):
+        raise ValueError(f"seq_len={seq_len} is not divisible by 2 * context = {2 * context}")
+    chunk = seq_len // (2 * context)
+    order = np.array([[i, 2 * context - 1 - i] for i in range(context)]).reshape(-1)
+    return (order[:, None] * chunk + np.arange(chunk)).reshape(-1)
+
+
+def layout_permutation(layout: str, seq_len: int, context: int) -> np.ndarray | None:
+    """The host-side sequence permutation a layout needs (None: keep the order)."""
+    _check_layout(layout)
+    return zigzag_permutation(seq_len, context) if layout == "zigzag" else None
+
+
+def piece_len(layout: str, seq_len: int, context: int) -> int:
+    """Length of one piece: the unit of a block, which ``kv_tile`` must divide."""
+    _check_layout(layout)
+    return seq_len // (context * PIECES[layout])
+
+
+def tile_len(piece: int, kv_tile: int) -> int:
+    """The kv tile actually used: the whole piece if it is shorter than the tile."""
+    tile = min(piece, kv_tile)
+    if tile < 1 or piece % tile:
+        raise ValueError(f"kv_tile={kv_tile} does not divide the block length {piece}")
+    return tile
+
+
+def blocks_per_shard(layout: str, context: int) -> list[int]:
+    """Blocks (piece x piece) each shard computes under the causal mask, by design."""
+    _check_layout(layout)
+    own = len(OWN_BLOCKS[layout])
+    if layout == "zigzag":  # then 2 per other shard
+        return [own + 2 * (context - 1)] * context
+    return [own + i for i in range(context)]  # then 1 per earlier shard
+
+
+def expected_collective_permutes(context: int) -> dict[str, int]:
+    """Collective-permutes of one attention call: the design's count (see module doc)."""
+    hops = context - 1
+    return {"forward": 3 * hops, "backward": 2 * hops + context if context > 1 else 0}
+
+
+def context_shards(rules: Rules | None) -> int:
+    """Shards of the sequence inside attention: the context degree, if the rule
+    table splits ``act_seq`` over the context axis, else 1."""
+    if rules is None or "context" not in rules.axes_of("act_seq"):
+        return 1
+    return rules.mesh.shape["context"]
+
+
+def uses_ring(impl: str, rules: Rules | None) -> bool:
+    """Whether attention runs as ring attention: ``impl`` is ``model.attn_impl``."""
+    if impl not in IMPLS:
+        raise ValueError(f"attn_impl={impl!r}: choose one of {IMPLS}")
+    return impl == "ring" or (impl == "auto" and context_shards(rules) > 1)
+
+
+def _check_layout(layout: str) -> None:
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout={layout!r}: choose one of {LAYOUTS}")
+
+
+# ----- one shard's work --------------------------------------------------------------------
+
+
+def _token_index(owner, layout: str, context: int, piece: int) -> jax.Array:
+    """Global (unpermuted) index of each local token of shard ``owner``."""
+    t = jnp.arange(piece, dtype=jnp.int32)
+    if layout == "contiguous":
+        return owner * piece + t
+    return jnp.concatenate([owner * piece + t, (2 * context - 1 - owner) * piece + t])
+
+
+def _mask(q_idx, q_seg, k_idx, k_seg) -> jax.Array:
+    """(b, q, t): causal in the unpermuted sequence and within one document."""
+    return (q_idx[:, None] >= k_idx[None, :])[None] & (q_seg[:, :, None] == k_seg[:, None, :])
+
+
+def _tiles(tile: int, k, v, k_idx, k_seg):
+    """Key-side arrays cut into tiles along a new leading axis, for ``lax.scan``."""
+    b, n = k.shape[0], k.shape[1] // tile
+    split = lambda x: x.reshape(b, n, tile, *x.shape[2:]).swapaxes(0, 1)  # noqa: E731
+    return split(k), split(v), k_idx.reshape(n, tile), split(k_seg)
+
+
+def _block_forward(carry, q, q_idx, q_seg, k, v, k_idx, k_seg, tile: int):
+    """Online-softmax update of (o, m, den) for queries ``q`` against one key block."""
+    sqrt_d = math.sqrt(q.shape[-1])
+
+    def step(carry, xs):
+        o, m, den = carry        # (b, kv, g, q, d), (b, kv, g, q), (b, kv, g, q), float32
+        kt, vt, it, st = xs
+        s = jnp.einsum("bqkgd,btkd->bkgqt", q, kt, preferred_element_type=jnp.float32) / sqrt_d
+        s = jnp.where(_mask(q_idx, q_seg, it, st)[:, None, None], s, -jnp.inf)
+        m_new = jnp.maximum(m, s.max(-1))
+        # A row with no allowed key so far keeps m = -inf; shift by 0 instead so
+        # that exp() gives 0, not NaN.
+        m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+        p = jnp.exp(s - m_safe[..., None])
+        scale = jnp.exp(m - m_safe)
+        den = den * scale + p.sum(-1)
+        o = o * scale[..., None] + jnp.einsum("bkgqt,btkd->bkgqd", p.astype(vt.dtype), vt,
+                                              preferred_element_type=jnp.float32)
+        return (o, m_new, den), None
+
+    return lax.scan(step, carry, _tiles(tile, k, v, k_idx, k_seg))[0]
+
+
+def _block_backward(dq, q, do, lse, delta, q_idx, q_seg, k, v, k_idx, k_seg, tile: int):
+    """FlashAttention-2 backward of one block: dq accumulated, (dk, dv) of the block."""
+    sqrt_d = math.sqrt(q.shape[-1])
+
+    def step(dq, xs):
+        kt, vt, it, st = xs
+        s = jnp.einsum("bqkgd,btkd->bkgqt", q, kt, preferred_element_type=jnp.float32) / sqrt_d
+        mask = _mask(q_idx, q_seg, it, st)[:, None, None]
+        p = jnp.where(mask, jnp.exp(s - lse[..., None]), 0.0)   # the forward's probabilities
+        dv = jnp.einsum("bkgqt,bqkgd->btkd", p.astype(do.dtype), do,
+                        preferred_element_type=jnp.float32)
+        dp = jnp.einsum("bqkgd,btkd->bkgqt", do, vt, preferred_element_type=jnp.float32)
+        ds = p * (dp - delta[..., None]) / sqrt_d
+        dq = dq + jnp.einsum("bkgqt,btkd->bqkgd", ds.astype(kt.dtype), kt,
+                             preferred_element_type=jnp.float32)
+        dk = jnp.einsum("bkgqt,bqkgd->btkd", ds.astype(q.dtype), q,
+                        preferred_element_type=jnp.float32)
+        return dq, (dk, dv)
+
+    dq, (dk, dv) = lax.scan(step, dq, _tiles(tile, k, v, k_idx, k_seg))
+    join = lambda x: x.swapaxes(0, 1).reshape(k.shape[0], -1, *x.shape[3:])  # noqa: E731
+    return dq, join(dk), join(dv)
+
+
+class _Shard:
+    """What one context shard knows: its index, the layout, the ring."""
+
+    def __init__(self, axis: str, context: int, layout: str, tile: int, local_len: int):
+        self.axis, self.context, self.layout, self.tile = axis, context, layout, tile
+        self.piece = local_len // PIECES[layout]
+        self.me = lax.axis_index(axis) if context > 1 else jnp.int32(0)
+
+    def varying(self, x):
+        """Marks a fresh (e.g. zeros) array as per-shard, as shard_map's checker requires."""
+        return lax.pcast(x, self.axis, to="varying") if self.context > 1 else x
+
+    def get(self, x, piece, axis: int) -> jax.Array:
+        """Piece ``piece`` (a traced index) of ``x`` along ``axis``."""
+        return lax.dynamic_slice_in_dim(x, piece * self.piece, self.piece, axis)
+
+    def put(self, x, value, piece, axis: int) -> jax.Array:
+        return lax.dynamic_update_slice_in_dim(x, value, piece * self.piece, axis)
+
+    def blocks(self, compute, blocks, carry):
+        """Runs ``compute(carry, query piece, key piece)`` for each row of ``blocks``
+        (an int array (n, 2)) in a scan: one copy of the block code for any n."""
+        return lax.scan(lambda carry, blk: (compute(carry, blk[0], blk[1]), None),
+                        carry, blocks)[0]
+
+    def index(self, owner) -> jax.Array:
+        return _token_index(owner, self.layout, self.context, self.piece)
+
+    def send(self, x):
+        """One hop around the ring: shard j -> shard j + 1."""
+        c = self.context
+        return lax.ppermute(x, self.axis, perm=[(j, (j + 1) % c) for j in range(c)])
+
+    def ring(self, compute, carry, block, *, returning=None):
+        """Runs ``compute(blocks, carry, block, k_idx) -> carry`` at each ring step.
+
+        ``block`` (this shard's keys, values, segment ids) moves one hop per step,
+        sent before the step's compute so that the two overlap. ``returning``
+        names a carry entry (the block's gradients) that travels with the block
+        and makes one more hop after the last step, home.
+        """
+        c = self.context
+
+        def step(r, carry, block, last: bool):
+            incoming = None if last else self.send(block)
+            if isinstance(r, int) and r == 0:
+                own = jnp.array(OWN_BLOCKS[self.layout], jnp.int32)
+                carry = compute(own, carry, block, self.index(self.me))
+            else:
+                owner = (self.me - r) % c
+                k_idx = self.index(owner)
+                if self.layout == "zigzag":
+                    carry = compute(_zigzag_blocks(self.me, owner), carry, block, k_idx)
+                else:
+                    full = jnp.zeros((1, 2), jnp.int32)
+                    carry = lax.cond(owner < self.me, functools.partial(compute, full),
+                                     lambda carry, *_: carry, carry, block, k_idx)
+            if returning is not None and c > 1:
+                carry = {**carry, returning: self.send(carry[returning])}
+            return carry, incoming
+
+        carry, block = step(0, carry, block, last=c == 1)
+        if c > 2:  # steps 1 .. c-2: one loop body whatever c is
+            carry, block = lax.fori_loop(
+                1, c - 1, lambda r, cb: step(r, *cb, last=False), (carry, block))
+        if c > 1:
+            carry, _ = step(c - 1, carry, block, last=True)
+        return carry
+
+
+def _forward_local(q, k, v, seg, *, axis: str, context: int, layout: str, tile: int):
+    """One shard's forward: (out, lse, number of blocks computed)."""
+    b, n, h, d = q.shape
+    kv = k.shape[2]
+    sh = _Shard(axis, context, layout, tile, n)
+    q5 = q.reshape(b, n, kv, h // kv, d)
+    q_idx = sh.index(sh.me)
+    stats = (b, kv, h // kv, n)
+    init = {"o": sh.varying(jnp.zeros((*stats, d), jnp.float32)),
+            "m": sh.varying(jnp.full(stats, -jnp.inf, jnp.float32)),
+            "den": sh.varying(jnp.zeros(stats, jnp.float32)),
+            "blocks": sh.varying(jnp.zeros((), jnp.int32))}
+
+    def compute(blocks, carry, block, k_idx):
+        k, v, k_seg = block
+
+        def one(carry, a, c):
+            stats = tuple(sh.get(carry[x], a, 3) for x in ("o", "m", "den"))
+            stats = _block_forward(stats, sh.get(q5, a, 1), sh.get(q_idx, a, 0),
+                                   sh.get(seg, a, 1), sh.get(k, c, 1), sh.get(v, c, 1),
+                                   sh.get(k_idx, c, 0), sh.get(k_seg, c, 1), sh.tile)
+            return {**{x: sh.put(carry[x], y, a, 3) for x, y in zip(("o", "m", "den"), stats)},
+                    "blocks": carry["blocks"] + 1}
+
+        return sh.blocks(one, blocks, carry)
+
+    carry = sh.ring(compute, init, (k, v, seg))
+    out = (carry["o"] / carry["den"][..., None]).transpose(0, 3, 1, 2, 4).reshape(b, n, h, d)
+    lse = carry["m"] + jnp.log(carry["den"])
+    return out.astype(q.dtype), lse, carry["blocks"].reshape(1)
+
+
+def _backward_local(q, k, v, seg, out, lse, dout, *, axis: str, context: int, layout: str,
+                    tile: int):
+    """One shard's backward: (dq, dk, dv) of its own queries, keys and values.
+
+    Keys and values travel stacked as one array here (and dK, dV likewise): one
+    collective per hop instead of two, and, being different instructions from
+    the forward's sends, XLA cannot merge the two rings, which would keep every
+    received block alive from the forward to the backward.
+    """
+    b, n, h, d = q.shape
+    kv = k.shape[2]
+    sh = _Shard(axis, context, layout, tile, n)
+    q5 = q.reshape(b, n, kv, h // kv, d)
+    do5 = dout.reshape(b, n, kv, h // kv, d)
+    # delta_i = sum_j P_ij dP_ij = dout_i . out_i, laid out like lse: (b, kv, g, n).
+    delta = jnp.sum(do5.astype(jnp.float32) * out.reshape(q5.shape).astype(jnp.float32),
+                    axis=-1).transpose(0, 2, 3, 1)
+    q_idx = sh.index(sh.me)
+    init = {"dq": sh.varying(jnp.zeros(q5.shape, jnp.float32)),
+            "dkv": sh.varying(jnp.zeros((2, *k.shape), jnp.float32))}
+
+    def compute(blocks, carry, block, k_idx):
+        (k, v), k_seg = block
+
+        def one(carry, a, c):
+            dq, dkv = carry["dq"], carry["dkv"]
+            dq_a, dk, dv = _block_backward(
+                sh.get(dq, a, 1), sh.get(q5, a, 1), sh.get(do5, a, 1), sh.get(lse, a, 3),
+                sh.get(delta, a, 3), sh.get(q_idx, a, 0), sh.get(seg, a, 1), sh.get(k, c, 1),
+                sh.get(v, c, 1), sh.get(k_idx, c, 0), sh.get(k_seg, c, 1), sh.tile)
+            dkv_c = sh.get(dkv, c, 2) + jnp.stack([dk, dv])
+            return {"dq": sh.put(dq, dq_a, a, 1), "dkv": sh.put(dkv, dkv_c, c, 2)}
+
+        return sh.blocks(one, blocks, carry)
+
+    carry = sh.ring(compute, init, (jnp.stack([k, v]), seg), returning="dkv")
+    dk, dv = carry["dkv"]
+    return (carry["dq"].reshape(b, n, h, d).astype(q.dtype), dk.astype(k.dtype),
+            dv.astype(v.dtype))
+
+
+# ----- the op ------------------------------------------------------------------------------
+
+
+@functools.cache
+def _build(mesh: Mesh | None, axis: str, layout: str, kv_tile: int, seq_len: int):
+    """(attention with its custom VJP, forward that also returns blocks per shard)."""
+    _check_layout(layout)
+    context = 1 if mesh is None else mesh.shape[axis]
+    if seq_len % (context * PIECES[layout]):
+        raise ValueError(f"sequence length {seq_len} is not divisible by {PIECES[layout]} x "
+                         f"{context} context shards (layout {layout!r})")
+    tile = tile_len(piece_len(layout, seq_len, context), kv_tile)
+    kw = dict(axis=axis, context=context, layout=layout, tile=tile)
+    forward = functools.partial(_forward_local, **kw)
+    backward = functools.partial(_backward_local, **kw)
+    if context > 1:
+        seq, rows = PartitionSpec(None, axis), PartitionSpec(None, None, None, axis)
+        shard = functools.partial(jax.shard_map, mesh=mesh, axis_names={axis})
+        forward = shard(forward, in_specs=(seq,) * 4, out_specs=(seq, rows, PartitionSpec(axis)))
+        backward = shard(backward, in_specs=(seq,) * 4 + (seq, rows, seq), out_specs=(seq,) * 3)
+
+    @jax.custom_vjp
+    def attend(q, k, v, seg):
+        return forward(q, k, v, seg)[0]
+
+    def attend_fwd(q, k, v, seg):
+        out, lse, _ = forward(q, k, v, seg)
+        return out, (q, k, v, seg, out, lse)
+
+    def attend_bwd(res, dout):
+        return (*backward(*res, dout), None)  # no gradient for the segment ids
+
+    attend.defvjp(attend_fwd, attend_bwd)
+    return attend, forward
+
+
+def ring_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array, *,
+                   mesh: Mesh | None, axis: str = "context", layout: str = "zigzag",
+                   kv_tile: int = 512) -> jax.Array:
+    """Causal grouped-query attention over packed documents, sequence split over ``axis``.
+
+    Same contract as ``ndjax.models.llama.dot_product_attention`` on the
+    *unpermuted* sequence; with ``layout='zigzag'`` the inputs' sequence axis
+    must be in zigzag order (``zigzag_permutation``) and so is the output.
+    q: (b, s, h, d); k, v: (b, s, kv, d); segment_ids: (b, s). ``mesh=None`` or
+    a context axis of size 1 runs the same tiled kernel on one shard, without
+    collectives.
+    """
+    attend, _ = _build(mesh, axis, layout, kv_tile, q.shape[1])
+    return attend(q, k, v, segment_ids)
+
+
+def ring_attention_blocks(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array, *,
+                          mesh: Mesh | None, axis: str = "context", layout: str = "zigzag",
+                          kv_tile: int = 512) -> tuple[jax.Array, jax.Array]:
+    """Forward only: (output, blocks computed by each context shard, shape (context,)).
+
+    A block is one query piece against one key piece (``piece_len``): counted as
+    the kernel runs, so the figure measures what the schedule really skipped.
+    """
+    _, forward = _build(mesh, axis, layout, kv_tile, q.shape[1])
+    out, _, blocks = forward(q, k, v, segment_ids)
+    return out, blocks

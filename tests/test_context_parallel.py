@@ -1,0 +1,89 @@
+"""Context parallelism trains exactly like one device, in-process and through train.py.
+
+Tolerances as in test_layouts (loss rtol 1e-5, parameters atol 1e-4 after 3
+AdamW steps, f32): ring attention changes only the order of float32 sums (its
+online softmax, the permuted token order of the loss), like any layout does.
+"""
+
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from conftest import tiny_config
+from helpers import assert_same_training, host_batches, reference
+from test_train_cli import ROOT, losses
+
+from ndjax.experiment import Experiment
+from ndjax.ops import ring_attention as ra
+
+LAYOUTS = {
+    # FSDP x context, balanced: the configs/llama_fsdp_cp.py mesh.
+    "fsdp_cp_zigzag": (dict(fsdp=4, context=2), {}),
+    # Context with tensor parallelism and replicas, unbalanced layout, and key
+    # tiles shorter than a block (16 tokens per shard, tiles of 4).
+    "replica_cp_tp_contiguous": (dict(replica=2, context=2, tensor=2),
+                                 dict(cp_layout="contiguous", attn_kv_tile=4)),
+}
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_context_layout_matches_single_device(layout):
+    mesh, model = LAYOUTS[layout]
+    exp = Experiment.from_config(tiny_config(mesh=mesh, model=model))
+    assert ra.uses_ring(exp.model_cfg.attn_impl, exp.rules)
+    # The single-device reference runs dense attention on the unpermuted batch.
+    assert_same_training(exp, {})
+    # The step really ran the ring: its key/value blocks moved between devices.
+    assert "collective-permute" in exp.compiled_step.as_text()
+
+
+def test_zigzag_batch_is_permuted_on_the_host():
+    exp = Experiment.from_config(tiny_config(mesh=dict(fsdp=4, context=2)))
+    perm = ra.zigzag_permutation(32, 2)
+    np.testing.assert_array_equal(exp.seq_permutation, perm)
+    host = host_batches(exp.config, 1)[0]
+    device = exp.device_batch(host)
+    for name, array in device.items():  # every field alike, so targets stay aligned
+        np.testing.assert_array_equal(np.asarray(array), host[name][:, perm], err_msg=name)
+    # Shard 1 of the context axis holds chunks 1 and 2 of the 4 (tokens 8-23).
+    shard = [s for s in device["positions"].addressable_shards if s.index[1].start == 16][0]
+    np.testing.assert_array_equal(np.asarray(shard.data), host["positions"][shard.index[0], 8:24])
+    contiguous = tiny_config(mesh=dict(fsdp=4, context=2), model=dict(cp_layout="contiguous"))
+    assert Experiment.from_config(contiguous).seq_permutation is None
+    assert Experiment.from_config(tiny_config(mesh=dict(fsdp=8))).seq_permutation is None
+
+
+# The tiny_config experiment as train.py flags, so that train.py's losses can be
+# compared with the in-process single-device reference.
+TINY_CONFIG_FLAGS = [
+    "--config.model.vocab_size=256", "--config.model.dim=64", "--config.model.n_layers=2",
+    "--config.model.n_heads=8", "--config.model.n_kv_heads=4", "--config.model.ffn_dim=128",
+    "--config.model.rope_theta=10000.0", "--config.train.steps=3", "--config.train.batch_size=8",
+    "--config.train.seq_len=32", "--config.train.lr=0.01", "--config.train.warmup_steps=0",
+    "--config.train.schedule=constant", "--config.train.eps=1e-6",
+    "--config.data.source=synthetic"]
+
+
+def start_train(config, workdir, *extra):
+    env = {**os.environ, "PYTHONPATH": ROOT}
+    cmd = [sys.executable, os.path.join(ROOT, "train.py"), f"--config={config}",
+           f"--workdir={workdir}", *TINY_CONFIG_FLAGS, *extra]
+    return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+
+
+def test_train_py_context_configs_log_single_device_losses(tmp_path):
+    # Both runs start at once; the single-device reference runs here meanwhile.
+    runs = {"configs/llama_fsdp_cp.py": start_train("configs/llama_fsdp_cp.py", tmp_path / "cp"),
+            # 16 devices: more than this test process has, hence a subprocess.
+            "configs/llama_4d.py": start_train("configs/llama_4d.py", tmp_path / "4d")}
+    _, ref_losses, _ = reference({})
+    for (config, proc), workdir in zip(runs.items(), ("cp", "4d")):
+        _, stderr = proc.communicate(timeout=600)
+        assert proc.returncode == 0, f"{config}: {stderr[-3000:]}"
+        np.testing.assert_allclose(losses(tmp_path / workdir), ref_losses, rtol=1e-5,
+                                   err_msg=config)
+    config = (tmp_path / "4d" / "config.json").read_text()
+    assert '"context": 2' in config and '"cpu_devices": 16' in config
