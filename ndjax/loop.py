@@ -13,6 +13,7 @@ import jax
 import ml_collections
 import numpy as np
 
+from ndjax import hf
 from ndjax.checkpoint import Checkpointer, Preemption
 from ndjax.data.loader import make_loader
 from ndjax.experiment import Experiment
@@ -194,6 +195,11 @@ def train(config: ml_collections.ConfigDict, workdir: str,
                 break
         if pending is not None:
             flush(*pending)
+        # A preempted run exports when it is resumed and finishes.
+        if config.export.hf_dir and not preemption.requested:
+            hf.export(state.params, exp.model_cfg, config.export.hf_dir, config.export.dtype,
+                      source=exp.checkpoint)
+            sinks.message(f"exported Hugging Face checkpoint to {config.export.hf_dir}")
     finally:
         data.close()
         preemption.close()
