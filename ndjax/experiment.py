@@ -209,8 +209,11 @@ class Experiment:
                                         opt_state=self.optimizer.init(params))
 
         with rules_lib.use(self.rules):
+            params = jax.tree.map(
+                lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
+                self.param_shapes, self.state_sharding.params)
             return jax.jit(wrap, out_shardings=self.state_sharding, donate_argnums=0).lower(
-                self.abstract_state.params).compile()
+                params).compile()
 
     @functools.cached_property
     def abstract_state(self) -> state_lib.TrainState:

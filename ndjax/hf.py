@@ -19,6 +19,7 @@ tensor) and the raw bytes.
 from __future__ import annotations
 
 import dataclasses
+import gc
 import json
 import math
 import os
@@ -307,11 +308,14 @@ def _put(shape: tuple[int, ...], sharding: jax.sharding.Sharding, read) -> jax.A
     buffers = []
     for index, devices in by_index.values():
         host = read(index)
-        # may_alias=False: the CPU backend would otherwise keep the host array as the buffer.
-        puts = [jax.device_put(host, d, may_alias=False) for d in devices]
+        puts = [jax.device_put(host, d) for d in devices]
         jax.block_until_ready(puts)
         buffers += puts
         del host
+        # jaxlib lets go of the host array from its transfer thread through a gc
+        # callback (jax-ml/jax#14882); a young-generation collection runs it now,
+        # cheaply. Without it, shards pile up on the host until the next collection.
+        gc.collect(0)
     return jax.make_array_from_single_device_arrays(shape, sharding, buffers)
 
 
@@ -327,7 +331,10 @@ def load_params(ckpt: Checkpoint, shapes: Any, shardings: Any) -> Any:
         if keys[0] != "layers":
             name, split = _TOP[keys]
             view = ckpt.view(name, shape.shape, split)
-            return _put(shape.shape, sharding, lambda index: np.asarray(view[index], np.float32))
+            # C order (the device layout): a transposed view would otherwise give a
+            # Fortran-ordered shard that the transfer has to copy once more.
+            return _put(shape.shape, sharding,
+                        lambda index: np.asarray(view[index], np.float32, order="C"))
         hf_name, split = _LAYER[keys[1:]]
         per_layer = shape.shape[1:]
 
@@ -428,7 +435,7 @@ def _write_file(path: str | None, tensors: list, code: str) -> None:
         if f:
             f.write(struct.pack("<Q", len(raw)) + raw)
         for name, shape, get in tensors:
-            a = np.ascontiguousarray(get().astype(dtype))  # every process joins the gather
+            a = get().astype(dtype, order="C")  # every process joins the gather
             assert a.shape == shape, (name, a.shape, shape)
             if f:
                 f.write(memoryview(a.reshape(-1).view(np.uint8)))

@@ -112,8 +112,9 @@ def train(config: ml_collections.ConfigDict, workdir: str,
             f.write(config.to_json_best_effort(indent=2))
         _keep_metrics_until(os.path.join(workdir, "metrics.jsonl"), first_step - 1)
 
-    step_fn = exp.compiled_step
-    if t.eval_every:
+    # No steps left (steps=0: import -> export, or a finished run): nothing to compile.
+    step_fn = exp.compiled_step if first_step <= t.steps else None
+    if t.eval_every and first_step <= t.steps:
         exp.compiled_eval  # noqa: B018 -- compile now, not inside the first timed step
 
     num_devices = exp.mesh.devices.size
