@@ -18,6 +18,7 @@ tensor) and the raw bytes.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import gc
 import json
@@ -96,15 +97,19 @@ class _File:
         self.start = 8 + n
         self.entries: dict[str, tuple[np.dtype, tuple[int, ...], int]] = {}
         for name, e in header.items():
-            if e.get("dtype") not in _DTYPES:
-                raise ConfigError(f"{path}: tensor {name} has dtype {e.get('dtype')}; ndjax "
-                                  f"reads {sorted(_DTYPES)}. Convert the checkpoint first.")
-            dtype, shape = _DTYPES[e["dtype"]], tuple(e["shape"])
-            begin, end = e["data_offsets"]
-            if end - begin != math.prod(shape) * dtype.itemsize or self.start + end > size:
+            code = e.get("dtype") if isinstance(e, dict) else None
+            if code not in _DTYPES:
+                raise ConfigError(f"{path}: tensor {name} has dtype {code}; ndjax reads "
+                                  f"{sorted(_DTYPES)}. Convert the checkpoint first.")
+            try:
+                shape, (begin, end) = tuple(int(d) for d in e["shape"]), e["data_offsets"]
+                ok = end - begin == math.prod(shape) * _DTYPES[code].itemsize
+            except (KeyError, TypeError, ValueError):
+                ok = False
+            if not ok or self.start + end > size:
                 raise ConfigError(f"{path}: tensor {name} has a byte range that does not match "
                                   "its shape or the file size; the file is damaged.")
-            self.entries[name] = (dtype, shape, begin)
+            self.entries[name] = (_DTYPES[code], shape, begin)
         self._map: np.memmap | None = None
 
     def tensor(self, name: str) -> np.ndarray:
@@ -430,8 +435,7 @@ def _write_file(path: str | None, tensors: list, code: str) -> None:
         offset += size
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)  # keeps the data 8-byte aligned, as safetensors does
-    f = open(path, "wb") if path else None
-    try:
+    with open(path, "wb") if path else contextlib.nullcontext() as f:
         if f:
             f.write(struct.pack("<Q", len(raw)) + raw)
         for name, shape, get in tensors:
@@ -442,9 +446,6 @@ def _write_file(path: str | None, tensors: list, code: str) -> None:
         if f:
             f.flush()
             os.fsync(f.fileno())
-    finally:
-        if f:
-            f.close()
 
 
 def export(params: Any, cfg: llama.LlamaConfig, out_dir: str, dtype: str = "bfloat16", *,
@@ -499,4 +500,5 @@ def export(params: Any, cfg: llama.LlamaConfig, out_dir: str, dtype: str = "bflo
     finally:
         if tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)
-    multihost_utils.sync_global_devices("ndjax.hf.export")
+    if jax.process_count() > 1:  # the others wait until the directory is in place
+        multihost_utils.sync_global_devices("ndjax.hf.export")
