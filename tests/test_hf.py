@@ -18,6 +18,7 @@ import os
 import subprocess
 import sys
 import tracemalloc
+import warnings
 
 import jax
 import numpy as np
@@ -30,6 +31,8 @@ from ndjax import hf
 from ndjax import rules as rules_lib
 from ndjax.errors import ConfigError
 from ndjax.experiment import Experiment
+from ndjax.export import export_checkpoint
+from ndjax.loop import train
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BASE = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -252,21 +255,70 @@ def test_host_memory_is_one_shard(tmp_path):
             model.model.layers[3].mlp.down_proj.weight.detach().numpy().T)
 
 
-def test_train_py_steps_0_is_a_round_trip(saved, tmp_path):
-    directory, model = saved("gqa_llama3")
-    out = tmp_path / "hf_out"
-    result = subprocess.run(
-        [sys.executable, os.path.join(ROOT, "train.py"), "--config=configs/llama_fsdp_tp.py",
-         f"--config.model.init_from={directory}", f"--config.export.hf_dir={out}",
-         "--config.export.dtype=float32", "--config.train.steps=0",
-         "--config.train.seq_len=32", f"--workdir={tmp_path / 'w'}"],
-        cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT}, capture_output=True, text=True,
-        timeout=300)
-    assert result.returncode == 0, result.stderr[-2000:]
-    assert "UserWarning" not in result.stderr  # no config field was overridden
-    loaded, info = AutoModelForCausalLM.from_pretrained(out, output_loading_info=True)
+def test_steps_0_is_a_round_trip(saved, tmp_path):
+    directory, model = saved("mqa_tied")
+    c = config_for(directory, FSDP_TP, KV_REPLICATED, hf_dir=str(tmp_path / "out"),
+                   dtype="float32")
+    c.train.steps = 0
+    c.log.tensorboard = False
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no config field is overridden
+        train(c, str(tmp_path / "w"), verbose=False)
+    loaded, info = AutoModelForCausalLM.from_pretrained(tmp_path / "out",
+                                                        output_loading_info=True)
     assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys"))
     assert_same_weights(loaded, model)
+
+
+def run_py(*args):
+    return subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True,
+                          env={**os.environ, "PYTHONPATH": ROOT}, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def trained_run(saved, tmp_path_factory):
+    """train.py: 2 steps from an HF checkpoint, exported (float32) at the end, checkpointed."""
+    directory, _ = saved("gqa_llama3")
+    root = tmp_path_factory.mktemp("run")
+    result = run_py("train.py", "--config=configs/llama_fsdp_tp.py",
+                    f"--config.model.init_from={directory}",
+                    f"--config.export.hf_dir={root / 'at_end'}", "--config.export.dtype=float32",
+                    "--config.train.steps=2", "--config.train.seq_len=32",
+                    "--config.log.tensorboard=False", f"--workdir={root / 'w'}")
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "UserWarning" not in result.stderr  # no config field was overridden
+    return root
+
+
+def test_train_py_exports_at_the_end(saved, trained_run):
+    loaded, info = AutoModelForCausalLM.from_pretrained(trained_run / "at_end",
+                                                        output_loading_info=True)
+    assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys"))
+    # Trained: the weights moved away from the source's.
+    source = saved("gqa_llama3")[1]
+    assert not torch.equal(loaded.lm_head.weight, source.lm_head.weight)
+
+
+def test_export_cli_writes_what_training_exported(trained_run):
+    out = trained_run / "from_checkpoint"
+    result = run_py("-m", "ndjax.export", f"--workdir={trained_run / 'w'}", f"--out={out}",
+                    "--dtype=float32")
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "exported checkpoint step 2" in result.stdout
+    for name in ("model.safetensors", "config.json", "generation_config.json"):
+        assert (out / name).read_bytes() == (trained_run / "at_end" / name).read_bytes(), name
+
+
+def test_export_cli_bad_input(trained_run, tmp_path):
+    workdir = str(trained_run / "w")
+    with pytest.raises(ConfigError, match=r"--step=7: no complete checkpoint of that step in "
+                                          r".*there are \[2\]"):
+        export_checkpoint(workdir, str(tmp_path / "a"), step=7)
+    with pytest.raises(ConfigError, match=r"--workdir=.* has no config.json"):
+        export_checkpoint(str(tmp_path), str(tmp_path / "b"))
+    with pytest.raises(ConfigError, match=r"export.hf_dir=.* exists and is not empty"):
+        export_checkpoint(workdir, str(trained_run / "at_end"))
+    assert os.listdir(tmp_path) == []
 
 
 # ----- bad input ----------------------------------------------------------------------
