@@ -133,6 +133,8 @@ class Experiment:
         init_from = config.model.init_from
         checkpoint = hf.open_checkpoint(init_from) if init_from else None
         model_cfg = model_config(config.model, checkpoint)
+        if checkpoint is not None:
+            hf.check_tokenizer(config, checkpoint)
         loader.check_config(config, model_cfg.vocab_size)  # names, sizes, tokenizer vs vocab
         mesh = build_mesh(dims, devices)
         rules = rules_lib.Rules(config.rules, mesh)

@@ -296,6 +296,18 @@ def override_dims(model: ml_collections.ConfigDict, preset_dims: dict, ckpt: Che
     return dict(ckpt.dims)
 
 
+def check_tokenizer(config: ml_collections.ConfigDict, ckpt: Checkpoint) -> None:
+    """Warns when text would be tokenized with bytes while the checkpoint has its own tokenizer."""
+    path = os.path.join(ckpt.directory, "tokenizer.json")
+    d = config.data
+    if d.source in ("text", "jsonl", "parquet", "builtin") and d.tokenizer == "byte" \
+            and os.path.isfile(path):
+        warnings.warn(f"model.init_from={ckpt.directory!r} has a tokenizer.json, but "
+                      f"data.tokenizer='byte' feeds the model byte ids. Set "
+                      f"--config.data.tokenizer={path} to train on the checkpoint's tokens.",
+                      stacklevel=3)
+
+
 def _index_key(index: tuple[slice, ...]) -> tuple:
     return tuple((s.start, s.stop, s.step) for s in index)
 

@@ -155,6 +155,16 @@ def test_config_fields_are_overridden_with_a_warning(saved):
     assert exp.model_cfg.dim == 64
 
 
+def test_byte_tokenizer_with_a_checkpoint_tokenizer_warns(tmp_path):
+    make_hf(tmp_path, **CASES["odd_sizes"])  # vocab 264 holds the byte tokenizer's 259 ids
+    (tmp_path / "tokenizer.json").write_text("{}")
+    c = config_for(tmp_path, FSDP_TP)
+    c.data.source = "builtin"
+    with pytest.warns(UserWarning, match=r"has a tokenizer.json, but data.tokenizer='byte'.*"
+                                         r"--config.data.tokenizer=.*tokenizer.json"):
+        Experiment.from_config(c)
+
+
 def test_sharded_safetensors_input(tmp_path):
     model = make_hf(tmp_path, max_shard_size="40KB")
     shards = [n for n in os.listdir(tmp_path) if n.endswith(".safetensors")]
@@ -284,7 +294,8 @@ def trained_run(saved, tmp_path_factory):
                     f"--config.model.init_from={directory}",
                     f"--config.export.hf_dir={root / 'at_end'}", "--config.export.dtype=float32",
                     "--config.train.steps=2", "--config.train.seq_len=32",
-                    "--config.log.tensorboard=False", f"--workdir={root / 'w'}")
+                    "--config.log.tensorboard=False", "--config.data.source=synthetic",
+                    f"--workdir={root / 'w'}")
     assert result.returncode == 0, result.stderr[-2000:]
     assert "UserWarning" not in result.stderr  # no config field was overridden
     return root
