@@ -36,6 +36,9 @@ def default_config() -> ml_collections.ConfigDict:
     c.model.attn_impl = "auto"
     c.model.cp_layout = "zigzag"
     c.model.attn_kv_tile = 512
+    # A local Hugging Face Llama directory (config.json + safetensors): its
+    # config.json sets the dims above and its weights the initial parameters.
+    c.model.init_from = config_dict.placeholder(str)
 
     c.mesh = ml_collections.ConfigDict()
     c.mesh.replica = 1
@@ -100,6 +103,12 @@ def default_config() -> ml_collections.ConfigDict:
 
     c.debug = ml_collections.ConfigDict()
     c.debug.nan_at_step = -1      # poison the loss at this step (tests of train.on_nan)
+
+    c.export = ml_collections.ConfigDict()
+    # At the end of training, write a directory that transformers loads
+    # (AutoModelForCausalLM.from_pretrained); None: no export.
+    c.export.hf_dir = config_dict.placeholder(str)
+    c.export.dtype = "bfloat16"   # of the exported weights: bfloat16 | float16 | float32
     return c
 
 

@@ -24,6 +24,7 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from ndjax import hf
 from ndjax import rules as rules_lib
 from ndjax import state as state_lib
 from ndjax.config import check_keys
@@ -43,8 +44,10 @@ FIELD_OF_AXIS = {
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
 
-def model_config(model: ml_collections.ConfigDict) -> llama.LlamaConfig:
-    """The model's dims: the preset, overridden by any field set in the config."""
+def model_config(model: ml_collections.ConfigDict, checkpoint: hf.Checkpoint | None = None
+                 ) -> llama.LlamaConfig:
+    """The model's dims: the preset, overridden by any field set in the config, all
+    overridden (with a warning) by the checkpoint's config.json if there is one."""
     if model.preset not in llama.PRESETS:
         raise ConfigError(
             f"model.preset={model.preset!r} is unknown; choose one of {sorted(llama.PRESETS)}.")
@@ -53,6 +56,8 @@ def model_config(model: ml_collections.ConfigDict) -> llama.LlamaConfig:
                   "head_dim", "rope_theta", "tie_embeddings"):
         if model[field] is not None:
             dims[field] = model[field]
+    if checkpoint is not None:
+        dims = hf.override_dims(model, llama.PRESETS[model.preset], checkpoint)
     for field in ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim"):
         if dims[field] < 1:
             raise ConfigError(f"model.{field}={dims[field]} must be >= 1.")
@@ -129,6 +134,7 @@ class Experiment:
     # Host-side order of the sequence that ring attention's layout needs
     # (zigzag); None keeps the data's order. ``device_batch`` applies it.
     seq_permutation: np.ndarray | None = None
+    checkpoint: hf.Checkpoint | None = None  # model.init_from, checked
 
     @classmethod
     def from_config(cls, config: ml_collections.ConfigDict,
@@ -138,7 +144,12 @@ class Experiment:
         m = config.mesh
         dims = ParallelDims(m.replica, m.fsdp, m.context, m.tensor).resolve(len(devices))
         _check_train(config)
-        model_cfg = model_config(config.model)
+        hf.check_export(config.export)
+        init_from = config.model.init_from
+        checkpoint = hf.open_checkpoint(init_from) if init_from else None
+        model_cfg = model_config(config.model, checkpoint)
+        if checkpoint is not None:
+            hf.check_tokenizer(config, checkpoint)
         loader.check_config(config, model_cfg.vocab_size)  # names, sizes, tokenizer vs vocab
         mesh = build_mesh(dims, devices)
         rules = rules_lib.Rules(config.rules, mesh)
@@ -151,8 +162,14 @@ class Experiment:
         def param_sharding(path, shape, names):
             what = f"parameter {_path(path)}"
             spec = rules.spec(names)
-            rules_lib.check_divisible(spec, shape.shape, names, mesh, what,
-                                      labels=FIELD_OF_AXIS)
+            try:
+                rules_lib.check_divisible(spec, shape.shape, names, mesh, what,
+                                          labels=FIELD_OF_AXIS)
+            except ConfigError as e:
+                if checkpoint is None:
+                    raise
+                raise ConfigError(f"{e} (The model's dims come from model.init_from="
+                                  f"{init_from!r}, config.json.)") from None
             return NamedSharding(mesh, spec)
 
         param_shardings = jax.tree_util.tree_map_with_path(
@@ -167,7 +184,8 @@ class Experiment:
                                                    replicated)
         batch_sharding = rules.sharding(("act_batch", "act_seq"))
         return cls(config, dims, mesh, rules, model_cfg, graphdef, param_shapes, param_names,
-                   schedule, optimizer, state_sharding, batch_sharding, seq_permutation)
+                   schedule, optimizer, state_sharding, batch_sharding,
+                   seq_permutation=seq_permutation, checkpoint=checkpoint)
 
     # ----- model ---------------------------------------------------------------
 
@@ -191,8 +209,30 @@ class Experiment:
                 jax.ShapeDtypeStruct((), jnp.uint32)).compile()
 
     def init_state(self, seed: int | None = None) -> state_lib.TrainState:
+        """Step 0: parameters from ``model.init_from`` if set, else random from ``seed``."""
+        if self.checkpoint is not None:
+            return self.state_from_params(hf.load_params(
+                self.checkpoint, self.param_shapes, self.state_sharding.params))
         seed = self.config.train.seed if seed is None else seed
         return self.compiled_init(jnp.asarray(seed, jnp.uint32))
+
+    def state_from_params(self, params: Any) -> state_lib.TrainState:
+        """Step 0 around given parameters (in ``state_sharding.params``, donated):
+        optimizer state freshly initialised, already sharded."""
+        return self._compiled_wrap(params)
+
+    @functools.cached_property
+    def _compiled_wrap(self) -> jax.stages.Compiled:
+        def wrap(params):
+            return state_lib.TrainState(step=state_lib.zero_step(), params=params,
+                                        opt_state=self.optimizer.init(params))
+
+        with rules_lib.use(self.rules):
+            params = jax.tree.map(
+                lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
+                self.param_shapes, self.state_sharding.params)
+            return jax.jit(wrap, out_shardings=self.state_sharding, donate_argnums=0).lower(
+                params).compile()
 
     @functools.cached_property
     def abstract_state(self) -> state_lib.TrainState:

@@ -13,6 +13,7 @@ import jax
 import ml_collections
 import numpy as np
 
+from ndjax import hf
 from ndjax.checkpoint import Checkpointer, Preemption
 from ndjax.data.loader import make_loader
 from ndjax.experiment import Experiment
@@ -111,8 +112,9 @@ def train(config: ml_collections.ConfigDict, workdir: str,
             f.write(config.to_json_best_effort(indent=2))
         _keep_metrics_until(os.path.join(workdir, "metrics.jsonl"), first_step - 1)
 
-    step_fn = exp.compiled_step
-    if t.eval_every:
+    # No steps left (steps=0: import -> export, or a finished run): nothing to compile.
+    step_fn = exp.compiled_step if first_step <= t.steps else None
+    if t.eval_every and first_step <= t.steps:
         exp.compiled_eval  # noqa: B018 -- compile now, not inside the first timed step
 
     num_devices = exp.mesh.devices.size
@@ -194,6 +196,11 @@ def train(config: ml_collections.ConfigDict, workdir: str,
                 break
         if pending is not None:
             flush(*pending)
+        # A preempted run exports when it is resumed and finishes.
+        if config.export.hf_dir and not preemption.requested:
+            hf.export(state.params, exp.model_cfg, config.export.hf_dir, config.export.dtype,
+                      source=exp.checkpoint)
+            sinks.message(f"exported Hugging Face checkpoint to {config.export.hf_dir}")
     finally:
         data.close()
         preemption.close()

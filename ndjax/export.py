@@ -1,0 +1,92 @@
+"""Export a training checkpoint as a Hugging Face Llama directory.
+
+    python -m ndjax.export --workdir=runs/llama_fsdp_tp --out=hf/llama [--step=N] \
+        [--dtype=bfloat16]
+
+The run's experiment is rebuilt from ``<workdir>/config.json`` (written by
+train.py): the same model, mesh and rules, so run this where the run's devices
+are (on a CPU host, ``runtime.cpu_devices`` of that config simulates them).
+Step N (default: the newest complete checkpoint) is restored and written as
+``export.hf_dir`` would have been. Bad input is one line on stderr, exit code 2.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from collections.abc import Sequence
+
+import jax
+import ml_collections
+from absl import app, flags
+
+from ndjax import hf
+from ndjax.checkpoint import Checkpointer
+from ndjax.errors import ConfigError
+from ndjax.experiment import Experiment
+
+
+def run_config(workdir: str) -> ml_collections.ConfigDict:
+    """The config a train.py run saved in its workdir."""
+    path = os.path.join(workdir, "config.json")
+    if not os.path.isfile(path):
+        raise ConfigError(f"--workdir={workdir!r} has no config.json: point it at the --workdir "
+                          "of a train.py run.")
+    with open(path) as f:
+        return ml_collections.ConfigDict(json.load(f))
+
+
+def export_checkpoint(workdir: str, out: str, step: int | None = None,
+                      dtype: str | None = None,
+                      devices: Sequence[jax.Device] | None = None) -> int:
+    """Writes checkpoint ``step`` (None: the newest) of the run in ``workdir`` to ``out``
+    as a Hugging Face directory; returns the step."""
+    config = run_config(workdir)
+    config.export.hf_dir = out
+    if dtype is not None:
+        config.export.dtype = dtype
+    exp = Experiment.from_config(config, devices)  # checks out and dtype too
+    if not os.path.isdir(os.path.join(workdir, "checkpoints")):
+        raise ConfigError(f"--workdir={workdir!r} has no checkpoints; train.py saves one at the "
+                          "end of a run and every checkpoint.every steps.")
+    checkpointer = Checkpointer(workdir, config.checkpoint)
+    try:
+        steps = checkpointer.steps()
+        if not steps or (step is not None and step not in steps):
+            raise ConfigError(f"--step={step}: no complete checkpoint of that step in "
+                              f"{checkpointer.directory}; there are {steps or 'none'}.")
+        step = steps[-1] if step is None else step
+        state, _ = checkpointer.restore(step, exp.abstract_state)
+    finally:
+        checkpointer.close()
+    hf.export(state.params, exp.model_cfg, out, config.export.dtype, source=exp.checkpoint)
+    return step
+
+
+_WORKDIR = flags.DEFINE_string("workdir", None, "The --workdir of a train.py run.")
+_OUT = flags.DEFINE_string("out", None, "The Hugging Face directory to write (must not exist "
+                           "or be empty).")
+_STEP = flags.DEFINE_integer("step", None, "Checkpoint step; default: the newest.")
+_DTYPE = flags.DEFINE_string("dtype", None, "bfloat16, float16 or float32; default: the run's "
+                             "export.dtype.")
+
+
+def main(argv: list[str]) -> None:
+    if len(argv) > 1:
+        raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+    try:
+        if not _WORKDIR.value or not _OUT.value:
+            raise ConfigError("--workdir and --out are required.")
+        config = run_config(_WORKDIR.value)
+        # Before JAX creates its backends, as train.py does (CPU hosts only).
+        jax.config.update("jax_num_cpu_devices", int(config.runtime.cpu_devices))
+        step = export_checkpoint(_WORKDIR.value, _OUT.value, _STEP.value, _DTYPE.value)
+    except ConfigError as e:
+        print(f"ndjax.export: error: {' '.join(str(e).split())}", file=sys.stderr)
+        sys.exit(2)
+    print(f"exported checkpoint step {step} of {_WORKDIR.value} to {_OUT.value}")
+
+
+if __name__ == "__main__":
+    app.run(main)

@@ -1,0 +1,425 @@
+"""Hugging Face checkpoints in and out, against transformers' LlamaForCausalLM.
+
+Small random models are built with transformers + torch on the CPU (no
+downloads), saved with save_pretrained, loaded into ndjax and compared on the
+same tokens in float32.
+
+Tolerance: logits max abs difference <= 1e-4. Both sides compute in float32
+from bit-identical weights and differ only in the order of reductions (~1e-6
+here, on logits with a spread of ~1); a wrong layout (a transposed head, swapped
+norms, unscaled RoPE) moves logits by ~1e-1. Weights that only pass through
+(import -> export) must come back bit-identical.
+"""
+
+import copy
+import json
+import math
+import os
+import subprocess
+import sys
+import tracemalloc
+import warnings
+
+import jax
+import numpy as np
+import pytest
+import torch
+from conftest import tiny_config
+from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+
+from ndjax import hf
+from ndjax import rules as rules_lib
+from ndjax.errors import ConfigError
+from ndjax.experiment import Experiment
+from ndjax.export import export_checkpoint
+from ndjax.loop import train
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BASE = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+            num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=256,
+            # Weights ~10x the default scale, so that logits spread over ~1 and a
+            # layout mistake cannot hide under the tolerance.
+            initializer_range=0.2)
+LLAMA3_ROPE = dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                   # Small, so that the scaling changes the frequencies of head_dim 8.
+                   original_max_position_embeddings=16)
+CASES = {
+    # 2 kv heads for 8 query heads, untied, llama3 rope scaling with a non-default theta.
+    "gqa_llama3": dict(rope_theta=500_000.0, rope_scaling=LLAMA3_ROPE),
+    "mqa_tied": dict(num_key_value_heads=1, tie_word_embeddings=True),
+    # Odd sizes that still divide fsdp=4 x tensor=2; head_dim != hidden / heads.
+    "odd_sizes": dict(vocab_size=264, intermediate_size=136, hidden_size=96,
+                      num_attention_heads=6, num_key_value_heads=2, head_dim=24,
+                      num_hidden_layers=3),
+}
+FSDP_TP = dict(fsdp=4, tensor=2)
+# One kv head cannot be split over tensor=2: replicate it, as Megatron does for MQA.
+KV_REPLICATED = tuple((name, None if name in ("kv_heads", "act_kv_heads") else axes)
+                      for name, axes in rules_lib.PRESETS["default"])
+B, S = 4, 32  # B divides fsdp=4
+
+
+def make_hf(directory, seed=0, dtype=torch.float32, max_shard_size=None, **overrides):
+    """A random LlamaForCausalLM saved to ``directory``; returns the model (float32)."""
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(LlamaConfig(**{**BASE, **overrides})).eval()
+    with torch.no_grad():  # transformers starts norms at 1: make swapped norms visible
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.uniform_(0.5, 1.5)
+    kwargs = {} if max_shard_size is None else dict(max_shard_size=max_shard_size)
+    model.to(dtype).save_pretrained(directory, **kwargs)
+    return model.float()
+
+
+def hf_logits(model, tokens):
+    with torch.no_grad():
+        return model(torch.tensor(tokens, dtype=torch.long)).logits.float().numpy()
+
+
+def tokens(vocab, seed=1):
+    t = np.random.default_rng(seed).integers(0, vocab, (B, S)).astype(np.int32)
+    t[0, :2] = vocab - 1  # the last rows of an odd-sized, vocab-sharded embedding
+    return t
+
+
+def config_for(directory, mesh=None, rules="default", **export):
+    """A config that takes every model dim from ``directory`` (none set by hand)."""
+    c = tiny_config(mesh=mesh, rules=rules)
+    for field in ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim",
+                  "rope_theta"):
+        c.model[field] = None
+    c.model.init_from = str(directory)
+    c.export.update(export)
+    return c
+
+
+def ndjax_logits(exp, params, toks):
+    positions = np.broadcast_to(np.arange(S, dtype=np.int32), toks.shape)
+    with rules_lib.use(exp.rules):
+        out = jax.jit(exp.apply)(params, toks, positions, np.ones_like(toks))
+    return np.asarray(out)
+
+
+def load(exp):
+    return hf.load_params(exp.checkpoint, exp.param_shapes, exp.state_sharding.params)
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """Case name -> (directory, float32 torch model), built once per module."""
+    cache = {}
+
+    def get(case):
+        if case not in cache:
+            directory = tmp_path_factory.mktemp(case)
+            cache[case] = (directory, make_hf(directory, **CASES[case]))
+        return cache[case]
+    return get
+
+
+@pytest.mark.parametrize("mesh", ["fsdp_tp", "one_device"])
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_logits_match_transformers(saved, case, mesh):
+    directory, model = saved(case)
+    rules = KV_REPLICATED if case == "mqa_tied" else "default"
+    if mesh == "fsdp_tp":
+        exp = Experiment.from_config(config_for(directory, FSDP_TP, rules))
+        assert exp.state_sharding.params["layers"]["attn"]["wq"].spec == jax.P(
+            None, "fsdp", "tensor")
+    else:
+        exp = Experiment.from_config(config_for(directory), jax.devices()[:1])
+    toks = tokens(model.config.vocab_size)
+    ref = hf_logits(model, toks)
+    assert ref.std() > 0.5  # logits with a real spread, or the tolerance would be loose
+    np.testing.assert_allclose(ndjax_logits(exp, load(exp), toks), ref, rtol=0, atol=1e-4)
+
+
+def test_dims_and_rope_come_from_config_json(saved):
+    directory, _ = saved("gqa_llama3")
+    cfg = Experiment.from_config(config_for(directory, FSDP_TP)).model_cfg
+    assert (cfg.vocab_size, cfg.dim, cfg.n_layers, cfg.n_heads, cfg.n_kv_heads, cfg.ffn_dim,
+            cfg.hd, cfg.rope_theta, cfg.tie_embeddings) == (256, 64, 2, 8, 2, 128, 8, 5e5, False)
+    assert cfg.rope_scaling.factor == 8.0
+    assert cfg.rope_scaling.original_max_position_embeddings == 16
+    assert cfg.rms_norm_eps == 1e-6  # transformers' default, as saved
+
+
+def test_config_fields_are_overridden_with_a_warning(saved):
+    directory, _ = saved("gqa_llama3")
+    c = config_for(directory, FSDP_TP)
+    c.model.dim, c.model.n_heads = 128, 8  # dim disagrees, n_heads agrees
+    with pytest.warns(UserWarning, match=r"overrides model.dim=128 -> 64\. Drop") as record:
+        exp = Experiment.from_config(c)
+    assert "n_heads" not in str(record[0].message)
+    assert exp.model_cfg.dim == 64
+
+
+def test_byte_tokenizer_with_a_checkpoint_tokenizer_warns(tmp_path):
+    make_hf(tmp_path, **CASES["odd_sizes"])  # vocab 264 holds the byte tokenizer's 259 ids
+    (tmp_path / "tokenizer.json").write_text("{}")
+    c = config_for(tmp_path, FSDP_TP)
+    c.data.source = "builtin"
+    with pytest.warns(UserWarning, match=r"has a tokenizer.json, but data.tokenizer='byte'.*"
+                                         r"--config.data.tokenizer=.*tokenizer.json"):
+        Experiment.from_config(c)
+
+
+def test_sharded_safetensors_input(tmp_path):
+    model = make_hf(tmp_path, max_shard_size="40KB")
+    shards = [n for n in os.listdir(tmp_path) if n.endswith(".safetensors")]
+    assert len(shards) > 3 and (tmp_path / "model.safetensors.index.json").exists()
+    exp = Experiment.from_config(config_for(tmp_path, FSDP_TP))
+    toks = tokens(256)
+    np.testing.assert_allclose(ndjax_logits(exp, load(exp), toks), hf_logits(model, toks),
+                               rtol=0, atol=1e-4)
+
+
+def assert_same_weights(a, b):
+    sa, sb = a.state_dict(), b.state_dict()
+    assert sa.keys() == sb.keys()
+    for name in sa:
+        assert sa[name].dtype == sb[name].dtype and torch.equal(sa[name], sb[name]), name
+
+
+@pytest.mark.parametrize("case", ["gqa_llama3", "mqa_tied"])
+def test_round_trip_through_transformers(saved, tmp_path, case):
+    directory, model = saved(case)
+    rules = KV_REPLICATED if case == "mqa_tied" else "default"
+    exp = Experiment.from_config(config_for(directory, FSDP_TP, rules))
+    state = exp.init_state()  # the train path: parameters loaded, optimizer state fresh
+    assert int(state.step) == 0
+    assert jax.tree.leaves(state.opt_state)[1].sharding == exp.state_sharding.params["embed"]
+    out = tmp_path / "out"
+    # A small shard size: the sharded output format (with its index) is covered too.
+    hf.export(state.params, exp.model_cfg, str(out), "float32", source=exp.checkpoint,
+              shard_bytes=100_000)
+    assert (out / "model.safetensors.index.json").exists()
+    assert (out / "generation_config.json").exists()  # copied from the source
+    assert not [n for n in os.listdir(tmp_path) if n.startswith(".")]  # no temp dir left
+    loaded, info = AutoModelForCausalLM.from_pretrained(out, output_loading_info=True)
+    assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys"))
+    assert_same_weights(loaded, model)
+    toks = tokens(model.config.vocab_size)
+    np.testing.assert_allclose(hf_logits(loaded, toks), hf_logits(model, toks), rtol=0,
+                               atol=1e-4)
+    config = json.loads((out / "config.json").read_text())
+    source = json.loads((directory / "config.json").read_text())
+    for key in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+                "num_key_value_heads", "intermediate_size", "rms_norm_eps", "head_dim",
+                "tie_word_embeddings", "rope_parameters", "bos_token_id", "eos_token_id",
+                "max_position_embeddings", "architectures", "model_type"):
+        assert config[key] == source[key], key
+    assert config["rope_theta"] == source["rope_parameters"]["rope_theta"]
+    assert config["dtype"] == "float32"
+
+
+def test_bfloat16_export_without_source(saved, tmp_path):
+    """Export with no source config.json (as after training from scratch), in bfloat16,
+    into an existing empty directory."""
+    directory, model = saved("mqa_tied")
+    exp = Experiment.from_config(config_for(directory, FSDP_TP, KV_REPLICATED))
+    params = load(exp)
+    out = tmp_path / "out"
+    out.mkdir()
+    hf.export(params, exp.model_cfg, str(out), "bfloat16")
+    loaded, info = AutoModelForCausalLM.from_pretrained(out, output_loading_info=True)
+    assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys"))
+    assert loaded.dtype == torch.bfloat16
+    assert loaded.config.tie_word_embeddings and loaded.config.bos_token_id == 1
+    # The source's weights rounded to bfloat16 (round-to-nearest-even on both sides).
+    assert_same_weights(loaded, copy.deepcopy(model).to(torch.bfloat16))
+
+
+def test_host_memory_is_one_shard(tmp_path):
+    """How host memory was checked: tracemalloc sees every numpy allocation.
+
+    While loading, the peak less what is still allocated at the end (the result's
+    Python objects, and host arrays the CPU backend adopted as device buffers:
+    device memory, on CPU) must stay within the largest per-device shard of one
+    parameter plus 64 KiB, on a model >10x (8 devices) and >4x (one device) that
+    shard. Holding a tensor's shards at once (as jax.make_array_from_callback
+    does), reading whole tensors per device, or leaving host copies to the garbage
+    collector would break it; today it is one shard + ~13 KiB.
+    """
+    model = make_hf(tmp_path, dtype=torch.bfloat16, vocab_size=1024, hidden_size=256,
+                    intermediate_size=512, num_hidden_layers=4, num_attention_heads=8,
+                    num_key_value_heads=4)
+    for mesh, devices, ratio in ((FSDP_TP, None, 10), (None, jax.devices()[:1], 4)):
+        exp = Experiment.from_config(config_for(tmp_path, mesh), devices)
+        shapes = jax.tree.leaves(exp.param_shapes)
+        model_bytes = sum(math.prod(s.shape) * 4 for s in shapes)
+        shard = max(math.prod(sh.shard_shape(s.shape)) * 4
+                    for s, sh in zip(shapes, jax.tree.leaves(exp.state_sharding.params)))
+        assert model_bytes > ratio * shard
+        tracemalloc.start()
+        try:
+            params = jax.block_until_ready(load(exp))
+            kept, peak = tracemalloc.get_traced_memory()
+        finally:
+            tracemalloc.stop()
+        assert peak - kept <= shard + 64 * 1024, (mesh, peak, kept, shard, model_bytes)
+        # bfloat16 on disk -> float32 parameters, exactly.
+        np.testing.assert_array_equal(
+            np.asarray(params["layers"]["mlp"]["w_down"][3]),
+            model.model.layers[3].mlp.down_proj.weight.detach().numpy().T)
+
+
+def test_steps_0_is_a_round_trip(saved, tmp_path):
+    directory, model = saved("mqa_tied")
+    c = config_for(directory, FSDP_TP, KV_REPLICATED, hf_dir=str(tmp_path / "out"),
+                   dtype="float32")
+    c.train.steps = 0
+    c.log.tensorboard = False
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no config field is overridden
+        train(c, str(tmp_path / "w"), verbose=False)
+    loaded, info = AutoModelForCausalLM.from_pretrained(tmp_path / "out",
+                                                        output_loading_info=True)
+    assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys"))
+    assert_same_weights(loaded, model)
+
+
+def run_py(*args):
+    return subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True,
+                          env={**os.environ, "PYTHONPATH": ROOT}, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def trained_run(saved, tmp_path_factory):
+    """train.py: 2 steps from an HF checkpoint, exported (float32) at the end, checkpointed."""
+    directory, _ = saved("gqa_llama3")
+    root = tmp_path_factory.mktemp("run")
+    result = run_py("train.py", "--config=configs/llama_fsdp_tp.py",
+                    f"--config.model.init_from={directory}",
+                    f"--config.export.hf_dir={root / 'at_end'}", "--config.export.dtype=float32",
+                    "--config.train.steps=2", "--config.train.seq_len=32",
+                    "--config.log.tensorboard=False", "--config.data.source=synthetic",
+                    f"--workdir={root / 'w'}")
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "UserWarning" not in result.stderr  # no config field was overridden
+    return root
+
+
+def test_train_py_exports_at_the_end(saved, trained_run):
+    loaded, info = AutoModelForCausalLM.from_pretrained(trained_run / "at_end",
+                                                        output_loading_info=True)
+    assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys"))
+    # Trained: the weights moved away from the source's.
+    source = saved("gqa_llama3")[1]
+    assert not torch.equal(loaded.lm_head.weight, source.lm_head.weight)
+
+
+def test_export_cli_writes_what_training_exported(trained_run):
+    out = trained_run / "from_checkpoint"
+    result = run_py("-m", "ndjax.export", f"--workdir={trained_run / 'w'}", f"--out={out}",
+                    "--dtype=float32")
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "exported checkpoint step 2" in result.stdout
+    for name in ("model.safetensors", "config.json", "generation_config.json"):
+        assert (out / name).read_bytes() == (trained_run / "at_end" / name).read_bytes(), name
+
+
+def test_export_cli_bad_input(trained_run, tmp_path):
+    workdir = str(trained_run / "w")
+    with pytest.raises(ConfigError, match=r"--step=7: no complete checkpoint of that step in "
+                                          r".*there are \[2\]"):
+        export_checkpoint(workdir, str(tmp_path / "a"), step=7)
+    with pytest.raises(ConfigError, match=r"--workdir=.* has no config.json"):
+        export_checkpoint(str(tmp_path), str(tmp_path / "b"))
+    with pytest.raises(ConfigError, match=r"export.hf_dir=.* exists and is not empty"):
+        export_checkpoint(workdir, str(trained_run / "at_end"))
+    assert os.listdir(tmp_path) == []
+
+
+# ----- bad input ----------------------------------------------------------------------
+
+
+def edit_config(directory, **changes):
+    path = directory / "config.json"
+    config = json.loads(path.read_text())
+    config.update(changes)
+    path.write_text(json.dumps(config))
+
+
+def drop(directory, name):
+    os.remove(directory / name)
+
+
+BAD = {
+    "missing config.json": (lambda d: drop(d, "config.json"), {},
+                            r"init_from='.*' has no config.json"),
+    "missing weights": (lambda d: drop(d, "model.safetensors"), {},
+                        r"has no model.safetensors or model.safetensors.index.json"),
+    "missing shard": (lambda d: drop(d, next(d.glob("model-00002-of-*")).name),
+                      dict(max_shard_size="80KB"),
+                      r"index.json names \['model-00002-of-0000\d.safetensors'\] files that "
+                      r"are not there"),
+    "shape vs config.json": (lambda d: edit_config(d, intermediate_size=144), {},
+                             r"mlp.gate_proj.weight has shape \(128, 64\), but config.json "
+                             r"implies \(144, 64\) \(hidden_size=64, intermediate_size=144"),
+    "layers vs config.json": (lambda d: edit_config(d, num_hidden_layers=1), {},
+                              r"do not match config.json .*num_hidden_layers=1.*unexpected "
+                              r"\['model.layers.1."),
+    "not llama": (lambda d: edit_config(d, model_type="mistral",
+                                        architectures=["MistralForCausalLM"]), {},
+                  r"model_type='mistral', architectures=\['MistralForCausalLM'\].*"
+                  r"LlamaForCausalLM checkpoints only"),
+    "unsupported rope": (lambda d: edit_config(d, rope_parameters=dict(
+        rope_type="yarn", factor=4.0, rope_theta=1e4)), {}, r"rope type 'yarn' is not supported"),
+    "mesh cannot divide": (lambda d: None, dict(num_key_value_heads=1),
+                           r"model.n_kv_heads=1 .* cannot be split 2 ways over mesh axes "
+                           r"tensor\(2\).*come from model.init_from="),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD))
+def test_bad_checkpoint_is_a_config_error(tmp_path, case):
+    spoil, overrides, match = BAD[case]
+    source = tmp_path / "source"
+    make_hf(source, **overrides)
+    spoil(source)
+    out = tmp_path / "out"
+    with pytest.raises(ConfigError, match=match):
+        Experiment.from_config(config_for(source, FSDP_TP, hf_dir=str(out)))
+    assert sorted(os.listdir(tmp_path)) == ["source"]  # nothing written
+
+
+def test_hub_id_says_download_first():
+    with pytest.raises(ConfigError, match=r"model.init_from='meta-llama/Llama-3.2-1B' is not a "
+                                          r"local directory.*does not download.*hf download"):
+        Experiment.from_config(config_for("meta-llama/Llama-3.2-1B", FSDP_TP))
+
+
+@pytest.mark.parametrize("export, match", [
+    (dict(dtype="int8"), r"export.dtype='int8': choose one of"),
+    (dict(hf_dir="EXISTING"), r"export.hf_dir='.*' exists and is not empty"),
+])
+def test_bad_export_fields_fail_before_training(tmp_path, export, match):
+    (tmp_path / "keep.txt").write_text("x")
+    if export.get("hf_dir") == "EXISTING":
+        export["hf_dir"] = str(tmp_path)
+    c = tiny_config(mesh=FSDP_TP)
+    c.export.update(export)
+    with pytest.raises(ConfigError, match=match):
+        Experiment.from_config(c)
+    assert os.listdir(tmp_path) == ["keep.txt"]
+
+
+def test_failed_export_leaves_nothing(saved, tmp_path, monkeypatch):
+    directory, _ = saved("odd_sizes")
+    exp = Experiment.from_config(config_for(directory, FSDP_TP))
+    params = load(exp)
+    calls = []
+
+    def failing_host(x):
+        calls.append(1)
+        if len(calls) == 5:
+            raise OSError("disk full")
+        return np.asarray(jax.device_get(x))
+
+    monkeypatch.setattr(hf, "_host", failing_host)
+    out = tmp_path / "out"
+    with pytest.raises(OSError, match="disk full"):
+        hf.export(params, exp.model_cfg, str(out), "float32")
+    assert len(calls) == 5 and os.listdir(tmp_path) == []
