@@ -4,10 +4,20 @@ from __future__ import annotations
 
 import jax
 import numpy as np
-from conftest import tiny_config
+from conftest import TINY_MODEL, tiny_config
 
 from ndjax.data.synthetic import SyntheticSource
 from ndjax.experiment import Experiment
+
+
+def train_py_flags() -> list[str]:
+    """``tiny_config()`` as train.py ``--config.*`` flags, so that runs of train.py
+    in a subprocess train exactly what the in-process tests train."""
+    c = tiny_config()
+    flags = [f"--config.model.{k}={c.model[k]}" for k in TINY_MODEL]
+    flags += [f"--config.train.{k}={c.train[k]}" for k in
+              ("steps", "batch_size", "seq_len", "lr", "warmup_steps", "schedule", "eps")]
+    return flags + [f"--config.data.source={c.data.source}"]
 
 
 def host_batches(config, steps):

@@ -13,7 +13,7 @@ import jax
 import numpy as np
 import pytest
 from conftest import tiny_config
-from helpers import host_batches
+from helpers import host_batches, train_py_flags
 
 from ndjax.checkpoint import Checkpointer
 from ndjax.errors import ConfigError
@@ -21,13 +21,7 @@ from ndjax.experiment import Experiment
 from ndjax.loop import train
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TINY_FLAGS = ["--config.model.vocab_size=256", "--config.model.dim=64",
-              "--config.model.n_layers=2", "--config.model.n_heads=8",
-              "--config.model.n_kv_heads=4", "--config.model.ffn_dim=128",
-              "--config.train.seq_len=32", "--config.train.schedule=constant",
-              "--config.train.warmup_steps=0", "--config.train.lr=0.01",
-              "--config.train.eps=1e-6", "--config.log.tensorboard=False",
-              "--config.data.source=synthetic"]
+TINY_FLAGS = [*train_py_flags(), "--config.log.tensorboard=False"]
 
 
 def start(workdir, *args):

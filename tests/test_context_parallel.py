@@ -12,7 +12,7 @@ import sys
 import numpy as np
 import pytest
 from conftest import tiny_config
-from helpers import assert_same_training, host_batches, reference
+from helpers import assert_same_training, host_batches, reference, train_py_flags
 from test_train_cli import ROOT, losses
 
 from ndjax.experiment import Experiment
@@ -57,13 +57,7 @@ def test_zigzag_batch_is_permuted_on_the_host():
 
 # The tiny_config experiment as train.py flags, so that train.py's losses can be
 # compared with the in-process single-device reference.
-TINY_CONFIG_FLAGS = [
-    "--config.model.vocab_size=256", "--config.model.dim=64", "--config.model.n_layers=2",
-    "--config.model.n_heads=8", "--config.model.n_kv_heads=4", "--config.model.ffn_dim=128",
-    "--config.model.rope_theta=10000.0", "--config.train.steps=3", "--config.train.batch_size=8",
-    "--config.train.seq_len=32", "--config.train.lr=0.01", "--config.train.warmup_steps=0",
-    "--config.train.schedule=constant", "--config.train.eps=1e-6",
-    "--config.data.source=synthetic"]
+TINY_CONFIG_FLAGS = train_py_flags()
 
 
 def start_train(config, workdir, *extra):

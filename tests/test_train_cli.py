@@ -9,16 +9,12 @@ import sys
 import numpy as np
 import pytest
 from data_files import data_config
+from helpers import train_py_flags
 
 from ndjax.data.loader import make_loader
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TINY_FLAGS = ["--config.model.vocab_size=256", "--config.model.dim=64",
-              "--config.model.n_layers=2", "--config.model.n_heads=8",
-              "--config.model.n_kv_heads=4", "--config.model.ffn_dim=128",
-              "--config.train.seq_len=32", "--config.train.steps=3",
-              "--config.train.schedule=constant", "--config.train.warmup_steps=0",
-              "--config.data.source=synthetic"]
+TINY_FLAGS = train_py_flags()
 
 
 def run(*args, cwd=ROOT):
