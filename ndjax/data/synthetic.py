@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from ndjax.data.packing import packed_fields
+
 EOS = 0
 
 
@@ -36,18 +38,8 @@ class SyntheticSource:
             key = [self.seed, step, start + i] + ([self.split] if self.split else [])
             rng = np.random.default_rng(key)
             stream[i], doc[i] = self._row(rng, n)
-        seg_in, seg_tgt = doc[:, :-1], doc[:, 1:]
-        first = np.concatenate([np.ones((count, 1), bool), seg_in[:, 1:] != seg_in[:, :-1]], 1)
-        starts = np.where(first, np.arange(self.seq_len), 0)
-        positions = np.arange(self.seq_len) - np.maximum.accumulate(starts, axis=1)
-        return {
-            "inputs": stream[:, :-1],
-            "targets": stream[:, 1:],
-            "positions": positions.astype(np.int32),
-            "segment_ids": seg_in,
-            # Predicting the first token of the next document is not learnable.
-            "loss_mask": (seg_in == seg_tgt).astype(np.int32),
-        }
+        # Document ids are 1, 2, ... per row, exactly the segment ids packing assigns.
+        return packed_fields(stream, doc)
 
     def _row(self, rng: np.random.Generator, n: int) -> tuple[np.ndarray, np.ndarray]:
         follow = rng.random(n) < self.follow
