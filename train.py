@@ -28,6 +28,12 @@ def _fail(message: object) -> None:
     sys.exit(2)
 
 
+def _exit_now(message: str) -> None:
+    """_fail for other threads (sys.exit there would only end the thread)."""
+    print(f"train.py: error: {' '.join(message.split())}", file=sys.stderr, flush=True)
+    os._exit(2)
+
+
 _BAD_OVERRIDE = (AttributeError, KeyError, TypeError, ValueError)
 try:
     # config_flags applies the --config.* overrides to the default file as soon
@@ -65,12 +71,15 @@ def main(argv: list[str]) -> None:
     except _BAD_OVERRIDE as e:
         _fail(f"bad --config override: {_innermost(e)}")
 
-    # The CPU device count must be set before JAX creates its backends. It only
-    # affects the CPU backend, so it is harmless on GPU hosts.
-    import jax
-    jax.config.update("jax_num_cpu_devices", int(config.runtime.cpu_devices))
-
+    from ndjax import distributed
     from ndjax.errors import ConfigError
+    try:
+        # Before anything creates a JAX backend: the CPU device count, and the
+        # other processes of a multi-process run.
+        distributed.initialize(config.runtime, on_timeout=_exit_now)
+    except ConfigError as e:
+        _fail(e)
+
     from ndjax.experiment import Experiment
     from ndjax.loop import NonFiniteError, train
     from ndjax.report import sharding_table
@@ -78,16 +87,45 @@ def main(argv: list[str]) -> None:
     config_name = os.path.splitext(os.path.basename(
         config_flags.get_config_filename(flags.FLAGS["config"])))[0]
     workdir = _WORKDIR.value or os.path.join("runs", config_name)
+    label = distributed.label()  # "process 1 of 2: " in a multi-process run
+
+    def lost_peer(message: str) -> None:
+        # Called from the watch thread while the main thread may be stuck in a
+        # collective: say who was lost, then leave without waiting for anyone.
+        print(f"train.py: error: {label}{message} Checkpoints in "
+              f"{os.path.join(workdir, 'checkpoints')} are intact up to the last complete "
+              "one; start every process again to resume from it.", file=sys.stderr, flush=True)
+        os._exit(4)
+
+    watch = None
     try:
+        distributed.check_same_config(config)
+        watch = distributed.PeerWatch(lost_peer, config.runtime.heartbeat_timeout)
         if _PRINT_SHARDING.value:
             print(sharding_table(Experiment.from_config(config)))
-            return
-        train(config, workdir)
+        else:
+            train(config, workdir)
+        watch.stop()
+        distributed.finish()
     except ConfigError as e:
-        _fail(str(e))
+        if watch is not None:
+            watch.stop()  # the others stop too, for the same reason: they are not lost
+        distributed.leave()
+        _fail(f"{label}{e}")
     except NonFiniteError as e:
-        print(f"train.py: stopped: {e}", file=sys.stderr)
+        if watch is not None:
+            watch.stop()
+        print(f"train.py: stopped: {label}{e}", file=sys.stderr)
+        distributed.leave()
         sys.exit(3)
+    except Exception:
+        if watch is not None:
+            # A failed collective usually means a peer died: let the watch name it.
+            watch.wait_for_verdict()
+        # Anything else keeps its traceback; in a multi-process run, say whose it is.
+        if label:
+            print(f"train.py: {label}failed:", file=sys.stderr)
+        raise
 
 
 if __name__ == "__main__":

@@ -14,11 +14,15 @@ from __future__ import annotations
 
 import os
 import signal
+from collections.abc import Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import ml_collections
+import numpy as np
 import orbax.checkpoint as ocp
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from ndjax.errors import ConfigError
 from ndjax.state import TrainState
@@ -111,21 +115,55 @@ class Checkpointer:
 
 class Preemption:
     """SIGTERM (SLURM, Kubernetes, spot VMs): the first asks the loop to save
-    and stop after the current step; a second one exits at once."""
+    and stop after the current step; a second one exits at once.
 
-    def __init__(self):
+    With several processes, the signal reaches each at a slightly different
+    step, and a process that stops to save while the others run on deadlocks
+    them all. So each step every process contributes its flag to a tiny "any"
+    across processes, read one step later: all of them see the same value at
+    the same step, and stop together.
+    """
+
+    def __init__(self, devices: Sequence[jax.Device] | None = None):
         self.requested = False
         self._previous = None
         try:
             self._previous = signal.signal(signal.SIGTERM, self._handle)
         except ValueError:  # not the main thread: leave signals alone
             self._previous = None
+        multi = jax.process_count() > 1
+        self._vote = (_AnyProcess(list(jax.devices() if devices is None else devices))
+                      if multi else None)
+        self._pending: jax.Array | None = None
 
     def _handle(self, signum, frame) -> None:
         if self.requested:
             os._exit(128 + signal.SIGTERM)
         self.requested = True
 
+    def should_stop(self) -> bool:
+        """Call once per step, on every process, after dispatching the step."""
+        if self._vote is None:
+            return self.requested
+        previous, self._pending = self._pending, self._vote(self.requested)
+        return previous is not None and bool(np.asarray(previous))
+
     def close(self) -> None:
         if self._previous is not None:
             signal.signal(signal.SIGTERM, self._previous)
+
+
+class _AnyProcess:
+    """flag (this process's) -> async jax.Array: whether any process's flag is set."""
+
+    def __init__(self, devices: list[jax.Device]):
+        mesh = Mesh(np.array(devices), ("all",))
+        self.sharding = NamedSharding(mesh, PartitionSpec("all"))
+        self.size = len(devices)
+        self._any = jax.jit(jnp.any, out_shardings=NamedSharding(mesh, PartitionSpec()))
+
+    def __call__(self, flag: bool) -> jax.Array:
+        votes = jax.make_array_from_callback(
+            (self.size,), self.sharding, lambda index: np.full(
+                len(range(*index[0].indices(self.size))), flag))
+        return self._any(votes)

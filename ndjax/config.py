@@ -51,7 +51,17 @@ def default_config() -> ml_collections.ConfigDict:
     c.rules = config_dict.FieldReference("default", field_type=object)
 
     c.runtime = ml_collections.ConfigDict()
-    c.runtime.cpu_devices = 8     # simulated devices on a CPU-only host; ignored on GPU
+    c.runtime.cpu_devices = 8     # simulated devices per process on a CPU-only host; ignored on GPU
+    # Several processes (one per host or per GPU) joined by jax.distributed. Left
+    # unset, a launcher's environment (srun, mpirun, JAX_COORDINATOR_ADDRESS)
+    # decides, and a plain single-process run needs nothing. See the README's
+    # "Multiple hosts" section.
+    c.runtime.coordinator = config_dict.placeholder(str)  # host:port of process 0
+    c.runtime.num_processes = config_dict.placeholder(int)
+    c.runtime.process_id = config_dict.placeholder(int)
+    c.runtime.init_timeout = 300    # seconds to wait for the coordinator and every process
+    # A process silent for this many seconds is declared dead and the others stop.
+    c.runtime.heartbeat_timeout = 100
 
     c.train = ml_collections.ConfigDict()
     # Defaults are the CPU demo (tiny model, builtin corpus): the loss falls from

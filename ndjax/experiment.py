@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -30,7 +31,7 @@ from ndjax import state as state_lib
 from ndjax.config import check_keys
 from ndjax.data import BATCH_FIELDS, loader
 from ndjax.errors import ConfigError
-from ndjax.mesh import ParallelDims, build_mesh
+from ndjax.mesh import ParallelDims, build_mesh, cross_process_axes
 from ndjax.models import llama
 from ndjax.ops import ring_attention as ring
 from ndjax.train_step import Batch, StepOptions, eval_step, train_step
@@ -42,6 +43,19 @@ FIELD_OF_AXIS = {
     "layers": "model.n_layers", "norm": "model.dim",
 }
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+
+
+def _warn_slow_axes(mesh: Mesh) -> None:
+    """Tensor parallelism all-reduces activations inside every layer; across
+    processes (hosts) that traffic leaves NVLink for the network."""
+    if "tensor" not in cross_process_axes(mesh) or jax.process_index() != 0:
+        return
+    per_process = mesh.devices.size // jax.process_count()
+    warnings.warn(
+        f"mesh: the tensor axis (mesh.tensor={mesh.shape['tensor']}) spans processes, so "
+        "every layer all-reduces its activations between hosts; this is usually several "
+        f"times slower. Keep mesh.tensor within a process ({per_process} devices each) and "
+        "put the rest in fsdp or replica.", stacklevel=2)
 
 
 def model_config(model: ml_collections.ConfigDict, checkpoint: hf.Checkpoint | None = None
@@ -152,6 +166,7 @@ class Experiment:
             hf.check_tokenizer(config, checkpoint)
         loader.check_config(config, model_cfg.vocab_size)  # names, sizes, tokenizer vs vocab
         mesh = build_mesh(dims, devices)
+        _warn_slow_axes(mesh)
         rules = rules_lib.Rules(config.rules, mesh)
 
         abstract = nnx.eval_shape(lambda: llama.Llama(model_cfg, nnx.Rngs(0)))
@@ -278,17 +293,44 @@ class Experiment:
     def compiled_eval(self) -> jax.stages.Compiled:
         return self.lower_eval().compile()
 
+    @functools.cached_property
+    def local_rows(self) -> tuple[int, int]:
+        """``(start, count)``: the global batch rows this process's devices hold.
+
+        Not simply batch_size / processes: when context (or tensor) parallelism
+        spans processes, several processes hold pieces of the same rows, and each
+        loads those rows whole.
+        """
+        t = self.config.train
+        indices = self.batch_sharding.addressable_devices_indices_map((t.batch_size, t.seq_len))
+        rows = sorted({idx[0].indices(t.batch_size)[:2] for idx in indices.values()})
+        start, stop = rows[0][0], max(r[1] for r in rows)
+        covered = set().union(*(range(*r) for r in rows))
+        if covered != set(range(start, stop)):  # a mesh from build_mesh never does this
+            raise ConfigError(f"this process's devices hold batch rows {rows}, not one "
+                              "contiguous range; use a mesh from ndjax.mesh.build_mesh.")
+        return start, stop - start
+
     def device_batch(self, batch: dict[str, np.ndarray]) -> Batch:
-        """Host numpy batch (this process's rows) -> global arrays in the batch sharding.
+        """Host numpy batch (this process's ``local_rows``, whole) -> global arrays in
+        the batch sharding; each local device gets its block of rows and positions.
 
         With ring attention's zigzag layout the sequence axis of every field is
         permuted here, all alike, so each context shard receives its two chunks;
         the token-weighted loss is a sum over tokens and does not change.
         """
-        perm = self.seq_permutation
-        return {k: jax.make_array_from_process_local_data(
-                    self.batch_sharding, batch[k] if perm is None else batch[k][:, perm])
-                for k in BATCH_FIELDS}
+        t, perm = self.config.train, self.seq_permutation
+        start = self.local_rows[0]
+        shape = (t.batch_size, t.seq_len)
+
+        def field(rows: np.ndarray) -> jax.Array:
+            rows = rows if perm is None else rows[:, perm]
+            return jax.make_array_from_callback(
+                shape, self.batch_sharding,
+                lambda idx: rows[slice(*(i - start for i in idx[0].indices(shape[0])[:2])),
+                                 idx[1]])
+
+        return {k: field(batch[k]) for k in BATCH_FIELDS}
 
 
 def _check_batch(config: ml_collections.ConfigDict, rules: rules_lib.Rules, mesh: Mesh) -> None:

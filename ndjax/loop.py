@@ -30,7 +30,8 @@ def _eval_batches(exp: Experiment) -> list[Batch]:
     """The first train.eval_steps batches of the validation split, on device. The same
     batches every time, so evaluations are comparable."""
     config = exp.config
-    with make_loader(config, exp.model_cfg.vocab_size, "eval", prefetch=0) as held_out:
+    with make_loader(config, exp.model_cfg.vocab_size, "eval", rows=exp.local_rows,
+                     prefetch=0) as held_out:
         return [exp.device_batch(held_out.batch(i)) for i in range(config.train.eval_steps)]
 
 
@@ -91,7 +92,8 @@ def train(config: ml_collections.ConfigDict, workdir: str,
     # This process reads and tokenizes its share now, before anything compiles
     # or is written, so bad data fails fast; a thread then prepares batches
     # (already on the devices) ahead of the steps.
-    data = make_loader(config, exp.model_cfg.vocab_size, transform=exp.device_batch)
+    data = make_loader(config, exp.model_cfg.vocab_size, rows=exp.local_rows,
+                       transform=exp.device_batch)
     try:
         eval_batches = _eval_batches(exp) if t.eval_every else []
     except BaseException:
@@ -159,7 +161,7 @@ def train(config: ml_collections.ConfigDict, workdir: str,
         logged.append(record)
 
     every = config.checkpoint.every
-    preemption = Preemption()
+    preemption = Preemption(exp.mesh.devices.flat)
     pending = None
     try:
         for step in range(first_step, t.steps + 1):
@@ -183,7 +185,7 @@ def train(config: ml_collections.ConfigDict, workdir: str,
                 sinks.write_eval(record)
                 logged.append(record)
                 last_time = time.perf_counter()  # the next step_time excludes the evaluation
-            stop = preemption.requested
+            stop = preemption.should_stop()
             if stop or step == t.steps or (every and step % every == 0):
                 if pending is not None:
                     flush(*pending)  # a NaN stop must come before the save

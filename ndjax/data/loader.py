@@ -194,19 +194,22 @@ def _tokenize(documents: Iterator[sources.Document], tok: Tokenizer) -> list[np.
 
 
 def make_loader(config: ml_collections.ConfigDict, vocab_size: int, split: str = "train", *,
+                rows: tuple[int, int] | None = None,
                 process_index: int | None = None, process_count: int | None = None,
                 prefetch: int | None = None,
                 transform: Callable[[dict[str, np.ndarray]], Any] | None = None) -> Loader:
     """This process's loader for ``split`` ('train' or 'eval'); reads its share now.
 
-    ``process_index`` / ``process_count`` default to JAX's; tests pass them to
-    simulate many hosts in one. ``transform`` (e.g. ``Experiment.device_batch``)
+    ``rows`` is ``(start, count)`` of the global batch rows this process feeds
+    (``Experiment.local_rows``); without it, the batch is split evenly by
+    ``process_index`` / ``process_count``, which default to JAX's (tests pass
+    them to simulate many hosts in one). ``transform`` (e.g. ``Experiment.device_batch``)
     runs on each batch in the loader thread, so the host-to-device copy is off
     the step's path too.
     """
     check_config(config, vocab_size)
     d, t = config.data, config.train
-    start, count = process_rows(t.batch_size, process_index, process_count)
+    start, count = rows or process_rows(t.batch_size, process_index, process_count)
     fingerprint = 0
     if d.source == "synthetic":
         source: RowSource = SyntheticSource(vocab_size, t.seq_len, t.seed,

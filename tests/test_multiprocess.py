@@ -1,0 +1,250 @@
+"""Several train.py processes joined by jax.distributed: real processes on loopback.
+
+Two processes with 4 simulated CPU devices each (gloo collectives) must train
+exactly like one process with 8, share checkpoints with it in both directions,
+and fail within bounded time, with messages naming the cause, when the
+coordinator or a peer is lost.
+"""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+from conftest import tiny_config
+from helpers import train_py_flags
+
+from ndjax.loop import train
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+FLAGS = [*train_py_flags(), "--config.log.tensorboard=False", "--config.runtime.cpu_devices=4"]
+FSDP_TP = dict(replica=1, fsdp=4, context=1, tensor=2)
+# 2 processes x 4 devices: replica and fsdp are 1, so the cross-process factor
+# lands on context and the ring's hops 3 -> 4 and 7 -> 0 go between processes.
+CONTEXT_ACROSS = dict(replica=1, fsdp=1, context=4, tensor=2)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def mesh_flags(mesh):
+    return [f"--config.mesh.{k}={v}" for k, v in mesh.items()]
+
+
+def start(workdir, process_id, port, *args, num_processes=2):
+    """train.py as process ``process_id``; its output goes to files (a pipe that
+    nobody reads while the test waits could fill and block the process)."""
+    env = {**os.environ, "PYTHONPATH": ROOT, "PYTHONUNBUFFERED": "1"}
+    logs = os.path.join(os.path.dirname(str(workdir)), f"{os.path.basename(str(workdir))}.logs")
+    os.makedirs(logs, exist_ok=True)
+    out = open(os.path.join(logs, f"{process_id}.out"), "w+")
+    err = open(os.path.join(logs, f"{process_id}.err"), "w+")
+    p = subprocess.Popen(
+        [sys.executable, os.path.join(ROOT, "train.py"), f"--workdir={workdir}", *FLAGS,
+         f"--config.runtime.coordinator=127.0.0.1:{port}",
+         f"--config.runtime.num_processes={num_processes}",
+         f"--config.runtime.process_id={process_id}", *args],
+        cwd=ROOT, env=env, stdout=out, stderr=err, text=True)
+    p.logs = (out, err)
+    return p
+
+
+def finish(p, timeout):
+    """Waits for ``p``; returns its (stdout, stderr)."""
+    p.wait(timeout=timeout)
+    texts = []
+    for f in p.logs:
+        f.seek(0)
+        texts.append(f.read())
+        f.close()
+    return tuple(texts)
+
+
+def kill_all(procs):
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+
+
+def run_two(workdir, *args, per_process=((), ()), timeout=240):
+    """Both processes to completion: [(returncode, stdout, stderr)] by process id."""
+    port = free_port()
+    procs = [start(workdir, i, port, *args, *per_process[i]) for i in range(2)]
+    try:
+        outputs = [finish(p, timeout) for p in procs]
+    finally:
+        kill_all(procs)
+    return [(p.returncode, *o) for p, o in zip(procs, outputs)]
+
+
+def check_ok(results):
+    for i, (code, _, err) in enumerate(results):
+        assert code == 0, f"process {i}: exit {code}\n{err[-3000:]}"
+
+
+def metrics(workdir):
+    with open(os.path.join(workdir, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+def losses(records):
+    return np.array([r["loss"] for r in records])
+
+
+def one_process(workdir, mesh, steps):
+    """The same run in this (pytest) process: one process, 8 devices."""
+    config = tiny_config(mesh=mesh, train=dict(steps=steps))
+    config.log.tensorboard = False
+    return train(config, str(workdir), verbose=False)
+
+
+@pytest.mark.parametrize("mesh", [FSDP_TP, CONTEXT_ACROSS], ids=["fsdp_tp", "context_across"])
+def test_two_processes_train_like_one(tmp_path, mesh):
+    results = run_two(tmp_path / "two", *mesh_flags(mesh))
+    check_ok(results)
+    reference = one_process(tmp_path / "one", mesh, steps=3)
+    two = metrics(tmp_path / "two")
+    assert [r["step"] for r in two] == [1, 2, 3]
+    # The same programs on the same devices, only split over two processes: the
+    # collectives reduce in the same order, so the losses agree to f32 rounding.
+    np.testing.assert_allclose(losses(two), losses(reference), rtol=1e-5)
+    assert losses(two)[-1] < losses(two)[0]  # it trained
+    # Process 0 alone reports; both wrote their shards of the checkpoint.
+    assert "step 3/3" in results[0][1] and "step 3/3" not in results[1][1]
+    assert os.path.exists(tmp_path / "two" / "checkpoints" / "3" / "commit_success.txt")
+
+
+def test_checkpoints_move_between_two_processes_and_one(tmp_path):
+    """2 processes (fsdp x tensor) save at step 3; 1 process (replica x fsdp x
+    tensor) resumes to step 5; 2 processes (context across) resume that to step 7.
+    Each piece equals an uninterrupted 1-process run."""
+    reference = losses(one_process(tmp_path / "reference", FSDP_TP, steps=7))
+    work = tmp_path / "run"
+    check_ok(run_two(work, *mesh_flags(FSDP_TP)))
+    resumed = one_process(work, dict(replica=2, fsdp=2, context=1, tensor=2), steps=5)
+    assert [r["step"] for r in resumed] == [4, 5]
+    results = run_two(work, *mesh_flags(CONTEXT_ACROSS), "--config.train.steps=7")
+    check_ok(results)
+    assert "resumed from checkpoint step 5" in results[0][1] + results[0][2]
+    records = metrics(work)
+    assert [r["step"] for r in records] == list(range(1, 8))
+    np.testing.assert_allclose(losses(records), reference, rtol=1e-5)
+
+
+def wait_for_step(workdir, step, procs, timeout=180):
+    deadline = time.monotonic() + timeout
+    path = os.path.join(workdir, "metrics.jsonl")
+    while time.monotonic() < deadline:
+        if os.path.exists(path) and len(open(path).readlines()) >= step:
+            return
+        for p in procs:
+            assert p.poll() is None, finish(p, 0)[1][-3000:]
+        time.sleep(0.2)
+    raise AssertionError(f"step {step} not reached")
+
+
+def test_dead_peer_stops_the_others_and_checkpoints_stay_usable(tmp_path):
+    heartbeat = 5
+    port = free_port()
+    procs = [start(tmp_path, i, port, *mesh_flags(FSDP_TP), "--config.train.steps=100000",
+                   "--config.checkpoint.every=4",
+                   f"--config.runtime.heartbeat_timeout={heartbeat}") for i in range(2)]
+    try:
+        wait_for_step(tmp_path, 10, procs)
+        procs[1].send_signal(signal.SIGKILL)
+        killed = time.monotonic()
+        _, err = finish(procs[0], timeout=heartbeat + 30)
+        elapsed = time.monotonic() - killed
+    finally:
+        kill_all(procs)
+    assert procs[0].returncode == 4, err[-3000:]
+    assert elapsed < heartbeat + 15
+    lines = [line for line in err.splitlines() if line.startswith("train.py: error:")]
+    assert len(lines) == 1 and "process 0 of 2: lost process 1" in lines[0], err[-3000:]
+    # The newest complete checkpoint restores (unfinished saves are ignored):
+    # one process continues from it for one more step.
+    complete = max(int(d) for d in os.listdir(tmp_path / "checkpoints") if d.isdigit())
+    assert complete >= 8
+    resumed = one_process(tmp_path, FSDP_TP, steps=complete + 1)
+    assert [r["step"] for r in resumed] == [complete + 1]
+
+
+def test_dead_coordinator_stops_the_worker(tmp_path):
+    """Process 0 hosts the coordinator; when it dies, jax ends the others at once
+    (its message names the "leader task", i.e. process 0). The run uses tensor=8
+    over 2 x 4 devices, which also checks the warning for that layout."""
+    port = free_port()
+    tensor_across = dict(replica=1, fsdp=1, context=1, tensor=8)
+    procs = [start(tmp_path, i, port, *mesh_flags(tensor_across), "--config.model.n_kv_heads=8",
+                   "--config.train.steps=100000", "--config.runtime.heartbeat_timeout=5")
+             for i in range(2)]
+    try:
+        wait_for_step(tmp_path, 3, procs)
+        procs[0].send_signal(signal.SIGKILL)
+        killed = time.monotonic()
+        _, err = finish(procs[1], timeout=60)
+        elapsed = time.monotonic() - killed
+    finally:
+        kill_all(procs)
+    assert procs[1].returncode != 0
+    assert elapsed < 20
+    assert "leader task" in err or "lost the coordinator (process 0)" in err, err[-3000:]
+    warning = "the tensor axis (mesh.tensor=8) spans processes"
+    assert warning in finish(procs[0], 0)[1] and warning not in err  # process 0 warns
+
+
+@pytest.mark.parametrize("process_id, message", [
+    (1, "no answer from the coordinator 127.0.0.1:{port} within runtime.init_timeout=3 s"),
+    (0, "not all 2 processes joined the coordinator 127.0.0.1:{port} within "
+        "runtime.init_timeout=3 s"),
+])
+def test_missing_coordinator_or_peer_at_start_is_a_clear_error(tmp_path, process_id, message):
+    port = free_port()
+    started = time.monotonic()
+    p = start(tmp_path, process_id, port, "--config.runtime.init_timeout=3")
+    _, err = finish(p, timeout=60)
+    assert p.returncode == 2, err[-3000:]
+    assert time.monotonic() - started < 3 + 20  # the timeout plus start-up
+    lines = [line for line in err.splitlines() if line.startswith("train.py: error:")]
+    assert len(lines) == 1 and message.format(port=port) in lines[0], err[-3000:]
+    assert not (tmp_path / "metrics.jsonl").exists()
+
+
+def test_processes_with_different_configs_refuse_to_start(tmp_path):
+    results = run_two(tmp_path, *mesh_flags(FSDP_TP),
+                      per_process=((), ("--config.train.batch_size=16",)))
+    for i, (code, _, err) in enumerate(results):
+        assert code == 2, err[-3000:]
+        lines = [line for line in err.splitlines() if line.startswith("train.py: error:")]
+        assert len(lines) == 1, err[-3000:]
+        assert f"process {i} of 2: process 1 runs a different config" in lines[0]
+        assert "train.batch_size=16 (process 0: 8)" in lines[0]
+    assert not (tmp_path / "metrics.jsonl").exists()
+
+
+def test_sigterm_to_one_process_stops_all_at_the_same_step(tmp_path):
+    """SLURM signals every process, Kubernetes may evict one pod: either way they
+    must stop after the same step, or the one saving waits for the others forever."""
+    port = free_port()
+    procs = [start(tmp_path, i, port, *mesh_flags(FSDP_TP), "--config.train.steps=100000")
+             for i in range(2)]
+    try:
+        wait_for_step(tmp_path, 5, procs)
+        procs[1].send_signal(signal.SIGTERM)
+        outputs = [finish(p, timeout=60) for p in procs]
+    finally:
+        kill_all(procs)
+    for p, (_, err) in zip(procs, outputs):
+        assert p.returncode == 0, err[-3000:]
+    saved = [int(d) for d in os.listdir(tmp_path / "checkpoints") if d.isdigit()]
+    assert len(saved) == 1 and f"SIGTERM: saved checkpoint step {saved[0]}" in outputs[0][0]
+    assert metrics(tmp_path)[-1]["step"] == saved[0]
