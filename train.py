@@ -99,14 +99,13 @@ def main(argv: list[str]) -> None:
 
     watch = None
     try:
-        distributed.check_same_config(config)
+        distributed.handshake(config)
         watch = distributed.PeerWatch(lost_peer, config.runtime.heartbeat_timeout)
         if _PRINT_SHARDING.value:
             print(sharding_table(Experiment.from_config(config)))
         else:
             train(config, workdir)
-        watch.stop()
-        distributed.finish()
+        distributed.finish(watch)
     except ConfigError as e:
         if watch is not None:
             watch.stop()  # the others stop too, for the same reason: they are not lost
@@ -118,9 +117,12 @@ def main(argv: list[str]) -> None:
         print(f"train.py: stopped: {label}{e}", file=sys.stderr)
         distributed.leave()
         sys.exit(3)
-    except Exception:
-        if watch is not None:
+    except Exception as e:
+        if watch is not None and label:
             # A failed collective usually means a peer died: let the watch name it.
+            first_line = (str(e).strip().splitlines() or [""])[0][:300]
+            print(f"train.py: {label}{type(e).__name__}: {first_line}; checking whether "
+                  "another process was lost", file=sys.stderr, flush=True)
             watch.wait_for_verdict()
         # Anything else keeps its traceback; in a multi-process run, say whose it is.
         if label:

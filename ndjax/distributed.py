@@ -31,6 +31,13 @@ from ndjax.errors import ConfigError
 PER_PROCESS_FIELDS = ("runtime.process_id",)
 
 
+def client() -> Any:
+    # The distributed client is not public API; it is the one channel that
+    # works before (and independently of) any device computation.
+    from jax._src.distributed import global_state
+    return global_state.client
+
+
 def launcher_processes() -> int:
     """How many processes a launcher started, from its environment (1 if none)."""
     if "SLURM_PROCID" in os.environ and "SLURM_STEP_NUM_TASKS" in os.environ:
@@ -61,10 +68,14 @@ def check_runtime(runtime: ml_collections.ConfigDict) -> None:
     if pid is not None and n is not None and not 0 <= pid < n:
         raise ConfigError(f"runtime.process_id={pid} must be in 0..{n - 1} "
                           f"(runtime.num_processes={n}).")
-    if runtime.coordinator is not None and launcher_processes() == 1 and (n is None or pid is None):
+    given = {"runtime.coordinator": runtime.coordinator, "runtime.num_processes": n,
+             "runtime.process_id": pid}
+    missing = [k for k, v in given.items() if v is None]
+    if wants_distributed(runtime) and launcher_processes() == 1 and missing:
         raise ConfigError(
-            "runtime.coordinator is set but runtime.num_processes / runtime.process_id are not, "
-            "and no launcher (srun, mpirun) set them; set both on every process.")
+            f"{', '.join(k for k in given if k not in missing)} set but {', '.join(missing)} "
+            "not, and no launcher (srun, mpirun) provides them: set all three on every "
+            "process (only runtime.process_id differs).")
     for field in ("init_timeout", "heartbeat_timeout"):
         if runtime[field] <= 0:
             raise ConfigError(f"runtime.{field}={runtime[field]} must be a positive number of "
@@ -130,6 +141,13 @@ def initialize(runtime: ml_collections.ConfigDict,
             heartbeat_timeout_seconds=int(runtime.heartbeat_timeout))
     finally:
         timer.cancel()
+    if jax.default_backend() == "cpu" and jax.config.jax_enable_compilation_cache:
+        # Seen with jax 0.10.2: CPU executables that a multi-process run loads
+        # from the persistent compilation cache hang about one run in three in
+        # gloo context set-up ("Gloo context initialization failed ...
+        # GetKeyValue() timed out"); compiled afresh, none did. CPU multi-process
+        # runs are for trying things out, so they compile afresh.
+        jax.config.update("jax_enable_compilation_cache", False)
 
 
 def _print_and_exit(message: str) -> None:
@@ -161,35 +179,46 @@ def _flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
     return {prefix[:-1]: tree}
 
 
-def check_same_config(config: ml_collections.ConfigDict, timeout_s: float = 120.0) -> None:
-    """Every process must run the same config (bar its process id).
+# The host each process runs on, by process index (learned in handshake).
+_hosts: list[str] = []
 
-    Each process publishes its config through the coordinator's key-value store
-    and compares it with process 0's; all processes then raise the same
-    ConfigError, naming the processes and fields that differ.
+
+def host_of(device: jax.Device) -> str:
+    """The host (machine) of ``device``'s process; one name in a single process."""
+    return _hosts[device.process_index] if _hosts else socket.gethostname()
+
+
+def handshake(config: ml_collections.ConfigDict, timeout_s: float = 120.0) -> None:
+    """Start-up exchange between the processes: their hosts, and their configs,
+    which must be the same (bar the process id).
+
+    Each process publishes both through the coordinator's key-value store, not
+    a device collective (a mismatched mesh could not even compile one). On a
+    config mismatch, all processes raise the same ConfigError, naming the
+    processes and fields that differ.
     """
     if jax.process_count() == 1:
         return
-    # Through the coordinator, not a device collective: a mismatched mesh cannot
-    # even compile one.
-    client = _client()
+    kv = client()
     me, n = jax.process_index(), jax.process_count()
+    timeout_ms = int(timeout_s * 1000)
+    kv.key_value_set(f"ndjax/host/{me}", socket.gethostname())
+    _hosts[:] = [kv.blocking_key_value_get(f"ndjax/host/{i}", timeout_ms) for i in range(n)]
     text = json.dumps(_shared_config(config), sort_keys=True)
     digest = hashlib.sha256(text.encode()).hexdigest()
-    client.key_value_set(f"ndjax/config/{me}", text)
-    client.key_value_set(f"ndjax/config_hash/{me}", digest)
-    timeout_ms = int(timeout_s * 1000)
-    hashes = [client.blocking_key_value_get(f"ndjax/config_hash/{i}", timeout_ms)
+    kv.key_value_set(f"ndjax/config/{me}", text)
+    kv.key_value_set(f"ndjax/config_hash/{me}", digest)
+    hashes = [kv.blocking_key_value_get(f"ndjax/config_hash/{i}", timeout_ms)
               for i in range(n)]
     differing = [i for i in range(n) if hashes[i] != hashes[0]]
     if not differing:
         return
-    reference = _flatten(json.loads(client.blocking_key_value_get("ndjax/config/0", timeout_ms)))
-    other = _flatten(json.loads(client.blocking_key_value_get(
+    reference = _flatten(json.loads(kv.blocking_key_value_get("ndjax/config/0", timeout_ms)))
+    other = _flatten(json.loads(kv.blocking_key_value_get(
         f"ndjax/config/{differing[0]}", timeout_ms)))
     # Everyone has read what it needs before anyone exits (process 0's exit
     # takes the coordinator with it).
-    client.wait_at_barrier("ndjax/config_checked", timeout_ms)
+    kv.wait_at_barrier("ndjax/config_checked", timeout_ms)
     fields = sorted(k for k in reference.keys() | other.keys()
                     if reference.get(k) != other.get(k))
     first = differing[0]
@@ -200,13 +229,6 @@ def check_same_config(config: ml_collections.ConfigDict, timeout_s: float = 120.
     raise ConfigError(
         f"{who} a different config from process 0; process {first}: {shown}. "
         "Start every process with the same config file and --config flags.")
-
-
-def _client() -> Any:
-    # The distributed client is not public API; it is the one channel that
-    # works before (and independently of) any device computation.
-    from jax._src.distributed import global_state
-    return global_state.client
 
 
 class PeerWatch:
@@ -235,7 +257,7 @@ class PeerWatch:
         """A message naming the lost processes, or None while all are alive."""
         n = jax.process_count()
         try:
-            alive = set(_client().get_live_nodes(list(range(n))))
+            alive = set(client().get_live_nodes(list(range(n))))
         except Exception as e:  # noqa: BLE001 -- any failure here means no coordinator
             return (f"lost the coordinator (process 0): {' '.join(str(e).split())[:200]}. "
                     "Process 0 was killed, crashed or was preempted, or the network to it "
@@ -244,9 +266,9 @@ class PeerWatch:
         if not missing:
             return None
         which = ", ".join(map(str, missing))
-        return (f"lost process{'es' if len(missing) > 1 else ''} {which}: no heartbeat for "
-                f"runtime.heartbeat_timeout={self.heartbeat_timeout:g} s (killed, crashed, "
-                "preempted or cut off).")
+        return (f"lost process{'es' if len(missing) > 1 else ''} {which}: it disconnected "
+                "from the coordinator or sent no heartbeat for runtime.heartbeat_timeout="
+                f"{self.heartbeat_timeout:g} s (killed, crashed, preempted or cut off).")
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval):
@@ -270,13 +292,17 @@ class PeerWatch:
             self._thread.join()
 
 
-def finish(timeout_s: float = 600.0) -> None:
-    """The end of a successful multi-process run: every process waits for the
-    others, then the workers disconnect before process 0 (which hosts the
-    coordinator) shuts it down, so that no one loses the coordinator early."""
+def finish(watch: PeerWatch, timeout_s: float = 600.0) -> None:
+    """The end of a successful run. The processes wait for each other with the
+    watch still on (a process that died instead of finishing is reported), then
+    all stop watching before anyone disconnects (a peer leaving is not lost)."""
     if jax.process_count() == 1:
+        watch.stop()
         return
-    _client().wait_at_barrier("ndjax/finish", int(timeout_s * 1000))
+    kv = client()
+    kv.wait_at_barrier("ndjax/finished", int(timeout_s * 1000))
+    watch.stop()
+    kv.wait_at_barrier("ndjax/unwatched", int(timeout_s * 1000))
     leave()
 
 
@@ -291,7 +317,7 @@ def leave(timeout_s: float = 30.0) -> None:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             try:
-                if set(_client().get_live_nodes(others)) <= {0}:
+                if set(client().get_live_nodes(others)) <= {0}:
                     break
             except Exception:  # noqa: BLE001 -- nothing left to wait for
                 break

@@ -14,7 +14,7 @@ import dataclasses
 import functools
 import math
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -25,7 +25,7 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from ndjax import hf
+from ndjax import distributed, hf
 from ndjax import rules as rules_lib
 from ndjax import state as state_lib
 from ndjax.config import check_keys
@@ -45,17 +45,18 @@ FIELD_OF_AXIS = {
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
 
-def _warn_slow_axes(mesh: Mesh) -> None:
-    """Tensor parallelism all-reduces activations inside every layer; across
-    processes (hosts) that traffic leaves NVLink for the network."""
-    if "tensor" not in cross_process_axes(mesh) or jax.process_index() != 0:
-        return
-    per_process = mesh.devices.size // jax.process_count()
-    warnings.warn(
-        f"mesh: the tensor axis (mesh.tensor={mesh.shape['tensor']}) spans processes, so "
-        "every layer all-reduces its activations between hosts; this is usually several "
-        f"times slower. Keep mesh.tensor within a process ({per_process} devices each) and "
-        "put the rest in fsdp or replica.", stacklevel=2)
+def slow_axes_warning(mesh: Mesh, host_of: Callable[[jax.Device], str]) -> str | None:
+    """Tensor parallelism all-reduces activations inside every layer: between
+    hosts that traffic leaves NVLink for the network. (Between processes on one
+    host, e.g. one process per GPU, it does not.)"""
+    if "tensor" not in cross_process_axes(mesh, host_of):
+        return None
+    hosts = {host_of(d) for d in mesh.devices.flat}
+    return (f"mesh: the tensor axis (mesh.tensor={mesh.shape['tensor']}) spans hosts, so every "
+            "layer all-reduces its activations over the network between them; this is "
+            "usually several times slower. Keep mesh.tensor within a host "
+            f"({mesh.devices.size // len(hosts)} devices each) and put the rest in fsdp or "
+            "replica.")
 
 
 def model_config(model: ml_collections.ConfigDict, checkpoint: hf.Checkpoint | None = None
@@ -166,7 +167,9 @@ class Experiment:
             hf.check_tokenizer(config, checkpoint)
         loader.check_config(config, model_cfg.vocab_size)  # names, sizes, tokenizer vs vocab
         mesh = build_mesh(dims, devices)
-        _warn_slow_axes(mesh)
+        warning = slow_axes_warning(mesh, distributed.host_of)
+        if warning and jax.process_index() == 0:
+            warnings.warn(warning, stacklevel=2)
         rules = rules_lib.Rules(config.rules, mesh)
 
         abstract = nnx.eval_shape(lambda: llama.Llama(model_cfg, nnx.Rngs(0)))

@@ -161,7 +161,7 @@ def train(config: ml_collections.ConfigDict, workdir: str,
         logged.append(record)
 
     every = config.checkpoint.every
-    preemption = Preemption(exp.mesh.devices.flat)
+    preemption = Preemption()
     pending = None
     try:
         for step in range(first_step, t.steps + 1):
@@ -185,7 +185,7 @@ def train(config: ml_collections.ConfigDict, workdir: str,
                 sinks.write_eval(record)
                 logged.append(record)
                 last_time = time.perf_counter()  # the next step_time excludes the evaluation
-            stop = preemption.should_stop()
+            stop = preemption.should_stop(step)
             if stop or step == t.steps or (every and step % every == 0):
                 if pending is not None:
                     flush(*pending)  # a NaN stop must come before the save

@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import jax
 import numpy as np
@@ -132,11 +133,15 @@ def build_mesh(dims: ParallelDims, devices: Sequence[jax.Device] | None = None) 
     return jax.make_mesh(dims.sizes, AXES, axis_types=axis_types, devices=devices)
 
 
-def cross_process_axes(mesh: Mesh) -> list[str]:
-    """Mesh axes along which devices of different processes meet."""
-    procs = np.vectorize(lambda d: d.process_index)(mesh.devices)
+def cross_process_axes(mesh: Mesh, group_of: Callable[[jax.Device], Any] | None = None
+                       ) -> list[str]:
+    """Mesh axes along which devices of different processes meet, or of different
+    groups if ``group_of`` maps each device to one (its host, say)."""
+    group_of = group_of or (lambda d: d.process_index)
+    labels = np.vectorize(group_of, otypes=[object])(mesh.devices)
     crossing = []
     for i, name in enumerate(mesh.axis_names):
-        if procs.shape[i] > 1 and not np.all(np.diff(procs, axis=i) == 0):
+        first = np.take(labels, [0], axis=i)
+        if labels.shape[i] > 1 and not np.all(labels == first):
             crossing.append(name)
     return crossing

@@ -51,6 +51,8 @@ def test_layouts_log_the_same_losses(tmp_path):
     (["--config.train.batch_size=6"], "train.batch_size=6 is not divisible by 4 = fsdp(4)"),
     (["--config=configs/missing.py"], "cannot load --config"),
     (["--config.model.init_from=meta-llama/Llama-3.2-1B"], "ndjax does not download"),
+    (["--config.runtime.coordinator=node0", "--config.runtime.num_processes=2",
+      "--config.runtime.process_id=0"], "runtime.coordinator='node0' must be host:port"),
 ])
 def test_bad_input_is_one_line_and_exit_2(tmp_path, args, message):
     result = run(*args, f"--workdir={tmp_path / 'w'}")
