@@ -124,9 +124,10 @@ def hf_checkpoint(directory):
 @pytest.mark.parametrize("mesh", [FSDP_TP, CONTEXT_ACROSS], ids=["fsdp_tp", "context_across"])
 def test_two_processes_train_like_one(tmp_path, mesh):
     # Also Hugging Face checkpoints in and out across processes: the fsdp x tp
-    # run exports at the end, the context run starts from an HF directory.
+    # run exports at the end (and evaluates), the context run starts from an HF
+    # directory.
     if mesh is FSDP_TP:
-        fields = {"export.dtype": "float32"}
+        fields = {"export.dtype": "float32", "train.eval_every": 3, "train.eval_steps": 2}
         two_fields = {**fields, "export.hf_dir": str(tmp_path / "two_hf")}
         one_fields = {**fields, "export.hf_dir": str(tmp_path / "one_hf")}
     else:
@@ -134,8 +135,10 @@ def test_two_processes_train_like_one(tmp_path, mesh):
     results = run_two(tmp_path / "two", *mesh_flags(mesh),
                       *[f"--config.{k}={v}" for k, v in two_fields.items()])
     check_ok(results)
-    reference = one_process(tmp_path / "one", mesh, steps=3, **one_fields)
-    two = metrics(tmp_path / "two")
+    reference = [r for r in one_process(tmp_path / "one", mesh, steps=3, **one_fields)
+                 if "loss" in r]
+    records = metrics(tmp_path / "two")
+    two = [r for r in records if "loss" in r]
     assert [r["step"] for r in two] == [1, 2, 3]
     # The same programs on the same devices, only split over two processes: the
     # collectives reduce in the same order, so the losses agree to f32 rounding.
@@ -144,7 +147,12 @@ def test_two_processes_train_like_one(tmp_path, mesh):
     # Process 0 alone reports; both wrote their shards of the checkpoint.
     assert "step 3/3" in results[0][1] and "step 3/3" not in results[1][1]
     assert os.path.exists(tmp_path / "two" / "checkpoints" / "3" / "commit_success.txt")
-    if mesh is FSDP_TP:  # the exported weights, compared as test_layouts compares parameters
+    if mesh is FSDP_TP:
+        evals = [r for r in records if "eval_loss" in r]
+        assert [r["step"] for r in evals] == [3]
+        one_eval = metrics(tmp_path / "one")[-1]
+        np.testing.assert_allclose(evals[0]["eval_loss"], one_eval["eval_loss"], rtol=1e-5)
+        # The exported weights, compared as test_layouts compares parameters.
         a = load_file(str(tmp_path / "two_hf" / "model.safetensors"))
         b = load_file(str(tmp_path / "one_hf" / "model.safetensors"))
         assert sorted(a) == sorted(b) and len(a) > 10
