@@ -59,6 +59,9 @@ def default_config() -> ml_collections.ConfigDict:
     c.runtime.coordinator = config_dict.placeholder(str)  # host:port of process 0
     c.runtime.num_processes = config_dict.placeholder(int)
     c.runtime.process_id = config_dict.placeholder(int)
+    # GPUs this process uses, e.g. "0,1,2,3,4,5,6,7"; unset: all (under srun, jax
+    # gives each task only the GPU of its SLURM_LOCALID unless this is set).
+    c.runtime.local_device_ids = config_dict.placeholder(str)
     c.runtime.init_timeout = 300    # seconds to wait for the coordinator and every process
     # A process silent for this many seconds is declared dead and the others stop.
     c.runtime.heartbeat_timeout = 100

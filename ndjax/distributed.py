@@ -76,10 +76,24 @@ def check_runtime(runtime: ml_collections.ConfigDict) -> None:
             f"{', '.join(k for k in given if k not in missing)} set but {', '.join(missing)} "
             "not, and no launcher (srun, mpirun) provides them: set all three on every "
             "process (only runtime.process_id differs).")
+    local_device_ids(runtime)
     for field in ("init_timeout", "heartbeat_timeout"):
         if runtime[field] <= 0:
             raise ConfigError(f"runtime.{field}={runtime[field]} must be a positive number of "
                               "seconds.")
+
+
+def local_device_ids(runtime: ml_collections.ConfigDict) -> list[int] | None:
+    """runtime.local_device_ids ("0,1,2,3") as a list; None when unset."""
+    text = runtime.local_device_ids
+    if text is None:
+        return None
+    parts = [p.strip() for p in str(text).split(",") if p.strip()]
+    if not parts or not all(p.isdigit() for p in parts) or len(set(parts)) != len(parts):
+        raise ConfigError(
+            f"runtime.local_device_ids={text!r} must list distinct GPU indices separated by "
+            "commas, e.g. runtime.local_device_ids=0,1,2,3,4,5,6,7.")
+    return [int(p) for p in parts]
 
 
 def _reachable(address: str) -> bool:
@@ -139,6 +153,7 @@ def initialize(runtime: ml_collections.ConfigDict,
             coordinator_address=runtime.coordinator,
             num_processes=runtime.num_processes,
             process_id=runtime.process_id,
+            local_device_ids=local_device_ids(runtime),
             # Ours fires first: jax's own deadline aborts the process.
             initialization_timeout=int(timeout) + 60,
             heartbeat_timeout_seconds=int(runtime.heartbeat_timeout))

@@ -34,6 +34,8 @@ def runtime(**fields):
                                      "runtime.process_id not"),
     (dict(num_processes=2, process_id=1), "runtime.coordinator not"),
     (dict(init_timeout=0), "runtime.init_timeout=0 must be a positive"),
+    (dict(local_device_ids="0,1,1"), "must list distinct GPU indices"),
+    (dict(local_device_ids="gpu0"), "must list distinct GPU indices"),
 ])
 def test_bad_runtime_fields(no_launcher, fields, message):
     with pytest.raises(ConfigError, match=message):
@@ -85,3 +87,8 @@ def test_single_process_feeds_every_row(cpu_devices):
     from ndjax.experiment import Experiment
     exp = Experiment.from_config(tiny_config(mesh=dict(fsdp=4, tensor=2)))
     assert exp.local_rows == (0, 8)
+
+
+def test_local_device_ids():
+    assert distributed.local_device_ids(runtime()) is None
+    assert distributed.local_device_ids(runtime(local_device_ids="0, 1,2,3")) == [0, 1, 2, 3]
