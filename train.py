@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Callable
 
 from absl import app, flags
 from ml_collections import config_flags
@@ -23,15 +24,11 @@ def _innermost(e: BaseException) -> str:
     return str(e)
 
 
-def _fail(message: object) -> None:
-    print(f"train.py: error: {' '.join(str(message).split())}", file=sys.stderr)
-    sys.exit(2)
-
-
-def _exit_now(message: str) -> None:
-    """_fail for other threads (sys.exit there would only end the thread)."""
-    print(f"train.py: error: {' '.join(message.split())}", file=sys.stderr, flush=True)
-    os._exit(2)
+def _fail(message: object, exit: Callable[[int], object] = sys.exit) -> None:
+    """One line, exit 2. From another thread pass exit=os._exit (sys.exit there
+    would only end the thread)."""
+    print(f"train.py: error: {' '.join(str(message).split())}", file=sys.stderr, flush=True)
+    exit(2)
 
 
 _BAD_OVERRIDE = (AttributeError, KeyError, TypeError, ValueError)
@@ -76,7 +73,7 @@ def main(argv: list[str]) -> None:
     try:
         # Before anything creates a JAX backend: the CPU device count, and the
         # other processes of a multi-process run.
-        distributed.initialize(config.runtime, on_timeout=_exit_now)
+        distributed.initialize(config.runtime, on_timeout=lambda m: _fail(m, exit=os._exit))
     except ConfigError as e:
         _fail(e)
 
@@ -98,6 +95,13 @@ def main(argv: list[str]) -> None:
         os._exit(4)
 
     watch = None
+
+    def stop_with_the_others() -> None:
+        # Every process stops for the same reason here, so none of them is lost.
+        if watch is not None:
+            watch.stop()
+        distributed.leave()
+
     try:
         distributed.handshake(config)
         watch = distributed.PeerWatch(lost_peer, config.runtime.heartbeat_timeout)
@@ -107,15 +111,11 @@ def main(argv: list[str]) -> None:
             train(config, workdir)
         distributed.finish(watch)
     except ConfigError as e:
-        if watch is not None:
-            watch.stop()  # the others stop too, for the same reason: they are not lost
-        distributed.leave()
+        stop_with_the_others()
         _fail(f"{label}{e}")
     except NonFiniteError as e:
-        if watch is not None:
-            watch.stop()
-        print(f"train.py: stopped: {label}{e}", file=sys.stderr)
-        distributed.leave()
+        print(f"train.py: stopped: {label}{e}", file=sys.stderr, flush=True)
+        stop_with_the_others()
         sys.exit(3)
     except Exception as e:
         if watch is not None and label:

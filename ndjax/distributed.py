@@ -16,7 +16,6 @@ import hashlib
 import json
 import os
 import socket
-import sys
 import threading
 import time
 from collections.abc import Callable
@@ -105,8 +104,7 @@ def _reachable(address: str) -> bool:
         return False
 
 
-def initialize(runtime: ml_collections.ConfigDict,
-               on_timeout: Callable[[str], None] | None = None) -> None:
+def initialize(runtime: ml_collections.ConfigDict, on_timeout: Callable[[str], None]) -> None:
     """Joins the other processes of the run, if there are any. Call it first.
 
     If the processes have not all met within ``runtime.init_timeout`` seconds
@@ -143,7 +141,7 @@ def initialize(runtime: ml_collections.ConfigDict,
                        f"coordinator {where} within runtime.init_timeout={timeout:g} s. Start "
                        "every process (ids 0 .. runtime.num_processes-1) with the same "
                        "runtime.coordinator.")
-        (on_timeout or _print_and_exit)(message)
+        on_timeout(message)
 
     timer = threading.Timer(timeout, timed_out)
     timer.daemon = True
@@ -169,11 +167,6 @@ def initialize(runtime: ml_collections.ConfigDict,
         # variable above, saw 0 of 8), and CPU multi-process runs are for trying
         # things out, so they compile afresh as a precaution.
         jax.config.update("jax_enable_compilation_cache", False)
-
-
-def _print_and_exit(message: str) -> None:
-    print(f"error: {message}", file=sys.stderr, flush=True)
-    os._exit(2)
 
 
 def label() -> str:
@@ -301,11 +294,8 @@ class PeerWatch:
     def wait_for_verdict(self) -> None:
         """After a failed collective: give the watch time to name the lost process
         (the report ends the process); returns if every process still looks alive."""
-        if self._thread is None:
-            return
-        deadline = time.monotonic() + self.heartbeat_timeout + 5 * self.interval
-        while self._thread.is_alive() and time.monotonic() < deadline:
-            self._thread.join(self.interval)
+        if self._thread is not None:
+            self._thread.join(self.heartbeat_timeout + 5 * self.interval)
 
     def stop(self) -> None:
         self._stop.set()
@@ -334,11 +324,11 @@ def leave(timeout_s: float = 30.0) -> None:
     if not jax.distributed.is_initialized():
         return
     if jax.process_index() == 0:
-        others = list(range(jax.process_count()))
+        everyone = list(range(jax.process_count()))
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             try:
-                if set(client().get_live_nodes(others)) <= {0}:
+                if set(client().get_live_nodes(everyone)) <= {0}:
                     break
             except Exception:  # noqa: BLE001 -- nothing left to wait for
                 break
