@@ -85,6 +85,13 @@ def default_config() -> ml_collections.ConfigDict:
     # A NaN/Inf loss or gradient norm: "stop" (exit non-zero, save nothing) or
     # "skip" (drop that update, count it in the metrics).
     c.train.on_nan = "stop"
+    # Micro-batches per step: the batch runs as grad_accum slices of batch_size /
+    # grad_accum rows in one jitted step, gradients summed (activation memory of
+    # one slice; the update is the same as one big batch's).
+    c.train.grad_accum = 1
+    # Sequence positions per chunk of the LM head + cross-entropy: the logits of
+    # one chunk exist at a time, never the whole batch's (b x seq x vocab).
+    c.train.loss_chunk = 1024
     c.train.eval_every = 0        # loss on the validation split every N steps; 0 = never
     c.train.eval_steps = 4        # batches per evaluation (the same ones every time)
 

@@ -193,6 +193,7 @@ class Experiment:
         param_shardings = jax.tree_util.tree_map_with_path(
             param_sharding, param_shapes, param_names)
         _check_batch(config, rules, mesh)
+        _check_loss_chunk(config, rules, mesh)
         seq_permutation = _check_attention(config, model_cfg, rules)
 
         schedule = state_lib.make_schedule(config.train)
@@ -209,7 +210,20 @@ class Experiment:
 
     def apply(self, params: Any, inputs: jax.Array, positions: jax.Array,
               segment_ids: jax.Array) -> jax.Array:
+        """Logits (b, s, vocab) float32: for inspection; training never builds them all."""
         return nnx.merge(self.graphdef, params)(inputs, positions, segment_ids)
+
+    def features(self, params: Any, inputs: jax.Array, positions: jax.Array,
+                 segment_ids: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """(final hidden states, LM head): what the chunked loss needs."""
+        return nnx.merge(self.graphdef, params).features(inputs, positions, segment_ids)
+
+    @property
+    def step_options(self) -> StepOptions:
+        t = self.config.train
+        return StepOptions(skip_nonfinite=t.on_nan == "skip",
+                           nan_at_step=int(self.config.debug.nan_at_step),
+                           loss_chunk=t.loss_chunk, grad_accum=t.grad_accum)
 
     # ----- state ---------------------------------------------------------------
 
@@ -268,9 +282,8 @@ class Experiment:
 
     def lower_step(self) -> jax.stages.Lowered:
         """The train step lowered under the mesh and rules (constraints included)."""
-        options = StepOptions(skip_nonfinite=self.config.train.on_nan == "skip",
-                              nan_at_step=int(self.config.debug.nan_at_step))
-        step = functools.partial(train_step, self.apply, self.optimizer, self.schedule, options)
+        step = functools.partial(train_step, self.features, self.optimizer, self.schedule,
+                                 self.step_options, self.state_sharding.params)
         replicated = NamedSharding(self.mesh, PartitionSpec())
         with rules_lib.use(self.rules):
             jitted = jax.jit(step, in_shardings=(self.state_sharding, self.batch_sharding),
@@ -285,7 +298,7 @@ class Experiment:
     def lower_eval(self) -> jax.stages.Lowered:
         """The loss without the update, in the train step's shardings: (params, batch) ->
         {loss, tokens}."""
-        step = functools.partial(eval_step, self.apply)
+        step = functools.partial(eval_step, self.features, self.config.train.loss_chunk)
         replicated = NamedSharding(self.mesh, PartitionSpec())
         with rules_lib.use(self.rules):
             jitted = jax.jit(step, in_shardings=(self.state_sharding.params, self.batch_sharding),
@@ -341,14 +354,54 @@ def _check_batch(config: ml_collections.ConfigDict, rules: rules_lib.Rules, mesh
     checks = (("train.batch_size", t.batch_size, ("act_batch",)),
               ("train.seq_len", t.seq_len, ("act_seq", "act_res_seq")))
     for field, value, names in checks:
-        axes = sorted({a for n in names for a in rules.axes_of(n)}, key=mesh.axis_names.index)
-        ways = math.prod(mesh.shape[a] for a in axes)
+        ways, parts = _ways(rules, mesh, names)
         if value % ways:
-            parts = " x ".join(f"{a}({mesh.shape[a]})" for a in axes)
             raise ConfigError(
                 f"{field}={value} is not divisible by {ways} = {parts}, the mesh axes that "
                 f"split it (rules for {', '.join(names)}). Use a multiple of {ways}, e.g. "
                 f"{field}={(value // ways + 1) * ways}.")
+    k = t.grad_accum
+    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+        raise ConfigError(f"train.grad_accum={k!r} must be an int >= 1 (micro-batches per "
+                          "step).")
+    ways, parts = _ways(rules, mesh, ("act_batch",))
+    if t.batch_size % (k * ways):
+        fits = [d for d in range(1, t.batch_size // ways + 1)
+                if t.batch_size % (d * ways) == 0]
+        raise ConfigError(
+            f"train.grad_accum={k}: each micro-batch of train.batch_size={t.batch_size} / {k} "
+            f"rows must split evenly over {ways} = {parts}, the mesh axes that split the "
+            f"batch, so batch_size must be a multiple of {k} x {ways} = {k * ways}. Use "
+            f"train.grad_accum in {fits} or a larger batch_size.")
+
+
+def _ways(rules: rules_lib.Rules, mesh: Mesh, names: Sequence[str]) -> tuple[int, str]:
+    """How many ways the mesh axes of these logical names split a dimension, and
+    the axes as text ("fsdp(4) x context(2)")."""
+    axes = sorted({a for n in names for a in rules.axes_of(n)}, key=mesh.axis_names.index)
+    return (math.prod(mesh.shape[a] for a in axes),
+            " x ".join(f"{a}({mesh.shape[a]})" for a in axes) or "none")
+
+
+def _check_loss_chunk(config: ml_collections.ConfigDict, rules: rules_lib.Rules,
+                      mesh: Mesh) -> None:
+    """The chunked loss cuts each row's positions into seq_len / loss_chunk strided
+    chunks, each split over the sequence's mesh axes like the sequence itself."""
+    t = config.train
+    chunk, seq_len = t.loss_chunk, t.seq_len
+    if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
+        raise ConfigError(f"train.loss_chunk={chunk!r} must be an int >= 1 (sequence "
+                          "positions per chunk of the LM head and loss).")
+    if seq_len <= chunk:
+        return
+    ways, axes = _ways(rules, mesh, ("act_seq",))
+    fits = [c for c in range(chunk, 0, -1) if seq_len % c == 0 and c % ways == 0]
+    if seq_len % chunk or chunk % ways:
+        hint = f" e.g. train.loss_chunk={fits[0]}" if fits else ""
+        raise ConfigError(
+            f"train.loss_chunk={chunk} must divide train.seq_len={seq_len} and be a multiple "
+            f"of {ways} = {axes}, the mesh axes that split the sequence (act_seq). Use such a "
+            f"chunk,{hint} or a loss_chunk >= seq_len (no chunking).")
 
 
 def _check_attention(config: ml_collections.ConfigDict, model_cfg: llama.LlamaConfig,

@@ -20,10 +20,12 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 import math
 from collections.abc import Iterator, Sequence
 
 import jax
+import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from ndjax.errors import ConfigError
@@ -203,17 +205,42 @@ def constrain(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
     return jax.lax.with_sharding_constraint(x, rules.spec(names))
 
 
-def constrain_param(w: jax.Array, names: Sequence[str | None]) -> jax.Array:
-    """A parameter at its point of use: from its storage layout to its compute layout.
+def constrain_param(w: jax.Array, names: Sequence[str | None], dtype=None) -> jax.Array:
+    """A parameter at its point of use: cast to ``dtype``, then moved from its storage
+    layout to its compute layout.
 
-    Forward, the second constraint gathers the weight over the data axes. The
-    first matters for the backward pass: constraints transpose to constraints
-    on the cotangent, so the gradient is reduce-scattered back to the storage
-    layout right here, inside the layer loop, instead of being accumulated
-    unsharded across all layers.
+    Forward, the weight is cast while still sharded and then gathered over the data
+    axes, so FSDP's all-gather moves compute-dtype bytes (bfloat16: half of float32's).
+    Backward (``_gather_vjp``), the cotangent is cast to float32 *before* it is
+    reduce-scattered back to the storage layout, right here inside the layer loop:
+    gradients are summed across devices in float32 and never accumulated unsharded
+    across layers.
     """
+    dtype = w.dtype if dtype is None else jnp.dtype(dtype)
     rules = _ACTIVE.get()
     if rules is None:
-        return w
-    w = jax.lax.with_sharding_constraint(w, rules.spec(names))
-    return jax.lax.with_sharding_constraint(w, rules.compute_spec(names))
+        return w.astype(dtype)
+    storage = NamedSharding(rules.mesh, rules.spec(names))
+    compute = NamedSharding(rules.mesh, rules.compute_spec(names))
+    return _cast_and_gather(w, storage, compute, dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3))
+def _cast_and_gather(w, storage, compute, dtype):
+    # The cast is pinned to the storage layout too, or propagation may place it
+    # after the gather.
+    w = jax.lax.with_sharding_constraint(w.astype(dtype), storage)
+    return jax.lax.with_sharding_constraint(w, compute)
+
+
+def _gather_fwd(w, storage, compute, dtype):
+    # No residual but the parameter's dtype, carried by an empty array.
+    return _cast_and_gather(w, storage, compute, dtype), jnp.zeros((0,), w.dtype)
+
+
+def _gather_vjp(storage, compute, dtype, dtype_of_w, g):
+    g = jax.lax.with_sharding_constraint(g.astype(jnp.float32), compute)
+    return (jax.lax.with_sharding_constraint(g, storage).astype(dtype_of_w.dtype),)
+
+
+_cast_and_gather.defvjp(_gather_fwd, _gather_vjp)

@@ -10,58 +10,102 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from ndjax.ops.cross_entropy import loss_sums
+from ndjax.rules import constrain
 from ndjax.state import TrainState
 
 Batch = dict[str, jax.Array]
-# (params, inputs, positions, segment_ids) -> float32 logits (b, s, vocab)
-ApplyFn = Callable[[Any, jax.Array, jax.Array, jax.Array], jax.Array]
+# (params, inputs, positions, segment_ids) -> (final hidden states (b, s, dim),
+# LM head (dim, vocab)); see Llama.features.
+FeaturesFn = Callable[[Any, jax.Array, jax.Array, jax.Array], tuple[jax.Array, jax.Array]]
 
 
-def cross_entropy(logits: jax.Array, targets: jax.Array) -> jax.Array:
-    """Per-token cross-entropy. A one-hot contraction rather than a gather keeps
-    a vocab-sharded logits tensor sharded (the partitioner turns it into a local
-    masked sum plus an all-reduce)."""
-    logits = logits.astype(jnp.float32)
-    logz = jax.nn.logsumexp(logits, axis=-1)
-    target_logit = jnp.sum(logits * jax.nn.one_hot(targets, logits.shape[-1],
-                                                   dtype=logits.dtype), axis=-1)
-    return logz - target_logit
+def loss_sum(features: FeaturesFn, params: Any, batch: Batch, chunk: int
+             ) -> tuple[jax.Array, jax.Array]:
+    """(summed next-token cross-entropy over the unmasked tokens, their count)."""
+    x, head = features(params, batch["inputs"], batch["positions"], batch["segment_ids"])
+    return loss_sums(x, head, batch["targets"], batch["loss_mask"], chunk)
 
 
-def loss_fn(apply: ApplyFn, params: Any, batch: Batch) -> tuple[jax.Array, jax.Array]:
-    """Mean next-token cross-entropy over the unmasked tokens of the global batch.
-
-    Token-weighted: every real token counts once, whichever row it sits in.
-    """
-    logits = apply(params, batch["inputs"], batch["positions"], batch["segment_ids"])
-    mask = batch["loss_mask"].astype(jnp.float32)
-    tokens = jnp.sum(mask)
-    loss = jnp.sum(cross_entropy(logits, batch["targets"]) * mask) / jnp.maximum(tokens, 1.0)
-    return loss, tokens
-
-
-def eval_step(apply: ApplyFn, params: Any, batch: Batch) -> dict[str, jax.Array]:
+def eval_step(features: FeaturesFn, chunk: int, params: Any, batch: Batch
+              ) -> dict[str, jax.Array]:
     """The train step's loss without the update: for the validation split."""
-    loss, tokens = loss_fn(apply, params, batch)
-    return {"loss": loss, "tokens": tokens}
+    total, tokens = loss_sum(features, params, batch, chunk)
+    return {"loss": total / jnp.maximum(tokens, 1.0), "tokens": tokens}
 
 
 @dataclasses.dataclass(frozen=True)
 class StepOptions:
     skip_nonfinite: bool = False  # drop the update when loss or grad norm is NaN/Inf
     nan_at_step: int = -1         # debug: poison the loss at this logged step (1-based)
+    loss_chunk: int = 1024        # sequence positions per chunk of the LM head + loss
+    grad_accum: int = 1           # micro-batches per step (lax.scan inside the step)
 
 
-def train_step(apply: ApplyFn, optimizer: optax.GradientTransformation,
-               schedule: optax.Schedule, options: StepOptions, state: TrainState,
-               batch: Batch) -> tuple[TrainState, dict[str, jax.Array]]:
-    def loss_of(params):
-        loss, tokens = loss_fn(apply, params, batch)
-        if options.nan_at_step >= 0:
-            loss = loss * jnp.where(state.step + 1 == options.nan_at_step, jnp.nan, 1.0)
-        return loss, tokens
+BATCH_NAMES = ("act_batch", "act_seq")
 
-    (loss, tokens), grads = jax.value_and_grad(loss_of, has_aux=True)(state.params)
+
+def micro_batches(batch: Batch, k: int) -> Batch:
+    """(B, S) fields -> (k, B/k, S): micro-batch j holds rows j, j+k, j+2k, ...
+
+    Strided rows keep every micro-batch spread over the data axes exactly as the
+    batch is (each device's block of rows splits locally into k), so no rows move
+    between devices. The loss is token-weighted over the whole batch, so which
+    rows share a micro-batch does not change it.
+    """
+    def split(a):
+        b, s = a.shape
+        return constrain(jnp.moveaxis(a.reshape(b // k, k, s), 1, 0), (None, *BATCH_NAMES))
+    return {name: split(a) for name, a in batch.items()}
+
+
+def loss_and_grads(features: FeaturesFn, options: StepOptions, params: Any, batch: Batch,
+                   grad_shardings: Any = None) -> tuple[jax.Array, jax.Array, Any]:
+    """(mean loss, tokens, float32 gradients) over the whole batch, token-weighted:
+    every real token counts once, whichever row or micro-batch it sits in.
+
+    With ``grad_accum`` = k the batch runs as k micro-batches in a ``lax.scan``,
+    their gradients summed in float32 in ``grad_shardings`` (the parameters'
+    layout), so activations are those of one micro-batch.
+    """
+    tokens = jnp.sum(batch["loss_mask"].astype(jnp.float32))
+    denom = jnp.maximum(tokens, 1.0)
+
+    def scaled_loss(p, b):
+        total, _ = loss_sum(features, p, b, options.loss_chunk)
+        return total / denom
+
+    to_f32 = lambda g: jax.tree.map(lambda a: a.astype(jnp.float32), g)  # noqa: E731
+    if options.grad_accum == 1:
+        loss, grads = jax.value_and_grad(scaled_loss)(params, batch)
+        return loss, tokens, to_f32(grads)
+
+    def place(g):
+        if grad_shardings is None:
+            return g
+        return jax.tree.map(jax.lax.with_sharding_constraint, g, grad_shardings)
+
+    def body(carry, micro):
+        loss, acc = carry
+        part, grads = jax.value_and_grad(scaled_loss)(params, micro)
+        acc = place(jax.tree.map(lambda a, g: a + g.astype(jnp.float32), acc, grads))
+        return (loss + part, acc), None
+
+    zeros = place(jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params))
+    (loss, grads), _ = jax.lax.scan(body, (jnp.zeros((), jnp.float32), zeros),
+                                    micro_batches(batch, options.grad_accum))
+    return loss, tokens, grads
+
+
+def train_step(features: FeaturesFn, optimizer: optax.GradientTransformation,
+               schedule: optax.Schedule, options: StepOptions, grad_shardings: Any,
+               state: TrainState, batch: Batch) -> tuple[TrainState, dict[str, jax.Array]]:
+    loss, tokens, grads = loss_and_grads(features, options, state.params, batch,
+                                         grad_shardings)
+    if options.nan_at_step >= 0:
+        poison = jnp.where(state.step + 1 == options.nan_at_step, jnp.nan, 1.0)
+        loss = loss * poison
+        grads = jax.tree.map(lambda g: g * poison, grads)
     grad_norm = optax.tree.norm(grads)
     finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
     updates, opt_state = optimizer.update(grads, state.opt_state, state.params)

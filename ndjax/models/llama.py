@@ -76,34 +76,33 @@ PRESETS: dict[str, dict[str, Any]] = {
                        ffn_dim=28_672, rope_scaling=RopeScaling(factor=8.0)),
 }
 
-# Activations saved for the backward pass, by name. ``checkpoint_name`` tags
-# below mark the candidates. No policy saves "gathered_weight": a weight
-# gathered for compute (FSDP) is gathered again in the backward pass rather
-# than kept for all layers at once, which would cost a full unsharded copy of
-# the model per device.
-def _save_all_but_gathered_weights(prim, *_, **params) -> bool:
-    """Saves every activation; recomputes gathered weights and resharding.
-
-    Written out because jax's ``save_anything_except_these_names`` saves
-    everything in jax 0.10. Sharding constraints are excluded too, or the value
-    just before the "gathered_weight" name (the all-gather) would be kept.
-    """
-    if prim.name == "sharding_constraint":
-        return False
-    return not (prim.name == "name" and params.get("name") == "gathered_weight")
-
+# What each remat policy saves for the backward pass; everything else in a layer
+# is recomputed. Policies say what to save, never what to refuse, so nothing is
+# kept by accident: the weights a layer gathers for compute (FSDP) and their
+# compute-dtype casts are not activations, appear in no list, and are gathered
+# again in the backward pass instead of being kept for all layers at once (a
+# full unsharded copy of the model per device). ``checkpoint_name`` tags below
+# mark the candidates.
+ACTIVATIONS = ("attn_norm", "q_proj", "k_proj", "v_proj", "attn_out", "attn_block_out",
+               "mlp_norm", "mlp_gate", "mlp_up", "mlp_out")
+_save = jax.checkpoint_policies.save_only_these_names
 
 REMAT_POLICIES = {
-    # No activation rematerialisation: every activation is saved.
-    "none": _save_all_but_gathered_weights,
+    # No rematerialisation: every named activation and every matmul output
+    # (attention scores included) is saved; only cheap elementwise work (RoPE,
+    # SwiGLU, softmax) is redone from them.
+    "none": jax.checkpoint_policies.save_from_both_policies(
+        jax.checkpoint_policies.dots_saveable, _save(*ACTIVATIONS)),
+    # Only each layer's input is kept (the scan carry); the whole layer is
+    # recomputed in the backward pass.
     "full": jax.checkpoint_policies.nothing_saveable,
     # Save the projections (the expensive matmuls), recompute norms, RoPE,
     # softmax and the SwiGLU elementwise work.
-    "save_proj": jax.checkpoint_policies.save_only_these_names(
-        "q_proj", "k_proj", "v_proj", "attn_out", "mlp_gate", "mlp_up", "mlp_out"),
-    # Save only the attention output and the block outputs: about half of
-    # "save_proj"'s memory, recomputes the QKV and MLP matmuls.
-    "save_attn": jax.checkpoint_policies.save_only_these_names("attn_out"),
+    "save_proj": _save("q_proj", "k_proj", "v_proj", "attn_out", "mlp_gate", "mlp_up",
+                       "mlp_out"),
+    # Save only the attention output: about half of "save_proj"'s memory,
+    # recomputes the QKV and MLP matmuls.
+    "save_attn": _save("attn_out"),
 }
 
 
@@ -121,7 +120,7 @@ def _weight(var: nnx.Param, dtype) -> jax.Array:
     # metadata still names the stacked ``layers`` axis.
     if len(names) == value.ndim + 1 and names[0] == "layers":
         names = names[1:]
-    return checkpoint_name(constrain_param(value, names).astype(dtype), "gathered_weight")
+    return checkpoint_name(constrain_param(value, names, dtype), "gathered_weight")
 
 
 class RMSNorm(nnx.Module):
@@ -248,10 +247,10 @@ class Block(nnx.Module):
         self.mlp = MLP(cfg, rngs)
 
     def __call__(self, x, cos, sin, segment_ids):
-        h = constrain(self.attn_norm(x), HIDDEN)
+        h = checkpoint_name(constrain(self.attn_norm(x), HIDDEN), "attn_norm")
         attn = checkpoint_name(self.attn(h, cos, sin, segment_ids), "attn_block_out")
         x = constrain(x + attn, RESIDUAL)
-        h = constrain(self.mlp_norm(x), HIDDEN)
+        h = checkpoint_name(constrain(self.mlp_norm(x), HIDDEN), "mlp_norm")
         out = checkpoint_name(self.mlp(h), "mlp_out")
         return constrain(x + out, RESIDUAL)
 
@@ -274,9 +273,14 @@ class Llama(nnx.Module):
             self.lm_head = _param(rngs, (cfg.dim, cfg.vocab_size), ("embed", "vocab"),
                                   cfg.init_std)
 
-    def __call__(self, tokens: jax.Array, positions: jax.Array,
-                 segment_ids: jax.Array) -> jax.Array:
-        """tokens, positions, segment_ids: (b, s) int32 -> logits (b, s, vocab) float32."""
+    def features(self, tokens: jax.Array, positions: jax.Array, segment_ids: jax.Array
+                 ) -> tuple[jax.Array, jax.Array]:
+        """tokens, positions, segment_ids: (b, s) int32 -> (final hidden states (b, s, dim)
+        in the compute dtype, LM head (dim, vocab) in its compute layout).
+
+        The loss applies the head chunk by chunk (``ndjax.ops.cross_entropy``) so that
+        the whole batch's logits never exist at once.
+        """
         cfg = self.cfg
         table = _weight(self.embed, cfg.dtype)
         x = constrain(jnp.take(table, tokens, axis=0), RESIDUAL)
@@ -298,13 +302,19 @@ class Llama(nnx.Module):
             for i in range(cfg.n_layers):
                 x, _ = body(x, jax.tree.map(lambda a, i=i: a[i], stacked_state))
 
-        x = self.final_norm(x)
-        if cfg.tie_embeddings:
-            logits = jnp.einsum("bsd,vd->bsv", x, table)
-        else:
-            logits = x @ _weight(self.lm_head, cfg.dtype)
-        logits = constrain(logits, ("act_batch", "act_seq", "act_vocab"))
-        return logits.astype(jnp.float32)
+        x = constrain(self.final_norm(x), HIDDEN)
+        head = table.T if cfg.tie_embeddings else _weight(self.lm_head, cfg.dtype)
+        return x, head
+
+    def __call__(self, tokens: jax.Array, positions: jax.Array,
+                 segment_ids: jax.Array) -> jax.Array:
+        """tokens, positions, segment_ids: (b, s) int32 -> logits (b, s, vocab) float32.
+
+        For inspection and conversion tests; training never builds all the logits.
+        """
+        x, head = self.features(tokens, positions, segment_ids)
+        logits = jnp.einsum("bsd,dv->bsv", x, head, preferred_element_type=jnp.float32)
+        return constrain(logits, ("act_batch", "act_seq", "act_vocab"))
 
 
 def config_from_preset(name: str, **overrides: Any) -> LlamaConfig:
