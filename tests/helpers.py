@@ -71,3 +71,21 @@ def assert_same_training(exp, model_overrides):
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-4), params, ref_params)
     # The run must have trained for real, or equality would prove nothing.
     assert not np.allclose(params["embed"], init.params["embed"], atol=1e-3)
+
+
+def partitioned_hlo(lowered) -> str:
+    """The step's HLO right after SPMD partitioning, as a GPU would get it.
+
+    XLA's CPU backend later widens bfloat16 collectives and in-place updates to
+    float32 (its float-normalization-bf16 pass), so the final CPU HLO cannot show
+    which dtype a GPU's all-gathers move; the partitioner's output can.
+    """
+    import glob
+    import os
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as d:
+        lowered.compile({"xla_dump_to": d, "xla_dump_hlo_pass_re": "spmd-partitioning"})
+        [path] = glob.glob(os.path.join(d, "*after_spmd-partitioning*.txt"))
+        with open(path) as f:
+            return f.read()

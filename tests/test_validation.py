@@ -66,6 +66,23 @@ CASES = {
     "unknown rules": (dict(mesh=dict(fsdp=8), rules="fastest"), r"rules='fastest' is not a preset"),
     "bad remat": (dict(mesh=dict(fsdp=8), model=dict(remat="some")), r"model.remat='some'"),
     "bad dtype": (dict(mesh=dict(fsdp=8), model=dict(dtype="fp8")), r"model.dtype='fp8'"),
+    "grad_accum not dividing the batch": (
+        dict(mesh=dict(fsdp=4, tensor=2), train=dict(grad_accum=3)),
+        r"train.grad_accum=3: .* batch_size must be a multiple of 3 x 4 = 12. Use "
+        r"train.grad_accum in \[1, 2\]"),
+    "micro-batch rows the data axes cannot split": (
+        dict(mesh=dict(fsdp=8), train=dict(grad_accum=2)),
+        r"train.grad_accum=2: each micro-batch of train.batch_size=8 / 2 rows must split "
+        r"evenly over 8 = fsdp\(8\)"),
+    "zero grad_accum": (dict(mesh=dict(fsdp=8), train=dict(grad_accum=0)),
+                        r"train.grad_accum=0 must be an int >= 1"),
+    "loss chunk not dividing seq_len": (dict(mesh=dict(fsdp=8), train=dict(loss_chunk=12)),
+                                        r"train.loss_chunk=12 must divide train.seq_len=32 .* "
+                                        r"e.g. train.loss_chunk=8"),
+    "loss chunk vs context": (
+        dict(mesh=dict(fsdp=2, context=4), train=dict(loss_chunk=2)),
+        r"train.loss_chunk=2 must divide train.seq_len=32 and be a multiple of 4 = "
+        r"context\(4\)"),
     "negative steps": (dict(mesh=dict(fsdp=8), train=dict(steps=-1)),
                        r"train.steps=-1 must be an int >= 0"),
 }

@@ -14,6 +14,7 @@ checkpoints convert by reshapes only.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Any
 
@@ -23,6 +24,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from ndjax.ops import ring_attention as ring
+from ndjax.ops.layer_scan import scan_full_remat
 from ndjax.rules import active, constrain, constrain_param
 
 
@@ -123,6 +125,56 @@ def _weight(var: nnx.Param, dtype) -> jax.Array:
     return checkpoint_name(constrain_param(value, names, dtype), "gathered_weight")
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def project(equation: str, x: jax.Array, w: jax.Array) -> jax.Array:
+    """``jnp.einsum(equation, x, w)`` whose weight gradient is formed in float32.
+
+    The transposed matmul that forms the weight's gradient returns float32, so the
+    partitioner sums the per-device partial gradients across the data axes in
+    float32 (a bfloat16 result would be summed in bfloat16 before
+    ``constrain_param``'s backward could widen it). Activations and their
+    gradients stay in the compute dtype, and so do tensor parallelism's
+    all-reduces of them.
+    """
+    return jnp.einsum(equation, x, w)
+
+
+def _project_fwd(equation, x, w):
+    return project(equation, x, w), (x, w)
+
+
+def _project_bwd(equation, saved, g):
+    x, w = saved
+    inputs, out = equation.split("->")
+    x_sub, w_sub = inputs.split(",")
+    dx = jnp.einsum(f"{out},{w_sub}->{x_sub}", g, w)
+    dw = jnp.einsum(f"{x_sub},{out}->{w_sub}", x, g, preferred_element_type=jnp.float32)
+    return dx, dw.astype(w.dtype)
+
+
+project.defvjp(_project_fwd, _project_bwd)
+
+
+@jax.custom_vjp
+def embed_lookup(table: jax.Array, tokens: jax.Array) -> jax.Array:
+    """``table[tokens]``, whose gradient is scattered and summed in float32 (see
+    ``project``)."""
+    return jnp.take(table, tokens, axis=0)
+
+
+def _embed_fwd(table, tokens):
+    return embed_lookup(table, tokens), (jnp.zeros((0,), table.dtype), table.shape, tokens)
+
+
+def _embed_bwd(saved, g):
+    dtype_of_table, shape, tokens = saved
+    grad = jnp.zeros(shape, jnp.float32).at[tokens].add(g.astype(jnp.float32))
+    return grad.astype(dtype_of_table.dtype), None
+
+
+embed_lookup.defvjp(_embed_fwd, _embed_bwd)
+
+
 class RMSNorm(nnx.Module):
     def __init__(self, dim: int, eps: float):
         self.scale = nnx.Param(jnp.ones((dim,), jnp.float32), logical_axes=("norm",))
@@ -206,16 +258,16 @@ class Attention(nnx.Module):
         dt = self.dtype
         heads = ("act_batch", "act_seq", "act_heads", "act_head_dim")
         kv_heads = ("act_batch", "act_seq", "act_kv_heads", "act_head_dim")
-        q = jnp.einsum("bsd,dhk->bshk", x, _weight(self.wq, dt))
-        k = jnp.einsum("bsd,dhk->bshk", x, _weight(self.wk, dt))
-        v = jnp.einsum("bsd,dhk->bshk", x, _weight(self.wv, dt))
+        q = project("bsd,dhk->bshk", x, _weight(self.wq, dt))
+        k = project("bsd,dhk->bshk", x, _weight(self.wk, dt))
+        v = project("bsd,dhk->bshk", x, _weight(self.wv, dt))
         q = checkpoint_name(constrain(q, heads), "q_proj")
         k = checkpoint_name(constrain(k, kv_heads), "k_proj")
         v = checkpoint_name(constrain(v, kv_heads), "v_proj")
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         out = attention(q, k, v, segment_ids, self.cfg)
         out = checkpoint_name(constrain(out, heads), "attn_out")
-        return jnp.einsum("bshk,hkd->bsd", out, _weight(self.wo, dt))
+        return project("bshk,hkd->bsd", out, _weight(self.wo, dt))
 
 
 class MLP(nnx.Module):
@@ -229,10 +281,12 @@ class MLP(nnx.Module):
     def __call__(self, x):
         dt = self.dtype
         names = ("act_batch", "act_seq", "act_mlp")
-        gate = checkpoint_name(constrain(x @ _weight(self.w_gate, dt), names), "mlp_gate")
-        up = checkpoint_name(constrain(x @ _weight(self.w_up, dt), names), "mlp_up")
+        gate = checkpoint_name(constrain(project("bsd,df->bsf", x, _weight(self.w_gate, dt)),
+                                         names), "mlp_gate")
+        up = checkpoint_name(constrain(project("bsd,df->bsf", x, _weight(self.w_up, dt)), names),
+                             "mlp_up")
         h = jax.nn.silu(gate) * up
-        return h @ _weight(self.w_down, dt)
+        return project("bsf,fd->bsd", h, _weight(self.w_down, dt))
 
 
 RESIDUAL = ("act_batch", "act_res_seq", "act_embed")
@@ -283,7 +337,7 @@ class Llama(nnx.Module):
         """
         cfg = self.cfg
         table = _weight(self.embed, cfg.dtype)
-        x = constrain(jnp.take(table, tokens, axis=0), RESIDUAL)
+        x = constrain(embed_lookup(table, tokens), RESIDUAL)
 
         freqs = positions[..., None].astype(jnp.float32) * rope_frequencies(cfg)
         freqs = jnp.concatenate([freqs, freqs], axis=-1)
@@ -296,7 +350,10 @@ class Llama(nnx.Module):
 
         body = jax.checkpoint(body, policy=REMAT_POLICIES[cfg.remat],
                               prevent_cse=not cfg.scan_layers)
-        if cfg.scan_layers:
+        if cfg.scan_layers and cfg.remat == "full":
+            x = scan_full_remat(lambda h, p, c: nnx.merge(graphdef, p)(h, *c), x,
+                                stacked_state, (cos, sin, segment_ids))
+        elif cfg.scan_layers:
             x, _ = jax.lax.scan(body, x, stacked_state)
         else:
             for i in range(cfg.n_layers):

@@ -1,0 +1,162 @@
+"""Memory and precision of the compiled step: bfloat16 FSDP, full remat, the chunked
+loss, gradient accumulation.
+
+Memory figures come from compiling ahead of time (nothing runs): the compiled
+step's temporaries per device. Equalities are f32 against one device or k=1,
+with test_layouts' tolerances (loss rtol 1e-5, params atol 1e-4 after 3 AdamW
+steps): micro-batching and chunking only reorder float32 sums.
+"""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import tiny_config
+from helpers import assert_same_training, partitioned_hlo, reference, run_steps
+
+from ndjax.experiment import Experiment
+from ndjax.ops.cross_entropy import cross_entropy, loss_sums
+
+
+def temp_bytes(exp) -> int:
+    return exp.compiled_step.memory_analysis().temp_size_in_bytes
+
+
+# Weights dominate this shape (dim 256, 4 layers, 8 x 32 tokens): a kept copy of
+# the gathered model (4 MiB in bf16 per layer) would stand out.
+WEIGHT_HEAVY = dict(vocab_size=512, dim=256, n_layers=4, n_heads=8, n_kv_heads=4, ffn_dim=1024)
+
+
+def test_bf16_fsdp_needs_no_more_than_f32():
+    """In bfloat16 with remat=none, FSDP keeps no gathered weights across layers:
+    temporaries are at most the float32 figure (they were 2.2x it)."""
+    def temp(dtype):
+        return temp_bytes(Experiment.from_config(tiny_config(
+            mesh=dict(fsdp=8), model=dict(WEIGHT_HEAVY, dtype=dtype, remat="none"))))
+    assert temp("bfloat16") <= temp("float32")
+
+
+def collective_types(hlo: str, op: str) -> set[str]:
+    return set(re.findall(rf"= (\w+)\[[\d,]*\][^ ]* {op}\(", hlo))
+
+
+def test_bf16_fsdp_gathers_bf16_and_reduces_f32():
+    """Weights are cast before they are gathered (half the bytes of float32), and
+    gradients are cast to float32 before they are reduce-scattered."""
+    exp = Experiment.from_config(tiny_config(mesh=dict(fsdp=8),
+                                             model=dict(dtype="bfloat16")))
+    hlo = partitioned_hlo(exp.lower_step())
+    assert collective_types(hlo, "all-gather") == {"bf16"}
+    # On CPU the partitioner writes a reduce-scatter as all-reduce + dynamic-slice;
+    # with FSDP alone every all-reduce sums gradients (or the loss).
+    assert collective_types(hlo, "all-reduce") | collective_types(hlo, "reduce-scatter") \
+        == {"f32"}
+    f32 = Experiment.from_config(tiny_config(mesh=dict(fsdp=8)))
+    assert collective_types(partitioned_hlo(f32.lower_step()), "all-gather") == {"f32"}
+
+
+def full_remat_temp(layers: int, rules: str = "default") -> int:
+    return temp_bytes(Experiment.from_config(tiny_config(
+        mesh=dict(fsdp=4, tensor=2), rules=rules,
+        model=dict(dim=128, n_layers=layers, ffn_dim=256, dtype="bfloat16", remat="full"),
+        train=dict(batch_size=8, seq_len=256))))
+
+
+def test_full_remat_keeps_one_bf16_input_per_layer():
+    """What each extra layer adds to the step's temporaries under remat=full: its
+    bfloat16 input (rows x seq x dim x 2 bytes per device; the residual stream is
+    not split over tensor by the default rules) and its float32 gradient (sharded
+    like the layer's parameters). Bounded at 1.5x that, from the difference of two
+    depths so that one layer's working set cancels out."""
+    per_layer = (full_remat_temp(6) - full_remat_temp(2)) / 4
+    rows, seq, dim, ffn = 8 // 4, 256, 128, 256
+    exp = Experiment.from_config(tiny_config(mesh=dict(fsdp=4, tensor=2),
+                                             model=dict(dim=dim, ffn_dim=ffn)))
+    layer_params = sum(x.size for x in jax.tree.leaves(exp.param_shapes["layers"])) / 2
+    expected = rows * seq * dim * 2 + layer_params * 4 / 8
+    assert per_layer <= 1.5 * expected, (per_layer, expected)
+
+
+@pytest.mark.parametrize("mesh, model", [
+    (dict(fsdp=4, tensor=2), {}),
+    (dict(fsdp=4, context=2), {}),
+])
+def test_full_remat_layouts_match_single_device(mesh, model):
+    exp = Experiment.from_config(tiny_config(mesh=mesh, model=dict(model, remat="full")))
+    assert_same_training(exp, {})
+
+
+def test_chunked_loss_equals_full_logits():
+    rng = np.random.default_rng(0)
+    b, s, d, v = 2, 64, 16, 50
+    x = jnp.asarray(rng.normal(size=(b, s, d)), jnp.float32)
+    head = jnp.asarray(rng.normal(size=(d, v)), jnp.float32)
+    targets = jnp.asarray(rng.integers(0, v, (b, s)), jnp.int32)
+    mask = jnp.asarray(rng.integers(0, 2, (b, s)), jnp.float32)
+
+    def full(x, head):
+        return jnp.sum(cross_entropy(jnp.einsum("bsd,dv->bsv", x, head), targets) * mask)
+
+    def chunked(x, head):
+        return loss_sums(x, head, targets, mask, chunk=16)[0]
+
+    ref, ref_grads = jax.value_and_grad(full, argnums=(0, 1))(x, head)
+    out, grads = jax.jit(jax.value_and_grad(chunked, argnums=(0, 1)))(x, head)
+    np.testing.assert_allclose(out, ref, rtol=1e-6)
+    for g, r in zip(grads, ref_grads):
+        np.testing.assert_allclose(g, r, atol=1e-5)
+
+
+def loss_temp(seq_len: int, chunk: int, vocab: int = 128_256, dim: int = 64) -> int:
+    """Temporaries of the loss and its gradients (hidden states and LM head) for one
+    row, compiled ahead of time: the part of the step that scales with the vocabulary."""
+    def f(x, head, targets, mask):
+        return loss_sums(x, head, targets, mask, chunk)[0]
+
+    args = (jax.ShapeDtypeStruct((1, seq_len, dim), jnp.bfloat16),
+            jax.ShapeDtypeStruct((dim, vocab), jnp.bfloat16),
+            jax.ShapeDtypeStruct((1, seq_len), jnp.int32),
+            jax.ShapeDtypeStruct((1, seq_len), jnp.float32))
+    compiled = jax.jit(jax.grad(f, argnums=(0, 1))).lower(*args).compile()
+    return compiled.memory_analysis().temp_size_in_bytes
+
+
+def test_loss_memory_grows_with_the_chunk_not_the_sequence():
+    """At Llama 3's vocabulary, 4x the sequence adds far less than its float32
+    logits (3 x 1024 x 128256 x 4 bytes = 1.5 GiB), while 2x the chunk adds at
+    least one more chunk of float32 logits (256 x 128256 x 4 bytes)."""
+    vocab, short, long_ = 128_256, loss_temp(1024, 256), loss_temp(4096, 256)
+    assert long_ - short < 0.05 * (4096 - 1024) * vocab * 4, (short, long_)
+    assert loss_temp(4096, 512) - long_ >= 256 * vocab * 4
+
+
+def test_chunked_loss_on_a_layout_matches_single_device():
+    # seq_len 32 in chunks of 8 (strided over context=2): same training as one device.
+    exp = Experiment.from_config(tiny_config(mesh=dict(fsdp=2, context=2, tensor=2),
+                                             train=dict(loss_chunk=8)))
+    assert_same_training(exp, {})
+
+
+@pytest.mark.parametrize("mesh", [dict(fsdp=4, tensor=2), dict(fsdp=2, context=4)])
+def test_grad_accum_gives_the_same_training(mesh):
+    init = reference({})[0]
+    runs = {}
+    for k in (1, 2, 4):
+        exp = Experiment.from_config(tiny_config(mesh=mesh, train=dict(batch_size=16,
+                                                                       grad_accum=k)))
+        runs[k] = run_steps(exp, init)
+    for k in (2, 4):
+        np.testing.assert_allclose(runs[k][0], runs[1][0], rtol=1e-5)
+        jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-4),
+                     runs[k][1], runs[1][1])
+    assert not np.allclose(runs[1][1]["embed"], init.params["embed"], atol=1e-3)
+
+
+def test_grad_accum_holds_one_micro_batch_of_activations():
+    def temp(k):
+        return temp_bytes(Experiment.from_config(tiny_config(
+            mesh=dict(fsdp=8), model=dict(dim=128, ffn_dim=512),
+            train=dict(batch_size=32, seq_len=256, grad_accum=k))))
+    assert temp(4) < 0.6 * temp(1)
