@@ -84,8 +84,15 @@ def partitioned_hlo(lowered) -> str:
     import os
     import tempfile
 
-    with tempfile.TemporaryDirectory() as d:
-        lowered.compile({"xla_dump_to": d, "xla_dump_hlo_pass_re": "spmd-partitioning"})
-        [path] = glob.glob(os.path.join(d, "*after_spmd-partitioning*.txt"))
-        with open(path) as f:
-            return f.read()
+    # A hit in the persistent compilation cache (tests/conftest.py) would compile
+    # nothing and dump nothing: the dump options are not part of its key.
+    cached = jax.config.jax_enable_compilation_cache
+    jax.config.update("jax_enable_compilation_cache", False)
+    try:
+        with tempfile.TemporaryDirectory() as d:
+            lowered.compile({"xla_dump_to": d, "xla_dump_hlo_pass_re": "spmd-partitioning"})
+            [path] = glob.glob(os.path.join(d, "*after_spmd-partitioning*.txt"))
+            with open(path) as f:
+                return f.read()
+    finally:
+        jax.config.update("jax_enable_compilation_cache", cached)
