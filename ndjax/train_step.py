@@ -62,7 +62,8 @@ def train_step(apply: ApplyFn, optimizer: optax.GradientTransformation,
         return loss, tokens
 
     (loss, tokens), grads = jax.value_and_grad(loss_of, has_aux=True)(state.params)
-    grad_norm = optax.tree.norm(grads)
+    # Summed in float32 whatever the parameter (and so gradient) dtype.
+    grad_norm = optax.tree.norm(jax.tree.map(lambda g: g.astype(jnp.float32), grads))
     finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
     updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
