@@ -66,6 +66,10 @@ CASES = {
     "unknown rules": (dict(mesh=dict(fsdp=8), rules="fastest"), r"rules='fastest' is not a preset"),
     "bad remat": (dict(mesh=dict(fsdp=8), model=dict(remat="some")), r"model.remat='some'"),
     "bad dtype": (dict(mesh=dict(fsdp=8), model=dict(dtype="fp8")), r"model.dtype='fp8'"),
+    "bad param dtype": (dict(mesh=dict(fsdp=8), model=dict(param_dtype="float16")),
+                        r"model.param_dtype='float16': choose one of \['bfloat16', 'float32'\]"),
+    "bad moment dtype": (dict(mesh=dict(fsdp=8), train=dict(opt_state_dtype="fp8")),
+                         r"train.opt_state_dtype='fp8': choose one of \['bfloat16', 'float32'\]"),
     "negative steps": (dict(mesh=dict(fsdp=8), train=dict(steps=-1)),
                        r"train.steps=-1 must be an int >= 0"),
 }
