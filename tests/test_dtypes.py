@@ -2,6 +2,7 @@
 (train.opt_state_dtype), with float32 optimizer arithmetic."""
 
 import math
+import re
 
 import jax
 import jax.numpy as jnp
@@ -14,6 +15,7 @@ from helpers import run_steps
 from test_memory_and_hlo import batch_bytes_per_device
 
 from ndjax.experiment import Experiment
+from ndjax.report import sharding_table
 
 FSDP_TP = dict(fsdp=4, tensor=2)
 BF16 = dict(model=dict(param_dtype="bfloat16"), train=dict(opt_state_dtype="bfloat16"))
@@ -115,3 +117,22 @@ def test_bf16_state_halves_the_step_arguments():
     ratio = state_args(BF16) / state_args({})
     half = jnp.dtype(jnp.bfloat16).itemsize / jnp.dtype(jnp.float32).itemsize
     assert abs(ratio - half) / half < 0.1, ratio
+
+
+def test_sharding_table_reports_bf16():
+    def table(overrides):
+        return sharding_table(Experiment.from_config(tiny_config(mesh=FSDP_TP, **overrides)),
+                              compile_step=False)
+
+    def per_device(text, what):
+        value, unit = re.search(rf"^{what}: .*?([\d.]+) (B|KiB|MiB) per device", text,
+                                re.M).groups()
+        return float(value) * 1024 ** ["B", "KiB", "MiB"].index(unit)
+
+    f32, bf16 = table({}), table(BF16)
+    assert re.search(r"^layers/attn/wq .* bfloat16 ", bf16, re.M)
+    assert "per device (bfloat16)" in bf16 and "(moments bfloat16)" in bf16
+    assert "per device (float32)" in f32 and "(moments float32)" in f32
+    half = jnp.dtype(jnp.bfloat16).itemsize / jnp.dtype(jnp.float32).itemsize
+    for what in ("parameters", "optimizer state"):  # within the table's 0.1 rounding
+        assert per_device(bf16, what) / per_device(f32, what) == pytest.approx(half, rel=0.02)
