@@ -1,6 +1,7 @@
 """Storage dtypes: bfloat16 parameters (model.param_dtype) and AdamW moments
 (train.opt_state_dtype), with float32 optimizer arithmetic."""
 
+import json
 import math
 import re
 
@@ -15,6 +16,7 @@ from helpers import run_steps
 from test_memory_and_hlo import batch_bytes_per_device
 
 from ndjax.experiment import Experiment
+from ndjax.export import run_config
 from ndjax.report import sharding_table
 
 FSDP_TP = dict(fsdp=4, tensor=2)
@@ -136,3 +138,12 @@ def test_sharding_table_reports_bf16():
     half = jnp.dtype(jnp.bfloat16).itemsize / jnp.dtype(jnp.float32).itemsize
     for what in ("parameters", "optimizer state"):  # within the table's 0.1 rounding
         assert per_device(bf16, what) / per_device(f32, what) == pytest.approx(half, rel=0.02)
+
+
+def test_export_reads_a_config_saved_before_the_dtype_fields(tmp_path):
+    saved = json.loads(tiny_config().to_json_best_effort())
+    del saved["model"]["param_dtype"], saved["train"]["opt_state_dtype"]
+    (tmp_path / "config.json").write_text(json.dumps(saved))
+    config = run_config(str(tmp_path))
+    assert (config.model.param_dtype, config.train.opt_state_dtype) == ("float32", "float32")
+    assert config.model.dim == tiny_config().model.dim
