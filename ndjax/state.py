@@ -105,11 +105,13 @@ def state_shardings(optimizer: optax.GradientTransformation, abstract_params: An
 
     ``optax.tree_map_params`` finds the parameter-shaped subtrees of the
     optimizer state (the moments) by initialising the optimizer on a
-    placeholder; everything else (step counts) is replicated.
+    placeholder; everything else (step counts) is replicated. Both inits are
+    abstract (the placeholder is an empty pytree), so nothing runs on a device.
     """
     abstract_opt = jax.eval_shape(optimizer.init, abstract_params)
     opt_shardings = optax.tree_map_params(
-        optimizer, lambda _, sharding: sharding, abstract_opt, param_shardings,
+        lambda params: jax.eval_shape(optimizer.init, params),
+        lambda _, sharding: sharding, abstract_opt, param_shardings,
         transform_non_params=lambda _: replicated)
     return TrainState(step=replicated, params=param_shardings, opt_state=opt_shardings)
 

@@ -7,9 +7,8 @@ compile time does not grow with depth; ``scan_layers=False`` runs the same
 stacked parameters in a Python loop, for debugging.
 
 Weights are stored in ``param_dtype`` (float32 by default) and cast to the
-compute dtype at use. Layouts
-follow Hugging Face's conventions (rotate-half RoPE, q/k/v/o per head) so that
-checkpoints convert by reshapes only.
+compute dtype at use. Layouts follow Hugging Face's conventions (rotate-half
+RoPE, q/k/v/o per head) so that checkpoints convert by reshapes only.
 """
 
 from __future__ import annotations
