@@ -28,6 +28,7 @@ def default_config() -> ml_collections.ConfigDict:
     c.model.rope_theta = config_dict.placeholder(float)
     c.model.tie_embeddings = config_dict.placeholder(bool)
     c.model.dtype = "auto"        # compute dtype: auto = bfloat16 on GPU/TPU, float32 on CPU
+    c.model.param_dtype = "float32"  # dtype parameters are stored in: float32 | bfloat16
     c.model.scan_layers = True
     c.model.remat = "none"        # none | full | save_proj | save_attn
     # Attention: auto = ring attention when mesh.context > 1, else dense; or
@@ -82,6 +83,8 @@ def default_config() -> ml_collections.ConfigDict:
     c.train.b2 = 0.95
     c.train.eps = 1e-8
     c.train.clip_norm = 1.0       # global-norm clipping; 0 disables
+    # dtype AdamW's two moments are stored in: float32 | bfloat16 (computed in float32).
+    c.train.opt_state_dtype = "float32"
     # A NaN/Inf loss or gradient norm: "stop" (exit non-zero, save nothing) or
     # "skip" (drop that update, count it in the metrics).
     c.train.on_nan = "stop"

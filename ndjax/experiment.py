@@ -43,6 +43,8 @@ FIELD_OF_AXIS = {
     "layers": "model.n_layers", "norm": "model.dim",
 }
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+# Storage dtypes of parameters. No float16: its range needs loss scaling.
+PARAM_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
 
 def slow_axes_warning(mesh: Mesh, host_of: Callable[[jax.Device], str]) -> str | None:
@@ -92,6 +94,9 @@ def model_config(model: ml_collections.ConfigDict, checkpoint: hf.Checkpoint | N
         dtype = "float32" if jax.default_backend() == "cpu" else "bfloat16"
     if dtype not in DTYPES:
         raise ConfigError(f"model.dtype={model.dtype!r}: choose auto or one of {sorted(DTYPES)}.")
+    if model.param_dtype not in PARAM_DTYPES:
+        raise ConfigError(f"model.param_dtype={model.param_dtype!r}: choose one of "
+                          f"{sorted(PARAM_DTYPES)}.")
     if model.remat not in llama.REMAT_POLICIES:
         raise ConfigError(
             f"model.remat={model.remat!r}: choose one of {sorted(llama.REMAT_POLICIES)}.")
@@ -105,7 +110,9 @@ def model_config(model: ml_collections.ConfigDict, checkpoint: hf.Checkpoint | N
             "balances the causal work over the context shards).")
     if not isinstance(model.attn_kv_tile, int) or model.attn_kv_tile < 1:
         raise ConfigError(f"model.attn_kv_tile={model.attn_kv_tile!r} must be an int >= 1.")
-    return llama.LlamaConfig(**dims, dtype=DTYPES[dtype], scan_layers=bool(model.scan_layers),
+    return llama.LlamaConfig(**dims, dtype=DTYPES[dtype],
+                             param_dtype=PARAM_DTYPES[model.param_dtype],
+                             scan_layers=bool(model.scan_layers),
                              remat=model.remat, attn_impl=model.attn_impl,
                              cp_layout=model.cp_layout, attn_kv_tile=model.attn_kv_tile)
 
@@ -117,6 +124,9 @@ def _check_train(config: ml_collections.ConfigDict) -> None:
             raise ConfigError(f"train.{field}={t[field]!r} must be an int >= {low}.")
     if t.schedule not in ("cosine", "constant"):
         raise ConfigError(f"train.schedule={t.schedule!r}: choose 'cosine' or 'constant'.")
+    if t.opt_state_dtype not in state_lib.OPT_STATE_DTYPES:
+        raise ConfigError(f"train.opt_state_dtype={t.opt_state_dtype!r}: choose one of "
+                          f"{sorted(state_lib.OPT_STATE_DTYPES)}.")
     if t.on_nan not in ("stop", "skip"):
         raise ConfigError(f"train.on_nan={t.on_nan!r}: choose 'stop' or 'skip'.")
     if config.log.every < 1:

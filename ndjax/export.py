@@ -23,6 +23,7 @@ from absl import app, flags
 
 from ndjax import hf
 from ndjax.checkpoint import Checkpointer
+from ndjax.config import default_config
 from ndjax.errors import ConfigError
 from ndjax.experiment import Experiment
 
@@ -34,7 +35,12 @@ def run_config(workdir: str) -> ml_collections.ConfigDict:
         raise ConfigError(f"--workdir={workdir!r} has no config.json: point it at the --workdir "
                           "of a train.py run.")
     with open(path) as f:
-        return ml_collections.ConfigDict(json.load(f))
+        saved = json.load(f)
+    # Over the defaults: a run saved before a field existed (model.param_dtype,
+    # train.opt_state_dtype) gets that field's default, which is what it ran with.
+    config = default_config()
+    config.update(saved)
+    return config
 
 
 def export_checkpoint(workdir: str, out: str, step: int | None = None,

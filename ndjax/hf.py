@@ -341,9 +341,11 @@ def load_params(ckpt: Checkpoint, shapes: Any, shardings: Any) -> Any:
 
     ``shapes`` and ``shardings`` are the Experiment's ``param_shapes`` and
     ``state_sharding.params``. Each device's shard is read from the memory-mapped
-    file; for the stacked layer parameters, only the layers in that shard.
+    file; for the stacked layer parameters, only the layers in that shard. Values
+    are converted to the parameters' dtype (``shapes``), rounding to nearest even.
     """
     def load(path, shape, sharding):
+        dtype = np.dtype(shape.dtype)
         keys = tuple(str(k.key) for k in path)
         if keys[0] != "layers":
             name, split = _TOP[keys]
@@ -351,13 +353,13 @@ def load_params(ckpt: Checkpoint, shapes: Any, shardings: Any) -> Any:
             # C order (the device layout): a transposed view would otherwise give a
             # Fortran-ordered shard that the transfer has to copy once more.
             return _put(shape.shape, sharding,
-                        lambda index: np.asarray(view[index], np.float32, order="C"))
+                        lambda index: np.asarray(view[index], dtype, order="C"))
         hf_name, split = _LAYER[keys[1:]]
         per_layer = shape.shape[1:]
 
         def read(index):
             layers = range(shape.shape[0])[index[0]]
-            out = np.empty((len(layers), *sharding.shard_shape(shape.shape)[1:]), np.float32)
+            out = np.empty((len(layers), *sharding.shard_shape(shape.shape)[1:]), dtype)
             for j, i in enumerate(layers):
                 out[j] = ckpt.view(f"model.layers.{i}.{hf_name}", per_layer, split)[index[1:]]
             return out

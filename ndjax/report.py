@@ -23,18 +23,20 @@ def _fmt_bytes(n: float) -> str:
 
 
 def sharding_table(exp: Experiment, compile_step: bool = True) -> str:
-    """One row per parameter: path, shape, logical names, PartitionSpec, bytes/device."""
+    """One row per parameter: path, shape, dtype, logical names, PartitionSpec,
+    bytes/device; then totals of parameters and optimizer state, with their dtypes
+    (model.param_dtype, train.opt_state_dtype)."""
     leaves = jax.tree_util.tree_flatten_with_path(exp.param_shapes)[0]
     names = jax.tree.leaves(exp.param_names, is_leaf=lambda x: isinstance(x, tuple))
     shardings = jax.tree.leaves(exp.state_sharding.params)
-    rows = [("parameter", "shape", "logical axes", "PartitionSpec", "bytes/device")]
+    rows = [("parameter", "shape", "dtype", "logical axes", "PartitionSpec", "bytes/device")]
     total = per_device = 0
     for (path, shape), logical, sharding in zip(leaves, names, shardings):
         nbytes = math.prod(shape.shape) * shape.dtype.itemsize
         local = _bytes_per_device(shape.shape, shape.dtype.itemsize, sharding)
         total += nbytes
         per_device += local
-        rows.append(("/".join(str(k.key) for k in path), str(shape.shape),
+        rows.append(("/".join(str(k.key) for k in path), str(shape.shape), str(shape.dtype),
                      ", ".join(str(n) for n in logical), str(tuple(sharding.spec)),
                      _fmt_bytes(local)))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
@@ -44,12 +46,18 @@ def sharding_table(exp: Experiment, compile_step: bool = True) -> str:
         lines.append("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip())
         if i == 0:
             lines.append("  ".join("-" * w for w in widths))
-    opt_leaves = zip(jax.tree.leaves(exp.abstract_state.opt_state),
-                     jax.tree.leaves(exp.state_sharding.opt_state))
+    opt_leaves = list(zip(jax.tree.leaves(exp.abstract_state.opt_state),
+                          jax.tree.leaves(exp.state_sharding.opt_state)))
     opt_local = sum(_bytes_per_device(s.shape, s.dtype.itemsize, sh) for s, sh in opt_leaves)
+
+    def dtypes(shapes) -> str:
+        return ", ".join(sorted({str(s.dtype) for s in shapes if s.ndim}))
+
     lines.append("")
-    lines.append(f"parameters: {_fmt_bytes(total)} in all, {_fmt_bytes(per_device)} per device")
-    lines.append(f"optimizer state: {_fmt_bytes(opt_local)} per device")
+    lines.append(f"parameters: {_fmt_bytes(total)} in all, {_fmt_bytes(per_device)} per device "
+                 f"({dtypes(s for _, s in leaves)})")
+    lines.append(f"optimizer state: {_fmt_bytes(opt_local)} per device "
+                 f"(moments {dtypes(s for s, _ in opt_leaves)})")
     if compile_step:
         # Activations, gradients and collective buffers of one step, as XLA planned them.
         temp = exp.compiled_step.memory_analysis().temp_size_in_bytes

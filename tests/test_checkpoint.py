@@ -10,6 +10,7 @@ import sys
 import time
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import tiny_config
@@ -164,3 +165,35 @@ def test_model_mismatch_is_a_clear_error(tmp_path):
     missing.checkpoint.resume = "5"
     with pytest.raises(ConfigError, match=r"checkpoint.resume=5: no complete checkpoint"):
         train(missing, str(tmp_path), verbose=False)
+
+
+def test_bf16_resume_is_bitwise_exact(tmp_path):
+    """bf16 parameters, moments and compute: saved at step 4 and resumed, the run
+    continues bitwise as the uninterrupted one (losses and final parameters)."""
+    steps = 8
+    config = tiny_config(mesh=dict(fsdp=4, tensor=2),
+                         model=dict(param_dtype="bfloat16", dtype="bfloat16"),
+                         train=dict(steps=steps, opt_state_dtype="bfloat16"))
+    config.checkpoint.every = 4
+    config.log.tensorboard = False
+    reference = losses_by_step(train(config, str(tmp_path / "ref"), verbose=False))
+    ref_ckpt = Checkpointer(str(tmp_path / "ref"), config.checkpoint)
+    saved = ref_ckpt.manager.item_metadata(4)["state"]
+    assert {m.dtype for m in jax.tree.leaves(saved) if m.shape} == {jnp.dtype(jnp.bfloat16)}
+
+    # The run as it was after step 4 (a fresh Experiment restores it).
+    workdir = tmp_path / "resumed"
+    shutil.copytree(tmp_path / "ref" / "checkpoints" / "4", workdir / "checkpoints" / "4")
+    resumed = losses_by_step(train(config, str(workdir), verbose=False))
+    assert sorted(resumed) == list(range(5, steps + 1))
+    for step in resumed:
+        assert resumed[step] == reference[step], step  # bitwise: same mesh, same program
+
+    exp = Experiment.from_config(config)
+    resumed_ckpt = Checkpointer(str(workdir), config.checkpoint)
+    final, ref_final = (jax.device_get(c.restore(steps, exp.abstract_state)[0])
+                        for c in (resumed_ckpt, ref_ckpt))
+    assert final.params["embed"].dtype == jnp.bfloat16
+    jax.tree.map(np.testing.assert_array_equal, final, ref_final)
+    resumed_ckpt.close()
+    ref_ckpt.close()

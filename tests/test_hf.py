@@ -21,6 +21,7 @@ import tracemalloc
 import warnings
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
@@ -229,6 +230,23 @@ def test_bfloat16_export_without_source(saved, tmp_path):
     assert loaded.config.tie_word_embeddings and loaded.config.bos_token_id == 1
     # The source's weights rounded to bfloat16 (round-to-nearest-even on both sides).
     assert_same_weights(loaded, copy.deepcopy(model).to(torch.bfloat16))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_bf16_parameters_in_and_out(saved, tmp_path, dtype):
+    """Import into model.param_dtype=bfloat16 rounds the float32 checkpoint to
+    nearest even (as torch does); export writes those bf16 values, exactly, in
+    either file dtype."""
+    directory, model = saved("gqa_llama3")
+    c = config_for(directory, FSDP_TP)
+    c.model.param_dtype = "bfloat16"
+    exp = Experiment.from_config(c)
+    state = exp.init_state()  # the train path: loaded, moments fresh
+    assert {p.dtype for p in jax.tree.leaves(state.params)} == {np.dtype(jnp.bfloat16)}
+    hf.export(state.params, exp.model_cfg, str(tmp_path / "out"), dtype)
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "out")
+    rounded = copy.deepcopy(model).to(torch.bfloat16)
+    assert_same_weights(loaded, rounded if dtype == "bfloat16" else rounded.float())
 
 
 def test_host_memory_is_one_shard(tmp_path):

@@ -83,6 +83,10 @@ CASES = {
         dict(mesh=dict(fsdp=2, context=4), train=dict(loss_chunk=2)),
         r"train.loss_chunk=2 must divide train.seq_len=32 and be a multiple of 4 = "
         r"context\(4\)"),
+    "bad param dtype": (dict(mesh=dict(fsdp=8), model=dict(param_dtype="float16")),
+                        r"model.param_dtype='float16': choose one of \['bfloat16', 'float32'\]"),
+    "bad moment dtype": (dict(mesh=dict(fsdp=8), train=dict(opt_state_dtype="fp8")),
+                         r"train.opt_state_dtype='fp8': choose one of \['bfloat16', 'float32'\]"),
     "negative steps": (dict(mesh=dict(fsdp=8), train=dict(steps=-1)),
                        r"train.steps=-1 must be an int >= 0"),
 }

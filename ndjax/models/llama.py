@@ -6,9 +6,9 @@ block with stacked parameters (leading ``layers`` axis) run by ``lax.scan``, so
 compile time does not grow with depth; ``scan_layers=False`` runs the same
 stacked parameters in a Python loop, for debugging.
 
-Weights are stored in float32 and cast to the compute dtype at use. Layouts
-follow Hugging Face's conventions (rotate-half RoPE, q/k/v/o per head) so that
-checkpoints convert by reshapes only.
+Weights are stored in ``param_dtype`` (float32 by default) and cast to the
+compute dtype at use. Layouts follow Hugging Face's conventions (rotate-half
+RoPE, q/k/v/o per head) so that checkpoints convert by reshapes only.
 """
 
 from __future__ import annotations
@@ -52,7 +52,8 @@ class LlamaConfig:
     rms_norm_eps: float = 1e-5
     tie_embeddings: bool = False
     init_std: float = 0.02
-    dtype: Any = jnp.float32      # compute dtype; parameters stay float32
+    dtype: Any = jnp.float32      # compute dtype
+    param_dtype: Any = jnp.float32  # storage dtype of the parameters
     scan_layers: bool = True
     remat: str = "none"           # see REMAT_POLICIES
     attn_impl: str = "auto"       # auto | dense | ring (see ndjax.ops.ring_attention)
@@ -108,9 +109,11 @@ REMAT_POLICIES = {
 }
 
 
-def _param(rngs: nnx.Rngs, shape: tuple[int, ...], names: tuple[str, ...], std: float
-           ) -> nnx.Param:
-    value = std * jax.random.normal(rngs.params(), shape, jnp.float32)
+def _param(rngs: nnx.Rngs, shape: tuple[int, ...], names: tuple[str, ...], std: float,
+           dtype: Any) -> nnx.Param:
+    # Drawn in float32 and rounded once, so a bfloat16 model starts from the
+    # float32 model's values rounded (the same random stream for both).
+    value = (std * jax.random.normal(rngs.params(), shape, jnp.float32)).astype(dtype)
     return nnx.Param(value, logical_axes=names)
 
 
@@ -176,8 +179,8 @@ embed_lookup.defvjp(_embed_fwd, _embed_bwd)
 
 
 class RMSNorm(nnx.Module):
-    def __init__(self, dim: int, eps: float):
-        self.scale = nnx.Param(jnp.ones((dim,), jnp.float32), logical_axes=("norm",))
+    def __init__(self, dim: int, eps: float, dtype: Any = jnp.float32):
+        self.scale = nnx.Param(jnp.ones((dim,), dtype), logical_axes=("norm",))
         self.eps = eps
 
     def __call__(self, x: jax.Array) -> jax.Array:
@@ -247,10 +250,13 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array,
 class Attention(nnx.Module):
     def __init__(self, cfg: LlamaConfig, rngs: nnx.Rngs):
         d, hd, std = cfg.dim, cfg.hd, cfg.init_std
-        self.wq = _param(rngs, (d, cfg.n_heads, hd), ("embed", "q_heads", "head_dim"), std)
-        self.wk = _param(rngs, (d, cfg.n_kv_heads, hd), ("embed", "kv_heads", "head_dim"), std)
-        self.wv = _param(rngs, (d, cfg.n_kv_heads, hd), ("embed", "kv_heads", "head_dim"), std)
-        self.wo = _param(rngs, (cfg.n_heads, hd, d), ("q_heads", "head_dim", "embed"), std)
+        pd = cfg.param_dtype
+        self.wq = _param(rngs, (d, cfg.n_heads, hd), ("embed", "q_heads", "head_dim"), std, pd)
+        self.wk = _param(rngs, (d, cfg.n_kv_heads, hd), ("embed", "kv_heads", "head_dim"), std,
+                         pd)
+        self.wv = _param(rngs, (d, cfg.n_kv_heads, hd), ("embed", "kv_heads", "head_dim"), std,
+                         pd)
+        self.wo = _param(rngs, (cfg.n_heads, hd, d), ("q_heads", "head_dim", "embed"), std, pd)
         self.dtype = cfg.dtype
         self.cfg = cfg
 
@@ -273,9 +279,9 @@ class Attention(nnx.Module):
 class MLP(nnx.Module):
     def __init__(self, cfg: LlamaConfig, rngs: nnx.Rngs):
         d, f, std = cfg.dim, cfg.ffn_dim, cfg.init_std
-        self.w_gate = _param(rngs, (d, f), ("embed", "mlp"), std)
-        self.w_up = _param(rngs, (d, f), ("embed", "mlp"), std)
-        self.w_down = _param(rngs, (f, d), ("mlp", "embed"), std)
+        self.w_gate = _param(rngs, (d, f), ("embed", "mlp"), std, cfg.param_dtype)
+        self.w_up = _param(rngs, (d, f), ("embed", "mlp"), std, cfg.param_dtype)
+        self.w_down = _param(rngs, (f, d), ("mlp", "embed"), std, cfg.param_dtype)
         self.dtype = cfg.dtype
 
     def __call__(self, x):
@@ -295,9 +301,9 @@ HIDDEN = ("act_batch", "act_seq", "act_embed")
 
 class Block(nnx.Module):
     def __init__(self, cfg: LlamaConfig, rngs: nnx.Rngs):
-        self.attn_norm = RMSNorm(cfg.dim, cfg.rms_norm_eps)
+        self.attn_norm = RMSNorm(cfg.dim, cfg.rms_norm_eps, cfg.param_dtype)
         self.attn = Attention(cfg, rngs)
-        self.mlp_norm = RMSNorm(cfg.dim, cfg.rms_norm_eps)
+        self.mlp_norm = RMSNorm(cfg.dim, cfg.rms_norm_eps, cfg.param_dtype)
         self.mlp = MLP(cfg, rngs)
 
     def __call__(self, x, cos, sin, segment_ids):
@@ -314,7 +320,8 @@ class Llama(nnx.Module):
         if cfg.remat not in REMAT_POLICIES:
             raise ValueError(f"model.remat={cfg.remat!r}: choose one of {sorted(REMAT_POLICIES)}")
         self.cfg = cfg
-        self.embed = _param(rngs, (cfg.vocab_size, cfg.dim), ("vocab", "embed"), cfg.init_std)
+        self.embed = _param(rngs, (cfg.vocab_size, cfg.dim), ("vocab", "embed"), cfg.init_std,
+                            cfg.param_dtype)
 
         @nnx.vmap(in_axes=0, out_axes=0,
                   transform_metadata={nnx.PARTITION_NAME: "layers", "logical_axes": "layers"})
@@ -322,10 +329,10 @@ class Llama(nnx.Module):
             return Block(cfg, nnx.Rngs(params=key))
 
         self.layers = stacked(jax.random.split(rngs.params(), cfg.n_layers))
-        self.final_norm = RMSNorm(cfg.dim, cfg.rms_norm_eps)
+        self.final_norm = RMSNorm(cfg.dim, cfg.rms_norm_eps, cfg.param_dtype)
         if not cfg.tie_embeddings:
             self.lm_head = _param(rngs, (cfg.dim, cfg.vocab_size), ("embed", "vocab"),
-                                  cfg.init_std)
+                                  cfg.init_std, cfg.param_dtype)
 
     def features(self, tokens: jax.Array, positions: jax.Array, segment_ids: jax.Array
                  ) -> tuple[jax.Array, jax.Array]:
