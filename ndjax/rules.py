@@ -227,10 +227,13 @@ def constrain_param(w: jax.Array, names: Sequence[str | None], dtype=None) -> ja
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3))
 def _cast_and_gather(w, storage, compute, dtype):
-    # The cast is pinned to the storage layout too, or propagation may place it
-    # after the gather.
-    w = jax.lax.with_sharding_constraint(w.astype(dtype), storage)
-    return jax.lax.with_sharding_constraint(w, compute)
+    # Gather in the narrower of the two dtypes (bfloat16 parameters computed in
+    # float32 are widened after the gather). The cast is pinned to the storage
+    # layout too, or propagation may place it after the gather.
+    narrow = dtype if jnp.dtype(dtype).itemsize <= w.dtype.itemsize else w.dtype
+    w = jax.lax.with_sharding_constraint(w.astype(narrow), storage)
+    return jax.lax.with_sharding_constraint(jax.lax.with_sharding_constraint(w, compute)
+                                            .astype(dtype), compute)
 
 
 def _gather_fwd(w, storage, compute, dtype):

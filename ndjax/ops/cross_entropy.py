@@ -1,28 +1,31 @@
-"""Next-token cross-entropy that never holds the whole batch's logits.
+"""Next-token cross-entropy, fused with the LM head, that never holds the batch's logits.
 
 The LM head turns (b, s, dim) hidden states into (b, s, vocab) logits: at a
 128k vocabulary and 4096 tokens that is 2 GiB per sequence in float32, plus a
-one-hot of the same size, plus their gradients. ``loss_sums`` computes the
-logits ``chunk`` positions at a time inside a ``lax.scan`` whose body is
-rematerialised, so the backward pass recomputes each chunk's logits instead of
-keeping them: memory grows with the chunk, not with the sequence.
+one-hot and the gradients of the same size. ``loss_sums`` instead runs the head
+and the loss over ``chunk`` positions at a time in a ``lax.scan``, and its
+backward pass (a custom VJP) recomputes each chunk's logits, turns them into the
+logits' gradient (softmax - one-hot) and consumes it at once: memory grows with
+the chunk, not with the sequence.
 
-Chunk ``j`` takes positions ``j, j + n, j + 2n, ...`` of every row (n chunks):
-the loss is a sum over tokens, so any partition of them gives the same result,
-and a strided one keeps each chunk split over the context axis exactly as the
-sequence is (a chunk of consecutive positions would live on one context shard).
-Logits stay vocab-parallel (split over ``tensor``) inside a chunk.
+The work is per device: a ``jax.shard_map`` over the mesh axes that split the
+batch and the sequence, with ``tensor`` left to the partitioner so that the
+logits stay vocab-parallel. Each device sums the head's gradient over its own
+chunks in a float32 accumulator, and the data axes reduce it once, in float32,
+at the end, rather than once per chunk (which autodiff of a chunked scan does)
+or in bfloat16.
 """
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
+import numpy as np
+from jax.sharding import PartitionSpec
 
-from ndjax.rules import constrain
-
-HIDDEN = ("act_batch", "act_seq", "act_embed")
-LOGITS = ("act_batch", "act_seq", "act_vocab")
+from ndjax.rules import active
 
 
 def cross_entropy(logits: jax.Array, targets: jax.Array) -> jax.Array:
@@ -41,40 +44,116 @@ def num_chunks(seq_len: int, chunk: int) -> int:
     return seq_len // chunk if seq_len > chunk else 1
 
 
+def _chunks(a: jax.Array, n: int) -> jax.Array:
+    """(b, s, ...) -> (n, b, s // n, ...): chunk j = local positions [j s/n, (j+1) s/n)."""
+    b, s = a.shape[:2]
+    return jnp.moveaxis(a.reshape(b, n, s // n, *a.shape[2:]), 1, 0)
+
+
+def _unchunk(a: jax.Array) -> jax.Array:
+    n, b, c = a.shape[:3]
+    return jnp.moveaxis(a, 0, 1).reshape(b, n * c, *a.shape[3:])
+
+
+class _Local:
+    """The per-device loss and its gradients; ``vocab_spec`` constrains logits to
+    stay split over the vocabulary's (non-data) mesh axes."""
+
+    def __init__(self, n: int, vocab_spec: PartitionSpec | None):
+        self.n, self.vocab_spec = n, vocab_spec
+
+    def logits(self, xc, head):
+        logits = jnp.einsum("bsd,dv->bsv", xc, head, preferred_element_type=jnp.float32)
+        if self.vocab_spec is not None:
+            logits = jax.lax.with_sharding_constraint(logits, self.vocab_spec)
+        return logits
+
+    def loss(self, x, head, targets, weights):
+        def body(total, chunk):
+            xc, tc, wc = chunk
+            return total + jnp.sum(cross_entropy(self.logits(xc, head), tc) * wc), None
+
+        total, _ = jax.lax.scan(body, jnp.zeros((), jnp.float32),
+                                (_chunks(x, self.n), _chunks(targets, self.n),
+                                 _chunks(weights, self.n)))
+        return total
+
+    def grads(self, x, head, targets, weights, g):
+        """(d loss / d x in x's dtype, d loss / d head in float32), this device's part."""
+        def body(d_head, chunk):
+            xc, tc, wc = chunk
+            logits = self.logits(xc, head)
+            probs = jax.nn.softmax(logits, axis=-1)
+            one_hot = jax.nn.one_hot(tc, logits.shape[-1], dtype=jnp.float32)
+            d_logits = ((probs - one_hot) * (wc * g)[..., None]).astype(x.dtype)
+            d_x = jnp.einsum("bsv,dv->bsd", d_logits, head)
+            d_head = d_head + jnp.einsum("bsd,bsv->dv", xc, d_logits,
+                                         preferred_element_type=jnp.float32)
+            return d_head, d_x
+
+        d_head, d_x = jax.lax.scan(body, jnp.zeros(head.shape, jnp.float32),
+                                   (_chunks(x, self.n), _chunks(targets, self.n),
+                                    _chunks(weights, self.n)))
+        return _unchunk(d_x), d_head
+
+
 def loss_sums(x: jax.Array, head: jax.Array, targets: jax.Array, weights: jax.Array,
               chunk: int) -> tuple[jax.Array, jax.Array]:
     """(sum of weights x cross-entropy, sum of weights), float32 scalars.
 
     x: (b, s, dim) final hidden states in the compute dtype; head: (dim, vocab) LM
-    head in its compute layout; targets: (b, s) int; weights: (b, s) float32 (the
-    loss mask). ``chunk`` must divide s when s > chunk (``Experiment`` checks).
+    head in its compute layout; targets: (b, s) int; weights: (b, s) (the loss
+    mask). ``chunk`` must divide s when s > chunk, in pieces the sequence's mesh
+    axes split evenly (``Experiment`` checks).
     """
-    dtype = x.dtype
     weights = weights.astype(jnp.float32)
+    n = num_chunks(x.shape[1], chunk)
+    rules = active()
+    if rules is None or not rules.data_axes:
+        local = _Local(n, None if rules is None else rules.spec((None, None, "act_vocab")))
+        return _fused(local, None, x, head, targets, weights), jnp.sum(weights)
+    vocab = tuple(a for a in rules.axes_of("act_vocab") if a not in rules.data_axes)
+    local = _Local(n, PartitionSpec(None, None, vocab or None))
+    return _fused(local, rules, x, head, targets, weights), jnp.sum(weights)
 
-    def chunk_loss(head32, xc, tc, wc):
-        logits = jnp.einsum("bsd,dv->bsv", xc, head32.astype(dtype),
-                            preferred_element_type=jnp.float32)
-        return jnp.sum(cross_entropy(constrain(logits, LOGITS), tc) * wc)
 
-    b, s, d = x.shape
-    n = num_chunks(s, chunk)
-    if n == 1:
-        return chunk_loss(head, x, targets, weights), jnp.sum(weights)
+def _fused(local: _Local, rules, x, head, targets, weights) -> jax.Array:
+    """The custom VJP around the per-device loss (a shard_map when the data axes
+    split the batch or the sequence)."""
+    if rules is None or not rules.data_axes:
+        forward, backward = local.loss, local.grads
+    else:
+        axes = tuple(a for a in rules.mesh.axis_names if a in rules.data_axes)
+        rows = rules.spec(("act_batch", "act_seq"))
+        hidden = PartitionSpec(*rows, None) if len(rows) else PartitionSpec()
+        shard = functools.partial(jax.shard_map, mesh=rules.mesh, axis_names=set(axes),
+                                  check_vma=False)
 
-    def strided(a):  # (b, s, ...) -> (n, b, s // n, ...): chunk j = positions j::n
-        a = a.reshape(b, s // n, n, *a.shape[2:])
-        return jnp.moveaxis(a, 2, 0)
+        def total_loss(*args):
+            return jax.lax.psum(local.loss(*args), axes)
 
-    xs = constrain(strided(x), (None, *HIDDEN))
-    # The head enters the scan in float32 so that its gradient is summed over the
-    # chunks in float32 (a compute-dtype constant would accumulate in bfloat16).
-    head32 = head.astype(jnp.float32)
+        def all_grads(*args):
+            d_x, d_head = local.grads(*args)
+            return d_x, jax.lax.psum(d_head, axes)  # once, in float32
 
-    @jax.checkpoint
-    def body(total, chunk_inputs):
-        return total + chunk_loss(head32, *chunk_inputs), None
+        forward = shard(total_loss, in_specs=(hidden, PartitionSpec(), rows, rows),
+                        out_specs=PartitionSpec())
+        backward = shard(all_grads, in_specs=(hidden, PartitionSpec(), rows, rows,
+                                              PartitionSpec()),
+                         out_specs=(hidden, PartitionSpec()))
 
-    total, _ = jax.lax.scan(body, jnp.zeros((), jnp.float32),
-                            (xs, strided(targets), strided(weights)))
-    return total, jnp.sum(weights)
+    @jax.custom_vjp
+    def fused(x, head, targets, weights):
+        return forward(x, head, targets, weights)
+
+    def fwd(x, head, targets, weights):
+        return forward(x, head, targets, weights), (x, head, targets, weights)
+
+    def bwd(saved, g):
+        x, head, targets, weights = saved
+        d_x, d_head = backward(x, head, targets, weights, g)
+        return (d_x, d_head.astype(head.dtype), np.zeros(targets.shape, jax.dtypes.float0),
+                jnp.zeros_like(weights))
+
+    fused.defvjp(fwd, bwd)
+    return fused(x, head, targets, weights)
