@@ -13,8 +13,10 @@ gradients, collective buffers) per device. Shapes:
   gradients (sharded like the parameters).
 
 Attention is the dense kernel on one context shard (its (seq x seq) scores dominate
-``none`` at 4096 tokens); the CPU compiler widens some bfloat16 buffers to float32,
-so bf16 figures other than remat=full's saved inputs are upper bounds of a GPU's.
+every policy's working set at 4096 tokens), and for comparison ring attention's tiled
+kernel (``model.attn_impl=ring``), whose memory is linear in the sequence. The CPU
+compiler widens some bfloat16 buffers to float32, so bf16 figures other than
+remat=full's saved inputs are upper bounds of a GPU's.
 
     PYTHONPATH=. python bench/memory.py            # all shapes (about 3 minutes)
     PYTHONPATH=. python bench/memory.py --tiny     # smoke run, seconds
@@ -48,6 +50,10 @@ def _rows(tiny: bool):
         for remat in ("none", "full"):
             yield shape, dict(model, dtype="bfloat16", remat=remat, param_dtype="bfloat16"), \
                 mesh, dict(train, opt_state_dtype="bfloat16"), "default", devices
+        # Without the dense (seq x seq) scores: ring attention's tiled kernel on one shard.
+        for remat in ("none", "save_proj", "full"):
+            yield shape, dict(model, dtype="bfloat16", remat=remat, attn_impl="ring"), \
+                mesh, train, "default", devices
     if not tiny:
         for rules in ("default", "megatron_sp"):
             yield "70b", dict(preset="llama3_70b", dtype="bfloat16", remat="full"), \
@@ -99,16 +105,17 @@ def main() -> None:
     print(f"jax {jax.__version__}, {platform.processor() or platform.machine()}, "
           f"simulated cpu devices; compiled ahead of time, nothing allocated")
     print()
-    print("| shape | layout | rules | compute | params | moments | remat | arguments MiB | "
-          "temp MiB | total MiB | full-remat bound MiB | compile s |")
-    print("|:--|:--|:--|:--|:--|:--|:--|--:|--:|--:|--:|--:|")
+    print("| shape | layout | rules | attention | compute | params | moments | remat | "
+          "arguments MiB | temp MiB | total MiB | full-remat bound MiB | compile s |")
+    print("|:--|:--|:--|:--|:--|:--|:--|:--|--:|--:|--:|--:|--:|")
     for shape, model, mesh, train, rules, devices in _rows(args.tiny):
         if any(k not in known.model for k in model) or any(k not in known.train for k in train):
             continue  # a field this checkout does not have (e.g. an older commit)
         exp, arg, temp, seconds = measure(model, mesh, train, rules, devices)
         bound = f"{full_remat_bound(exp) / MiB:.0f}" if model["remat"] == "full" else "-"
         layout = " x ".join(f"{k}={v}" for k, v in mesh.items())
-        print(f"| {shape} | {layout} | {rules} | {model['dtype']} | "
+        attention = "tiled" if model.get("attn_impl") == "ring" else "dense"
+        print(f"| {shape} | {layout} | {rules} | {attention} | {model['dtype']} | "
               f"{model.get('param_dtype', 'float32')} | "
               f"{train.get('opt_state_dtype', 'float32')} | {model['remat']} | "
               f"{arg / MiB:.1f} | {temp / MiB:.1f} | {(arg + temp) / MiB:.1f} | {bound} | "

@@ -91,11 +91,11 @@ ACTIVATIONS = ("attn_norm", "q_proj", "k_proj", "v_proj", "attn_out", "attn_bloc
 _save = jax.checkpoint_policies.save_only_these_names
 
 REMAT_POLICIES = {
-    # No rematerialisation: every named activation and every matmul output
-    # (attention scores included) is saved; only cheap elementwise work (RoPE,
-    # SwiGLU, softmax) is redone from them.
-    "none": jax.checkpoint_policies.save_from_both_policies(
-        jax.checkpoint_policies.dots_saveable, _save(*ACTIVATIONS)),
+    # No rematerialisation of matmuls: every named activation is saved (the
+    # dense kernel's attention probabilities too); only cheap elementwise work
+    # (RoPE, SwiGLU) is redone from them. Names, not "every dot": a dot inside
+    # the tiled attention kernel's loop would be saved for every tile, O(seq^2).
+    "none": _save(*ACTIVATIONS, "attn_probs"),
     # Only each layer's input is kept (the scan carry); the whole layer is
     # recomputed in the backward pass.
     "full": jax.checkpoint_policies.nothing_saveable,
@@ -230,7 +230,7 @@ def dot_product_attention(q: jax.Array, k: jax.Array, v: jax.Array,
     mask = (idx[:, None] >= idx[None, :])[None] & (
         segment_ids[:, :, None] == segment_ids[:, None, :])
     scores = jnp.where(mask[:, None, None], scores, jnp.finfo(jnp.float32).min)
-    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    probs = checkpoint_name(jax.nn.softmax(scores, axis=-1).astype(v.dtype), "attn_probs")
     out = jnp.einsum("bkgst,btkd->bskgd", probs, v)
     return out.reshape(b, s, h, d)
 
