@@ -24,6 +24,7 @@ from absl import app, flags
 from ndjax import hf
 from ndjax.checkpoint import Checkpointer
 from ndjax.config import default_config
+from ndjax.console import quiet_libraries
 from ndjax.errors import ConfigError
 from ndjax.experiment import Experiment
 
@@ -81,6 +82,7 @@ _DTYPE = flags.DEFINE_string("dtype", None, "bfloat16, float16 or float32; defau
 def main(argv: list[str]) -> None:
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+    quiet_libraries()
     try:
         if not _WORKDIR.value or not _OUT.value:
             raise ConfigError("--workdir and --out are required.")

@@ -41,6 +41,16 @@ def test_layouts_log_the_same_losses(tmp_path):
     np.testing.assert_allclose(losses(a), losses(b), rtol=1e-5)
     assert "step 3/3" in first.stdout
     assert json.load(open(a / "config.json"))["mesh"]["tensor"] == 2
+    # Quiet by default: no library INFO lines (orbax, absl, jax) on stderr.
+    for result in (first, second):
+        assert not [line for line in result.stderr.splitlines() if line.startswith("I")], \
+            result.stderr[-2000:]
+
+
+def test_verbosity_brings_library_info_back(tmp_path):
+    result = run("--verbosity=0", f"--workdir={tmp_path}", *TINY_FLAGS)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert any(line.startswith("I") for line in result.stderr.splitlines())
 
 
 @pytest.mark.parametrize("args, message", [
