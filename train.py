@@ -47,14 +47,49 @@ _PRINT_SHARDING = flags.DEFINE_bool(
     "print_sharding", False, "Print where every parameter lives, then exit.")
 
 
+def _config_path(argv: list[str]) -> str | None:
+    """The --config file named on the command line (without a ':override' suffix)."""
+    for i, arg in enumerate(argv[1:], start=1):
+        if arg.startswith("--config="):
+            return arg.split("=", 1)[1]
+        if arg == "--config" and i + 1 < len(argv):
+            return argv[i + 1]
+    return None
+
+
+def _failure_in_file(e: BaseException, path: str) -> str | None:
+    """'line N: Error: message' when ``e`` was raised by the code of ``path`` (a syntax
+    error in it, or an exception while importing it or running its get_config)."""
+    target = os.path.realpath(path)
+    if isinstance(e, SyntaxError) and e.filename and os.path.realpath(e.filename) == target:
+        return f"line {e.lineno}: SyntaxError: {e.msg}"
+    line = None
+    tb = e.__traceback__
+    while tb is not None:
+        if os.path.realpath(tb.tb_frame.f_code.co_filename) == target:
+            line = tb.tb_lineno
+        tb = tb.tb_next
+    return None if line is None else f"line {line}: {type(e).__name__}: {e}"
+
+
 def parse_flags(argv: list[str]) -> list[str]:
-    """absl's parser, with a bad ``--config.x=...`` override as one line, not a traceback."""
+    """absl's parser, with a config file that fails to load or a bad ``--config.x=...``
+    override as one line, not a traceback."""
     try:
         return flags.FLAGS(argv)
     except flags.Error as e:
         _fail(e)
-    except _BAD_OVERRIDE as e:
-        _fail(f"bad --config override: {_innermost(e)}")
+    except Exception as e:
+        path = _config_path(argv)
+        where = None if path is None else _failure_in_file(e, path)
+        if where is not None:
+            _fail(f"cannot load --config={path}: {where}")
+        if path is not None and isinstance(e, AttributeError) and "get_config" in str(e):
+            _fail(f"--config={path} has no get_config() function; a config file defines "
+                  "get_config() returning the experiment's ConfigDict (see configs/).")
+        if isinstance(e, _BAD_OVERRIDE):
+            _fail(f"bad --config override: {_innermost(e)}")
+        raise
 
 
 def main(argv: list[str]) -> None:

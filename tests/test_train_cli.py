@@ -65,12 +65,29 @@ def test_verbosity_brings_library_info_back(tmp_path):
       "--config.runtime.process_id=0"], "runtime.coordinator='node0' must be host:port"),
 ])
 def test_bad_input_is_one_line_and_exit_2(tmp_path, args, message):
-    result = run(*args, f"--workdir={tmp_path / 'w'}")
-    assert result.returncode == 2, result.stderr[-2000:]
-    errors = [line for line in result.stderr.splitlines() if line.startswith("train.py: error:")]
-    assert len(errors) == 1 and message in errors[0], result.stderr[-2000:]
-    assert "Traceback" not in result.stderr
+    assert_one_line_error(run(*args, f"--workdir={tmp_path / 'w'}"), message)
     assert not (tmp_path / "w").exists()  # nothing half-written
+
+
+def assert_one_line_error(result, message):
+    """Exit 2 and stderr is exactly one line: the error, nothing before or after it."""
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert result.stderr.splitlines() == [result.stderr.strip()], result.stderr[-2000:]
+    assert result.stderr.startswith("train.py: error:") and message in result.stderr, \
+        result.stderr[-2000:]
+
+
+@pytest.mark.parametrize("source, message", [
+    ("def get_config(:\n    pass\n", "config.py: line 1: SyntaxError"),
+    ("def get_config():\n    raise RuntimeError('no GPUs today')\n",
+     "config.py: line 2: RuntimeError: no GPUs today"),
+    ("import a_module_that_is_not_there\n", "config.py: line 1: ModuleNotFoundError"),
+    ("X = 1\n", "config.py has no get_config() function"),
+])
+def test_config_file_that_fails_to_load_is_one_line(tmp_path, source, message):
+    (tmp_path / "config.py").write_text(source)
+    result = run(f"--config={tmp_path / 'config.py'}", f"--workdir={tmp_path / 'w'}")
+    assert_one_line_error(result, message)
 
 
 def test_builtin_source_trains_and_logs_eval_and_data_wait(tmp_path):
