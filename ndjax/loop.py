@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -92,78 +93,83 @@ def train(config: ml_collections.ConfigDict, workdir: str,
     # This process reads and tokenizes its share now, before anything compiles
     # or is written, so bad data fails fast; a thread then prepares batches
     # (already on the devices) ahead of the steps.
-    data = make_loader(config, exp.model_cfg.vocab_size, rows=exp.local_rows,
-                       transform=exp.device_batch)
-    try:
+    # Whatever was opened (the loader's thread, the checkpoint manager's threads,
+    # event files) is closed on every way out, a ConfigError from checkpoint.resume
+    # included: a thread left running at interpreter shutdown prints a traceback
+    # after the one-line error.
+    with contextlib.ExitStack() as cleanup:
+        data = make_loader(config, exp.model_cfg.vocab_size, rows=exp.local_rows,
+                           transform=exp.device_batch)
+        cleanup.callback(data.close)
         eval_batches = _eval_batches(exp) if t.eval_every else []
-    except BaseException:
-        data.close()
-        raise
-    os.makedirs(workdir, exist_ok=True)
-    checkpointer = Checkpointer(workdir, config.checkpoint)
-    resume_step = checkpointer.step_to_restore()
-    if resume_step is not None:
-        state, data_state = checkpointer.restore(resume_step, exp.abstract_state)
-        data.set_state(data_state)  # the next batch is the one after the saved step
-        first_step = data_state["rows"] // t.batch_size + 1
-        dropped = checkpointer.drop_newer_than(resume_step)
-    else:
-        state, first_step = exp.init_state(), 1
-    if is_main:
-        with open(os.path.join(workdir, "config.json"), "w") as f:
-            f.write(config.to_json_best_effort(indent=2))
-        _keep_metrics_until(os.path.join(workdir, "metrics.jsonl"), first_step - 1)
-
-    # No steps left (steps=0: import -> export, or a finished run): nothing to compile.
-    step_fn = exp.compiled_step if first_step <= t.steps else None
-    if t.eval_every and first_step <= t.steps:
-        exp.compiled_eval  # noqa: B018 -- compile now, not inside the first timed step
-
-    num_devices = exp.mesh.devices.size
-    tokens_per_step = t.batch_size * t.seq_len
-    flops_per_step = flops_per_token(exp.model_cfg, t.seq_len) * tokens_per_step
-    peak = peak_tflops(exp.mesh.devices.flat[0].device_kind, config.log.peak_tflops)
-    profiler = Profiler(config.log.profile_steps, os.path.join(workdir, "profile"))
-    sinks = Sinks(workdir, t.steps, enabled=is_main, tensorboard=config.log.tensorboard,
-                  verbose=verbose, append=resume_step is not None)
-    if resume_step is not None:
-        sinks.message(f"resumed from checkpoint step {resume_step}" + (
-            f"; removed newer checkpoints {dropped}, this run replaces them" if dropped else ""))
-
-    logged: list[dict[str, Any]] = []
-    last_time = time.perf_counter()
-    last_good, skipped = 0, 0
-
-    def flush(step: int, metrics: dict[str, jax.Array]) -> None:
-        nonlocal last_time, last_good, skipped
-        values = {k: np.asarray(v).item() for k, v in jax.device_get(metrics).items()}
-        now = time.perf_counter()
-        elapsed, last_time = now - last_time, now
-        if values.pop("finite"):
-            last_good = step
-        elif t.on_nan == "stop":
-            raise NonFiniteError(
-                f"loss {values['loss']} / grad norm {values['grad_norm']} at step {step} (last "
-                f"good step {last_good}); nothing was saved. Lower train.lr or train.clip_norm, "
-                "or set train.on_nan=skip to drop such updates.")
+        os.makedirs(workdir, exist_ok=True)
+        checkpointer = Checkpointer(workdir, config.checkpoint)
+        cleanup.callback(checkpointer.close)
+        resume_step = checkpointer.step_to_restore()
+        if resume_step is not None:
+            state, data_state = checkpointer.restore(resume_step, exp.abstract_state)
+            data.set_state(data_state)  # the next batch is the one after the saved step
+            first_step = data_state["rows"] // t.batch_size + 1
+            dropped = checkpointer.drop_newer_than(resume_step)
         else:
-            skipped += 1
-            sinks.message(f"step {step}: non-finite loss or gradient, update skipped")
-        if step % config.log.every and step != t.steps:
-            return
-        tflops = flops_per_step / elapsed / num_devices / 1e12
-        record = {"step": step, **values, "step_time": elapsed,
-                  "tokens_per_sec": tokens_per_step / elapsed,
-                  "tokens_per_sec_per_device": tokens_per_step / elapsed / num_devices,
-                  "tflops_per_device": tflops, "mfu": tflops / peak if peak else None,
-                  "skipped_steps": skipped, **device_memory()}
-        sinks.write(record)
-        logged.append(record)
+            state, first_step = exp.init_state(), 1
+        if is_main:
+            with open(os.path.join(workdir, "config.json"), "w") as f:
+                f.write(config.to_json_best_effort(indent=2))
+            _keep_metrics_until(os.path.join(workdir, "metrics.jsonl"), first_step - 1)
 
-    every = config.checkpoint.every
-    preemption = Preemption()
-    pending = None
-    try:
+        # No steps left (steps=0: import -> export, or a finished run): nothing to compile.
+        step_fn = exp.compiled_step if first_step <= t.steps else None
+        if t.eval_every and first_step <= t.steps:
+            exp.compiled_eval  # noqa: B018 -- compile now, not inside the first timed step
+
+        num_devices = exp.mesh.devices.size
+        tokens_per_step = t.batch_size * t.seq_len
+        flops_per_step = flops_per_token(exp.model_cfg, t.seq_len) * tokens_per_step
+        peak = peak_tflops(exp.mesh.devices.flat[0].device_kind, config.log.peak_tflops)
+        profiler = Profiler(config.log.profile_steps, os.path.join(workdir, "profile"))
+        sinks = Sinks(workdir, t.steps, enabled=is_main, tensorboard=config.log.tensorboard,
+                      verbose=verbose, append=resume_step is not None)
+        cleanup.callback(sinks.close)
+        if resume_step is not None:
+            replaced = f"; removed newer checkpoints {dropped}, this run replaces them"
+            sinks.message(f"resumed from checkpoint step {resume_step}"
+                          + (replaced if dropped else ""))
+
+        logged: list[dict[str, Any]] = []
+        last_time = time.perf_counter()
+        last_good, skipped = 0, 0
+
+        def flush(step: int, metrics: dict[str, jax.Array]) -> None:
+            nonlocal last_time, last_good, skipped
+            values = {k: np.asarray(v).item() for k, v in jax.device_get(metrics).items()}
+            now = time.perf_counter()
+            elapsed, last_time = now - last_time, now
+            if values.pop("finite"):
+                last_good = step
+            elif t.on_nan == "stop":
+                raise NonFiniteError(
+                    f"loss {values['loss']} / grad norm {values['grad_norm']} at step {step} "
+                    f"(last good step {last_good}); nothing was saved. Lower train.lr or "
+                    "train.clip_norm, or set train.on_nan=skip to drop such updates.")
+            else:
+                skipped += 1
+                sinks.message(f"step {step}: non-finite loss or gradient, update skipped")
+            if step % config.log.every and step != t.steps:
+                return
+            tflops = flops_per_step / elapsed / num_devices / 1e12
+            record = {"step": step, **values, "step_time": elapsed,
+                      "tokens_per_sec": tokens_per_step / elapsed,
+                      "tokens_per_sec_per_device": tokens_per_step / elapsed / num_devices,
+                      "tflops_per_device": tflops, "mfu": tflops / peak if peak else None,
+                      "skipped_steps": skipped, **device_memory()}
+            sinks.write(record)
+            logged.append(record)
+
+        every = config.checkpoint.every
+        preemption = Preemption()
+        cleanup.callback(preemption.close)
+        pending = None
         for step in range(first_step, t.steps + 1):
             waited = time.perf_counter()
             batch = next(data)  # already on device, in the batch sharding
@@ -203,9 +209,4 @@ def train(config: ml_collections.ConfigDict, workdir: str,
             hf.export(state.params, exp.model_cfg, config.export.hf_dir, config.export.dtype,
                       source=exp.checkpoint)
             sinks.message(f"exported Hugging Face checkpoint to {config.export.hf_dir}")
-    finally:
-        data.close()
-        preemption.close()
-        checkpointer.close()
-        sinks.close()
-    return logged
+        return logged
