@@ -97,6 +97,43 @@ def loss_and_grads(features: FeaturesFn, options: StepOptions, params: Any, batc
     return loss, tokens, grads
 
 
+def _is_schedule_state(x: Any) -> bool:
+    return isinstance(x, optax.ScaleByScheduleState)
+
+
+def schedule_counts_at(opt_state: Any, step: jax.Array) -> Any:
+    """``opt_state`` with the count of every ``scale_by_schedule`` set to ``step``.
+
+    Only the count's value changes, never the tree (checkpoints keep restoring).
+    """
+    def at(x):
+        if _is_schedule_state(x):
+            return x._replace(count=jnp.asarray(step, x.count.dtype))
+        return x
+    return jax.tree.map(at, opt_state, is_leaf=_is_schedule_state)
+
+
+def keep_unless_schedule(keep: Callable[[jax.Array, jax.Array], jax.Array],
+                         new: Any, old: Any) -> Any:
+    """``keep(new, old)`` on every leaf of the optimizer state but the schedules'
+    counts, which take their new value.
+
+    A skipped step must not hold the lr schedule back, or every later step
+    applies the lr of a step earlier than the one logged. Adam's count, on the
+    other hand, is kept with its moments: it counts the gradients averaged into
+    them, and its bias correction 1 - b**count is exact only if a skipped
+    gradient does not count (as in PyTorch's GradScaler, which skips
+    ``optimizer.step()`` altogether). Advancing it too would scale the first
+    updates after an early skip down, e.g. by (1 - 0.9**2) / (1 - 0.9**3) ~ 0.7
+    on the first moment at step 3.
+    """
+    def pick(n, o):
+        if _is_schedule_state(n):
+            return n
+        return jax.tree.map(keep, n, o)
+    return jax.tree.map(pick, new, old, is_leaf=_is_schedule_state)
+
+
 def train_step(features: FeaturesFn, optimizer: optax.GradientTransformation,
                schedule: optax.Schedule, options: StepOptions, grad_shardings: Any,
                state: TrainState, batch: Batch) -> tuple[TrainState, dict[str, jax.Array]]:
@@ -108,14 +145,20 @@ def train_step(features: FeaturesFn, optimizer: optax.GradientTransformation,
         grads = jax.tree.map(lambda g: g * poison, grads)
     grad_norm = optax.tree.norm(grads)
     finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
-    updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+    # The lr applied is the lr logged: schedule(state.step), whatever the
+    # schedule's own count says (a checkpoint written before skipped steps
+    # advanced it may hold a count that lags state.step).
+    old_opt_state = schedule_counts_at(state.opt_state, state.step)
+    updates, opt_state = optimizer.update(grads, old_opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
     if options.skip_nonfinite:
-        # Keep the old parameters and moments; the step counter still advances
-        # so the schedule and the data stay in step with an uninterrupted run.
+        # Keep the old parameters and Adam's state (moments and their count),
+        # so the skipped gradient leaves no trace; the step counter and the
+        # schedule's count still advance, so the lr and the data stay in step
+        # with an uninterrupted run (see keep_unless_schedule).
         keep = lambda new, old: jnp.where(finite, new, old)  # noqa: E731
         params = jax.tree.map(keep, params, state.params)
-        opt_state = jax.tree.map(keep, opt_state, state.opt_state)
+        opt_state = keep_unless_schedule(keep, opt_state, old_opt_state)
     metrics = {
         "loss": loss,
         "grad_norm": grad_norm,

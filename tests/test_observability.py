@@ -1,5 +1,6 @@
 """Metrics, TensorBoard, plots, profiles and the NaN guard."""
 
+import functools
 import json
 import os
 import struct
@@ -8,13 +9,16 @@ import sys
 
 import jax
 import numpy as np
+import optax
 import pytest
 from conftest import tiny_config
-from helpers import run_steps
+from helpers import host_batches, run_steps
 
 from ndjax.experiment import Experiment
 from ndjax.loop import NonFiniteError, train
 from ndjax.plot import plot
+from ndjax.state import make_optimizer
+from ndjax.train_step import loss_and_grads
 
 FIELDS = {"step": int, "loss": float, "grad_norm": float, "lr": float, "tokens": float,
           "step_time": float, "tokens_per_sec": float, "tokens_per_sec_per_device": float,
@@ -123,3 +127,37 @@ def test_nan_skip_counts_in_metrics(tmp_path):
     assert records[0]["mfu"] is None  # no known peak for a CPU: null, not a made-up number
     written = read_jsonl(tmp_path)
     assert written[1]["loss"] is None and np.isfinite(written[2]["loss"])
+
+
+def test_nan_skip_keeps_the_schedule_in_step():
+    # Linear warmup: the lr changes every step, so a schedule that a skipped
+    # step left one step behind applies a visibly different lr (half, here).
+    config = tiny_config(train=dict(on_nan="skip", warmup_steps=4))
+    config.debug.nan_at_step = 2
+    exp = Experiment.from_config(config, jax.devices()[:1])
+    batches = [exp.device_batch(b) for b in host_batches(config, 3)]
+    state = exp.init_state()
+    for batch in batches[:2]:
+        state, _ = exp.compiled_step(state, batch)
+    before = jax.device_get(state)  # the step donates its input state
+    after, metrics = exp.compiled_step(state, batches[2])
+    lr = float(metrics["lr"])
+    assert lr == pytest.approx(float(exp.schedule(2))) and lr > 0
+
+    # Step 3 by hand: the same gradients through the same optimizer, but with
+    # the logged lr as a constant, from the state the skipped step left.
+    grads = jax.jit(functools.partial(loss_and_grads, exp.features, exp.step_options))(
+        before.params, batches[2])[2]
+    optimizer = make_optimizer(config.train, exp.param_names, optax.constant_schedule(lr))
+    updates, _ = optimizer.update(grads, before.opt_state, before.params)
+    expected = optax.apply_updates(before.params, updates)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6),
+                 jax.device_get(after.params), expected)
+
+    # The skipped update did not count as one of Adam's (its moments were kept,
+    # so its bias correction must not assume one more gradient averaged in);
+    # the schedule's count follows the step counter.
+    counted = (optax.ScaleByAdamState, optax.ScaleByScheduleState)
+    counts = {type(s).__name__: int(s.count) for s in jax.tree.leaves(
+        before.opt_state, is_leaf=lambda x: isinstance(x, counted)) if isinstance(s, counted)}
+    assert counts == {"ScaleByAdamState": 1, "ScaleByScheduleState": 2}
