@@ -14,7 +14,7 @@ import jax
 import ml_collections
 import numpy as np
 
-from ndjax import hf
+from ndjax import hf, summary
 from ndjax.checkpoint import Checkpointer, Preemption
 from ndjax.data.loader import make_loader
 from ndjax.experiment import Experiment
@@ -87,6 +87,7 @@ def train(config: ml_collections.ConfigDict, workdir: str,
     Resumes from ``<workdir>/checkpoints`` as ``checkpoint.resume`` says; on
     SIGTERM, saves after the current step and returns early.
     """
+    started = time.perf_counter()
     exp = Experiment.from_config(config, devices)  # every check before any compile
     t = config.train
     is_main = jax.process_index() == 0
@@ -118,19 +119,26 @@ def train(config: ml_collections.ConfigDict, workdir: str,
                 f.write(config.to_json_best_effort(indent=2))
             _keep_metrics_until(os.path.join(workdir, "metrics.jsonl"), first_step - 1)
 
+        sinks = Sinks(workdir, t.steps, enabled=is_main, tensorboard=config.log.tensorboard,
+                      verbose=verbose, append=resume_step is not None)
+        cleanup.callback(sinks.close)
+        for line in summary.startup(exp, workdir, resume_step):
+            sinks.message(line)
+
         # No steps left (steps=0: import -> export, or a finished run): nothing to compile.
-        step_fn = exp.compiled_step if first_step <= t.steps else None
-        if t.eval_every and first_step <= t.steps:
-            exp.compiled_eval  # noqa: B018 -- compile now, not inside the first timed step
+        step_fn = None
+        if first_step <= t.steps:
+            compile_start = time.perf_counter()
+            step_fn = exp.compiled_step
+            if t.eval_every:
+                exp.compiled_eval  # noqa: B018 -- compile now, not inside the first timed step
+            sinks.message(summary.compiled(exp, time.perf_counter() - compile_start))
 
         num_devices = exp.mesh.devices.size
         tokens_per_step = t.batch_size * t.seq_len
         flops_per_step = flops_per_token(exp.model_cfg, t.seq_len) * tokens_per_step
         peak = peak_tflops(exp.mesh.devices.flat[0].device_kind, config.log.peak_tflops)
         profiler = Profiler(config.log.profile_steps, os.path.join(workdir, "profile"))
-        sinks = Sinks(workdir, t.steps, enabled=is_main, tensorboard=config.log.tensorboard,
-                      verbose=verbose, append=resume_step is not None)
-        cleanup.callback(sinks.close)
         if resume_step is not None:
             replaced = f"; removed newer checkpoints {dropped}, this run replaces them"
             sinks.message(f"resumed from checkpoint step {resume_step}"
@@ -170,6 +178,7 @@ def train(config: ml_collections.ConfigDict, workdir: str,
         preemption = Preemption()
         cleanup.callback(preemption.close)
         pending = None
+        saved = resume_step
         for step in range(first_step, t.steps + 1):
             waited = time.perf_counter()
             batch = next(data)  # already on device, in the batch sharding
@@ -197,6 +206,7 @@ def train(config: ml_collections.ConfigDict, workdir: str,
                     flush(*pending)  # a NaN stop must come before the save
                     pending = None
                 checkpointer.save(step, state, data.get_state())
+                saved = step
             if stop:
                 checkpointer.wait()
                 sinks.message(f"SIGTERM: saved checkpoint step {step} in "
@@ -209,4 +219,11 @@ def train(config: ml_collections.ConfigDict, workdir: str,
             hf.export(state.params, exp.model_cfg, config.export.hf_dir, config.export.dtype,
                       source=exp.checkpoint)
             sinks.message(f"exported Hugging Face checkpoint to {config.export.hf_dir}")
+        checkpointer.wait()  # the path printed below is complete
+        for line in summary.end(
+                logged, time.perf_counter() - started, workdir,
+                None if saved is None else os.path.join(checkpointer.directory, str(saved)),
+                config.export.hf_dir if config.export.hf_dir and not preemption.requested
+                else None):
+            sinks.message(line)
         return logged

@@ -41,6 +41,18 @@ def test_layouts_log_the_same_losses(tmp_path):
     np.testing.assert_allclose(losses(a), losses(b), rtol=1e-5)
     assert "step 3/3" in first.stdout
     assert json.load(open(a / "config.json"))["mesh"]["tensor"] == 2
+    # A start-up summary before compiling, the step's memory after, an end summary.
+    out = first.stdout
+    for field in ("devices: 8 x cpu", "mesh replica=1 x fsdp=4 x context=1 x tensor=2",
+                  "rules default", "parameters (", "without embeddings", "compute float32",
+                  "attention dense", "batch: 8 rows x 32 tokens = 256 tokens per step",
+                  "data synthetic", f"workdir: {a}; starting at step 1",
+                  "compiled the train step in", "memory per device:", "done: step 3, train loss",
+                  "tokens/s", f"checkpoint: {a / 'checkpoints' / '3'}",
+                  f"python -m ndjax.plot --workdir={a}"):
+        assert field in out, (field, out)
+    assert out.index("workdir:") < out.index("compiled the") < out.index("step 1/3") \
+        < out.index("done: step 3")
     # Quiet by default: no library INFO lines (orbax, absl, jax) on stderr.
     for result in (first, second):
         assert not [line for line in result.stderr.splitlines() if line.startswith("I")], \

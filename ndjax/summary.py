@@ -1,0 +1,99 @@
+"""What a run says before its first step and after its last: a few lines each."""
+
+from __future__ import annotations
+
+import os
+import shlex
+from typing import Any
+
+import jax
+import numpy as np
+
+from ndjax.experiment import Experiment
+from ndjax.models import llama
+from ndjax.ops import ring_attention as ring
+
+
+def _size(n: float) -> str:
+    for unit in ("", "K", "M", "B", "T"):
+        if abs(n) < 1000 or unit == "T":
+            return f"{n:.3g}{unit}"
+        n /= 1000
+    raise AssertionError
+
+
+def _bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1024
+    raise AssertionError
+
+
+def startup(exp: Experiment, workdir: str, resume_step: int | None) -> list[str]:
+    """Before compiling: where it runs, what it trains, on what, and where results go."""
+    c, cfg, t = exp.config, exp.model_cfg, exp.config.train
+    devices = exp.mesh.devices.flat
+    kinds = sorted({d.device_kind for d in devices})
+    rules = c.rules if isinstance(c.rules, str) else "custom table"
+    attention = "ring" if ring.uses_ring(cfg.attn_impl, exp.rules) else "dense"
+    tokenizer = c.data.tokenizer if c.data.source != "synthetic" else "-"
+    micro = f", {t.grad_accum} micro-batches of {t.batch_size // t.grad_accum}" \
+        if t.grad_accum > 1 else ""
+    source = f" (dims from {c.model.init_from})" if c.model.init_from else ""
+    return [
+        f"devices: {exp.mesh.devices.size} x {', '.join(kinds)} in {jax.process_count()} "
+        f"process(es); mesh {exp.dims}; rules {rules}",
+        f"model: {c.model.preset}{source}, {_size(llama.num_params(cfg))} parameters "
+        f"({_size(llama.num_params(cfg, embeddings=False))} without embeddings); "
+        f"compute {np.dtype(cfg.dtype).name}, parameters {np.dtype(cfg.param_dtype).name}, "
+        f"moments {t.opt_state_dtype}; remat {cfg.remat}; attention {attention}",
+        f"batch: {t.batch_size} rows x {t.seq_len} tokens = {t.batch_size * t.seq_len} "
+        f"tokens per step{micro}; {t.steps} steps; data {c.data.source}, tokenizer {tokenizer}",
+        f"workdir: {workdir}; " + (f"resuming from checkpoint step {resume_step}"
+                                   if resume_step is not None else "starting at step 1"),
+    ]
+
+
+def compiled(exp: Experiment, seconds: float) -> str:
+    """After compiling: the step's memory per device, as XLA planned it."""
+    try:
+        m = exp.compiled_step.memory_analysis()
+    except Exception:  # noqa: BLE001 -- not every backend reports one
+        m = None
+    if m is None:
+        return f"compiled the train step in {seconds:.1f} s"
+    args, temp = m.argument_size_in_bytes, m.temp_size_in_bytes
+    return (f"compiled the train step in {seconds:.1f} s; memory per device: "
+            f"{_bytes(args + temp)} ({_bytes(args)} parameters, optimizer state and batch + "
+            f"{_bytes(temp)} temporaries)")
+
+
+def end(logged: list[dict[str, Any]], wall_seconds: float, workdir: str,
+        checkpoint: str | None, hf_dir: str | None) -> list[str]:
+    """After the last step: how it went and where everything is."""
+    steps = [r for r in logged if "loss" in r]
+    evals = [r for r in logged if "eval_loss" in r]
+    lines = []
+    if steps:
+        last = steps[-1]
+        timed = steps[1:] or steps  # the first logged step includes warm-up
+        seconds = sum(r["step_time"] for r in timed)
+        tokens = sum(r["tokens_per_sec"] * r["step_time"] for r in timed)
+        mfus = [r["mfu"] for r in timed if r.get("mfu") is not None]
+        lines.append(
+            f"done: step {last['step']}, train loss {last['loss']:.4f}"
+            + (f", eval loss {evals[-1]['eval_loss']:.4f} (perplexity "
+               f"{evals[-1]['eval_perplexity']:.2f})" if evals else "")
+            + f"; {wall_seconds:.1f} s in all, {tokens / seconds:.0f} tokens/s"
+            + (f", MFU {100 * float(np.mean(mfus)):.1f}%" if mfus else "")
+            + " (mean of the logged steps after the first)")
+    else:
+        lines.append(f"done: no steps left to run; {wall_seconds:.1f} s in all")
+    if checkpoint:
+        lines.append(f"checkpoint: {checkpoint}")
+    if hf_dir:
+        lines.append(f"Hugging Face export: {hf_dir}")
+    lines.append(f"metrics: {os.path.join(workdir, 'metrics.jsonl')}; plot them with: "
+                 f"python -m ndjax.plot --workdir={shlex.quote(workdir)}")
+    return lines
