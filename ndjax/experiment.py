@@ -187,8 +187,13 @@ class Experiment:
         param_shapes = nnx.to_pure_dict(abstract_state)
         param_names = llama.logical_axes(abstract_state)
 
+        _check_kv_heads(model_cfg, rules, mesh, init_from)
+        kv_repeat = rules.kv_repeat(model_cfg.n_kv_heads)
+
         def param_sharding(path, shape, names):
             what = f"parameter {_path(path)}"
+            if kv_repeat > 1:  # stored replicated along the kv heads (see Rules.kv_repeat)
+                names = tuple(None if n == "kv_heads" else n for n in names)
             spec = rules.spec(names)
             try:
                 rules_lib.check_divisible(spec, shape.shape, names, mesh, what,
@@ -357,6 +362,28 @@ class Experiment:
                                  idx[1]])
 
         return {k: field(batch[k]) for k in BATCH_FIELDS}
+
+
+def _check_kv_heads(model_cfg: llama.LlamaConfig, rules: rules_lib.Rules, mesh: Mesh,
+                    init_from: str | None) -> None:
+    """The kv heads split over their mesh axes, or those axes are a multiple of them
+    (each kv head then replicated on the shards that share it); anything else is
+    an error that says what would work."""
+    n = model_cfg.n_kv_heads
+    axes = rules.axes_of("kv_heads")
+    ways = math.prod(mesh.shape[a] for a in axes)
+    if n % ways == 0 or ways % n == 0:
+        return
+    parts = " x ".join(f"{a}({mesh.shape[a]})" for a in axes)
+    fits = sorted({d for d in range(1, ways + 1) if n % d == 0 or d % n == 0}
+                  | {n * (ways // n + 1)})
+    where = f" (from model.init_from={init_from!r}, config.json)" if init_from else ""
+    raise ConfigError(
+        f"model.n_kv_heads={n}{where} cannot be laid over {ways} = {parts}, the mesh axes of "
+        f"the kv heads: that degree must divide n_kv_heads or be a multiple of it (then each "
+        f"kv head is replicated on the shards that share it). Use mesh.tensor in "
+        f"{[d for d in fits if model_cfg.n_heads % d == 0]}, or map 'kv_heads' to other "
+        "mesh axes in the rule table.")
 
 
 def _check_batch(config: ml_collections.ConfigDict, rules: rules_lib.Rules, mesh: Mesh) -> None:

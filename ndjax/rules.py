@@ -145,6 +145,17 @@ class Rules:
     def sharding(self, names: Sequence[str | None]) -> NamedSharding:
         return NamedSharding(self.mesh, self.spec(names))
 
+    def kv_repeat(self, n_kv_heads: int) -> int:
+        """How many tensor shards share each kv head: 1 when the kv heads split evenly
+        over their mesh axes; ways / n_kv_heads when those axes are a multiple of the
+        kv heads (MQA, or GQA on a wide tensor axis). Then the kv weights are stored
+        replicated over those axes and repeated at use, so that each shard holds the
+        kv head its query heads attend with (as Megatron-LM and MaxText do)."""
+        ways = math.prod(self.mesh.shape[a] for a in self.axes_of("kv_heads"))
+        if n_kv_heads % ways and ways % n_kv_heads == 0:
+            return ways // n_kv_heads
+        return 1
+
     def compute_spec(self, names: Sequence[str | None]) -> PartitionSpec:
         """Spec of a parameter while it is used: gathered over the data axes."""
         return self.spec(names, drop=self.data_axes)

@@ -22,6 +22,11 @@ LAYOUTS = {
     "hsdp": (dict(replica=2, fsdp=4), {}),
     "fsdp_tp": (dict(fsdp=4, tensor=2), {}),
     "replica_fsdp_tp": (dict(replica=2, fsdp=2, tensor=2), {}),
+    # More tensor shards than kv heads: each kv head is replicated on the shards
+    # whose query heads use it (MQA: one kv head; GQA: 2 kv heads on tensor=4).
+    "tp_mqa": (dict(tensor=4, fsdp=2), dict(n_kv_heads=1)),
+    "tp_gqa_wider_than_kv": (dict(tensor=4, fsdp=2), dict(n_kv_heads=2)),
+    "tp8_mqa": (dict(tensor=8), dict(n_kv_heads=1)),
 }
 
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))

@@ -67,8 +67,8 @@ def test_verbosity_brings_library_info_back(tmp_path):
 
 @pytest.mark.parametrize("args, message", [
     (["--config.mesh.tensor=3"], "multiply to 12, but there are 8 devices"),
-    (["--config.model.preset=llama3_1b", "--config.mesh.tensor=16", "--config.mesh.fsdp=1",
-      "--config.runtime.cpu_devices=16"], "model.n_kv_heads=8"),
+    (["--config.model.n_heads=12", "--config.model.n_kv_heads=3", "--config.model.dim=96"],
+     "model.n_kv_heads=3 cannot be laid over 2 = tensor(2)"),
     (["--config.train.stpes=3"], 'Did you mean "steps"'),
     (["--config.train.batch_size=6"], "train.batch_size=6 is not divisible by 4 = fsdp(4)"),
     (["--config=configs/missing.py"], "cannot load --config"),

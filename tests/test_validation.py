@@ -19,9 +19,6 @@ CASES = {
                            r"multiply to 4, but there are 8 devices"),
     "two -1": (dict(mesh=dict(replica=-1, fsdp=-1)), r"at most one axis may be -1"),
     "size < 1": (dict(mesh=dict(fsdp=8, context=0)), r"mesh.context=0 must be >= 1"),
-    "tensor vs kv heads": (dict(mesh=dict(tensor=8), model=dict(n_heads=8, n_kv_heads=4)),
-                           r"model.n_kv_heads=4 .* cannot be split 8 ways over mesh axes "
-                           r"tensor\(8\)"),
     "tensor vs heads": (dict(mesh=dict(tensor=8), rules=KV_ONLY_REPLICATED,
                              model=dict(n_heads=4, n_kv_heads=4, dim=64)),
                         r"model.n_heads=4 .* cannot be split 8 ways"),
@@ -87,6 +84,10 @@ CASES = {
                         r"model.param_dtype='float16': choose one of \['bfloat16', 'float32'\]"),
     "bad moment dtype": (dict(mesh=dict(fsdp=8), train=dict(opt_state_dtype="fp8")),
                          r"train.opt_state_dtype='fp8': choose one of \['bfloat16', 'float32'\]"),
+    "kv heads neither divided by tensor nor dividing it": (
+        dict(mesh=dict(fsdp=2, tensor=4), model=dict(n_heads=12, n_kv_heads=3, dim=96)),
+        r"model.n_kv_heads=3 cannot be laid over 4 = tensor\(4\), .* must divide n_kv_heads "
+        r"or be a multiple of it .* Use mesh.tensor in \[1, 3, 6\]"),
     "negative steps": (dict(mesh=dict(fsdp=8), train=dict(steps=-1)),
                        r"train.steps=-1 must be an int >= 0"),
 }

@@ -117,15 +117,28 @@ def _param(rngs: nnx.Rngs, shape: tuple[int, ...], names: tuple[str, ...], std: 
     return nnx.Param(value, logical_axes=names)
 
 
-def _weight(var: nnx.Param, dtype) -> jax.Array:
-    """A parameter at its point of use: gathered to its compute layout, cast."""
+def _weight(var: nnx.Param, dtype, kv_repeat: int = 1) -> jax.Array:
+    """A parameter at its point of use: gathered to its compute layout, cast.
+
+    ``kv_repeat`` > 1 (a k/v weight on more tensor shards than kv heads): the weight
+    is stored replicated along its kv heads and each head is repeated that many
+    times here, so that every tensor shard gets the one its query heads use.
+    """
     value = var[...]
     names = var.get_metadata()["logical_axes"]
     # Inside the layer scan a variable holds one layer's slice, while its
     # metadata still names the stacked ``layers`` axis.
     if len(names) == value.ndim + 1 and names[0] == "layers":
         names = names[1:]
-    return checkpoint_name(constrain_param(value, names, dtype), "gathered_weight")
+    if kv_repeat == 1:
+        return checkpoint_name(constrain_param(value, names, dtype), "gathered_weight")
+    axis = names.index("kv_heads")
+    stored = tuple(None if n == "kv_heads" else n for n in names)
+    w = jnp.repeat(constrain_param(value, stored, dtype), kv_repeat, axis=axis)
+    rules = active()
+    if rules is not None:
+        w = jax.lax.with_sharding_constraint(w, rules.compute_spec(names))
+    return checkpoint_name(w, "gathered_weight")
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -264,9 +277,11 @@ class Attention(nnx.Module):
         dt = self.dtype
         heads = ("act_batch", "act_seq", "act_heads", "act_head_dim")
         kv_heads = ("act_batch", "act_seq", "act_kv_heads", "act_head_dim")
+        rules = active()
+        repeat = 1 if rules is None else rules.kv_repeat(self.cfg.n_kv_heads)
         q = project("bsd,dhk->bshk", x, _weight(self.wq, dt))
-        k = project("bsd,dhk->bshk", x, _weight(self.wk, dt))
-        v = project("bsd,dhk->bshk", x, _weight(self.wv, dt))
+        k = project("bsd,dhk->bshk", x, _weight(self.wk, dt, repeat))
+        v = project("bsd,dhk->bshk", x, _weight(self.wv, dt, repeat))
         q = checkpoint_name(constrain(q, heads), "q_proj")
         k = checkpoint_name(constrain(k, kv_heads), "k_proj")
         v = checkpoint_name(constrain(v, kv_heads), "v_proj")
