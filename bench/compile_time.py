@@ -51,8 +51,11 @@ def one(layers: int, scan: bool, mesh: dict[str, int]) -> dict[str, float]:
 
 def run_child(layers: int, scan: bool, mesh_arg: str) -> dict[str, float]:
     cmd = [sys.executable, __file__, "--one", str(layers), str(int(scan)), "--mesh", mesh_arg]
-    out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
-    return json.loads(out.strip().splitlines()[-1])
+    out = subprocess.run(cmd, capture_output=True, text=True)
+    if out.returncode != 0:  # the child's traceback, not only its exit status
+        sys.stderr.write(out.stderr[-3000:])
+        out.check_returncode()
+    return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 def parse_mesh(s: str) -> dict[str, int]:

@@ -36,7 +36,10 @@ def run(prefetch: int, steps: int, extra: list[str],
     with tempfile.TemporaryDirectory() as workdir:
         cmd = [sys.executable, os.path.join(ROOT, "train.py"), f"--workdir={workdir}",
                f"--config.train.steps={steps}", f"--config.data.prefetch={prefetch}", *extra]
-        subprocess.run(cmd, check=True, cwd=ROOT, capture_output=True, text=True, env=env)
+        out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=env)
+        if out.returncode != 0:  # train.py's error, not only its exit status
+            sys.stderr.write(out.stderr[-3000:])
+            out.check_returncode()
         with open(os.path.join(workdir, "metrics.jsonl")) as f:
             return [r for r in map(json.loads, f) if "data_wait" in r]
 
