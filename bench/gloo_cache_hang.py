@@ -89,12 +89,14 @@ def main() -> None:
     print("| mode | ok | hung | failed | median s of ok runs |")
     print("|:-----|---:|-----:|-------:|--------------------:|")
     for mode in ("kept", "off"):
-        cache = tempfile.mkdtemp(prefix="ndjax-bench-cache-")
-        env = {**os.environ, "PYTHONPATH": ROOT, "JAX_COMPILATION_CACHE_DIR": cache}
-        if mode == "kept":
-            env["NDJAX_KEEP_CPU_COMPILATION_CACHE"] = "1"
         outcomes = []
-        with tempfile.TemporaryDirectory() as work:
+        with tempfile.TemporaryDirectory(prefix="ndjax-bench-") as work:
+            # A fresh cache per mode, removed with the runs' directories (the test
+            # suite runs this script every time, so it must not leave caches behind).
+            env = {**os.environ, "PYTHONPATH": ROOT,
+                   "JAX_COMPILATION_CACHE_DIR": os.path.join(work, "cache")}
+            if mode == "kept":
+                env["NDJAX_KEEP_CPU_COMPILATION_CACHE"] = "1"
             for k in range(args.runs):
                 outcomes.append(one_run(os.path.join(work, str(k)), env, args.steps,
                                         args.timeout))
