@@ -20,6 +20,7 @@ Three measurements on simulated CPU devices, none of them timed:
 Run from the repo root:
 
     PYTHONPATH=. python bench/context_parallel.py --seq-len 16384
+    PYTHONPATH=. python bench/context_parallel.py --tiny   # smoke run: context 1, 2; 256 tokens
 """
 
 from __future__ import annotations
@@ -50,6 +51,9 @@ def experiment(context: int, seq_len: int, impl: str, layout: str = "zigzag") ->
     c.model.update(dict(MODEL, attn_impl=impl, cp_layout=layout))
     c.mesh.update(dict(replica=1, fsdp=1, context=context, tensor=1))
     c.train.update(dict(batch_size=1, seq_len=seq_len))
+    # Only compiled, never fed: the synthetic source fits vocab 256 (the byte
+    # tokenizer needs 259), so the model stays the one BENCHMARKS.md measured.
+    c.data.source = "synthetic"
     return Experiment.from_config(c, jax.devices()[:context])
 
 
@@ -110,7 +114,7 @@ def executed_collective_permutes(hlo: str) -> dict[str, tuple[int, int]]:
 # ----- the three measurements --------------------------------------------------------------
 
 
-def memory_and_permutes(seq_len: int) -> None:
+def memory_and_permutes(seq_len: int, contexts: tuple[int, ...] = CONTEXTS) -> None:
     print(f"### 1+3. Train step at {seq_len} tokens, batch 1: temp memory and "
           "collective-permutes\n")
     print("Permutes: K/V/dK/dV (float) and segment ids (int), executed per step (in the HLO "
@@ -119,8 +123,8 @@ def memory_and_permutes(seq_len: int) -> None:
           "| K/V permutes | predicted | segment-id permutes | predicted at most | compile s |")
     print("|---:|:---|:---|---:|---:|---:|---:|---:|---:|---:|---:|")
     base = None
-    rows = [(1, "dense", "-")] + [(c, "ring", "zigzag") for c in CONTEXTS] + \
-        [(CONTEXTS[-1], "ring", "contiguous")]
+    rows = [(1, "dense", "-")] + [(c, "ring", "zigzag") for c in contexts] + \
+        [(contexts[-1], "ring", "contiguous")]
     n_layers = MODEL["n_layers"]
     for context, impl, layout in rows:
         exp = experiment(context, seq_len, impl, "zigzag" if layout == "-" else layout)
@@ -145,7 +149,7 @@ def memory_and_permutes(seq_len: int) -> None:
     print()
 
 
-def work_balance(seq_len: int) -> None:
+def work_balance(seq_len: int, contexts: tuple[int, ...] = CONTEXTS) -> None:
     print(f"### 2. Blocks computed per context shard under the causal mask ({seq_len} tokens)\n")
     print("Unit: one (S/2c x S/2c) block; a contiguous block (S/c x S/c) counts 4. "
           "Needed in all: c(2c+1) (the blocks on or below the diagonal).\n")
@@ -156,7 +160,7 @@ def work_balance(seq_len: int) -> None:
     q = jnp.asarray(rng.normal(size=(b, seq_len, h, d)), jnp.float32)
     k = jnp.asarray(rng.normal(size=(b, seq_len, kv, d)), jnp.float32)
     seg = jnp.zeros((b, seq_len), jnp.int32)
-    for context in CONTEXTS:
+    for context in contexts:
         mesh = build_mesh(ParallelDims(fsdp=1, context=context), jax.devices()[:context]) \
             if context > 1 else None
         for layout in ra.LAYOUTS:
@@ -173,11 +177,18 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--seq-len", type=int, default=16384)
     p.add_argument("--balance-seq-len", type=int, default=1024)
+    p.add_argument("--tiny", action="store_true",
+                   help="smoke run: contexts 1 and 2 at 256 / 64 tokens (seconds, not minutes)")
     a = p.parse_args()
+    contexts = CONTEXTS
+    if a.tiny:
+        # Every row kind (dense, ring, contiguous) and one real ring (context 2), at
+        # sizes that compile in seconds; the figures mean nothing at this size.
+        a.seq_len, a.balance_seq_len, contexts = 256, 64, (1, 2)
     print(f"jax {jax.__version__}, {jax.device_count()} simulated {jax.default_backend()} "
           f"devices; model {MODEL}; kv tile 512\n")
-    memory_and_permutes(a.seq_len)
-    work_balance(a.balance_seq_len)
+    memory_and_permutes(a.seq_len, contexts)
+    work_balance(a.balance_seq_len, contexts)
 
 
 if __name__ == "__main__":

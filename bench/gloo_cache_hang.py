@@ -7,6 +7,7 @@ each run is 2 train.py processes x 4 CPU devices (context=4 x tensor=2, the
 ring crossing processes) sharing one cache directory, warmed by the first run.
 
     PYTHONPATH=. python bench/gloo_cache_hang.py --runs 8 --steps 6 --timeout 60
+    PYTHONPATH=. python bench/gloo_cache_hang.py --tiny   # smoke run: 1 run per mode, 2 steps
 
 "kept" sets NDJAX_KEEP_CPU_COMPILATION_CACHE=1 (the cache is used); "off" is
 what ndjax does. A run that has not ended after --timeout seconds counts as hung.
@@ -39,12 +40,18 @@ def free_port() -> int:
 
 def one_run(workdir: str, env: dict, steps: int, timeout: float) -> tuple[str, float]:
     port = free_port()
-    procs = [subprocess.Popen(
-        [sys.executable, os.path.join(ROOT, "train.py"), f"--workdir={workdir}", *TINY,
-         f"--config.train.steps={steps}", f"--config.runtime.coordinator=127.0.0.1:{port}",
-         f"--config.runtime.process_id={i}"],
-        cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        for i in range(2)]
+    # stderr to files (a pipe nobody reads while we wait could fill and block the
+    # process), so that a failed run can say why.
+    logs = [f"{workdir}.{i}.err" for i in range(2)]
+    procs = []
+    for i in range(2):
+        with open(logs[i], "w") as err:
+            procs.append(subprocess.Popen(
+                [sys.executable, os.path.join(ROOT, "train.py"), f"--workdir={workdir}",
+                 *TINY, f"--config.train.steps={steps}",
+                 f"--config.runtime.coordinator=127.0.0.1:{port}",
+                 f"--config.runtime.process_id={i}"],
+                cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=err))
     start = time.monotonic()
     while time.monotonic() - start < timeout and any(p.poll() is None for p in procs):
         time.sleep(0.5)
@@ -54,7 +61,15 @@ def one_run(workdir: str, env: dict, steps: int, timeout: float) -> tuple[str, f
             p.kill()
             p.wait()
         return "hung", elapsed
-    return ("ok" if all(p.returncode == 0 for p in procs) else "failed"), elapsed
+    if all(p.returncode == 0 for p in procs):
+        return "ok", elapsed
+    for i, p in enumerate(procs):
+        if p.returncode != 0:
+            with open(logs[i]) as f:
+                tail = f.read().splitlines()[-15:]
+            print(f"# process {i} exited {p.returncode}; its stderr ends:", *tail,
+                  sep="\n# ", file=sys.stderr, flush=True)
+    return "failed", elapsed
 
 
 def main() -> None:
@@ -62,18 +77,26 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=8)
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--timeout", type=float, default=60.0)
+    parser.add_argument("--tiny", action="store_true",
+                        help="smoke run: 1 run per mode, 2 steps, hung after 45 s")
     args = parser.parse_args()
+    if args.tiny:
+        # Whether the script still runs, not the hang rate: one run per mode. A run
+        # takes 15-35 s on 2 shared cores (compiling, twice at once), so 45 s.
+        args.runs, args.steps, args.timeout = 1, 2, 45.0
     print(f"{args.runs} runs per mode, {args.steps} steps, hung = not ended after "
           f"{args.timeout:g} s")
     print("| mode | ok | hung | failed | median s of ok runs |")
     print("|:-----|---:|-----:|-------:|--------------------:|")
     for mode in ("kept", "off"):
-        cache = tempfile.mkdtemp(prefix="ndjax-bench-cache-")
-        env = {**os.environ, "PYTHONPATH": ROOT, "JAX_COMPILATION_CACHE_DIR": cache}
-        if mode == "kept":
-            env["NDJAX_KEEP_CPU_COMPILATION_CACHE"] = "1"
         outcomes = []
-        with tempfile.TemporaryDirectory() as work:
+        with tempfile.TemporaryDirectory(prefix="ndjax-bench-") as work:
+            # A fresh cache per mode, removed with the runs' directories (the test
+            # suite runs this script every time, so it must not leave caches behind).
+            env = {**os.environ, "PYTHONPATH": ROOT,
+                   "JAX_COMPILATION_CACHE_DIR": os.path.join(work, "cache")}
+            if mode == "kept":
+                env["NDJAX_KEEP_CPU_COMPILATION_CACHE"] = "1"
             for k in range(args.runs):
                 outcomes.append(one_run(os.path.join(work, str(k)), env, args.steps,
                                         args.timeout))

@@ -1,0 +1,69 @@
+"""Every bench/*.py at its smoke size (``--tiny``), so that a script behind a
+BENCHMARKS.md figure that stops running shows up here, not at the next rerun.
+
+Each runs as its README command does: a fresh process, from the repo root, with
+the repo on PYTHONPATH. Nothing is timed; the checks are that it ends with exit
+status 0 and prints its result table. bench/memory.py's smoke run is
+tests/test_memory_precision.py::test_memory_benchmark_runs.
+"""
+
+import os
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def run_tiny(script: str) -> subprocess.CompletedProcess:
+    """``bench/<script> --tiny``, finished; fails the test on a non-zero exit."""
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    # The timeout only keeps a hung script from stalling the suite.
+    out = subprocess.run([sys.executable, f"bench/{script}", "--tiny"], cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return out
+
+
+def table_rows(lines: list[str], *starts: str) -> list[list[str]]:
+    """The cells of the table rows whose text begins with ``| start |`` for each start."""
+    prefixes = tuple(f"| {s} |" for s in starts)
+    return [[c.strip() for c in line.strip("|").split("|")]
+            for line in lines if line.startswith(prefixes)]
+
+
+def test_compile_time_tiny():
+    lines = run_tiny("compile_time.py").stdout.splitlines()
+    rows = table_rows(lines, "2")
+    assert [r[1] for r in rows] == ["True", "False"], lines
+    assert any(line.startswith("scanned 2 vs 2 layers: compile ratio") for line in lines), lines
+
+
+def test_context_parallel_tiny():
+    lines = run_tiny("context_parallel.py").stdout.splitlines()
+    i = lines.index(next(x for x in lines if x.startswith("### 2.")))
+    memory, balance = lines[:i], lines[i:]
+    assert [r[:3] for r in table_rows(memory, "1", "2")] == [
+        ["1", "dense", "-"], ["1", "ring", "zigzag"], ["2", "ring", "zigzag"],
+        ["2", "ring", "contiguous"]], lines
+    # Blocks per shard are counted, not measured, so they are exact even at 64 tokens:
+    # zigzag balanced (2c+1 each), contiguous growing with the shard index.
+    assert [r[:3] for r in table_rows(balance, "1", "2")] == [
+        ["1", "zigzag", "[3]"], ["1", "contiguous", "[4]"],
+        ["2", "zigzag", "[5, 5]"], ["2", "contiguous", "[4, 8]"]], lines
+
+
+def test_data_wait_tiny():
+    lines = run_tiny("data_wait.py").stdout.splitlines()
+    assert [r[0] for r in table_rows(lines, "2", "0")] == ["2", "0"], lines
+
+
+def test_gloo_cache_hang_tiny():
+    """Two 2-process train.py runs. A hang is what the script counts (and, with its
+    short timeout, a very slow machine reads the same), so only a run that failed,
+    which is what a rotted flag or config looks like, fails this test."""
+    out = run_tiny("gloo_cache_hang.py")
+    rows = table_rows(out.stdout.splitlines(), "kept", "off")
+    assert [r[0] for r in rows] == ["kept", "off"], out.stdout
+    for mode, ok, hung, failed, _ in rows:
+        # stderr holds a failed process's last lines
+        assert failed == "0" and int(ok) + int(hung) == 1, (mode, out.stdout, out.stderr)
