@@ -45,6 +45,11 @@ def test_context_parallel_tiny():
     assert [r[:3] for r in table_rows(memory, "1", "2")] == [
         ["1", "dense", "-"], ["1", "ring", "zigzag"], ["2", "ring", "zigzag"],
         ["2", "ring", "contiguous"]], lines
+    # The ring sends exactly the K/V blocks its design says: with remat=none the
+    # backward pass reuses the forward's saved output and log-sum-exp instead of
+    # running the forward ring again.
+    for row in table_rows(memory, "1", "2"):
+        assert row[6].split()[0] == row[7], row
     # Blocks per shard are counted, not measured, so they are exact even at 64 tokens:
     # zigzag balanced (2c+1 each), contiguous growing with the shard index.
     assert [r[:3] for r in table_rows(balance, "1", "2")] == [

@@ -86,8 +86,8 @@ PRESETS: dict[str, dict[str, Any]] = {
 # again in the backward pass instead of being kept for all layers at once (a
 # full unsharded copy of the model per device). ``checkpoint_name`` tags below
 # mark the candidates.
-ACTIVATIONS = ("attn_norm", "q_proj", "k_proj", "v_proj", "attn_out", "attn_block_out",
-               "mlp_norm", "mlp_gate", "mlp_up", "mlp_out")
+ACTIVATIONS = ("attn_norm", "q_proj", "k_proj", "v_proj", "attn_out", "attn_lse",
+               "attn_block_out", "mlp_norm", "mlp_gate", "mlp_up", "mlp_out")
 _save = jax.checkpoint_policies.save_only_these_names
 
 REMAT_POLICIES = {
@@ -101,11 +101,11 @@ REMAT_POLICIES = {
     "full": jax.checkpoint_policies.nothing_saveable,
     # Save the projections (the expensive matmuls), recompute norms, RoPE,
     # softmax and the SwiGLU elementwise work.
-    "save_proj": _save("q_proj", "k_proj", "v_proj", "attn_out", "mlp_gate", "mlp_up",
-                       "mlp_out"),
+    "save_proj": _save("q_proj", "k_proj", "v_proj", "attn_out", "attn_lse", "mlp_gate",
+                       "mlp_up", "mlp_out"),
     # Save only the attention output: about half of "save_proj"'s memory,
     # recomputes the QKV and MLP matmuls.
-    "save_attn": _save("attn_out"),
+    "save_attn": _save("attn_out", "attn_lse"),
 }
 
 

@@ -63,6 +63,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import Mesh, PartitionSpec
 
 from ndjax.rules import Rules
@@ -403,6 +404,10 @@ def _build(mesh: Mesh | None, axis: str, layout: str, kv_tile: int, seq_len: int
 
     def attend_fwd(q, k, v, seg):
         out, lse, _ = forward(q, k, v, seg)
+        # Named, so that a remat policy that saves the attention's output keeps
+        # these residuals too, instead of running the forward ring again in the
+        # backward pass to rebuild them (ndjax.models.llama.REMAT_POLICIES).
+        out, lse = checkpoint_name(out, "attn_out"), checkpoint_name(lse, "attn_lse")
         return out, (q, k, v, seg, out, lse)
 
     def attend_bwd(res, dout):
