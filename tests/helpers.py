@@ -84,10 +84,15 @@ def partitioned_hlo(lowered) -> str:
     import os
     import tempfile
 
+    from jax._src import compilation_cache
+
     # A hit in the persistent compilation cache (tests/conftest.py) would compile
-    # nothing and dump nothing: the dump options are not part of its key.
+    # nothing and dump nothing: the dump options are not part of its key. jax
+    # decides once whether the cache is used, so that answer is reset around the
+    # switch (reset_cache is private; tested with jax 0.10 and 0.12).
     cached = jax.config.jax_enable_compilation_cache
     jax.config.update("jax_enable_compilation_cache", False)
+    compilation_cache.reset_cache()
     try:
         with tempfile.TemporaryDirectory() as d:
             lowered.compile({"xla_dump_to": d, "xla_dump_hlo_pass_re": "spmd-partitioning"})
@@ -96,3 +101,4 @@ def partitioned_hlo(lowered) -> str:
                 return f.read()
     finally:
         jax.config.update("jax_enable_compilation_cache", cached)
+        compilation_cache.reset_cache()
