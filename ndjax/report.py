@@ -14,7 +14,7 @@ def _bytes_per_device(shape: tuple[int, ...], itemsize: int, sharding: NamedShar
     return math.prod(sharding.shard_shape(shape)) * itemsize
 
 
-def _fmt_bytes(n: float) -> str:
+def format_bytes(n: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if n < 1024 or unit == "TiB":
             return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
@@ -38,7 +38,7 @@ def sharding_table(exp: Experiment, compile_step: bool = True) -> str:
         per_device += local
         rows.append(("/".join(str(k.key) for k in path), str(shape.shape), str(shape.dtype),
                      ", ".join(str(n) for n in logical), str(tuple(sharding.spec)),
-                     _fmt_bytes(local)))
+                     format_bytes(local)))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = [f"mesh: {exp.dims}  ({exp.mesh.devices.size} devices)",
              "rules:", *(f"  {n:<14} -> {a}" for n, a in exp.rules.table), ""]
@@ -54,12 +54,12 @@ def sharding_table(exp: Experiment, compile_step: bool = True) -> str:
         return ", ".join(sorted({str(s.dtype) for s in shapes if s.ndim}))
 
     lines.append("")
-    lines.append(f"parameters: {_fmt_bytes(total)} in all, {_fmt_bytes(per_device)} per device "
+    lines.append(f"parameters: {format_bytes(total)} in all, {format_bytes(per_device)} per device "
                  f"({dtypes(s for _, s in leaves)})")
-    lines.append(f"optimizer state: {_fmt_bytes(opt_local)} per device "
+    lines.append(f"optimizer state: {format_bytes(opt_local)} per device "
                  f"(moments {dtypes(s for s, _ in opt_leaves)})")
     if compile_step:
         # Activations, gradients and collective buffers of one step, as XLA planned them.
         temp = exp.compiled_step.memory_analysis().temp_size_in_bytes
-        lines.append(f"step temporaries (compiled): {_fmt_bytes(temp)} per device")
+        lines.append(f"step temporaries (compiled): {format_bytes(temp)} per device")
     return "\n".join(lines)

@@ -12,6 +12,7 @@ import numpy as np
 from ndjax.experiment import Experiment
 from ndjax.models import llama
 from ndjax.ops import ring_attention as ring
+from ndjax.report import format_bytes
 
 
 def _size(n: float) -> str:
@@ -19,14 +20,6 @@ def _size(n: float) -> str:
         if abs(n) < 1000 or unit == "T":
             return f"{n:.3g}{unit}"
         n /= 1000
-    raise AssertionError
-
-
-def _bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if n < 1024 or unit == "TiB":
-            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
-        n /= 1024
     raise AssertionError
 
 
@@ -65,8 +58,8 @@ def compiled(exp: Experiment, seconds: float) -> str:
         return f"compiled the train step in {seconds:.1f} s"
     args, temp = m.argument_size_in_bytes, m.temp_size_in_bytes
     return (f"compiled the train step in {seconds:.1f} s; memory per device: "
-            f"{_bytes(args + temp)} ({_bytes(args)} parameters, optimizer state and batch + "
-            f"{_bytes(temp)} temporaries)")
+            f"{format_bytes(args + temp)} ({format_bytes(args)} parameters, optimizer state "
+            f"and batch + {format_bytes(temp)} temporaries)")
 
 
 def end(logged: list[dict[str, Any]], wall_seconds: float, workdir: str,
