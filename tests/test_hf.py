@@ -184,7 +184,8 @@ def assert_same_weights(a, b):
 
 
 @pytest.mark.parametrize("case, mesh", [("gqa_llama3", FSDP_TP), ("mqa_tied", FSDP_TP),
-                                        ("gqa_llama3", dict(fsdp=2, tensor=4))])
+                                        ("gqa_llama3", dict(fsdp=2, tensor=4)),
+                                        ("mqa_tied", dict(fsdp=2, tensor=4))])
 def test_round_trip_through_transformers(saved, tmp_path, case, mesh):
     """Import, export, load in transformers: the same weights. On tensor=4 the 2 kv
     heads (and on tensor=2 MQA's one) are replicated in memory, stored once on disk."""
