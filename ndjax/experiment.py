@@ -188,12 +188,10 @@ class Experiment:
         param_names = llama.logical_axes(abstract_state)
 
         _check_kv_heads(model_cfg, rules, mesh, init_from)
-        kv_repeat = rules.kv_repeat(model_cfg.n_kv_heads)
 
         def param_sharding(path, shape, names):
             what = f"parameter {_path(path)}"
-            if kv_repeat > 1:  # stored replicated along the kv heads (see Rules.kv_repeat)
-                names = tuple(None if n == "kv_heads" else n for n in names)
+            names = rules.stored_names(names, model_cfg.n_kv_heads)
             spec = rules.spec(names)
             try:
                 rules_lib.check_divisible(spec, shape.shape, names, mesh, what,
@@ -370,11 +368,9 @@ def _check_kv_heads(model_cfg: llama.LlamaConfig, rules: rules_lib.Rules, mesh: 
     (each kv head then replicated on the shards that share it); anything else is
     an error that says what would work."""
     n = model_cfg.n_kv_heads
-    axes = rules.axes_of("kv_heads")
-    ways = math.prod(mesh.shape[a] for a in axes)
+    ways, parts = _ways(rules, mesh, ("kv_heads",))
     if n % ways == 0 or ways % n == 0:
         return
-    parts = " x ".join(f"{a}({mesh.shape[a]})" for a in axes)
     fits = sorted({d for d in range(1, ways + 1) if n % d == 0 or d % n == 0}
                   | {n * (ways // n + 1)})
     where = f" (from model.init_from={init_from!r}, config.json)" if init_from else ""
@@ -422,8 +418,8 @@ def _ways(rules: rules_lib.Rules, mesh: Mesh, names: Sequence[str]) -> tuple[int
 
 def _check_loss_chunk(config: ml_collections.ConfigDict, rules: rules_lib.Rules,
                       mesh: Mesh) -> None:
-    """The chunked loss cuts each row's positions into seq_len / loss_chunk strided
-    chunks, each split over the sequence's mesh axes like the sequence itself."""
+    """The chunked loss cuts each row into seq_len / loss_chunk chunks on every
+    device, so a chunk must split over the sequence's mesh axes like the sequence."""
     t = config.train
     chunk, seq_len = t.loss_chunk, t.seq_len
     if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:

@@ -156,6 +156,14 @@ class Rules:
             return ways // n_kv_heads
         return 1
 
+    def stored_names(self, names: Sequence[str | None], n_kv_heads: int
+                     ) -> tuple[str | None, ...]:
+        """A parameter's logical names for its storage layout: ``names``, with the kv
+        heads left unsplit when they are replicated (``kv_repeat`` > 1)."""
+        if self.kv_repeat(n_kv_heads) == 1:
+            return tuple(names)
+        return tuple(None if n == "kv_heads" else n for n in names)
+
     def compute_spec(self, names: Sequence[str | None]) -> PartitionSpec:
         """Spec of a parameter while it is used: gathered over the data axes."""
         return self.spec(names, drop=self.data_axes)

@@ -117,12 +117,13 @@ def _param(rngs: nnx.Rngs, shape: tuple[int, ...], names: tuple[str, ...], std: 
     return nnx.Param(value, logical_axes=names)
 
 
-def _weight(var: nnx.Param, dtype, kv_repeat: int = 1) -> jax.Array:
+def _weight(var: nnx.Param, dtype, n_kv_heads: int | None = None) -> jax.Array:
     """A parameter at its point of use: gathered to its compute layout, cast.
 
-    ``kv_repeat`` > 1 (a k/v weight on more tensor shards than kv heads): the weight
-    is stored replicated along its kv heads and each head is repeated that many
-    times here, so that every tensor shard gets the one its query heads use.
+    ``n_kv_heads`` (the k/v weights): when the active rules put more tensor shards
+    than kv heads (``Rules.kv_repeat``), the weight is stored replicated along its
+    kv heads and each head is repeated here, so that every tensor shard gets the
+    one its query heads use.
     """
     value = var[...]
     names = var.get_metadata()["logical_axes"]
@@ -130,15 +131,14 @@ def _weight(var: nnx.Param, dtype, kv_repeat: int = 1) -> jax.Array:
     # metadata still names the stacked ``layers`` axis.
     if len(names) == value.ndim + 1 and names[0] == "layers":
         names = names[1:]
-    if kv_repeat == 1:
-        return checkpoint_name(constrain_param(value, names, dtype), "gathered_weight")
-    axis = names.index("kv_heads")
-    stored = tuple(None if n == "kv_heads" else n for n in names)
-    w = jnp.repeat(constrain_param(value, stored, dtype), kv_repeat, axis=axis)
     rules = active()
-    if rules is not None:
-        w = jax.lax.with_sharding_constraint(w, rules.compute_spec(names))
-    return checkpoint_name(w, "gathered_weight")
+    repeat = 1 if rules is None or n_kv_heads is None else rules.kv_repeat(n_kv_heads)
+    if repeat == 1:
+        return checkpoint_name(constrain_param(value, names, dtype), "gathered_weight")
+    w = constrain_param(value, rules.stored_names(names, n_kv_heads), dtype)
+    w = jnp.repeat(w, repeat, axis=names.index("kv_heads"))
+    return checkpoint_name(jax.lax.with_sharding_constraint(w, rules.compute_spec(names)),
+                           "gathered_weight")
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -277,11 +277,10 @@ class Attention(nnx.Module):
         dt = self.dtype
         heads = ("act_batch", "act_seq", "act_heads", "act_head_dim")
         kv_heads = ("act_batch", "act_seq", "act_kv_heads", "act_head_dim")
-        rules = active()
-        repeat = 1 if rules is None else rules.kv_repeat(self.cfg.n_kv_heads)
+        n_kv = self.cfg.n_kv_heads
         q = project("bsd,dhk->bshk", x, _weight(self.wq, dt))
-        k = project("bsd,dhk->bshk", x, _weight(self.wk, dt, repeat))
-        v = project("bsd,dhk->bshk", x, _weight(self.wv, dt, repeat))
+        k = project("bsd,dhk->bshk", x, _weight(self.wk, dt, n_kv))
+        v = project("bsd,dhk->bshk", x, _weight(self.wv, dt, n_kv))
         q = checkpoint_name(constrain(q, heads), "q_proj")
         k = checkpoint_name(constrain(k, kv_heads), "k_proj")
         v = checkpoint_name(constrain(v, kv_heads), "v_proj")
@@ -367,14 +366,14 @@ class Llama(nnx.Module):
 
         graphdef, stacked_state = nnx.split(self.layers)
 
-        def body(h, layer_state):
-            return nnx.merge(graphdef, layer_state)(h, cos, sin, segment_ids), None
+        def layer(h, layer_state, consts):
+            return nnx.merge(graphdef, layer_state)(h, *consts)
 
-        body = jax.checkpoint(body, policy=REMAT_POLICIES[cfg.remat],
-                              prevent_cse=not cfg.scan_layers)
+        consts = (cos, sin, segment_ids)
+        body = jax.checkpoint(lambda h, p: (layer(h, p, consts), None),
+                              policy=REMAT_POLICIES[cfg.remat], prevent_cse=not cfg.scan_layers)
         if cfg.scan_layers and cfg.remat == "full":
-            x = scan_full_remat(lambda h, p, c: nnx.merge(graphdef, p)(h, *c), x,
-                                stacked_state, (cos, sin, segment_ids))
+            x = scan_full_remat(layer, x, stacked_state, consts)
         elif cfg.scan_layers:
             x, _ = jax.lax.scan(body, x, stacked_state)
         else:

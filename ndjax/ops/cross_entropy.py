@@ -109,18 +109,21 @@ def loss_sums(x: jax.Array, head: jax.Array, targets: jax.Array, weights: jax.Ar
     weights = weights.astype(jnp.float32)
     n = num_chunks(x.shape[1], chunk)
     rules = active()
-    if rules is None or not rules.data_axes:
-        local = _Local(n, None if rules is None else rules.spec((None, None, "act_vocab")))
-        return _fused(local, None, x, head, targets, weights), jnp.sum(weights)
-    vocab = tuple(a for a in rules.axes_of("act_vocab") if a not in rules.data_axes)
-    local = _Local(n, PartitionSpec(None, None, vocab or None))
+    if rules is not None and not rules.data_axes:
+        local = _Local(n, rules.spec((None, None, "act_vocab")))
+        rules = None  # nothing splits the batch or the sequence: no shard_map
+    elif rules is None:
+        local = _Local(n, None)
+    else:
+        vocab = tuple(a for a in rules.axes_of("act_vocab") if a not in rules.data_axes)
+        local = _Local(n, PartitionSpec(None, None, vocab or None))
     return _fused(local, rules, x, head, targets, weights), jnp.sum(weights)
 
 
 def _fused(local: _Local, rules, x, head, targets, weights) -> jax.Array:
-    """The custom VJP around the per-device loss (a shard_map when the data axes
-    split the batch or the sequence)."""
-    if rules is None or not rules.data_axes:
+    """The custom VJP around the per-device loss: a shard_map over the data axes
+    when ``rules`` is given, the plain local functions otherwise."""
+    if rules is None:
         forward, backward = local.loss, local.grads
     else:
         axes = tuple(a for a in rules.mesh.axis_names if a in rules.data_axes)
