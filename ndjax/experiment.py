@@ -33,6 +33,7 @@ from ndjax.data import BATCH_FIELDS, loader
 from ndjax.errors import ConfigError
 from ndjax.mesh import ParallelDims, build_mesh, cross_process_axes
 from ndjax.models import llama
+from ndjax.ops import attention as attention_ops
 from ndjax.ops import ring_attention as ring
 from ndjax.train_step import Batch, StepOptions, eval_step, train_step
 
@@ -100,10 +101,10 @@ def model_config(model: ml_collections.ConfigDict, checkpoint: hf.Checkpoint | N
     if model.remat not in llama.REMAT_POLICIES:
         raise ConfigError(
             f"model.remat={model.remat!r}: choose one of {sorted(llama.REMAT_POLICIES)}.")
-    if model.attn_impl not in ring.IMPLS:
+    if model.attn_impl not in attention_ops.IMPLS:
         raise ConfigError(
-            f"model.attn_impl={model.attn_impl!r}: choose one of {ring.IMPLS} (auto: ring "
-            "attention when mesh.context > 1, else dense).")
+            f"model.attn_impl={model.attn_impl!r}: choose one of {attention_ops.IMPLS} (auto "
+            "picks by mesh, device and sequence length).")
     if model.cp_layout not in ring.LAYOUTS:
         raise ConfigError(
             f"model.cp_layout={model.cp_layout!r}: choose one of {ring.LAYOUTS} (zigzag "
@@ -156,8 +157,10 @@ class Experiment:
     optimizer: optax.GradientTransformation
     state_sharding: state_lib.TrainState
     batch_sharding: NamedSharding
-    # Host-side order of the sequence that ring attention's layout needs
-    # (zigzag); None keeps the data's order. ``device_batch`` applies it.
+    # The attention kernel that runs (model_cfg.attn_impl is its name) and why.
+    attention: attention_ops.Choice | None = None
+    # Host-side order of the sequence that the kernel needs (ring attention's
+    # zigzag); None keeps the data's order. ``device_batch`` applies it.
     seq_permutation: np.ndarray | None = None
     checkpoint: hf.Checkpoint | None = None  # model.init_from, checked
 
@@ -181,6 +184,13 @@ class Experiment:
         if warning and jax.process_index() == 0:
             warnings.warn(warning, stacklevel=2)
         rules = rules_lib.Rules(config.rules, mesh)
+        _check_batch(config, rules, mesh)
+        _check_loss_chunk(config, rules, mesh)
+        # The attention kernel, decided once here: the model then runs it by name.
+        site = attention_ops.Site.of(model_cfg, config.train.seq_len, rules)
+        chosen = attention_ops.choose(model_cfg.attn_impl, site)
+        model_cfg = dataclasses.replace(model_cfg, attn_impl=chosen.name)
+        seq_permutation = attention_ops.KERNELS[chosen.name].permutation(site)
 
         abstract = nnx.eval_shape(lambda: llama.Llama(model_cfg, nnx.Rngs(0)))
         graphdef, abstract_state = nnx.split(abstract)
@@ -205,9 +215,6 @@ class Experiment:
 
         param_shardings = jax.tree_util.tree_map_with_path(
             param_sharding, param_shapes, param_names)
-        _check_batch(config, rules, mesh)
-        _check_loss_chunk(config, rules, mesh)
-        seq_permutation = _check_attention(config, model_cfg, rules)
 
         schedule = state_lib.make_schedule(config.train)
         optimizer = state_lib.make_optimizer(config.train, param_names, schedule)
@@ -217,7 +224,7 @@ class Experiment:
         batch_sharding = rules.sharding(("act_batch", "act_seq"))
         return cls(config, dims, mesh, rules, model_cfg, graphdef, param_shapes, param_names,
                    schedule, optimizer, state_sharding, batch_sharding,
-                   seq_permutation=seq_permutation, checkpoint=checkpoint)
+                   attention=chosen, seq_permutation=seq_permutation, checkpoint=checkpoint)
 
     # ----- model ---------------------------------------------------------------
 
@@ -435,30 +442,3 @@ def _check_loss_chunk(config: ml_collections.ConfigDict, rules: rules_lib.Rules,
             f"train.loss_chunk={chunk} must divide train.seq_len={seq_len} and be a multiple "
             f"of {ways} = {axes}, the mesh axes that split the sequence (act_seq). Use such a "
             f"chunk,{hint} or a loss_chunk >= seq_len (no chunking).")
-
-
-def _check_attention(config: ml_collections.ConfigDict, model_cfg: llama.LlamaConfig,
-                     rules: rules_lib.Rules) -> np.ndarray | None:
-    """Ring attention's constraints on the sequence; returns the batch permutation."""
-    if not ring.uses_ring(model_cfg.attn_impl, rules):
-        return None
-    seq_len, context, layout = config.train.seq_len, ring.context_shards(rules), model_cfg.cp_layout
-    pieces = ring.PIECES[layout]
-    if seq_len % (pieces * context):
-        ways = pieces * context
-        what = (f"2 x mesh.context({context}) = {ways}: model.cp_layout='zigzag' cuts it "
-                "into 2 chunks per context shard" if pieces == 2 else f"mesh.context({context})")
-        raise ConfigError(
-            f"train.seq_len={seq_len} is not divisible by {what}. Use a multiple of {ways}, "
-            f"e.g. train.seq_len={(seq_len // ways + 1) * ways}"
-            + (", or model.cp_layout='contiguous'." if pieces == 2 else "."))
-    piece = ring.piece_len(layout, seq_len, context)
-    tile = model_cfg.attn_kv_tile
-    if tile < piece and piece % tile:
-        fit = max(t for t in range(1, tile + 1) if piece % t == 0)
-        raise ConfigError(
-            f"model.attn_kv_tile={tile} does not divide ring attention's block of {piece} "
-            f"tokens (train.seq_len={seq_len} / ({pieces} x mesh.context={context}), "
-            f"model.cp_layout={layout!r}). Use a divisor of {piece}, e.g. "
-            f"model.attn_kv_tile={fit}.")
-    return ring.layout_permutation(layout, seq_len, context)

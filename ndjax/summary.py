@@ -11,7 +11,6 @@ import numpy as np
 
 from ndjax.experiment import Experiment
 from ndjax.models import llama
-from ndjax.ops import ring_attention as ring
 from ndjax.report import format_bytes
 
 
@@ -29,7 +28,6 @@ def startup(exp: Experiment, workdir: str, resume_step: int | None) -> list[str]
     devices = exp.mesh.devices.flat
     kinds = sorted({d.device_kind for d in devices})
     rules = c.rules if isinstance(c.rules, str) else "custom table"
-    attention = "ring" if ring.uses_ring(cfg.attn_impl, exp.rules) else "dense"
     tokenizer = c.data.tokenizer if c.data.source != "synthetic" else "-"
     micro = f", {t.grad_accum} micro-batches of {t.batch_size // t.grad_accum}" \
         if t.grad_accum > 1 else ""
@@ -40,7 +38,8 @@ def startup(exp: Experiment, workdir: str, resume_step: int | None) -> list[str]
         f"model: {c.model.preset}{source}, {_size(llama.num_params(cfg))} parameters "
         f"({_size(llama.num_params(cfg, embeddings=False))} without embeddings); "
         f"compute {np.dtype(cfg.dtype).name}, parameters {np.dtype(cfg.param_dtype).name}, "
-        f"moments {t.opt_state_dtype}; remat {cfg.remat}; attention {attention}",
+        f"moments {t.opt_state_dtype}; remat {cfg.remat}",
+        f"attention: {exp.attention.describe()}",
         f"batch: {t.batch_size} rows x {t.seq_len} tokens = {t.batch_size * t.seq_len} "
         f"tokens per step{micro}; {t.steps} steps; data {c.data.source}, tokenizer {tokenizer}",
         f"workdir: {workdir}; " + (f"resuming from checkpoint step {resume_step}"

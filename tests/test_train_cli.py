@@ -45,7 +45,7 @@ def test_layouts_log_the_same_losses(tmp_path):
     out = first.stdout
     for field in ("devices: 8 x cpu", "mesh replica=1 x fsdp=4 x context=1 x tensor=2",
                   "rules default", "parameters (", "without embeddings", "compute float32",
-                  "attention dense", "batch: 8 rows x 32 tokens = 256 tokens per step",
+                  "attention: dense", "batch: 8 rows x 32 tokens = 256 tokens per step",
                   "data synthetic", f"workdir: {a}; starting at step 1",
                   "compiled the train step in", "memory per device:", "done: step 3, train loss",
                   "tokens/s", f"checkpoint: {a / 'checkpoints' / '3'}",

@@ -53,7 +53,19 @@ CASES = {
     "bad layout": (dict(mesh=dict(fsdp=8), model=dict(cp_layout="striped")),
                    r"model.cp_layout='striped': choose one of \('zigzag', 'contiguous'\)"),
     "bad attention": (dict(mesh=dict(fsdp=8), model=dict(attn_impl="flash")),
-                      r"model.attn_impl='flash': choose one of \('auto', 'dense', 'ring'\)"),
+                      r"model.attn_impl='flash': choose one of \('auto', 'dense', 'tiled', 'ring', "
+                      r"'cudnn', 'pallas'\)"),
+    "cudnn on cpu": (dict(mesh=dict(fsdp=8), model=dict(attn_impl="cudnn")),
+                     r"model.attn_impl='cudnn' runs on NVIDIA GPUs, and this run's devices are "
+                     r"cpu. Use model.attn_impl='auto'"),
+    "pallas on cpu": (dict(mesh=dict(fsdp=8), model=dict(attn_impl="pallas")),
+                      r"model.attn_impl='pallas' runs on NVIDIA GPUs"),
+    "tiled over context": (dict(mesh=dict(fsdp=4, context=2), model=dict(attn_impl="tiled")),
+                           r"model.attn_impl='tiled' runs on one context shard, but the rules "
+                           r"split the sequence over mesh.context=2. Use model.attn_impl='ring'"),
+    "tiled tile": (dict(mesh=dict(fsdp=8), model=dict(attn_impl="tiled", attn_kv_tile=5)),
+                   r"model.attn_kv_tile=5 does not divide train.seq_len=32 .* e.g. "
+                   r"model.attn_kv_tile=4"),
     "heads vs kv heads": (dict(mesh=dict(fsdp=8), model=dict(n_heads=8, n_kv_heads=3)),
                           r"model.n_heads=8 is not a multiple of model.n_kv_heads=3"),
     "odd head dim": (dict(mesh=dict(fsdp=8), model=dict(dim=72, n_heads=8)),

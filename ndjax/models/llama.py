@@ -23,7 +23,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
-from ndjax.ops import ring_attention as ring
+from ndjax.ops.attention import attention
 from ndjax.ops.layer_scan import scan_full_remat
 from ndjax.rules import active, constrain, constrain_param
 
@@ -56,7 +56,7 @@ class LlamaConfig:
     param_dtype: Any = jnp.float32  # storage dtype of the parameters
     scan_layers: bool = True
     remat: str = "none"           # see REMAT_POLICIES
-    attn_impl: str = "auto"       # auto | dense | ring (see ndjax.ops.ring_attention)
+    attn_impl: str = "auto"       # a kernel of ndjax.ops.attention.KERNELS, or auto
     cp_layout: str = "zigzag"     # ring attention's sequence layout: zigzag | contiguous
     attn_kv_tile: int = 512       # ring attention's key tile: memory O(local_len x tile)
 
@@ -227,39 +227,6 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     return (x32 * cos[:, :, None] + rotated * sin[:, :, None]).astype(x.dtype)
 
 
-def dot_product_attention(q: jax.Array, k: jax.Array, v: jax.Array,
-                          segment_ids: jax.Array) -> jax.Array:
-    """Causal grouped-query attention that never crosses documents.
-
-    q: (b, s, h, d); k, v: (b, s, kv, d) with h a multiple of kv; segment_ids:
-    (b, s), equal ids = same document. Softmax in float32.
-    """
-    b, s, h, d = q.shape
-    kv = k.shape[2]
-    q = q.reshape(b, s, kv, h // kv, d)
-    scores = jnp.einsum("bskgd,btkd->bkgst", q, k, preferred_element_type=jnp.float32)
-    scores = scores / math.sqrt(d)
-    idx = jnp.arange(s)
-    mask = (idx[:, None] >= idx[None, :])[None] & (
-        segment_ids[:, :, None] == segment_ids[:, None, :])
-    scores = jnp.where(mask[:, None, None], scores, jnp.finfo(jnp.float32).min)
-    probs = checkpoint_name(jax.nn.softmax(scores, axis=-1).astype(v.dtype), "attn_probs")
-    out = jnp.einsum("bkgst,btkd->bskgd", probs, v)
-    return out.reshape(b, s, h, d)
-
-
-def attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array,
-              cfg: LlamaConfig) -> jax.Array:
-    """Dense attention, or ring attention when the active rules split the
-    sequence over the context axis (or ``cfg.attn_impl == 'ring'``)."""
-    rules = active()
-    if not ring.uses_ring(cfg.attn_impl, rules):
-        return dot_product_attention(q, k, v, segment_ids)
-    mesh = rules.mesh if ring.context_shards(rules) > 1 else None
-    return ring.ring_attention(q, k, v, segment_ids, mesh=mesh, layout=cfg.cp_layout,
-                               kv_tile=cfg.attn_kv_tile)
-
-
 class Attention(nnx.Module):
     def __init__(self, cfg: LlamaConfig, rngs: nnx.Rngs):
         d, hd, std = cfg.dim, cfg.hd, cfg.init_std
@@ -370,15 +337,20 @@ class Llama(nnx.Module):
             return nnx.merge(graphdef, layer_state)(h, *consts)
 
         consts = (cos, sin, segment_ids)
-        body = jax.checkpoint(lambda h, p: (layer(h, p, consts), None),
-                              policy=REMAT_POLICIES[cfg.remat], prevent_cse=not cfg.scan_layers)
+        # The segment ids ride in the scan's carry, not as a constant of the body:
+        # jax hoists work that depends only on a scan's constants out of the loop,
+        # and for the tiled attention kernel that work is every key tile's mask,
+        # stacked: O(seq^2) memory (tests/test_attention.py).
+        body = jax.checkpoint(
+            lambda carry, p: ((layer(carry[0], p, (cos, sin, carry[1])), carry[1]), None),
+            policy=REMAT_POLICIES[cfg.remat], prevent_cse=not cfg.scan_layers)
         if cfg.scan_layers and cfg.remat == "full":
             x = scan_full_remat(layer, x, stacked_state, consts)
         elif cfg.scan_layers:
-            x, _ = jax.lax.scan(body, x, stacked_state)
+            (x, _), _ = jax.lax.scan(body, (x, segment_ids), stacked_state)
         else:
             for i in range(cfg.n_layers):
-                x, _ = body(x, jax.tree.map(lambda a, i=i: a[i], stacked_state))
+                (x, _), _ = body((x, segment_ids), jax.tree.map(lambda a, i=i: a[i], stacked_state))
 
         x = constrain(self.final_norm(x), HIDDEN)
         head = table.T if cfg.tie_embeddings else _weight(self.lm_head, cfg.dtype)

@@ -50,8 +50,8 @@ same in every layer and in both passes, so XLA may hoist their sends out of
 the layer loop and share them between the passes (BENCHMARKS.md); keys and
 values it cannot share (see ``_backward_local``).
 
-On one context shard the model keeps the dense path (``model.attn_impl=auto``);
-cuDNN flash attention (``jax.nn.dot_product_attention``) is not wired in yet.
+On one context shard (``mesh=None``) the same kernel runs without collectives:
+that is ``model.attn_impl=tiled`` (``ndjax.ops.attention`` chooses between kernels).
 """
 
 from __future__ import annotations
@@ -69,8 +69,6 @@ from jax.sharding import Mesh, PartitionSpec
 from ndjax.rules import Rules
 
 LAYOUTS = ("zigzag", "contiguous")
-# auto: ring attention when the sequence is split over context, else dense.
-IMPLS = ("auto", "dense", "ring")
 PIECES = {"zigzag": 2, "contiguous": 1}
 
 # Which (query piece, key piece) blocks a shard computes when it holds the keys of
@@ -150,13 +148,6 @@ def context_shards(rules: Rules | None) -> int:
     if rules is None or "context" not in rules.axes_of("act_seq"):
         return 1
     return rules.mesh.shape["context"]
-
-
-def uses_ring(impl: str, rules: Rules | None) -> bool:
-    """Whether attention runs as ring attention: ``impl`` is ``model.attn_impl``."""
-    if impl not in IMPLS:
-        raise ValueError(f"attn_impl={impl!r}: choose one of {IMPLS}")
-    return impl == "ring" or (impl == "auto" and context_shards(rules) > 1)
 
 
 def _check_layout(layout: str) -> None:

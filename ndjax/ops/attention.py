@@ -1,0 +1,357 @@
+"""Attention kernels by name: ``model.attn_impl`` picks one, ``auto`` chooses.
+
+Every kernel computes the same function, causal grouped-query attention over
+packed documents: a token attends to itself and earlier tokens with its own
+segment id. Shapes: q (b, s, h, d); k, v (b, s, kv, d), h a multiple of kv;
+segment_ids (b, s). Each is tested against ``dense`` (tests/test_attention.py).
+
+A kernel brings what the rest of ndjax needs to know about it, so that neither
+``Experiment`` nor the model knows any kernel's internals:
+
+* ``check(site)``: a ConfigError, before anything compiles, where it cannot run;
+* ``permutation(site)``: the host-side order of the sequence it needs (ring
+  attention's zigzag layout), applied to every batch by ``Experiment.device_batch``;
+* ``__call__(q, k, v, segment_ids, cfg)``: the attention itself, traced inside
+  the model under the active rule table.
+
+``auto`` (``choose``) takes, in order: ``ring`` when the rules split the sequence
+over ``mesh.context``; on a GPU the first fused kernel whose check passes,
+``cudnn`` then ``pallas``; else ``tiled`` once the (queries x keys) scores of one
+row and head exceed ``DENSE_MAX_SEQ``\\ ² entries, and ``dense`` below that, where
+its one big softmax is cheaper than a loop over key tiles.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.ad_checkpoint import checkpoint_name
+
+from ndjax.errors import ConfigError
+from ndjax.ops import ring_attention as ring
+from ndjax.rules import Rules, active
+
+# auto uses the tiled kernel above this many tokens per row on one context shard.
+DENSE_MAX_SEQ = 1024
+# Pallas's forward block (queries and keys); its backward uses 32-token blocks.
+PALLAS_BLOCK = 128
+
+
+@dataclasses.dataclass(frozen=True)
+class Site:
+    """Where attention runs, as far as a kernel's choice depends on it; all known
+    before compiling."""
+
+    seq_len: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    dtype: Any             # compute dtype of q, k, v
+    context: int           # shards of the sequence inside attention
+    platform: str          # jax.default_backend(): cpu | gpu | tpu
+    layout: str            # ring attention's sequence layout (model.cp_layout)
+    kv_tile: int           # the tiled and ring kernels' key tile (model.attn_kv_tile)
+    compute_capability: str | None = None  # of the first GPU, e.g. "9.0"
+
+    @classmethod
+    def of(cls, cfg: Any, seq_len: int, rules: Rules | None) -> Site:
+        """``cfg``: an ``ndjax.models.llama.LlamaConfig``."""
+        return cls(seq_len=seq_len, n_heads=cfg.n_heads, n_kv_heads=cfg.n_kv_heads,
+                   head_dim=cfg.hd, dtype=jnp.dtype(cfg.dtype),
+                   context=ring.context_shards(rules), platform=jax.default_backend(),
+                   layout=cfg.cp_layout, kv_tile=cfg.attn_kv_tile,
+                   compute_capability=_compute_capability())
+
+
+def _compute_capability() -> str | None:
+    if jax.default_backend() != "gpu":
+        return None
+    return getattr(jax.devices()[0], "compute_capability", None)
+
+
+def _at_least(capability: str | None, target: tuple[int, int]) -> bool:
+    if not capability:
+        return False
+    return tuple(int(x) for x in capability.split(".")[:2]) >= target
+
+
+def _field(name: str) -> str:
+    return f"model.attn_impl={name!r}"
+
+
+# ----- the kernels ---------------------------------------------------------------------------
+
+
+class Kernel:
+    name = ""
+    what = ""  # a few words for the start-up line
+
+    def check(self, site: Site) -> None:
+        """Raises ConfigError (one line: field, values, fix) where it cannot run."""
+
+    def permutation(self, site: Site) -> np.ndarray | None:
+        return None
+
+    def __call__(self, q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array,
+                 cfg: Any) -> jax.Array:
+        raise NotImplementedError
+
+
+def _one_shard(name: str, site: Site) -> None:
+    if site.context > 1:
+        raise ConfigError(
+            f"{_field(name)} runs on one context shard, but the rules split the sequence over "
+            f"mesh.context={site.context}. Use model.attn_impl='ring' (or 'auto').")
+
+
+def dense(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array) -> jax.Array:
+    """The reference: the whole (s x s) score matrix, softmax in float32."""
+    b, s, h, d = q.shape
+    kv = k.shape[2]
+    q = q.reshape(b, s, kv, h // kv, d)
+    scores = jnp.einsum("bskgd,btkd->bkgst", q, k, preferred_element_type=jnp.float32)
+    scores = scores / math.sqrt(d)
+    idx = jnp.arange(s)
+    mask = (idx[:, None] >= idx[None, :])[None] & (
+        segment_ids[:, :, None] == segment_ids[:, None, :])
+    scores = jnp.where(mask[:, None, None], scores, jnp.finfo(jnp.float32).min)
+    # Named so that remat=none keeps it (ndjax.models.llama.REMAT_POLICIES).
+    probs = checkpoint_name(jax.nn.softmax(scores, axis=-1).astype(v.dtype), "attn_probs")
+    out = jnp.einsum("bkgst,btkd->bskgd", probs, v)
+    return out.reshape(b, s, h, d)
+
+
+class Dense(Kernel):
+    name, what = "dense", "the whole score matrix, O(seq^2) memory"
+
+    def __call__(self, q, k, v, segment_ids, cfg):
+        return dense(q, k, v, segment_ids)
+
+
+class Tiled(Kernel):
+    name, what = "tiled", "online softmax over key tiles, memory linear in seq"
+
+    def check(self, site):
+        _one_shard(self.name, site)
+        tile = min(site.seq_len, site.kv_tile)
+        if site.seq_len % tile:
+            fit = max(t for t in range(1, tile + 1) if site.seq_len % t == 0)
+            raise ConfigError(
+                f"model.attn_kv_tile={site.kv_tile} does not divide train.seq_len="
+                f"{site.seq_len} ({_field(self.name)}). Use a divisor, e.g. "
+                f"model.attn_kv_tile={fit}.")
+
+    def __call__(self, q, k, v, segment_ids, cfg):
+        return ring.ring_attention(q, k, v, segment_ids, mesh=None, layout="contiguous",
+                                   kv_tile=cfg.attn_kv_tile)
+
+
+class Ring(Kernel):
+    name, what = "ring", "ring attention over the context axis"
+
+    def check(self, site):
+        seq_len, context, layout = site.seq_len, site.context, site.layout
+        pieces = ring.PIECES[layout]
+        ways = pieces * context
+        if seq_len % ways:
+            what = (f"2 x mesh.context({context}) = {ways}: model.cp_layout='zigzag' cuts it "
+                    "into 2 chunks per context shard" if pieces == 2 else
+                    f"mesh.context({context})")
+            raise ConfigError(
+                f"train.seq_len={seq_len} is not divisible by {what}. Use a multiple of {ways}, "
+                f"e.g. train.seq_len={(seq_len // ways + 1) * ways}"
+                + (", or model.cp_layout='contiguous'." if pieces == 2 else "."))
+        piece, tile = ring.piece_len(layout, seq_len, context), site.kv_tile
+        if tile < piece and piece % tile:
+            fit = max(t for t in range(1, tile + 1) if piece % t == 0)
+            raise ConfigError(
+                f"model.attn_kv_tile={tile} does not divide ring attention's block of {piece} "
+                f"tokens (train.seq_len={seq_len} / ({pieces} x mesh.context={context}), "
+                f"model.cp_layout={layout!r}). Use a divisor of {piece}, e.g. "
+                f"model.attn_kv_tile={fit}.")
+
+    def permutation(self, site):
+        return ring.layout_permutation(site.layout, site.seq_len, site.context)
+
+    def __call__(self, q, k, v, segment_ids, cfg):
+        rules = active()
+        mesh = rules.mesh if ring.context_shards(rules) > 1 else None
+        return ring.ring_attention(q, k, v, segment_ids, mesh=mesh, layout=cfg.cp_layout,
+                                   kv_tile=cfg.attn_kv_tile)
+
+
+def _gpu_only(name: str, site: Site, hint: str) -> None:
+    if site.platform != "gpu":
+        raise ConfigError(
+            f"{_field(name)} runs on NVIDIA GPUs, and this run's devices are "
+            f"{site.platform}. {hint}")
+
+
+def segment_runs(segment_ids: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Packed rows in cuDNN's ragged form: each run of equal segment ids is one
+    sequence. Returns (lengths (b, s), starts (b, s + 1)), both int32, -1 past
+    each row's last run: the ``q_seqlen`` / ``q_offsets`` of jax's cuDNN attention.
+
+    A row can hold up to s runs (one token each), so the arrays have room for s;
+    padding tokens (segment id 0 at the end of a row) form a run of their own,
+    so every token belongs to a sequence and gets a finite output."""
+    b, s = segment_ids.shape
+    first = jnp.ones((b, 1), bool)
+    is_start = jnp.concatenate([first, segment_ids[:, 1:] != segment_ids[:, :-1]], axis=1)
+
+    def row(starts_mask):
+        count = starts_mask.sum()
+        starts = jnp.nonzero(starts_mask, size=s, fill_value=-1)[0].astype(jnp.int32)
+        offsets = jnp.concatenate([starts, jnp.full((1,), -1, jnp.int32)]).at[count].set(s)
+        lengths = jnp.where(jnp.arange(s) < count, offsets[1:] - offsets[:-1], -1)
+        return lengths.astype(jnp.int32), offsets
+
+    return jax.vmap(row)(is_start)
+
+
+def _cudnn_packed(q, k, v, lengths, offsets, *, scale: float):
+    # jax's own cuDNN entry point with sequence offsets: the public
+    # jax.nn.dot_product_attention takes lengths but not packed documents.
+    from jax._src.cudnn import fused_attention_stablehlo as cudnn
+
+    return cudnn.dot_product_attention(
+        q, k, v, None, None, lengths, lengths, offsets, offsets, scale=scale,
+        mask_type=cudnn.MaskType.PADDING_CAUSAL)
+
+
+class Cudnn(Kernel):
+    name, what = "cudnn", "cuDNN flash attention, packed rows as ragged sequences"
+
+    def check(self, site):
+        _gpu_only(self.name, site, "Use model.attn_impl='auto' (tiled or dense on CPU).")
+        _one_shard(self.name, site)
+        dtype = jnp.dtype(site.dtype)
+        if dtype not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
+            raise ConfigError(
+                f"{_field(self.name)} needs bfloat16 or float16 compute, and model.dtype is "
+                f"{dtype.name}. Set model.dtype=bfloat16, or model.attn_impl='pallas'.")
+        hopper = _at_least(site.compute_capability, (9, 0))
+        most = 256 if hopper else 128
+        if site.head_dim % 8 or site.head_dim > most:
+            raise ConfigError(
+                f"{_field(self.name)} needs a head_dim that is a multiple of 8 and at most "
+                f"{most} on this GPU, and the model's is {site.head_dim}. Use "
+                "model.attn_impl='pallas' or 'tiled'.")
+        if not hopper:
+            raise ConfigError(
+                f"{_field(self.name)}: cuDNN attends within packed documents only on Hopper "
+                f"or newer GPUs (compute capability >= 9.0), and this one is "
+                f"{site.compute_capability}. Use model.attn_impl='pallas'.")
+
+    def __call__(self, q, k, v, segment_ids, cfg):
+        lengths, offsets = segment_runs(segment_ids)
+        return _cudnn_packed(q, k, v, lengths, offsets, scale=1 / math.sqrt(q.shape[-1]))
+
+
+def pallas_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array, *,
+                     interpret: bool = False) -> jax.Array:
+    """jax's Pallas flash-attention kernel for GPUs (Triton), causal, with segment
+    ids; ``interpret=True`` runs it on CPU (slowly: for tests)."""
+    from jax.experimental.pallas.ops.gpu import attention as pallas_gpu
+
+    s, h, kv = q.shape[1], q.shape[2], k.shape[2]
+    block = min(PALLAS_BLOCK, s)
+    back = min(32, s)
+    sizes = pallas_gpu.BlockSizes(block_q=block, block_k=block, block_q_dkv=back,
+                                  block_kv_dkv=back, block_q_dq=back, block_kv_dq=back)
+    # The kernel wants one key/value head per query head: repeat the kv heads
+    # (their gradient sums back through the repeat).
+    k, v = (jnp.repeat(x, h // kv, axis=2) for x in (k, v))
+    return pallas_gpu.mha(q, k, v, segment_ids.astype(jnp.int32),
+                          sm_scale=1 / math.sqrt(q.shape[-1]), causal=True, block_sizes=sizes,
+                          interpret=interpret)
+
+
+class Pallas(Kernel):
+    name, what = "pallas", "Pallas (Triton) flash attention with segment ids"
+
+    def check(self, site):
+        _gpu_only(self.name, site, "Use model.attn_impl='auto' (tiled or dense on CPU).")
+        _one_shard(self.name, site)
+        block = min(PALLAS_BLOCK, site.seq_len)
+        if site.seq_len % block or site.seq_len % min(32, site.seq_len):
+            raise ConfigError(
+                f"{_field(self.name)} works in blocks of {PALLAS_BLOCK} tokens, and "
+                f"train.seq_len={site.seq_len} is not a multiple. Use a multiple of "
+                f"{PALLAS_BLOCK}, or model.attn_impl='tiled'.")
+
+    def __call__(self, q, k, v, segment_ids, cfg):
+        return pallas_attention(q, k, v, segment_ids,
+                                interpret=jax.default_backend() != "gpu")
+
+
+KERNELS: dict[str, Kernel] = {kernel.name: kernel for kernel in
+                              (Dense(), Tiled(), Ring(), Cudnn(), Pallas())}
+IMPLS = ("auto", *KERNELS)
+
+
+# ----- the choice ----------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Choice:
+    name: str      # a key of KERNELS
+    why: str       # one clause for the start-up line
+
+    def describe(self) -> str:
+        return f"{self.name} ({KERNELS[self.name].what}; {self.why})"
+
+
+def choose(impl: str, site: Site) -> Choice:
+    """The kernel that runs for ``model.attn_impl=impl``; ConfigError where an
+    explicit choice cannot run there."""
+    if impl not in IMPLS:
+        raise ConfigError(f"model.attn_impl={impl!r}: choose one of {IMPLS} (auto picks by "
+                          "mesh, device and sequence length).")
+    if impl != "auto":
+        KERNELS[impl].check(site)
+        return Choice(impl, f"model.attn_impl={impl}")
+    if site.context > 1:
+        KERNELS["ring"].check(site)
+        return Choice("ring", f"the sequence is split over mesh.context={site.context}")
+    refused = []
+    if site.platform == "gpu":
+        for name in ("cudnn", "pallas"):
+            try:
+                KERNELS[name].check(site)
+            except ConfigError as e:
+                refused.append(f"{name}: {str(e).split(': ', 1)[-1]}")
+                continue
+            return Choice(name, "auto on GPU" + (f" ({refused[0]})" if refused else ""))
+    why = "auto on " + site.platform.upper()
+    if refused:
+        why += f"; fused kernels refused ({' / '.join(refused)})"
+    if site.seq_len > DENSE_MAX_SEQ:
+        try:
+            KERNELS["tiled"].check(site)
+            return Choice("tiled", f"{why}, seq_len {site.seq_len} > {DENSE_MAX_SEQ}")
+        except ConfigError as e:
+            return Choice("dense", f"{why}; tiled refused: {e}")
+    return Choice("dense", f"{why}, seq_len {site.seq_len} <= {DENSE_MAX_SEQ}")
+
+
+@functools.cache
+def _chosen_at_trace(impl: str, site: Site) -> str:
+    return choose(impl, site).name
+
+
+def attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array,
+              cfg: Any) -> jax.Array:
+    """Attention with ``cfg.attn_impl``: a kernel name (``Experiment`` resolves
+    ``auto`` up front), or ``auto``, chosen here from the shapes and active rules
+    (a model built outside an Experiment, e.g. in tests)."""
+    name = cfg.attn_impl
+    if name == "auto":
+        name = _chosen_at_trace(name, Site.of(cfg, q.shape[1], active()))
+    return KERNELS[name](q, k, v, segment_ids, cfg)

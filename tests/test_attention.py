@@ -1,0 +1,175 @@
+"""Every attention kernel equals ``dense`` (forward and gradients); ``auto`` picks
+as documented; an explicit kernel that cannot run is a ConfigError.
+
+Tolerance: max abs diff <= 2e-5 in float32 for outputs and gradients of order 1.
+The kernels sum the same softmax in a different order (online, tile by tile),
+which moves results by a few ulps. The Pallas kernel runs in interpret mode on
+CPU: the same program a GPU compiles with Triton, executed by XLA.
+"""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import tiny_config
+from helpers import assert_same_training
+
+from ndjax.errors import ConfigError
+from ndjax.experiment import Experiment
+from ndjax.ops import attention as attn
+
+ATOL = 2e-5
+# (heads, kv heads): multi-head, grouped-query, multi-query.
+HEADS = [(4, 4), (4, 2), (4, 1)]
+
+
+def _inputs(b, s, h, kv, d, seed=0):
+    ks = jax.random.split(jax.random.key(seed), 4)
+    q = jax.random.normal(ks[0], (b, s, h, d))
+    k = jax.random.normal(ks[1], (b, s, kv, d))
+    v = jax.random.normal(ks[2], (b, s, kv, d))
+    # Row 0: three documents then padding (id 0); row 1: one document.
+    seg = np.zeros((b, s), np.int32)
+    seg[0, :20], seg[0, 20:45], seg[0, 45:s - 5] = 1, 2, 3
+    seg[1:] = 1
+    dout = jax.random.normal(ks[3], (b, s, h, d))
+    return q, k, v, jnp.asarray(seg), dout
+
+
+def _output_and_grads(fn, q, k, v, seg, dout):
+    out, vjp = jax.vjp(lambda q, k, v: fn(q, k, v, seg), q, k, v)
+    return (out, *vjp(dout))
+
+
+def _assert_matches_dense(fn, heads, kv_heads, s=64, d=16):
+    args = _inputs(2, s, heads, kv_heads, d)
+    got = jax.jit(lambda *a: _output_and_grads(fn, *a))(*args)
+    want = jax.jit(lambda *a: _output_and_grads(attn.dense, *a))(*args)
+    for name, g, w in zip(("out", "dq", "dk", "dv"), got, want):
+        np.testing.assert_allclose(g, w, atol=ATOL, err_msg=name)
+
+
+@pytest.mark.parametrize("heads, kv_heads", HEADS)
+def test_tiled_matches_dense(heads, kv_heads):
+    cfg = dataclasses.make_dataclass("C", [("attn_kv_tile", int)])(16)
+    _assert_matches_dense(lambda q, k, v, seg: attn.KERNELS["tiled"](q, k, v, seg, cfg),
+                          heads, kv_heads)
+
+
+@pytest.mark.parametrize("heads, kv_heads", HEADS)
+def test_pallas_matches_dense(heads, kv_heads):
+    _assert_matches_dense(lambda *a: attn.pallas_attention(*a, interpret=True), heads,
+                          kv_heads)
+
+
+def _cudnn_semantics(q, k, v, lengths, offsets, *, scale):
+    """What jax's cuDNN attention computes for packed rows (PADDING_CAUSAL with
+    sequence offsets), written plainly: each (offset, length) is a sequence, causal
+    inside it. Tokens outside every sequence get no output (zeros)."""
+    s = q.shape[1]
+    t = jnp.arange(s)
+    starts, lengths = offsets[:, :-1, None], lengths[:, :, None]
+    inside = (starts >= 0) & (t >= starts) & (t < starts + lengths)   # (b, runs, s)
+    run = jnp.where(inside.any(1), jnp.argmax(inside, axis=1) + 1, 0)
+    assert scale == pytest.approx(q.shape[-1] ** -0.5)
+    return attn.dense(q, k, v, run) * inside.any(1)[:, :, None, None]
+
+
+def test_segment_runs_are_cudnn_sequences():
+    seg = jnp.array([[1, 1, 2, 2, 2, 0], [5, 5, 5, 5, 5, 5], [1, 2, 1, 2, 3, 3]], jnp.int32)
+    lengths, offsets = attn.segment_runs(seg)
+    np.testing.assert_array_equal(lengths, [[2, 3, 1, -1, -1, -1], [6, -1, -1, -1, -1, -1],
+                                            [1, 1, 1, 1, 2, -1]])
+    np.testing.assert_array_equal(offsets, [[0, 2, 5, 6, -1, -1, -1], [0, 6, -1, -1, -1, -1, -1],
+                                            [0, 1, 2, 3, 4, 6, -1]])
+
+
+@pytest.mark.parametrize("heads, kv_heads", HEADS)
+def test_cudnn_kernel_matches_dense_given_cudnn_semantics(heads, kv_heads, monkeypatch):
+    """No GPU here: cuDNN itself is replaced by a plain statement of its packed-row
+    semantics, so this checks ndjax's side (segment ids -> ragged sequences)."""
+    monkeypatch.setattr(attn, "_cudnn_packed", _cudnn_semantics)
+    _assert_matches_dense(lambda q, k, v, seg: attn.KERNELS["cudnn"](q, k, v, seg, None),
+                          heads, kv_heads)
+
+
+def _site(**kw):
+    base = dict(seq_len=4096, n_heads=32, n_kv_heads=8, head_dim=64, dtype=jnp.bfloat16,
+                context=1, platform="gpu", layout="zigzag", kv_tile=512,
+                compute_capability="9.0")
+    return attn.Site(**{**base, **kw})
+
+
+def test_auto_choices():
+    assert attn.choose("auto", _site()).name == "cudnn"
+    f32 = attn.choose("auto", _site(dtype=jnp.float32))
+    assert f32.name == "pallas" and "needs bfloat16 or float16" in f32.why, f32
+    assert attn.choose("auto", _site(compute_capability="8.0")).name == "pallas"
+    assert attn.choose("auto", _site(context=4)).name == "ring"
+    odd = attn.choose("auto", _site(dtype=jnp.float32, seq_len=4000, kv_tile=500))
+    assert odd.name == "tiled" and "pallas" in odd.why, odd
+    cpu = dict(platform="cpu", compute_capability=None, dtype=jnp.float32)
+    assert attn.choose("auto", _site(**cpu)).name == "tiled"
+    assert attn.choose("auto", _site(**cpu, seq_len=1024)).name == "dense"
+    assert attn.choose("auto", _site(**cpu, seq_len=4100)).name == "dense"  # no tile fits
+    assert "auto on CPU" in attn.choose("auto", _site(**cpu)).describe()
+
+
+@pytest.mark.parametrize("impl, site, match", [
+    ("cudnn", dict(head_dim=100), r"head_dim that is a multiple of 8 and at most 256 .* 100"),
+    ("cudnn", dict(dtype=jnp.float32), r"needs bfloat16 or float16 compute"),
+    ("cudnn", dict(compute_capability="8.0", head_dim=256), r"at most 128 on this GPU"),
+    ("cudnn", dict(context=2), r"runs on one context shard"),
+    ("pallas", dict(seq_len=4000), r"blocks of 128 tokens, and train.seq_len=4000"),
+    ("pallas", dict(platform="cpu"), r"runs on NVIDIA GPUs, and this run's devices are cpu"),
+    ("dense", dict(context=2), None),
+])
+def test_explicit_kernel_checks(impl, site, match):
+    if match is None:
+        assert attn.choose(impl, _site(**site)).name == impl
+        return
+    with pytest.raises(ConfigError, match=match) as e:
+        attn.choose(impl, _site(**site))
+    assert "\n" not in str(e.value)
+
+
+def test_start_up_line_says_kernel_and_why():
+    exp = Experiment.from_config(tiny_config(mesh=dict(fsdp=8)))
+    assert exp.model_cfg.attn_impl == "dense"
+    assert exp.attention.describe() == (
+        "dense (the whole score matrix, O(seq^2) memory; auto on CPU, seq_len 32 <= 1024)")
+
+
+@pytest.mark.parametrize("impl", ["tiled", "pallas"])
+def test_kernel_trains_like_dense(impl):
+    """The whole step (the kernel's custom VJP inside the layer scan, under FSDP x TP)
+    gives the single-device dense losses and parameters. ``pallas`` is refused on CPU
+    by Experiment's check, so the model is handed the kernel name directly."""
+    exp = Experiment.from_config(tiny_config(mesh=dict(fsdp=4, tensor=2),
+                                             model=dict(attn_kv_tile=8)))
+    exp.model_cfg = dataclasses.replace(exp.model_cfg, attn_impl=impl)
+    exp.graphdef = _graphdef(exp.model_cfg)
+    assert_same_training(exp, {})
+
+
+def _graphdef(cfg):
+    from flax import nnx
+
+    from ndjax.models import llama
+    return nnx.split(nnx.eval_shape(lambda: llama.Llama(cfg, nnx.Rngs(0))))[0]
+
+
+def test_auto_attention_memory_is_linear_in_the_sequence():
+    """Compiled step temporaries, batch 1: 4x the tokens may cost at most 5x the
+    memory (dense attention's scores grow 16x)."""
+    def temp(seq_len):
+        exp = Experiment.from_config(tiny_config(
+            mesh=dict(fsdp=1), train=dict(batch_size=1, seq_len=seq_len),
+            model=dict(n_layers=1)), devices=jax.devices()[:1])
+        assert exp.model_cfg.attn_impl == "tiled", exp.attention
+        return exp.lower_step().compile().memory_analysis().temp_size_in_bytes
+
+    small, large = temp(4096), temp(16384)
+    assert large <= 5 * small, (small, large)
