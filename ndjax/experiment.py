@@ -25,7 +25,7 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from ndjax import distributed, hf
+from ndjax import compiler, distributed, hf
 from ndjax import rules as rules_lib
 from ndjax import state as state_lib
 from ndjax.config import check_keys
@@ -313,7 +313,7 @@ class Experiment:
 
     @functools.cached_property
     def compiled_step(self) -> jax.stages.Compiled:
-        return self.lower_step().compile()
+        return compiler.compile_step(self.lower_step())
 
     def lower_eval(self) -> jax.stages.Lowered:
         """The loss without the update, in the train step's shardings: (params, batch) ->
@@ -327,7 +327,7 @@ class Experiment:
 
     @functools.cached_property
     def compiled_eval(self) -> jax.stages.Compiled:
-        return self.lower_eval().compile()
+        return compiler.compile_step(self.lower_eval())
 
     @functools.cached_property
     def local_rows(self) -> tuple[int, int]:

@@ -16,6 +16,7 @@ import pytest
 from conftest import tiny_config
 from helpers import assert_same_training
 
+from ndjax import compiler
 from ndjax.errors import ConfigError
 from ndjax.experiment import Experiment
 from ndjax.ops import attention as attn
@@ -173,3 +174,23 @@ def test_auto_attention_memory_is_linear_in_the_sequence():
 
     small, large = temp(4096), temp(16384)
     assert large <= 5 * small, (small, large)
+
+
+def test_gpu_compile_options_and_overrides():
+    assert compiler.options("cpu", {}) == {}
+    gpu = compiler.options("gpu", {})
+    assert gpu["xla_gpu_enable_latency_hiding_scheduler"] is True
+    assert compiler.options("gpu", {compiler.ENV: "none"}) == {}
+    env = {compiler.ENV: "xla_gpu_enable_latency_hiding_scheduler=false,xla_extra=7",
+           "XLA_FLAGS": "--xla_gpu_all_reduce_combine_threshold_bytes=1"}
+    got = compiler.options("gpu", env)
+    assert got["xla_gpu_enable_latency_hiding_scheduler"] is False and got["xla_extra"] == 7
+    assert "xla_gpu_all_reduce_combine_threshold_bytes" not in got  # XLA_FLAGS decides
+
+
+def test_unknown_compile_option_is_dropped_with_a_warning():
+    lowered = jax.jit(lambda x: x * 2).lower(jnp.ones(3))
+    with pytest.warns(UserWarning, match="does not know the compile option 'xla_no_such'"):
+        compiled = compiler.compile_step(lowered, {"xla_no_such": True,
+                                                   "xla_gpu_enable_latency_hiding_scheduler": True})
+    np.testing.assert_array_equal(compiled(jnp.ones(3)), 2 * np.ones(3))

@@ -11,6 +11,8 @@ import os
 import subprocess
 import sys
 
+import jax
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -72,3 +74,34 @@ def test_gloo_cache_hang_tiny():
     for mode, ok, hung, failed, _ in rows:
         # stderr holds a failed process's last lines
         assert failed == "0" and int(ok) + int(hung) == 1, (mode, out.stdout, out.stderr)
+
+
+def test_gpu_tiny():
+    lines = run_tiny("gpu.py").stdout.splitlines()
+    rows = table_rows(lines, "remat none", "kernel tiled", "kernel cudnn")
+    assert [r[:4] for r in rows] == [["remat none", "dense", "256", "8"],
+                                     ["kernel tiled", "tiled", "256", "2"],
+                                     ["kernel cudnn", "cudnn", "256", "-"]], lines
+    assert float(rows[0][5].replace(",", "")) > 0, rows  # tokens/s measured
+    assert rows[2][-1].startswith("refused: model.attn_impl='cudnn' runs on NVIDIA GPUs"), rows
+
+
+def test_gpu_cases_are_valid_configs():
+    """The GPU run's configs pass every check here too (no compiling), so the first
+    GPU run does not find a typo; only the fused kernels refuse a CPU."""
+    import importlib.util
+
+    import pytest
+
+    from ndjax.errors import ConfigError
+
+    spec = importlib.util.spec_from_file_location("bench_gpu", os.path.join(ROOT, "bench/gpu.py"))
+    gpu = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gpu)
+    for case in gpu.cases(tiny=False):
+        if case["model"].get("attn_impl") in ("cudnn", "pallas"):
+            with pytest.raises(ConfigError, match="runs on NVIDIA GPUs"):
+                gpu._experiment(case, case["ladder"][-1])
+        else:
+            exp = gpu._experiment(case, case["ladder"][-1])
+            assert exp.model_cfg.dtype == jax.numpy.bfloat16, case

@@ -1,0 +1,210 @@
+"""Train-step speed and memory on one GPU: tokens/s, TFLOP/s, MFU, peak memory.
+
+Cases, in priority order (a time budget skips the tail, and says so):
+
+1. ``llama3_1b`` shape, bfloat16, seq 4096, ``model.attn_impl=auto``: remat none,
+   save_proj and full, each at the largest batch of its ladder that fits.
+2. The attention kernels side by side on that shape (remat save_proj, batch 4):
+   dense, tiled, cudnn, pallas.
+3. A Llama 3 8B-shaped model with 8 of its 32 layers (all of the 8B's widths and its
+   vocabulary), remat full, the largest batch that fits.
+4. ``llama3_1b`` at seq 8192, if time is left.
+
+Each case runs in its own process, so that every peak-memory figure starts from
+zero. A batch "fits" when the compiled step's planned memory (arguments +
+temporaries, ``compiled.memory_analysis()``) is within 92% of the device's
+limit; the largest of the ladder that fits is timed. Timing: two steps to warm
+up, then ``--steps`` steps, synchronised on the loss. TFLOP/s counts model FLOPs
+(``ndjax.flops``: 6 x parameters + attention, causal), MFU against the device's
+dense bf16 peak (H200: 989 TFLOP/s).
+
+    python bench/gpu.py                         # on the GPU machine, about 7 minutes
+    python bench/gpu.py --write gpu_results.md  # also write the table and its context
+    PYTHONPATH=. python bench/gpu.py --tiny     # CPU smoke run: tiny shapes, seconds
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+GiB = 2**30
+FIT = 0.92
+
+ONE_B = dict(preset="llama3_1b", dtype="bfloat16")
+EIGHT_B_8_LAYERS = dict(preset="llama3_8b", dtype="bfloat16", n_layers=8)
+TINY = dict(preset="tiny", dtype="float32", n_layers=2, vocab_size=512, dim=128,
+            n_heads=4, n_kv_heads=2, ffn_dim=256)
+
+
+def cases(tiny: bool) -> list[dict]:
+    """Each: name, model overrides, seq_len, batch ladder (largest first)."""
+    if tiny:  # one case per code path: auto, an explicit kernel, a refused kernel
+        kernels = [dict(name=f"kernel {k}", model=dict(TINY, remat="full", attn_impl=k),
+                        seq=256, ladder=[2]) for k in ("tiled", "cudnn")]
+        return [dict(name="remat none", model=dict(TINY, remat="none"), seq=256, ladder=[8, 4]),
+                *kernels]
+    remats = [dict(name=f"1b remat {r}", model=dict(ONE_B, remat=r), seq=4096, ladder=ladder)
+              for r, ladder in (("none", [16, 8, 4]), ("save_proj", [24, 16, 8]),
+                                ("full", [48, 32, 16]))]
+    kernels = [dict(name=f"1b kernel {k}", model=dict(ONE_B, remat="save_proj", attn_impl=k),
+                    seq=4096, ladder=[4]) for k in ("cudnn", "pallas", "tiled", "dense")]
+    eight = dict(name="8b-shape 8 layers", model=dict(EIGHT_B_8_LAYERS, remat="full"), seq=4096,
+                 ladder=[16, 8, 4])
+    long = dict(name="1b seq 8192", model=dict(ONE_B, remat="full"), seq=8192, ladder=[16, 8])
+    return [*remats, *kernels, eight, long]
+
+
+# ----- one case, in its own process -----------------------------------------------------------
+
+
+def _experiment(case: dict, batch: int):
+    from ndjax.config import default_config
+    from ndjax.experiment import Experiment
+
+    c = default_config()
+    c.model.update(case["model"])
+    c.mesh.update(dict(replica=1, fsdp=1, context=1, tensor=1))
+    c.data.source = "synthetic"
+    c.train.update(dict(batch_size=batch, seq_len=case["seq"], warmup_steps=0,
+                        schedule="constant", steps=10))
+    return Experiment.from_config(c, devices=__import__("jax").devices()[:1])
+
+
+def run_case(case: dict, steps: int) -> dict:
+    import jax
+
+    from ndjax import flops
+    from ndjax.data.synthetic import SyntheticSource
+    from ndjax.errors import ConfigError
+
+    device = jax.devices()[0]
+    stats = device.memory_stats() or {}
+    limit = stats.get("bytes_limit")
+    row = dict(name=case["name"], seq=case["seq"], remat=case["model"].get("remat"),
+               device=device.device_kind)
+    t0 = time.perf_counter()
+    exp = compiled = planned = batch = None
+    for batch in case["ladder"]:  # the first (largest) that fits, else the last
+        try:
+            exp = _experiment(case, batch)
+        except ConfigError as e:
+            return dict(row, attention=case["model"].get("attn_impl", "auto"),
+                        note=f"refused: {e}")
+        compiled = exp.compiled_step
+        m = compiled.memory_analysis()
+        planned = m.argument_size_in_bytes + m.temp_size_in_bytes
+        if limit is None or planned <= FIT * limit:
+            break
+    row.update(batch=batch, attention=exp.model_cfg.attn_impl, planned_gib=planned / GiB,
+               compile_s=time.perf_counter() - t0)
+    if limit is not None and planned > FIT * limit:
+        return dict(row, note=f"does not fit: plans {planned / GiB:.1f} of "
+                    f"{limit / GiB:.1f} GiB")
+    source = SyntheticSource(exp.model_cfg.vocab_size, case["seq"], 0)
+    batch_arrays = exp.device_batch(source.rows(0, 0, batch))
+    state = exp.init_state()
+    for _ in range(2):
+        state, metrics = compiled(state, batch_arrays)
+    float(metrics["loss"])
+    start = time.perf_counter()
+    for _ in range(steps):
+        state, metrics = compiled(state, batch_arrays)
+    loss = float(metrics["loss"])
+    seconds = (time.perf_counter() - start) / steps
+    tokens = batch * case["seq"]
+    tflops = flops.flops_per_token(exp.model_cfg, case["seq"]) * tokens / seconds / 1e12
+    peak = flops.peak_tflops(device.device_kind)
+    peak_bytes = (device.memory_stats() or {}).get("peak_bytes_in_use")
+    return dict(row, step_ms=seconds * 1e3, tokens_per_s=tokens / seconds, tflops=tflops,
+                mfu=tflops / peak if peak else None, loss=loss,
+                peak_gib=peak_bytes / GiB if peak_bytes else None)
+
+
+# ----- the table ------------------------------------------------------------------------------
+
+
+def _cell(value, fmt: str) -> str:
+    return "-" if value is None else format(value, fmt)
+
+
+def table(rows: list[dict]) -> list[str]:
+    lines = ["| case | attention | seq | batch | step ms | tokens/s | TFLOP/s | MFU | "
+             "peak GiB | planned GiB | compile s | note |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        mfu = None if r.get("mfu") is None else 100 * r["mfu"]
+        lines.append(
+            f"| {r['name']} | {r.get('attention', '-')} | {r.get('seq', '-')} | "
+            f"{r.get('batch', '-')} | {_cell(r.get('step_ms'), '.1f')} | "
+            f"{_cell(r.get('tokens_per_s'), ',.0f')} | {_cell(r.get('tflops'), '.1f')} | "
+            f"{_cell(mfu, '.1f')}{'%' if mfu is not None else ''} | "
+            f"{_cell(r.get('peak_gib'), '.1f')} | {_cell(r.get('planned_gib'), '.1f')} | "
+            f"{_cell(r.get('compile_s'), '.0f')} | {r.get('note', '')} |")
+    return lines
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tiny", action="store_true", help="CPU smoke run: tiny shapes")
+    parser.add_argument("--budget", type=float, default=None,
+                        help="seconds for all cases (default 450; 300 with --tiny)")
+    parser.add_argument("--steps", type=int, default=None, help="timed steps per case")
+    parser.add_argument("--write", default=None, help="also write the table here (Markdown)")
+    parser.add_argument("--case", default=None, help=argparse.SUPPRESS)  # one case, as JSON
+    args = parser.parse_args()
+    steps = args.steps or (2 if args.tiny else 5)
+    if args.case:
+        print("RESULT " + json.dumps(run_case(json.loads(args.case), steps)), flush=True)
+        return
+
+    budget = args.budget or (300 if args.tiny else 450)
+    start = time.perf_counter()
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
+               XLA_PYTHON_CLIENT_MEM_FRACTION=os.environ.get(
+                   "XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95"))
+    if args.tiny:
+        env["JAX_PLATFORMS"] = "cpu"
+    rows = []
+    for case in cases(args.tiny):
+        left = budget - (time.perf_counter() - start)
+        if left < (10 if args.tiny else 60):
+            rows.append(dict(name=case["name"], note="skipped: time budget spent"))
+            continue
+        cmd = [sys.executable, os.path.abspath(__file__), "--case", json.dumps(case),
+               "--steps", str(steps)]
+        try:
+            out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=left)
+        except subprocess.TimeoutExpired:
+            rows.append(dict(name=case["name"], note=f"timed out after {left:.0f} s"))
+            continue
+        result = [line for line in out.stdout.splitlines() if line.startswith("RESULT ")]
+        if out.returncode or not result:
+            tail = (out.stderr.strip().splitlines() or ["no output"])[-1][:160]
+            rows.append(dict(name=case["name"], note=f"failed (exit {out.returncode}): {tail}"))
+        else:
+            rows.append(json.loads(result[-1][len("RESULT "):]))
+        print(f"{case['name']}: {rows[-1].get('note') or 'ok'}", file=sys.stderr, flush=True)
+
+    import jax
+
+    device = rows[0].get("device") or platform.processor() or "cpu"
+    header = [f"`python bench/gpu.py{' --tiny' if args.tiny else ''}` on {device}, "
+              f"jax {jax.__version__}, {datetime.date.today().isoformat()}, "
+              f"{time.perf_counter() - start:.0f} s", ""]
+    lines = header + table(rows)
+    if args.write:
+        with open(args.write, "w") as f:
+            f.write("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()

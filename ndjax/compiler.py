@@ -1,0 +1,92 @@
+"""XLA options for compiling the train and eval steps, in one place.
+
+On GPUs the step gets options that let XLA overlap communication with compute:
+
+* ``xla_gpu_enable_latency_hiding_scheduler``: schedule each collective's start
+  early and its wait late, so FSDP's all-gathers and reduce-scatters (and TP's
+  all-reduces) run under the matmuls of the neighbouring layers;
+* ``xla_gpu_enable_while_loop_double_buffering``: unroll the layer scan by two
+  so that the next layer's weight all-gather can start inside this one;
+* ``xla_gpu_{all_gather,reduce_scatter,all_reduce}_combine_threshold_bytes``:
+  merge the many small collectives of one layer (one per weight) into a few
+  large ones; 128 MiB holds every weight of a Llama 3 8B layer (436 MiB in
+  bfloat16 over 4 or more FSDP shards) and of smaller models.
+
+These are the options the JAX GPU performance guides and MaxText's GPU configs
+recommend; their effect on ndjax's step is measured by ``bench/gpu.py``.
+
+Overrides, from the environment:
+
+* ``NDJAX_XLA_GPU_OPTIONS="name=value,..."`` adds or replaces options;
+  ``NDJAX_XLA_GPU_OPTIONS=none`` turns them all off;
+* an option also named in ``XLA_FLAGS`` is left to ``XLA_FLAGS``.
+
+An option that this jaxlib no longer knows is dropped with a warning rather
+than failing the run: XLA renames and retires its flags between releases.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import warnings
+from typing import Any
+
+import jax
+
+GPU_OPTIONS: dict[str, Any] = {
+    "xla_gpu_enable_latency_hiding_scheduler": True,
+    "xla_gpu_enable_while_loop_double_buffering": True,
+    "xla_gpu_all_gather_combine_threshold_bytes": 128 * 2**20,
+    "xla_gpu_reduce_scatter_combine_threshold_bytes": 128 * 2**20,
+    "xla_gpu_all_reduce_combine_threshold_bytes": 128 * 2**20,
+}
+ENV = "NDJAX_XLA_GPU_OPTIONS"
+_UNKNOWN = re.compile(r"No such compile option: '([\w.]+)'")
+
+
+def _parse(value: str) -> Any:
+    lowered = value.strip().lower()
+    if lowered in ("true", "false"):
+        return lowered == "true"
+    try:
+        return int(value)
+    except ValueError:
+        return value.strip()
+
+
+def options(platform: str | None = None, env: dict[str, str] | None = None) -> dict[str, Any]:
+    """The compile options for ``platform`` (default: jax's backend) under ``env``."""
+    env = os.environ if env is None else env
+    platform = jax.default_backend() if platform is None else platform
+    if platform != "gpu":
+        return {}
+    override = env.get(ENV, "").strip()
+    if override.lower() == "none":
+        return {}
+    chosen = dict(GPU_OPTIONS)
+    for item in filter(None, (part.strip() for part in override.split(","))):
+        name, sep, value = item.partition("=")
+        if not sep:
+            raise ValueError(f"{ENV}={override!r}: expected name=value pairs separated by "
+                             "commas, or none.")
+        chosen[name.strip().removeprefix("--")] = _parse(value)
+    xla_flags = env.get("XLA_FLAGS", "")
+    return {k: v for k, v in chosen.items() if f"--{k}=" not in xla_flags}
+
+
+def compile_step(lowered: jax.stages.Lowered,
+                 compiler_options: dict[str, Any] | None = None) -> jax.stages.Compiled:
+    """``lowered.compile`` with ``options()``, dropping (with a warning) any option
+    this XLA does not know."""
+    chosen = options() if compiler_options is None else dict(compiler_options)
+    while True:
+        try:
+            return lowered.compile(compiler_options=chosen or None)
+        except Exception as e:  # noqa: BLE001 -- jaxlib's error type moves between releases
+            unknown = _UNKNOWN.search(str(e))
+            if not unknown or unknown.group(1) not in chosen:
+                raise
+            warnings.warn(f"XLA does not know the compile option {unknown.group(1)!r} "
+                          f"(ndjax.compiler); compiling without it.", stacklevel=2)
+            del chosen[unknown.group(1)]
