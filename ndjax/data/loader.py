@@ -357,8 +357,7 @@ class Loader:
                               f"ndjax reads version {STATE_VERSION}.")
         for key, now in self.state_key.items():
             if state.get(key) != now:
-                field = {"corpus": "data files (names or sizes) or chat template"}.get(
-                    key, f"train.{key}")
+                field = {"corpus": "data files (names or sizes)"}.get(key, f"train.{key}")
                 raise ConfigError(
                     f"data loader state was saved with {key}={state.get(key)!r} but this run "
                     f"has {now!r}: the {field} changed, so the saved position does not name "
