@@ -147,3 +147,13 @@ def write_chat_jsonl(path: Path, chats: list[list[dict]], field: str = "messages
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("".join(json.dumps({field: c, "id": i}) + "\n" for i, c in enumerate(chats)))
     return path
+
+
+def chat_overrides(folder: Path, template: str = "llama3", n: int = 64) -> dict:
+    """Config overrides (``{"group.key": value}``) that train ``tiny_config`` on ``n``
+    conversations: the chat tokenizer, its vocabulary, rows that hold most of them (some
+    are longer, and dropped)."""
+    tokenizer = write_chat_tokenizer(folder / "tokenizer", template)
+    files = write_chat_jsonl(folder / "chats.jsonl", conversations(n))
+    return {"data.source": "chat", "data.files": str(files), "data.tokenizer": str(tokenizer),
+            "model.vocab_size": 384, "train.seq_len": 96}
