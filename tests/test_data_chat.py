@@ -261,3 +261,40 @@ def test_parquet_conversations_match_jsonl(tokenizers, tmp_path):
         got = lambda loader: sorted(tuple(int(i) for i in c[0])  # noqa: E731
                                     for cs, _ in loader.source.slots.values() for c in cs)
         assert got(a) == got(b)
+
+
+def test_sft_config_passes_the_checks(tokenizers, tmp_path):
+    """configs/llama3_sft.py with its placeholders pointed at a tiny Hugging Face
+    directory (holding the chat tokenizer) and chat files: every check passes."""
+    import importlib.util
+    import os
+    import shutil
+
+    from conftest import tiny_config
+
+    from ndjax import hf
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    spec = importlib.util.spec_from_file_location("sft", os.path.join(root, "configs",
+                                                                      "llama3_sft.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    config = module.get_config()
+    assert config.model.init_from == module.CHECKPOINT
+    assert config.data.tokenizer == f"{module.CHECKPOINT}/tokenizer.json"
+    assert config.data.source == "chat" and config.export.hf_dir and config.train.lr <= 1e-4
+
+    source = tiny_config(model=dict(vocab_size=VOCAB))
+    exp = Experiment.from_config(source, jax.devices()[:1])
+    zeros = jax.tree.map(lambda s: jax.numpy.zeros(s.shape, s.dtype), exp.param_shapes)
+    hf.export(zeros, exp.model_cfg, str(tmp_path / "hf"), "float32")  # nothing compiled
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(os.path.join(os.path.dirname(tokenizers["llama3"]), name), tmp_path / "hf")
+    config.model.init_from = str(tmp_path / "hf")
+    config.data.tokenizer = str(tmp_path / "hf" / "tokenizer.json")
+    config.data.files = str(write_chat_jsonl(tmp_path / "train.jsonl", conversations(40)))
+    config.data.eval_files = str(write_chat_jsonl(tmp_path / "eval.jsonl", conversations(8, 1)))
+    config.export.hf_dir = str(tmp_path / "tuned")
+    exp = Experiment.from_config(config)
+    assert exp.model_cfg.vocab_size == VOCAB  # from the directory's config.json
+    assert dict(exp.mesh.shape) == {"replica": 1, "fsdp": 4, "context": 1, "tensor": 2}
