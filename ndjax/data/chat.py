@@ -46,6 +46,10 @@ ROLES = ("system", "user", "assistant", "tool")
 OVERLONG = ("drop", "truncate")
 
 
+class _BadRecord(Exception):
+    """A record that is not a conversation; ``conversation`` adds where it is."""
+
+
 def conversation(doc: Document, messages_field: str, prompt_field: str,
                  completion_field: str) -> list[dict]:
     """The messages of one record, checked; errors name the file and line (or row)."""
@@ -57,10 +61,6 @@ def conversation(doc: Document, messages_field: str, prompt_field: str,
         return _conversation(record, messages_field, prompt_field, completion_field)
     except _BadRecord as e:  # only now find the line number: it reads the file
         raise ConfigError(f"{doc.field}: {doc.where()}: {e}") from None
-
-
-class _BadRecord(Exception):
-    pass
 
 
 def _conversation(record: dict, messages_field: str, prompt_field: str,
@@ -83,20 +83,20 @@ def _conversation(record: dict, messages_field: str, prompt_field: str,
 def _messages(value: object, name: str, need_assistant: bool = True) -> list[dict]:
     if not isinstance(value, list) or not value:
         raise _BadRecord(f"{name!r} is {type(value).__name__}, not a non-empty list of "
-                          "{role, content} messages.")
+                         "{role, content} messages.")
     out = []
     for k, m in enumerate(value):
         if not isinstance(m, dict) or not isinstance(m.get("role"), str) \
                 or not isinstance(m.get("content"), str):
             raise _BadRecord(f"{name!r} message {k} is not {{'role': str, 'content': "
-                              f"str}} (got {_short(m)}).")
+                             f"str}} (got {_short(m)}).")
         if m["role"] not in ROLES:
             raise _BadRecord(f"{name!r} message {k} has role {m['role']!r}; use one of "
-                              f"{', '.join(ROLES)} (rename e.g. human -> user, gpt -> assistant).")
+                             f"{', '.join(ROLES)} (rename e.g. human -> user, gpt -> assistant).")
         out.append({key: v for key, v in m.items() if v is not None})
     if need_assistant and not any(m["role"] == "assistant" for m in out):
         raise _BadRecord(f"{name!r} has no assistant message, so nothing to learn; "
-                          "remove the record or add the reply.")
+                         "remove the record or add the reply.")
     return out
 
 
