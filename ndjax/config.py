@@ -101,11 +101,19 @@ def default_config() -> ml_collections.ConfigDict:
     # Where batches come from (see ndjax/data/ and the README's Data section).
     c.data = ml_collections.ConfigDict()
     # builtin: this Python's standard library source | synthetic: a seeded Markov
-    # chain | text | jsonl | parquet: local files | tokens: pre-tokenized files
+    # chain | text | jsonl | parquet: local files | tokens: pre-tokenized files |
+    # chat: conversations (JSON Lines or Parquet)
     c.data.source = "builtin"
-    c.data.files = ""             # comma-separated paths or globs (text/jsonl/parquet/tokens)
+    c.data.files = ""             # comma-separated paths or globs (the file sources)
     c.data.eval_files = ""        # the validation split of those sources, same format
     c.data.text_field = "text"    # JSON Lines key / Parquet column holding the text
+    # chat: JSON Lines / Parquet conversations, rendered with the tokenizer's chat
+    # template; only the assistant's tokens are learned (README "Fine-tuning on chat data").
+    c.data.messages_field = "messages"      # a list of {role, content}
+    c.data.prompt_field = "prompt"          # or a prompt (user) ...
+    c.data.completion_field = "completion"  # ... and completion (assistant) pair
+    c.data.chat_template = ""     # a Jinja template file; "" = the tokenizer's own
+    c.data.overlong = "drop"      # a conversation longer than seq_len + 1 tokens: drop | truncate
     c.data.tokenizer = "byte"     # byte (256 bytes + EOS/BOS/PAD) or a tokenizer.json path
     c.data.eos_token = ""         # a tokenizer.json's end-of-document token; "" = guess
     c.data.token_dtype = "auto"   # raw token files: uint16 | uint32; auto = from the sidecar

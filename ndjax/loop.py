@@ -16,7 +16,7 @@ import numpy as np
 
 from ndjax import hf, summary
 from ndjax.checkpoint import Checkpointer, Preemption
-from ndjax.data.loader import make_loader
+from ndjax.data.loader import dropped_overlong, make_loader
 from ndjax.experiment import Experiment
 from ndjax.flops import flops_per_token, peak_tflops
 from ndjax.sinks import Sinks
@@ -102,6 +102,10 @@ def train(config: ml_collections.ConfigDict, workdir: str,
         data = make_loader(config, exp.model_cfg.vocab_size, rows=exp.local_rows,
                            transform=exp.device_batch)
         cleanup.callback(data.close)
+        # Chat conversations too long for a row (data.overlong), over all processes;
+        # known once the shares are read, logged with every step.
+        data_counts = ({"data/dropped_overlong": dropped_overlong(data)}
+                       if config.data.source == "chat" else {})
         eval_batches = _eval_batches(exp) if t.eval_every else []
         os.makedirs(workdir, exist_ok=True)
         checkpointer = Checkpointer(workdir, config.checkpoint)
@@ -124,6 +128,10 @@ def train(config: ml_collections.ConfigDict, workdir: str,
         cleanup.callback(sinks.close)
         for line in summary.startup(exp, workdir, resume_step):
             sinks.message(line)
+        if data_counts.get("data/dropped_overlong"):
+            sinks.message(f"data: left out {data_counts['data/dropped_overlong']} conversations "
+                          f"longer than train.seq_len + 1 = {t.seq_len + 1} tokens "
+                          f"(data.overlong={config.data.overlong})")
 
         # No steps left (steps=0: import -> export, or a finished run): nothing to compile.
         step_fn = None
@@ -170,7 +178,7 @@ def train(config: ml_collections.ConfigDict, workdir: str,
                       "tokens_per_sec": tokens_per_step / elapsed,
                       "tokens_per_sec_per_device": tokens_per_step / elapsed / num_devices,
                       "tflops_per_device": tflops, "mfu": tflops / peak if peak else None,
-                      "skipped_steps": skipped, **device_memory()}
+                      "skipped_steps": skipped, **data_counts, **device_memory()}
             sinks.write(record)
             logged.append(record)
 

@@ -72,3 +72,88 @@ def data_config(source: str, files: str = "", *, vocab_size: int = 384, batch_si
     c.data.files = files
     c.data.update(data)
     return c
+
+
+# ----- chat data ----------------------------------------------------------------
+
+CHAT_SPECIAL = ["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>",
+                "<|end_header_id|>", "<|eot_id|>", "<|im_start|>", "<|im_end|>", "<pad>"]
+# Meta's Llama 3 Instruct template, verbatim.
+LLAMA3_TEMPLATE = (
+    "{% set loop_messages = messages %}{% for message in loop_messages %}{% set content = "
+    "'<|start_header_id|>' + message['role'] + '<|end_header_id|>\n\n'+ message['content'] | "
+    "trim + '<|eot_id|>' %}{% if loop.index0 == 0 %}{% set content = bos_token + content %}"
+    "{% endif %}{{ content }}{% endfor %}{% if add_generation_prompt %}{{ "
+    "'<|start_header_id|>assistant<|end_header_id|>\n\n' }}{% endif %}")
+# ChatML as Qwen2 writes it: a default system prompt when the chat has none.
+CHATML_TEMPLATE = (
+    "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
+    "{{ '<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n' }}{% endif %}"
+    "{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+# ChatML with transformers' {% generation %} blocks around each reply.
+CHATML_GENERATION_TEMPLATE = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' }}"
+    "{% if message['role'] == 'assistant' %}{% generation %}{{ message['content'] + "
+    "'<|im_end|>' }}{% endgeneration %}{% else %}{{ message['content'] + '<|im_end|>' }}"
+    "{% endif %}{{ '\n' }}{% endfor %}{% if add_generation_prompt %}"
+    "{{ '<|im_start|>assistant\n' }}{% endif %}")
+CHAT_TEMPLATES = {"llama3": (LLAMA3_TEMPLATE, "<|begin_of_text|>", "<|eot_id|>"),
+                  "chatml": (CHATML_TEMPLATE, None, "<|im_end|>"),
+                  "chatml_generation": (CHATML_GENERATION_TEMPLATE, None, "<|im_end|>")}
+
+
+def conversations(n: int = 24, seed: int = 0) -> list[list[dict]]:
+    """``n`` conversations of 1-3 exchanges, some with a system prompt, one non-ASCII."""
+    rng = np.random.default_rng(seed)
+    say = lambda: " ".join(rng.choice(WORDS, rng.integers(2, 7)))  # noqa: E731
+    out = []
+    for i in range(n):
+        chat = [{"role": "system", "content": f"be brief {say()}"}] if i % 3 == 0 else []
+        for _ in range(rng.integers(1, 4)):
+            chat += [{"role": "user", "content": f"{say()}?"},
+                     {"role": "assistant", "content": say() + ("." if i % 2 else "\n")}]
+        out.append(chat)
+    if n > 1:
+        out[1][-1]["content"] = "café naïve ✓ — déjà vu"
+    return out
+
+
+def write_chat_tokenizer(folder: Path, template: str = "llama3", vocab_size: int = 360) -> Path:
+    """A byte-level BPE tokenizer.json with Llama 3 and ChatML special tokens, trained on
+    the chat texts, and a tokenizer_config.json with the named chat template ("" or
+    None: none). Returns the tokenizer.json path."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    folder.mkdir(parents=True, exist_ok=True)
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=CHAT_SPECIAL,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  show_progress=False)
+    texts = [m["content"] for c in conversations(64) for m in c] + ["user assistant system"]
+    tok.train_from_iterator(texts, trainer)
+    tok.save(str(folder / "tokenizer.json"))
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": 4096}
+    if template:
+        text, bos, eos = CHAT_TEMPLATES[template]
+        config.update(chat_template=text, eos_token=eos, **({"bos_token": bos} if bos else {}))
+    (folder / "tokenizer_config.json").write_text(json.dumps(config, indent=1))
+    return folder / "tokenizer.json"
+
+
+def write_chat_jsonl(path: Path, chats: list[list[dict]], field: str = "messages") -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps({field: c, "id": i}) + "\n" for i, c in enumerate(chats)))
+    return path
+
+
+def chat_overrides(folder: Path, template: str = "llama3", n: int = 64) -> dict:
+    """Config overrides (``{"group.key": value}``) that train ``tiny_config`` on ``n``
+    conversations: the chat tokenizer, its vocabulary, rows that hold most of them (some
+    are longer, and dropped)."""
+    tokenizer = write_chat_tokenizer(folder / "tokenizer", template)
+    files = write_chat_jsonl(folder / "chats.jsonl", conversations(n))
+    return {"data.source": "chat", "data.files": str(files), "data.tokenizer": str(tokenizer),
+            "model.vocab_size": 384, "train.seq_len": 96}

@@ -6,6 +6,7 @@ import jax
 import numpy as np
 from conftest import TINY_MODEL, tiny_config
 
+from ndjax.data.loader import make_loader
 from ndjax.data.synthetic import SyntheticSource
 from ndjax.experiment import Experiment
 
@@ -22,8 +23,20 @@ def train_py_flags() -> list[str]:
 
 def host_batches(config, steps):
     t = config.train
+    if config.data.source != "synthetic":  # files: the whole batch, as one process would
+        with make_loader(config, config.model.vocab_size, rows=(0, t.batch_size),
+                         prefetch=0) as loader:
+            return [loader.batch(i) for i in range(steps)]
     source = SyntheticSource(config.model.vocab_size, t.seq_len, t.seed)
     return [source.rows(i, 0, t.batch_size) for i in range(steps)]
+
+
+def with_overrides(config, overrides=None):
+    """``config`` with ``{"group.key": value}`` overrides applied (in place)."""
+    for name, value in (overrides or {}).items():
+        group, key = name.split(".")
+        config[group][key] = value
+    return config
 
 
 def run_steps(exp: Experiment, initial_state=None, steps: int | None = None):
@@ -47,25 +60,27 @@ def run_steps(exp: Experiment, initial_state=None, steps: int | None = None):
 _references: dict = {}
 
 
-def reference(model_overrides, rules="default"):
+def reference(model_overrides, rules="default", overrides=None):
     """Single-device run of ``tiny_config``: initial state (host), losses, final params.
+    ``overrides``: other fields by dotted name (e.g. chat data, see ``with_overrides``).
 
     Cached per process, so every layout test of a session shares one reference.
     """
-    key = (tuple(sorted(model_overrides.items())), rules)
+    key = (tuple(sorted(model_overrides.items())), rules,
+           tuple(sorted((overrides or {}).items())))
     if key not in _references:
-        exp = Experiment.from_config(tiny_config(model=model_overrides, rules=rules),
-                                     jax.devices()[:1])
+        config = with_overrides(tiny_config(model=model_overrides, rules=rules), overrides)
+        exp = Experiment.from_config(config, jax.devices()[:1])
         init = jax.device_get(exp.init_state())
         losses, params = run_steps(exp, init)
         _references[key] = (init, losses, params)
     return _references[key]
 
 
-def assert_same_training(exp, model_overrides):
+def assert_same_training(exp, model_overrides, overrides=None):
     """3 AdamW steps of ``exp`` equal the single-device run (see test_layouts for the
     tolerances)."""
-    init, ref_losses, ref_params = reference(model_overrides)
+    init, ref_losses, ref_params = reference(model_overrides, overrides=overrides)
     losses, params = run_steps(exp, init)
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-4), params, ref_params)

@@ -12,7 +12,14 @@ import sys
 import numpy as np
 import pytest
 from conftest import tiny_config
-from helpers import assert_same_training, host_batches, reference, train_py_flags
+from data_files import chat_overrides
+from helpers import (
+    assert_same_training,
+    host_batches,
+    reference,
+    train_py_flags,
+    with_overrides,
+)
 from test_train_cli import ROOT, losses
 
 from ndjax.experiment import Experiment
@@ -21,6 +28,9 @@ from ndjax.ops import ring_attention as ra
 LAYOUTS = {
     # FSDP x context, balanced: the configs/llama_fsdp_cp.py mesh.
     "fsdp_cp_zigzag": (dict(fsdp=4, context=2), {}),
+    # The same on chat data: whole conversations per row, padding (segment 0) at the
+    # end of rows, the loss on the replies only; the zigzag order scatters all of it.
+    "fsdp_cp_zigzag_chat": (dict(fsdp=4, context=2), "chat"),
     # Context with tensor parallelism and replicas, unbalanced layout, and key
     # tiles shorter than a block (16 tokens per shard, tiles of 4).
     "replica_cp_tp_contiguous": (dict(replica=2, context=2, tensor=2),
@@ -29,12 +39,15 @@ LAYOUTS = {
 
 
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
-def test_context_layout_matches_single_device(layout):
+def test_context_layout_matches_single_device(layout, tmp_path_factory):
     mesh, model = LAYOUTS[layout]
-    exp = Experiment.from_config(tiny_config(mesh=mesh, model=model))
+    overrides = None
+    if model == "chat":
+        model, overrides = {}, chat_overrides(tmp_path_factory.mktemp("chat"))
+    exp = Experiment.from_config(with_overrides(tiny_config(mesh=mesh, model=model), overrides))
     assert exp.model_cfg.attn_impl == "ring", exp.attention
     # The single-device reference runs dense attention on the unpermuted batch.
-    assert_same_training(exp, {})
+    assert_same_training(exp, model, overrides)
     # The step really ran the ring: its key/value blocks moved between devices.
     assert "collective-permute" in exp.compiled_step.as_text()
 

@@ -17,6 +17,7 @@ import time
 import numpy as np
 import pytest
 from conftest import tiny_config
+from data_files import chat_overrides, conversations, write_chat_jsonl
 from helpers import train_py_flags
 from safetensors.numpy import load_file
 
@@ -125,9 +126,14 @@ def hf_checkpoint(directory):
 def test_two_processes_train_like_one(tmp_path, mesh):
     # Also Hugging Face checkpoints in and out across processes: the fsdp x tp
     # run exports at the end (and evaluates), the context run starts from an HF
-    # directory.
+    # directory. The fsdp x tp run trains on chat data: each process renders and
+    # packs only its rows, and the conversations dropped for length add up.
     if mesh is FSDP_TP:
-        fields = {"export.dtype": "float32", "train.eval_every": 3, "train.eval_steps": 2}
+        chat = chat_overrides(tmp_path / "chat")
+        chat["data.eval_files"] = str(write_chat_jsonl(tmp_path / "chat" / "eval.jsonl",
+                                                       conversations(24, seed=1)))
+        fields = {"export.dtype": "float32", "train.eval_every": 3, "train.eval_steps": 2,
+                  **chat}
         two_fields = {**fields, "export.hf_dir": str(tmp_path / "two_hf")}
         one_fields = {**fields, "export.hf_dir": str(tmp_path / "one_hf")}
     else:
@@ -148,6 +154,8 @@ def test_two_processes_train_like_one(tmp_path, mesh):
     assert "step 3/3" in results[0][1] and "step 3/3" not in results[1][1]
     assert os.path.exists(tmp_path / "two" / "checkpoints" / "3" / "commit_success.txt")
     if mesh is FSDP_TP:
+        dropped = {r["data/dropped_overlong"] for r in two + reference}
+        assert len(dropped) == 1 and dropped.pop() > 0
         evals = [r for r in records if "eval_loss" in r]
         assert [r["step"] for r in evals] == [3]
         one_eval = metrics(tmp_path / "one")[-1]

@@ -1,7 +1,10 @@
 """The data pipeline: documents -> tokens -> packed rows -> this process's share of each batch.
 
-- ``sources``: the builtin corpus, local text / JSON Lines / Parquet files, token files
+- ``sources``: the builtin corpus, local text / JSON Lines / Parquet files (also read as
+  records, for chat data), token files
 - ``tokenizers``: byte-level (the default) or a Hugging Face tokenizer.json
+- ``chat``, ``chat_template``: conversations rendered with the tokenizer's chat template,
+  and the mask of the assistant's tokens (``data.source=chat``)
 - ``packing``: token windows -> the batch fields (segment ids, positions, loss mask)
 - ``streams``: the rows of any global batch as a pure function of (data, seed, step, row)
 - ``loader``: config -> checks -> a prefetching iterator with a resumable position

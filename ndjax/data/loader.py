@@ -13,20 +13,24 @@ from __future__ import annotations
 
 import queue
 import threading
+import zlib
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import jax
 import ml_collections
 import numpy as np
+from jax.experimental import multihost_utils
 
-from ndjax.data import sources
-from ndjax.data.streams import RowSource, TextRows, TokenRows
+from ndjax.data import chat, sources
+from ndjax.data.chat_template import ChatTemplate, load_chat_template
+from ndjax.data.streams import ChatRows, RowSource, TextRows, TokenRows
 from ndjax.data.synthetic import SyntheticSource
 from ndjax.data.tokenizers import Tokenizer, load_tokenizer
 from ndjax.errors import ConfigError
 
-SOURCES = ("builtin", "synthetic", "text", "jsonl", "parquet", "tokens")
+SOURCES = ("builtin", "synthetic", "text", "jsonl", "parquet", "tokens", "chat")
+FILE_SOURCES = ("text", "jsonl", "parquet", "tokens", "chat")
 STATE_VERSION = 1
 _TOKENIZE_BATCH = 256  # documents per encode_batch call (the HF tokenizer threads over them)
 
@@ -48,7 +52,7 @@ def _check_source(config: ml_collections.ConfigDict) -> None:
     for field, low in (("eval_every", 0), ("eval_steps", 1)):
         if not isinstance(t[field], int) or t[field] < low:
             raise ConfigError(f"train.{field}={t[field]!r} must be an int >= {low}.")
-    if d.source in ("text", "jsonl", "parquet", "tokens"):
+    if d.source in FILE_SOURCES:
         if not sources.split_patterns(d.files):
             raise ConfigError(f"data.source={d.source!r} reads data.files, which is empty: set "
                               "it to comma-separated paths or globs, e.g. "
@@ -60,10 +64,19 @@ def _check_source(config: ml_collections.ConfigDict) -> None:
     elif sources.split_patterns(d.files) or sources.split_patterns(d.eval_files):
         raise ConfigError(f"data.source={d.source!r} reads no files, but data.files / "
                           "data.eval_files are set; did you mean data.source=text, jsonl, "
-                          "parquet or tokens?")
+                          "parquet, tokens or chat?")
     if d.source == "tokens" and not d.packing:
         raise ConfigError("data.packing=False needs document boundaries, which pre-tokenized "
                           "files do not index; use data.packing=True with data.source=tokens.")
+    if d.source == "chat":
+        if d.overlong not in chat.OVERLONG:
+            raise ConfigError(f"data.overlong={d.overlong!r}: choose 'drop' (leave out a "
+                              "conversation longer than train.seq_len + 1 tokens) or "
+                              "'truncate' (keep its beginning).")
+        if d.tokenizer == "byte":
+            raise ConfigError("data.source='chat' needs the model's tokenizer: set data.tokenizer "
+                              "to its tokenizer.json (the chat template is read from the "
+                              "tokenizer_config.json beside it).")
     if d.source == "synthetic" and not d.packing:
         raise ConfigError("data.packing=False: the synthetic source only makes packed rows; "
                           "use data.packing=True or a text source.")
@@ -103,6 +116,8 @@ def check_config(config: ml_collections.ConfigDict, vocab_size: int) -> None:
     if d.source == "synthetic":
         return
     tok = _tokenizer(config, vocab_size)
+    if d.source == "chat":
+        _chat_template(config)
     for split in splits(config):
         field = _files_field(split)
         if d.source == "tokens":
@@ -122,13 +137,22 @@ def check_config(config: ml_collections.ConfigDict, vocab_size: int) -> None:
                     "batch_size/seq_len.")
         else:
             corpus = sources.open_corpus(d.source, _files(config, split), field,
-                                         d.text_field, split)
+                                         d.text_field, split, columns=_chat_columns(config))
             if corpus.total < t.batch_size:
                 raise ConfigError(
                     f"{corpus.field}: the corpus ({_names(corpus.files)}) has {corpus.total} "
                     f"{_unit(corpus)} in all, shorter than one batch: each of the "
                     f"train.batch_size={t.batch_size} rows reads its own share of the corpus. "
                     "Use more data or a smaller batch_size.")
+
+
+def _chat_template(config: ml_collections.ConfigDict) -> ChatTemplate:
+    return load_chat_template(config.data.tokenizer, config.data.chat_template)
+
+
+def _chat_columns(config: ml_collections.ConfigDict) -> tuple[str, ...]:
+    d = config.data
+    return (d.messages_field, d.prompt_field, d.completion_field) if d.source == "chat" else ()
 
 
 def _names(files: tuple[str, ...]) -> str:
@@ -177,6 +201,41 @@ def _text_rows(config: ml_collections.ConfigDict, tok: Tokenizer, split: str,
     return rows, corpus.fingerprint()
 
 
+def _chat_rows(config: ml_collections.ConfigDict, tok: Tokenizer, split: str,
+               slots: range) -> tuple[ChatRows, int]:
+    """Renders, tokenizes and fits the conversations of ``slots`` only; checks each slot
+    keeps at least one."""
+    d, t = config.data, config.train
+    template = _chat_template(config)
+    corpus = sources.open_corpus(d.source, _files(config, split), _files_field(split),
+                                 d.text_field, split, seed=t.seed, columns=_chat_columns(config))
+    cuts = {j: (j * corpus.total // t.batch_size, (j + 1) * corpus.total // t.batch_size)
+            for j in slots}
+    convs, dropped = {}, {}
+    for j, (lo, hi) in cuts.items():
+        docs = list(corpus.share(lo, hi))
+        encoded = [chat.encode(docs[k:k + _TOKENIZE_BATCH], template, tok,
+                               messages_field=d.messages_field, prompt_field=d.prompt_field,
+                               completion_field=d.completion_field)
+                   for k in range(0, len(docs), _TOKENIZE_BATCH)]
+        fitted = [chat.fit(ids, mask, t.seq_len + 1, d.overlong)
+                  for batch in encoded for ids, mask in batch]
+        convs[j] = [c for c in fitted if c is not None]
+        dropped[j] = len(fitted) - len(convs[j])
+    for j, (lo, hi) in cuts.items():
+        if not convs[j]:
+            raise ConfigError(
+                f"{corpus.field}: batch row {j} of train.batch_size={t.batch_size} reads "
+                f"{_unit(corpus)} {lo}..{hi} of {corpus.total} and keeps no conversation: "
+                f"{dropped[j]} of them are longer than train.seq_len={t.seq_len} + 1 tokens "
+                f"(data.overlong={d.overlong!r}). Use more data, a smaller batch_size, a larger "
+                "seq_len or data.overlong=truncate.")
+    rows = ChatRows(convs, t.seq_len, t.seed, tok.pad_id, packing=d.packing, dropped=dropped)
+    # The rendering decides the tokens, so a changed template or policy changes the batches.
+    key = f"{corpus.fingerprint()}:{template.text}:{d.overlong}:{d.packing}"
+    return rows, zlib.crc32(key.encode())
+
+
 def _tokenize(documents: Iterator[sources.Document], tok: Tokenizer) -> list[np.ndarray]:
     out: list[np.ndarray] = []
     batch: list[str | bytes] = []
@@ -222,12 +281,26 @@ def make_loader(config: ml_collections.ConfigDict, vocab_size: int, split: str =
         fingerprint = sources.Corpus("tokens", tuple(f.path for f in files),
                                      tuple(f.n_tokens for f in files), field, "").fingerprint()
     else:
-        source, fingerprint = _text_rows(config, _tokenizer(config, vocab_size), split,
-                                         range(start, start + count))
+        make_rows = _chat_rows if d.source == "chat" else _text_rows
+        source, fingerprint = make_rows(config, _tokenizer(config, vocab_size), split,
+                                        range(start, start + count))
     state_key = {"batch_size": t.batch_size, "seq_len": t.seq_len, "seed": t.seed,
                  "corpus": fingerprint}
     return Loader(source, start, count, state_key,
                   d.prefetch if prefetch is None else prefetch, transform)
+
+
+def dropped_overlong(loader: Loader) -> int:
+    """Conversations left out for length (``data.overlong``) in all rows of the batch,
+    over all processes: a collective when there are several, so every process calls it
+    at the same point. A row that several processes load (context parallelism across
+    them) counts once."""
+    per_row = np.full(loader.batch_size, -1, np.int64)  # -1: a row this process does not load
+    for j, n in getattr(loader.source, "dropped", {}).items():
+        per_row[j] = n
+    if jax.process_count() > 1:
+        per_row = np.asarray(multihost_utils.process_allgather(per_row)).max(axis=0)
+    return int(per_row.clip(min=0).sum())
 
 
 class Loader:

@@ -9,10 +9,17 @@ sees every document from its beginning. Predicting a document's EOS is learned;
 predicting the first token of the next document is not (the loss mask drops
 it). Unpacked rows hold one piece of one document each, padded with segment 0
 and a zero loss mask.
+
+Chat rows (``pack_bins``, ``chat_fields``) hold whole conversations, never a
+piece of one: each row is up to ``seq_len + 1`` tokens of conversations laid
+end to end (no EOS between them: the template's end-of-turn token ends each),
+padded at the end with segment 0, and the loss mask is also 0 wherever the
+target is not the assistant's.
 """
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Sequence
 
 import numpy as np
@@ -61,6 +68,38 @@ def padded_fields(pieces: Sequence[np.ndarray], seq_len: int, pad_id: int
         "segment_ids": real,
         "loss_mask": real.copy(),
     }
+
+
+def pack_bins(lengths: Sequence[int], capacity: int, order: Sequence[int]) -> list[list[int]]:
+    """Items of ``lengths`` (each <= ``capacity``) taken in ``order`` into bins of
+    ``capacity``, best fit: each goes into the fullest bin it fits in, or a new one.
+    Deterministic for a given order."""
+    room: list[tuple[int, int]] = []  # (space left, bin), sorted; bins with space for 2+ tokens
+    bins: list[list[int]] = []
+    for i in order:
+        n = int(lengths[i])
+        k = bisect.bisect_left(room, (n, -1))
+        if k < len(room):
+            left, b = room.pop(k)
+            bins[b].append(int(i))
+        else:
+            left, b = capacity, len(bins)
+            bins.append([int(i)])
+        if left - n >= 2:  # a conversation of fewer than 2 tokens has no target
+            bisect.insort(room, (left - n, b))
+    return bins
+
+
+def chat_fields(tokens: np.ndarray, docs: np.ndarray, mask: np.ndarray) -> dict[str, np.ndarray]:
+    """Batch fields of rows of whole conversations ``tokens`` ``(n, L+1)``: ``docs`` keys
+    the conversation of each token (-1 on the padding at the end), ``mask`` is 1 on the
+    tokens that are learned as targets."""
+    fields = packed_fields(tokens, docs)
+    pad = docs[:, :-1] < 0
+    fields["segment_ids"] = np.where(pad, 0, fields["segment_ids"]).astype(np.int32)
+    fields["positions"] = np.where(pad, 0, fields["positions"]).astype(np.int32)
+    fields["loss_mask"] = (fields["loss_mask"] * (mask[:, 1:] > 0) * ~pad).astype(np.int32)
+    return fields
 
 
 def unpack(row: dict[str, np.ndarray]) -> list[np.ndarray]:

@@ -13,6 +13,10 @@ Opening a corpus only lists files and reads sizes and Parquet footers: the
 cheap checks (missing or empty files, a glob that matches nothing, a missing
 Parquet column) run before anything is read or compiled. Pre-tokenized token
 files are described by ``TokenFile``.
+
+Chat data (``open_corpus('chat', ...)``) is JSON Lines or Parquet read as
+*records*: each document's content is the whole JSON object (or the row's
+chosen columns) as a dict, which ``ndjax.data.chat`` turns into a conversation.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ import numpy as np
 from ndjax.errors import ConfigError
 
 TEXT_KINDS = ("builtin", "text", "jsonl", "parquet")
+RECORD_KINDS = ("chat",)  # JSON Lines or Parquet (by extension), read as records
 # Directories of the stdlib that are not the library itself (installed
 # packages differ between machines; tests contain deliberately broken files).
 _BUILTIN_SKIP = {"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__"}
@@ -39,7 +44,7 @@ _CHUNK = 1 << 16
 
 @dataclasses.dataclass(frozen=True)
 class Document:
-    content: bytes | str
+    content: bytes | str | dict  # dict: a record (chat data)
     path: str
     offset: int  # byte offset in the file (text, jsonl) or row index (parquet)
     kind: str
@@ -144,6 +149,9 @@ class Corpus:
     sizes: tuple[int, ...]
     field: str        # the config field that named the files, for errors
     text_field: str   # JSON Lines key / Parquet column
+    # Non-empty: documents are records (dicts) holding these Parquet columns (those a
+    # file has; JSON Lines records are whole), not the text of ``text_field``.
+    columns: tuple[str, ...] = ()
 
     @property
     def total(self) -> int:
@@ -162,7 +170,8 @@ class Corpus:
             offset += size
             if a < b:
                 if self.kind == "parquet":
-                    yield from _parquet_rows(path, a, b, self.text_field, self.field)
+                    yield from _parquet_rows(path, a, b, self.text_field, self.field,
+                                             self.columns)
                 else:
                     yield from self._read_lines(path, a, b, size)
             if offset >= hi:
@@ -182,9 +191,23 @@ class Corpus:
         pos = 0
         for line in data.split(b"\n"):
             if line.strip():
-                yield Document(self._json_text(line, path, start + pos), path, start + pos,
-                               "jsonl", self.field)
+                content = (self._json_record(line, path, start + pos) if self.columns
+                           else self._json_text(line, path, start + pos))
+                yield Document(content, path, start + pos, "jsonl", self.field)
             pos += len(line) + 1
+
+    def _json_record(self, line: bytes, path: str, offset: int) -> dict:
+        try:
+            record = json.loads(line)
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            reason = e.msg if isinstance(e, json.JSONDecodeError) else "bad UTF-8"
+            record, found = None, f" ({reason})"
+        else:
+            found = f" (found {type(record).__name__})"
+        if not isinstance(record, dict):
+            raise ConfigError(f"{self.field}: {path}:{line_number(path, offset)}: not a JSON "
+                              f"object{found}.")
+        return record
 
     def _json_text(self, line: bytes, path: str, offset: int) -> str:
         where = lambda: f"{self.field}: {path}:{line_number(path, offset)}"  # noqa: E731
@@ -228,7 +251,7 @@ def _pyarrow_parquet(field: str):
     return pq
 
 
-def _parquet_file(path: str, text_field: str, field: str):
+def _parquet_file(path: str, text_field: str, field: str, columns: tuple[str, ...] = ()):
     pq = _pyarrow_parquet(field)
     import pyarrow as pa
     try:
@@ -236,6 +259,12 @@ def _parquet_file(path: str, text_field: str, field: str):
     except Exception as e:  # pyarrow raises ArrowInvalid and friends
         raise ConfigError(f"{field}: {path} is not a Parquet file ({e}).") from None
     schema = pf.schema_arrow
+    if columns:  # records: the row's types are checked where the record is used
+        if not set(columns) & set(schema.names):
+            raise ConfigError(f"{field}: {path} has none of the columns {list(columns)} "
+                              f"(columns: {schema.names}); set data.messages_field, or "
+                              "data.prompt_field and data.completion_field.")
+        return pf
     if text_field not in schema.names:
         raise ConfigError(f"{field}: {path} has no column {text_field!r} (columns: "
                           f"{schema.names}); set data.text_field.")
@@ -245,14 +274,18 @@ def _parquet_file(path: str, text_field: str, field: str):
     return pf
 
 
-def _parquet_rows(path: str, a: int, b: int, text_field: str, field: str
-                  ) -> Iterator[Document]:
-    pf = _parquet_file(path, text_field, field)
+def _parquet_rows(path: str, a: int, b: int, text_field: str, field: str,
+                  columns: tuple[str, ...] = ()) -> Iterator[Document]:
+    """Rows ``[a, b)``: the text of ``text_field``, or (``columns`` given) a dict of those
+    of ``columns`` the file has."""
+    pf = _parquet_file(path, text_field, field, columns)
+    present = [c for c in columns if c in pf.schema_arrow.names]
     row = 0
     for g in range(pf.num_row_groups):
         n = pf.metadata.row_group(g).num_rows
         if row < b and row + n > a:
-            values = pf.read_row_group(g, columns=[text_field]).column(0).to_pylist()
+            table = pf.read_row_group(g, columns=present or [text_field])
+            values = table.to_pylist() if present else table.column(0).to_pylist()
             for i in range(max(a, row) - row, min(b, row + n) - row):
                 if values[i] is None:
                     raise ConfigError(f"{field}: {path} row {row + i}: {text_field!r} is null.")
@@ -263,16 +296,25 @@ def _parquet_rows(path: str, a: int, b: int, text_field: str, field: str
 
 
 def open_corpus(kind: str, spec: str, field: str, text_field: str, split: str = "train",
-                seed: int | None = None) -> Corpus:
+                seed: int | None = None, columns: tuple[str, ...] = ()) -> Corpus:
     """Lists and sizes the files (reading no contents). ``seed`` shuffles the file order,
-    so that each contiguous share of the corpus mixes files from everywhere."""
+    so that each contiguous share of the corpus mixes files from everywhere. ``kind``
+    'chat' reads ``columns`` of Parquet files, or JSON Lines records, as dicts."""
     if kind == "builtin":
         files = builtin_files(split)
         field = "data.source='builtin'"
     else:
         files = resolve_files(spec, field)
+    if kind in RECORD_KINDS:
+        parquet = [f.endswith(".parquet") for f in files]
+        if any(parquet) and not all(parquet):
+            raise ConfigError(f"{field}: mixes .parquet and JSON Lines files ({_some(files)}); "
+                              "give one kind of file per split.")
+        kind = "parquet" if all(parquet) else "jsonl"
+    else:
+        columns = ()
     if kind == "parquet":
-        sizes = [_parquet_file(f, text_field, field).metadata.num_rows for f in files]
+        sizes = [_parquet_file(f, text_field, field, columns).metadata.num_rows for f in files]
         for f, n in zip(files, sizes):
             if n == 0:
                 raise ConfigError(f"{field}: {f} has no rows.")
@@ -281,7 +323,11 @@ def open_corpus(kind: str, spec: str, field: str, text_field: str, split: str = 
     order = range(len(files)) if seed is None else np.random.default_rng(
         [seed, 0xF11E5]).permutation(len(files))
     return Corpus(kind, tuple(files[i] for i in order), tuple(sizes[i] for i in order), field,
-                  text_field)
+                  text_field, tuple(columns))
+
+
+def _some(files: list[str]) -> str:
+    return ", ".join(files[:3]) + (f" and {len(files) - 3} more" if len(files) > 3 else "")
 
 
 # ----- pre-tokenized token files ------------------------------------------------

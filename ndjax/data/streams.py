@@ -11,6 +11,11 @@ processes, and resuming is just asking for the next step.
   is its ``W`` windows of ``L+1`` tokens at stride ``L``, in a seeded order;
   row ``j`` of step ``t`` is window ``t mod W`` of epoch ``t // W``. A process
   builds only the slots of its rows, so it reads and tokenizes only its share.
+- ``ChatRows``: rows of whole conversations (chat data). Slot ``j`` packs its
+  conversations (in a seeded order) into ``B`` rows of at most ``L+1`` tokens
+  once (``pack_bins``; one per row without packing); row ``j`` of step ``t`` is
+  row ``permute(t mod B)`` of epoch ``t // B``, so each epoch visits every row
+  once in a fresh seeded order.
 - ``TokenRows``: windows of ``L+1`` tokens of pre-tokenized files at stride
   ``L``; global row ``g = step*batch_size + j`` is window ``permute(g mod n)``
   of epoch ``g // n``, a seeded bijection, so every window is seen once per epoch.
@@ -23,7 +28,13 @@ from typing import Protocol
 
 import numpy as np
 
-from ndjax.data.packing import packed_fields, padded_fields, segments_from_eos
+from ndjax.data.packing import (
+    chat_fields,
+    pack_bins,
+    packed_fields,
+    padded_fields,
+    segments_from_eos,
+)
 from ndjax.data.sources import TokenFile
 from ndjax.errors import ConfigError
 
@@ -167,6 +178,49 @@ class TextRows:
         windows = [s.row(step, self.seq_len) for s in slots]
         return packed_fields(np.stack([w[0] for w in windows]),
                              np.stack([w[1] for w in windows]))
+
+
+class ChatRows:
+    """Rows of whole conversations, one stream per row slot (see the module docstring).
+
+    ``convs`` maps each slot this process feeds to its conversations: ``(ids, mask)``
+    pairs of at most ``seq_len + 1`` tokens (``chat.fit`` has cut or dropped the
+    others), at least one per slot. ``dropped`` counts, per slot, the conversations
+    left out for length; it is reported, not used.
+    """
+
+    def __init__(self, convs: Mapping[int, Sequence[tuple[np.ndarray, np.ndarray]]],
+                 seq_len: int, seed: int, pad_id: int, packing: bool = True,
+                 dropped: Mapping[int, int] | None = None):
+        self.seq_len, self.seed, self.pad_id = seq_len, seed, pad_id
+        self.dropped = dict(dropped or {})
+        self.slots = {}
+        for j, c in convs.items():
+            order = np.random.default_rng([seed, j, 0xC4A7]).permutation(len(c))
+            bins = (pack_bins([len(ids) for ids, _ in c], seq_len + 1, order) if packing
+                    else [[int(i)] for i in order])
+            self.slots[j] = (list(c), bins)
+
+    def _row(self, j: int, step: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        convs, bins = self.slots[j]
+        e, i = divmod(step, len(bins))
+        b = bins[int(permute(np.array([i]), len(bins), [self.seed, j, e, 3])[0])]
+        width = self.seq_len + 1
+        tokens = np.full(width, self.pad_id, np.int64)
+        docs, mask = np.full(width, -1, np.int64), np.zeros(width, np.uint8)
+        at = 0
+        for k, c in enumerate(b):
+            ids, m = convs[c]
+            tokens[at:at + len(ids)], docs[at:at + len(ids)], mask[at:at + len(ids)] = ids, k, m
+            at += len(ids)
+        return tokens, docs, mask
+
+    def rows(self, step: int, start: int, count: int) -> dict[str, np.ndarray]:
+        missing = sorted(set(range(start, start + count)) - set(self.slots))
+        if missing:
+            raise ValueError(f"rows {missing} are not loaded by this process")
+        rows = [self._row(j, step) for j in range(start, start + count)]
+        return chat_fields(*(np.stack([r[k] for r in rows]) for k in range(3)))
 
 
 class TokenRows:

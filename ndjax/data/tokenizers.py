@@ -98,6 +98,19 @@ class HFTokenizer:
         encoded = self._tok.encode_batch(list(texts), add_special_tokens=False)
         return [np.asarray(e.ids, self._dtype) for e in encoded]
 
+    def encode_offsets(self, texts: Sequence[str]) -> list[tuple[np.ndarray, np.ndarray]]:
+        """Ids and each token's ``(start, end)`` character offsets ``(n, 2)`` in its text,
+        without special tokens added: what chat data needs to find the assistant's tokens."""
+        encoded = self._tok.encode_batch(list(texts), add_special_tokens=False)
+        return [(np.asarray(e.ids, self._dtype), np.asarray(e.offsets, np.int64).reshape(-1, 2))
+                for e in encoded]
+
+    @functools.cached_property
+    def special_tokens(self) -> tuple[str, ...]:
+        """The text of every added token marked special (``<|eot_id|>``, ``<|im_end|>``...)."""
+        return tuple(t.content for t in self._tok.get_added_tokens_decoder().values()
+                     if t.special)
+
     def decode(self, ids: Sequence[int]) -> str:
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=False)
 
