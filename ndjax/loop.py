@@ -69,6 +69,76 @@ class Profiler:
             jax.profiler.stop_trace()
 
 
+class StepLog:
+    """Per-step metrics: checks each step's finiteness, times it, writes a record
+    every ``log.every`` steps.
+
+    A step's metrics are read only when the next step has been dispatched
+    (``push`` holds one step back), so the host waits for step i-1 while step i
+    runs and logging never leaves the device idle.
+    """
+
+    def __init__(self, exp: Experiment, sinks: Sinks, data_counts: dict[str, int]):
+        config, t = exp.config, exp.config.train
+        self.sinks, self.data_counts = sinks, data_counts
+        self.on_nan, self.every, self.steps = t.on_nan, config.log.every, t.steps
+        self.devices = exp.mesh.devices.size
+        self.tokens_per_step = t.batch_size * t.seq_len
+        self.flops_per_step = flops_per_token(exp.model_cfg, t.seq_len) * self.tokens_per_step
+        self.peak = peak_tflops(exp.mesh.devices.flat[0].device_kind, config.log.peak_tflops)
+        self.records: list[dict[str, Any]] = []
+        self.pending: tuple[int, dict[str, Any]] | None = None
+        self.last_good = self.skipped = 0
+        self.restart_clock()
+
+    def restart_clock(self) -> None:
+        """The next step_time counts from now (e.g. not the evaluation before it)."""
+        self.last_time = time.perf_counter()
+
+    def push(self, step: int, metrics: dict[str, Any]) -> None:
+        """This step's (not yet read) metrics; reads and logs the previous step's."""
+        self.flush()
+        self.pending = (step, metrics)
+
+    def flush(self) -> None:
+        """Reads and logs the held-back step, if any (before a save or an evaluation,
+        so that a NaN stops the run before it is saved and records stay in order)."""
+        if self.pending is not None:
+            step, metrics = self.pending
+            self.pending = None
+            self._log(step, metrics)
+
+    def write_eval(self, record: dict[str, Any]) -> None:
+        self.sinks.write_eval(record)
+        self.records.append(record)
+        self.restart_clock()
+
+    def _log(self, step: int, metrics: dict[str, Any]) -> None:
+        values = {k: np.asarray(v).item() for k, v in jax.device_get(metrics).items()}
+        now = time.perf_counter()
+        elapsed, self.last_time = now - self.last_time, now
+        if values.pop("finite"):
+            self.last_good = step
+        elif self.on_nan == "stop":
+            raise NonFiniteError(
+                f"loss {values['loss']} / grad norm {values['grad_norm']} at step {step} "
+                f"(last good step {self.last_good}); nothing was saved. Lower train.lr or "
+                "train.clip_norm, or set train.on_nan=skip to drop such updates.")
+        else:
+            self.skipped += 1
+            self.sinks.message(f"step {step}: non-finite loss or gradient, update skipped")
+        if step % self.every and step != self.steps:
+            return
+        tflops = self.flops_per_step / elapsed / self.devices / 1e12
+        record = {"step": step, **values, "step_time": elapsed,
+                  "tokens_per_sec": self.tokens_per_step / elapsed,
+                  "tokens_per_sec_per_device": self.tokens_per_step / elapsed / self.devices,
+                  "tflops_per_device": tflops, "mfu": tflops / self.peak if self.peak else None,
+                  "skipped_steps": self.skipped, **self.data_counts, **device_memory()}
+        self.sinks.write(record)
+        self.records.append(record)
+
+
 def _keep_metrics_until(path: str, step: int) -> None:
     """On resume, drop records of steps after the restored one: they are redone."""
     if not os.path.exists(path):
@@ -142,50 +212,16 @@ def train(config: ml_collections.ConfigDict, workdir: str,
                 exp.compiled_eval  # noqa: B018 -- compile now, not inside the first timed step
             sinks.message(summary.compiled(exp, time.perf_counter() - compile_start))
 
-        num_devices = exp.mesh.devices.size
-        tokens_per_step = t.batch_size * t.seq_len
-        flops_per_step = flops_per_token(exp.model_cfg, t.seq_len) * tokens_per_step
-        peak = peak_tflops(exp.mesh.devices.flat[0].device_kind, config.log.peak_tflops)
         profiler = Profiler(config.log.profile_steps, os.path.join(workdir, "profile"))
         if resume_step is not None:
             replaced = f"; removed newer checkpoints {dropped}, this run replaces them"
             sinks.message(f"resumed from checkpoint step {resume_step}"
                           + (replaced if dropped else ""))
 
-        logged: list[dict[str, Any]] = []
-        last_time = time.perf_counter()
-        last_good, skipped = 0, 0
-
-        def flush(step: int, metrics: dict[str, jax.Array]) -> None:
-            nonlocal last_time, last_good, skipped
-            values = {k: np.asarray(v).item() for k, v in jax.device_get(metrics).items()}
-            now = time.perf_counter()
-            elapsed, last_time = now - last_time, now
-            if values.pop("finite"):
-                last_good = step
-            elif t.on_nan == "stop":
-                raise NonFiniteError(
-                    f"loss {values['loss']} / grad norm {values['grad_norm']} at step {step} "
-                    f"(last good step {last_good}); nothing was saved. Lower train.lr or "
-                    "train.clip_norm, or set train.on_nan=skip to drop such updates.")
-            else:
-                skipped += 1
-                sinks.message(f"step {step}: non-finite loss or gradient, update skipped")
-            if step % config.log.every and step != t.steps:
-                return
-            tflops = flops_per_step / elapsed / num_devices / 1e12
-            record = {"step": step, **values, "step_time": elapsed,
-                      "tokens_per_sec": tokens_per_step / elapsed,
-                      "tokens_per_sec_per_device": tokens_per_step / elapsed / num_devices,
-                      "tflops_per_device": tflops, "mfu": tflops / peak if peak else None,
-                      "skipped_steps": skipped, **data_counts, **device_memory()}
-            sinks.write(record)
-            logged.append(record)
-
+        log = StepLog(exp, sinks, data_counts)
         every = config.checkpoint.every
         preemption = Preemption()
         cleanup.callback(preemption.close)
-        pending = None
         saved = resume_step
         for step in range(first_step, t.steps + 1):
             waited = time.perf_counter()
@@ -194,25 +230,13 @@ def train(config: ml_collections.ConfigDict, workdir: str,
             profiler.before(step)
             state, metrics = step_fn(state, batch)
             profiler.after(step, metrics)
-            metrics = {**metrics, "data_wait": waited}
-            # Read the previous step's metrics only now, after this step has
-            # been dispatched: the host waits for step-1 while step runs, so
-            # logging never leaves the device idle.
-            if pending is not None:
-                flush(*pending)
-            pending = (step, metrics)
+            log.push(step, {**metrics, "data_wait": waited})
             if t.eval_every and step % t.eval_every == 0:
-                flush(*pending)  # keep metrics.jsonl in step order
-                pending = None
-                record = {"step": step, **evaluate(exp, state.params, eval_batches)}
-                sinks.write_eval(record)
-                logged.append(record)
-                last_time = time.perf_counter()  # the next step_time excludes the evaluation
+                log.flush()
+                log.write_eval({"step": step, **evaluate(exp, state.params, eval_batches)})
             stop = preemption.should_stop(step)
             if stop or step == t.steps or (every and step % every == 0):
-                if pending is not None:
-                    flush(*pending)  # a NaN stop must come before the save
-                    pending = None
+                log.flush()
                 checkpointer.save(step, state, data.get_state())
                 saved = step
             if stop:
@@ -220,8 +244,7 @@ def train(config: ml_collections.ConfigDict, workdir: str,
                 sinks.message(f"SIGTERM: saved checkpoint step {step} in "
                               f"{checkpointer.directory}; exiting")
                 break
-        if pending is not None:
-            flush(*pending)
+        log.flush()
         # A preempted run exports when it is resumed and finishes.
         if config.export.hf_dir and not preemption.requested:
             hf.export(state.params, exp.model_cfg, config.export.hf_dir, config.export.dtype,
@@ -229,9 +252,9 @@ def train(config: ml_collections.ConfigDict, workdir: str,
             sinks.message(f"exported Hugging Face checkpoint to {config.export.hf_dir}")
         checkpointer.wait()  # the path printed below is complete
         for line in summary.end(
-                logged, time.perf_counter() - started, workdir,
+                log.records, time.perf_counter() - started, workdir,
                 None if saved is None else os.path.join(checkpointer.directory, str(saved)),
                 config.export.hf_dir if config.export.hf_dir and not preemption.requested
                 else None):
             sinks.message(line)
-        return logged
+        return log.records
