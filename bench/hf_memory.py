@@ -10,8 +10,9 @@ themselves: on the CPU backend device memory is host memory); "phase peak" is
 the highest RSS during the phase (``VmHWM`` after resetting it through
 ``/proc/self/clear_refs``); "added" is their difference, what the phase itself
 costs the host. For import that includes the float32 parameters it creates and
-the checkpoint pages the process mapped ("mapped", ``RssFile`` growth: page
-cache, reclaimable). "process peak" is the child's whole-life ``ru_maxrss`` (``os.wait4``).
+the checkpoint pages the process has mapped while it reads ("mapped": the
+highest ``RssFile`` growth, sampled every millisecond; page cache, reclaimable).
+"process peak" is the child's whole-life ``ru_maxrss`` (``os.wait4``).
 
 Run from the repo root:
 
@@ -32,6 +33,7 @@ import re
 import subprocess
 import sys
 import tempfile
+import threading
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FULL = dict(vocab_size=32000, dim=768, n_layers=12, n_heads=12, n_kv_heads=12, ffn_dim=2048,
@@ -63,7 +65,25 @@ def _status() -> dict[str, int]:
                 re.findall(r"^(VmRSS|VmHWM|RssFile):\s+(\d+) kB", f.read(), re.M)}
 
 
-def _start_phase() -> dict[str, int]:
+class _FileSampler(threading.Thread):
+    """The highest RssFile seen while it runs: no kernel counter keeps that peak."""
+
+    def __init__(self) -> None:
+        super().__init__(daemon=True)
+        self.peak = _status()["RssFile"]
+        self.done = threading.Event()
+
+    def run(self) -> None:
+        while not self.done.wait(0.001):
+            self.peak = max(self.peak, _status()["RssFile"])
+
+    def stop(self) -> int:
+        self.done.set()
+        self.join()
+        return max(self.peak, _status()["RssFile"])
+
+
+def _start_phase() -> tuple[dict[str, int], _FileSampler]:
     # Freed heap that malloc still holds would count in "before" and hide the
     # phase's own allocations, which reuse it: give it back first.
     gc.collect()
@@ -71,7 +91,9 @@ def _start_phase() -> dict[str, int]:
         ctypes.CDLL(ctypes.util.find_library("c")).malloc_trim(0)
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")  # resets VmHWM to the current RSS: the peak from here on is the phase's
-    return _status()
+    sampler = _FileSampler()
+    sampler.start()
+    return _status(), sampler
 
 
 def _config(dims: dict, init_from: str | None):
@@ -110,17 +132,16 @@ def child(phase: str, directory: str, dims: dict, limit: int | None) -> dict:
     if phase == "export":
         exp = Experiment.from_config(_config(dims, None))
         params = _random_params(exp)
-        before = _start_phase()
+        before, sampler = _start_phase()
         kwargs = {} if limit is None else dict(shard_bytes=limit)
         hf.export(params, exp.model_cfg, directory, "bfloat16", **kwargs)
     else:
         exp = Experiment.from_config(_config(dims, directory))
-        before = _start_phase()
+        before, sampler = _start_phase()
         params = jax.block_until_ready(
             hf.load_params(exp.checkpoint, exp.param_shapes, exp.state_sharding.params))
-    after = _status()
-    return dict(before=before["VmRSS"], peak=after["VmHWM"],
-                mapped=after["RssFile"] - before["RssFile"],
+    mapped = sampler.stop() - before["RssFile"]
+    return dict(before=before["VmRSS"], peak=_status()["VmHWM"], mapped=mapped,
                 params=sum(x.size for x in jax.tree.leaves(params)))
 
 
