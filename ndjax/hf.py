@@ -95,7 +95,6 @@ class _Entry:
     """Where one HF tensor is, from its file's header."""
 
     path: str
-    dtype: np.dtype
     shape: tuple[int, ...]
 
 
@@ -103,8 +102,8 @@ def _read_header(path: str) -> dict[str, _Entry]:
     """Every tensor of one .safetensors file; the library checks the header and offsets."""
     try:
         with safe_open(path, framework="numpy") as f:
-            found = {name: (f.get_slice(name).get_dtype(), tuple(f.get_slice(name).get_shape()))
-                     for name in f.keys()}
+            slices = {name: f.get_slice(name) for name in f.keys()}
+            found = {name: (s.get_dtype(), tuple(s.get_shape())) for name, s in slices.items()}
     except SafetensorError as e:
         raise ConfigError(f"{path} is not a readable safetensors file ({e}). Re-save it with "
                           "transformers' save_pretrained.") from e
@@ -113,7 +112,7 @@ def _read_header(path: str) -> dict[str, _Entry]:
         if code not in _DTYPES:
             raise ConfigError(f"{path}: tensor {name} has dtype {code}; ndjax reads "
                               f"{sorted(_DTYPES)}. Convert the checkpoint first.")
-        entries[name] = _Entry(path, _DTYPES[code], shape)
+        entries[name] = _Entry(path, shape)
     return entries
 
 
@@ -126,14 +125,16 @@ def _fill(out: np.ndarray, tensor: Any, shape: tuple[int, ...], split: int | Non
     the host holds ``out`` plus one chunk. HF axis 0 holds the ndjax axes
     ``shape[split:]`` flattened, axis 1 ``shape[:split]`` (split None: the same
     axes). Of each group only its first axis is sliced in the file; the others
-    (never sharded by ndjax's rules) are read whole and cut on the host.
+    (which the rule presets never shard; a custom table may) are read whole and
+    cut on the host.
     """
     groups = ([[a] for a in range(len(shape))] if split is None
               else [list(range(split, len(shape))), list(range(split))])
     spans = [range(n)[i] for n, i in zip(shape, index)]
     inner = [math.prod(shape[a] for a in g[1:]) for g in groups]
-    lead = groups[0][0]
-    rows = max(1, min(_CHUNK_CAP, out.nbytes // _CHUNKS) // max(1, out.nbytes // len(spans[lead])))
+    lead = groups[0][0]  # the ndjax axis that the file's rows step through
+    row_bytes = out.nbytes // len(spans[lead])
+    rows = max(1, min(_CHUNK_CAP, out.nbytes // _CHUNKS) // max(1, row_bytes))
     hf_order = [a for g in groups for a in g]
     for lo in range(spans[lead].start, spans[lead].stop, rows):
         hi = min(lo + rows, spans[lead].stop)
@@ -158,7 +159,7 @@ class Checkpoint:
     directory: str
     config: dict          # config.json as read
     dims: dict            # llama.LlamaConfig fields from config.json
-    tensors: dict[str, _Entry]  # Hugging Face tensor name -> its file, dtype and shape
+    tensors: dict[str, _Entry]  # Hugging Face tensor name -> its file and shape
 
 
 def _field(where: str, key: str, fix: str = "") -> ConfigError:

@@ -458,6 +458,9 @@ BAD = {
                       dict(max_shard_size="80KB"),
                       r"index.json names \['model-00002-of-0000\d.safetensors'\] files that "
                       r"are not there"),
+    "truncated weights": (lambda d: os.truncate(d / "model.safetensors", 1000), {},
+                          r"model.safetensors is not a readable safetensors file \(.*\)\. "
+                          r"Re-save it"),
     "shape vs config.json": (lambda d: edit_config(d, intermediate_size=144), {},
                              r"mlp.gate_proj.weight has shape \(128, 64\), but config.json "
                              r"implies \(144, 64\) \(hidden_size=64, intermediate_size=144"),
