@@ -140,6 +140,9 @@ def default_config() -> ml_collections.ConfigDict:
     # (AutoModelForCausalLM.from_pretrained); None: no export.
     c.export.hf_dir = config_dict.placeholder(str)
     c.export.dtype = "bfloat16"   # of the exported weights: bfloat16 | float16 | float32
+    # Largest weight file, bytes (int) or "5GB" / "500MB" / "2GiB"; bigger models are split
+    # into files with an index, as transformers does. The host holds one file while writing.
+    c.export.max_shard_size = config_dict.FieldReference("5GB", field_type=object)
     return c
 
 

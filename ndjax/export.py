@@ -67,7 +67,8 @@ def export_checkpoint(workdir: str, out: str, step: int | None = None,
         state, _ = checkpointer.restore(step, exp.abstract_state)
     finally:
         checkpointer.close()
-    hf.export(state.params, exp.model_cfg, out, config.export.dtype, source=exp.checkpoint)
+    hf.export(state.params, exp.model_cfg, out, config.export.dtype, source=exp.checkpoint,
+              shard_bytes=hf.shard_size(config.export.max_shard_size))
     return step
 
 

@@ -1,19 +1,23 @@
-"""Hugging Face Llama checkpoints in and out.
+"""Hugging Face Llama checkpoints in and out, through the ``safetensors`` library.
 
 Import: ``open_checkpoint`` checks a local directory (``config.json`` plus one
-or more ``.safetensors`` files) before anything compiles and reads the model's
-dims from ``config.json``; ``load_params`` then builds every parameter directly
-in its target sharding, each device's shard read from the memory-mapped file.
+or more ``.safetensors`` files) before anything compiles: the model's dims from
+``config.json``, every tensor's dtype and shape from the file headers.
+``load_params`` then builds every parameter directly in its target sharding,
+each device's shard read lazily (``safe_open(...).get_slice(name)[index]``:
+only that shard's bytes, a chunk at a time), so the host holds about one shard.
 
-Export: ``export`` writes a directory that ``transformers`` loads, one tensor
-at a time (gathered to the host per Hugging Face tensor, i.e. per layer), into a
-temporary directory renamed into place at the end.
+Export: ``export`` writes a directory that ``transformers`` loads. The tensors
+are first planned into files of at most ``export.max_shard_size`` bytes, named
+and indexed (``model.safetensors.index.json``) as transformers does; then each
+file's tensors are gathered to the host (per Hugging Face tensor, i.e. per
+layer), written with ``safetensors.numpy.save_file`` and freed, so the host
+holds about one file. Everything goes into a temporary directory renamed into
+place at the end.
 
-The files are read and written here rather than with the ``safetensors``
-package: its numpy reader rejects bfloat16 (the dtype Llama checkpoints ship
-in) and its writer wants every tensor in memory at once. The format is a
-little-endian u64 header length, a JSON header (dtype, shape, byte offsets per
-tensor) and the raw bytes.
+Files are opened with ``framework="numpy"``: it returns host arrays (bfloat16
+through ml_dtypes, which jax registers) that go straight to their devices,
+where "flax" would first copy each slice to the default device.
 """
 
 from __future__ import annotations
@@ -26,7 +30,6 @@ import math
 import os
 import re
 import shutil
-import struct
 import tempfile
 import warnings
 from collections.abc import Iterator
@@ -36,7 +39,9 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 import numpy as np
+import safetensors.numpy
 from jax.experimental import multihost_utils
+from safetensors import SafetensorError, safe_open
 
 from ndjax.config import default_config
 from ndjax.errors import ConfigError
@@ -45,8 +50,15 @@ from ndjax.models import llama
 _DTYPES = {"F32": np.dtype(np.float32), "F16": np.dtype(np.float16),
            "BF16": np.dtype(jnp.bfloat16)}
 EXPORT_DTYPES = {"float32": "F32", "bfloat16": "BF16", "float16": "F16"}
-# Hugging Face's own shard size before transformers 5 (which went to 50GB).
+# export.max_shard_size's default: Hugging Face's own before transformers 5 (which
+# went to 50GB); a file's tensors are all on the host while it is written.
 SHARD_BYTES = 5 * 10**9
+_SIZE_UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+               "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+# A shard is read in this many chunks (of at most _CHUNK_CAP bytes each), so that
+# the host holds the shard plus one chunk of the file, not two copies of the shard.
+_CHUNKS = 32
+_CHUNK_CAP = 32 << 20
 # Files of the source directory that a Hugging Face user expects next to the weights.
 _COPIED = re.compile(r"(tokenizer|special_tokens_map|added_tokens|generation_config|"
                      r"chat_template)[\w.-]*")
@@ -78,47 +90,63 @@ def _hf_shape(shape: tuple[int, ...], split: int | None) -> tuple[int, ...]:
 # ----- safetensors files --------------------------------------------------------
 
 
-class _File:
-    """One .safetensors file: its header now, its data memory-mapped on first use."""
+@dataclasses.dataclass(frozen=True)
+class _Entry:
+    """Where one HF tensor is, from its file's header."""
 
-    def __init__(self, path: str):
-        self.path = path
-        size = os.path.getsize(path)
-        try:
-            with open(path, "rb") as f:
-                (n,) = struct.unpack("<Q", f.read(8))
-                header = json.loads(f.read(n)) if 8 + n <= size else None
-        except (struct.error, ValueError, UnicodeDecodeError):
-            header = None
-        if not isinstance(header, dict):
-            raise ConfigError(f"{path} is not a safetensors file (bad header). Re-save it with "
-                              "transformers' save_pretrained.")
-        header.pop("__metadata__", None)
-        self.start = 8 + n
-        self.entries: dict[str, tuple[np.dtype, tuple[int, ...], int]] = {}
-        for name, e in header.items():
-            code = e.get("dtype") if isinstance(e, dict) else None
-            if code not in _DTYPES:
-                raise ConfigError(f"{path}: tensor {name} has dtype {code}; ndjax reads "
-                                  f"{sorted(_DTYPES)}. Convert the checkpoint first.")
-            try:
-                shape, (begin, end) = tuple(int(d) for d in e["shape"]), e["data_offsets"]
-                ok = end - begin == math.prod(shape) * _DTYPES[code].itemsize
-            except (KeyError, TypeError, ValueError):
-                ok = False
-            if not ok or self.start + end > size:
-                raise ConfigError(f"{path}: tensor {name} has a byte range that does not match "
-                                  "its shape or the file size; the file is damaged.")
-            self.entries[name] = (_DTYPES[code], shape, begin)
-        self._map: np.memmap | None = None
+    path: str
+    shape: tuple[int, ...]
 
-    def tensor(self, name: str) -> np.ndarray:
-        """A read-only view into the mapped file: nothing is read until it is indexed."""
-        if self._map is None:
-            self._map = np.memmap(self.path, np.uint8, mode="r")
-        dtype, shape, begin = self.entries[name]
-        data = self._map[self.start + begin:self.start + begin + math.prod(shape) * dtype.itemsize]
-        return data.view(dtype).reshape(shape)
+
+def _read_header(path: str) -> dict[str, _Entry]:
+    """Every tensor of one .safetensors file; the library checks the header and offsets."""
+    try:
+        with safe_open(path, framework="numpy") as f:
+            slices = {name: f.get_slice(name) for name in f.keys()}
+            found = {name: (s.get_dtype(), tuple(s.get_shape())) for name, s in slices.items()}
+    except SafetensorError as e:
+        raise ConfigError(f"{path} is not a readable safetensors file ({e}). Re-save it with "
+                          "transformers' save_pretrained.") from e
+    entries = {}
+    for name, (code, shape) in found.items():
+        if code not in _DTYPES:
+            raise ConfigError(f"{path}: tensor {name} has dtype {code}; ndjax reads "
+                              f"{sorted(_DTYPES)}. Convert the checkpoint first.")
+        entries[name] = _Entry(path, shape)
+    return entries
+
+
+def _fill(out: np.ndarray, tensor: Any, shape: tuple[int, ...], split: int | None,
+          index: tuple[slice, ...]) -> None:
+    """Writes shard ``index`` of an ndjax parameter (layout ``shape``) into ``out``.
+
+    ``tensor`` is the HF tensor's safetensors slice (``get_slice``): only the rows
+    of this shard are read, a chunk of at most 1/_CHUNKS of ``out`` at a time, so
+    the host holds ``out`` plus one chunk. HF axis 0 holds the ndjax axes
+    ``shape[split:]`` flattened, axis 1 ``shape[:split]`` (split None: the same
+    axes). Of each group only its first axis is sliced in the file; the others
+    (which the rule presets never shard; a custom table may) are read whole and
+    cut on the host.
+    """
+    groups = ([[a] for a in range(len(shape))] if split is None
+              else [list(range(split, len(shape))), list(range(split))])
+    spans = [range(n)[i] for n, i in zip(shape, index)]
+    inner = [math.prod(shape[a] for a in g[1:]) for g in groups]
+    lead = groups[0][0]  # the ndjax axis that the file's rows step through
+    row_bytes = out.nbytes // len(spans[lead])
+    rows = max(1, min(_CHUNK_CAP, out.nbytes // _CHUNKS) // max(1, row_bytes))
+    hf_order = [a for g in groups for a in g]
+    for lo in range(spans[lead].start, spans[lead].stop, rows):
+        hi = min(lo + rows, spans[lead].stop)
+        first = [range(lo, hi)] + [spans[g[0]] for g in groups[1:]]
+        block = tensor[tuple(slice(f.start * n, f.stop * n) for f, n in zip(first, inner))]
+        block = block.reshape([len(f) if a == g[0] else shape[a]
+                               for f, g in zip(first, groups) for a in g])
+        block = block[tuple(slice(None) if a == g[0] else slice(spans[a].start, spans[a].stop)
+                            for g in groups for a in g)]
+        dst = [slice(None)] * len(shape)
+        dst[lead] = slice(lo - spans[lead].start, hi - spans[lead].start)
+        out[tuple(dst)] = block.transpose(np.argsort(hf_order))  # casts to out's dtype
 
 
 # ----- import ---------------------------------------------------------------------
@@ -131,13 +159,7 @@ class Checkpoint:
     directory: str
     config: dict          # config.json as read
     dims: dict            # llama.LlamaConfig fields from config.json
-    files: dict[str, _File]  # Hugging Face tensor name -> the file that holds it
-
-    def view(self, name: str, shape: tuple[int, ...], split: int | None) -> np.ndarray:
-        """The HF tensor ``name`` as a view in ndjax layout (``shape``); no copy."""
-        x = self.files[name].tensor(name)
-        # copy=False: a layout the view cannot express must fail, not read the whole tensor.
-        return x if split is None else x.T.reshape(shape, copy=False)
+    tensors: dict[str, _Entry]  # Hugging Face tensor name -> its file and shape
 
 
 def _field(where: str, key: str, fix: str = "") -> ConfigError:
@@ -252,12 +274,12 @@ def open_checkpoint(directory: str) -> Checkpoint:
     except ValueError as e:
         raise ConfigError(f"model.init_from={directory!r}: config.json is not JSON ({e}).") from e
     dims = _dims(config, directory)
-    files: dict[str, _File] = {}
-    for file in map(_File, _weight_files(directory)):
-        files.update(dict.fromkeys(file.entries, file))
+    tensors: dict[str, _Entry] = {}
+    for path in _weight_files(directory):
+        tensors.update(_read_header(path))
     expected = _expected_shapes(dims)
-    missing = sorted(set(expected) - set(files))
-    extra = sorted(n for n in set(files) - set(expected) if not _IGNORED.fullmatch(n)
+    missing = sorted(set(expected) - set(tensors))
+    extra = sorted(n for n in set(tensors) - set(expected) if not _IGNORED.fullmatch(n)
                    and not (n == "lm_head.weight" and dims["tie_embeddings"]))
     if missing or extra:
         raise ConfigError(
@@ -266,7 +288,7 @@ def open_checkpoint(directory: str) -> Checkpoint:
             f"{dims['tie_embeddings']}): missing {missing[:4]}, unexpected {extra[:4]}. Use the "
             "config.json that was saved with these weights.")
     for name, shape in expected.items():
-        actual = files[name].entries[name][1]
+        actual = tensors[name].shape
         if actual != shape:
             raise ConfigError(
                 f"model.init_from={directory!r}: tensor {name} has shape {actual}, but "
@@ -274,7 +296,7 @@ def open_checkpoint(directory: str) -> Checkpoint:
                 f"{dims['ffn_dim']}, heads={dims['n_heads']}, kv heads={dims['n_kv_heads']}, "
                 f"head_dim={dims['head_dim']}, vocab_size={dims['vocab_size']}). Use the "
                 "config.json that was saved with these weights.")
-    return Checkpoint(directory, config, dims, files)
+    return Checkpoint(directory, config, dims, tensors)
 
 
 def override_dims(model: ml_collections.ConfigDict, preset_dims: dict, ckpt: Checkpoint
@@ -340,42 +362,64 @@ def load_params(ckpt: Checkpoint, shapes: Any, shardings: Any) -> Any:
     """The checkpoint as an ndjax parameter dict, every array created in its sharding.
 
     ``shapes`` and ``shardings`` are the Experiment's ``param_shapes`` and
-    ``state_sharding.params``. Each device's shard is read from the memory-mapped
-    file; for the stacked layer parameters, only the layers in that shard. Values
-    are converted to the parameters' dtype (``shapes``), rounding to nearest even.
+    ``state_sharding.params``. Each device's shard is read lazily from the files
+    (safetensors' ``get_slice``); for the stacked layer parameters, only the
+    layers in that shard. Values are converted to the parameters' dtype
+    (``shapes``), rounding to nearest even.
     """
-    def load(path, shape, sharding):
-        dtype = np.dtype(shape.dtype)
-        keys = tuple(str(k.key) for k in path)
-        if keys[0] != "layers":
-            name, split = _TOP[keys]
-            view = ckpt.view(name, shape.shape, split)
-            # C order (the device layout): a transposed view would otherwise give a
-            # Fortran-ordered shard that the transfer has to copy once more.
-            return _put(shape.shape, sharding,
-                        lambda index: np.asarray(view[index], dtype, order="C"))
-        hf_name, split = _LAYER[keys[1:]]
-        per_layer = shape.shape[1:]
+    with contextlib.ExitStack() as stack:
+        files = {path: stack.enter_context(safe_open(path, framework="numpy"))
+                 for path in sorted({e.path for e in ckpt.tensors.values()})}
 
-        def read(index):
-            layers = range(shape.shape[0])[index[0]]
-            out = np.empty((len(layers), *sharding.shard_shape(shape.shape)[1:]), dtype)
-            for j, i in enumerate(layers):
-                out[j] = ckpt.view(f"model.layers.{i}.{hf_name}", per_layer, split)[index[1:]]
-            return out
+        def tensor(name: str) -> Any:
+            return files[ckpt.tensors[name].path].get_slice(name)
 
-        return _put(shape.shape, sharding, read)
+        def load(path, shape, sharding):
+            dtype = np.dtype(shape.dtype)
+            keys = tuple(str(k.key) for k in path)
+            shard = sharding.shard_shape(shape.shape)
+            if keys[0] != "layers":
+                name, split = _TOP[keys]
 
-    return jax.tree_util.tree_map_with_path(load, shapes, shardings)
+                def read_top(index):
+                    out = np.empty(shard, dtype)
+                    _fill(out, tensor(name), shape.shape, split, index)
+                    return out
+                return _put(shape.shape, sharding, read_top)
+            hf_name, split = _LAYER[keys[1:]]
+
+            def read(index):
+                layers = range(shape.shape[0])[index[0]]
+                out = np.empty((len(layers), *shard[1:]), dtype)
+                for j, i in enumerate(layers):
+                    _fill(out[j], tensor(f"model.layers.{i}.{hf_name}"), shape.shape[1:], split,
+                          index[1:])
+                return out
+            return _put(shape.shape, sharding, read)
+
+        return jax.tree_util.tree_map_with_path(load, shapes, shardings)
 
 
 # ----- export ---------------------------------------------------------------------
+
+
+def shard_size(value: Any) -> int:
+    """``export.max_shard_size`` in bytes: an int, or a string like "5GB", "500MB", "2GiB"."""
+    size = value
+    if isinstance(value, str):
+        m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B)?\s*", value, re.IGNORECASE)
+        size = int(float(m[1]) * _SIZE_UNITS[(m[2] or "B").upper()]) if m else None
+    if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+        raise ConfigError(f"export.max_shard_size={value!r}: write a positive number of bytes "
+                          "or a size like '5GB' or '500MB'.")
+    return size
 
 
 def check_export(export: ml_collections.ConfigDict) -> None:
     """Up-front checks of the export fields, so a run never fails at its end."""
     if export.dtype not in EXPORT_DTYPES:
         raise ConfigError(f"export.dtype={export.dtype!r}: choose one of {sorted(EXPORT_DTYPES)}.")
+    shard_size(export.max_shard_size)
     out = export.hf_dir
     if out is not None and (os.path.isfile(out) or (os.path.isdir(out) and os.listdir(out))):
         raise ConfigError(f"export.hf_dir={out!r} exists and is not empty; ndjax will not "
@@ -437,29 +481,43 @@ def _tensors(params: Any) -> Iterator[tuple[str, tuple[int, ...], Any]]:
         yield entry("lm_head.weight", params["lm_head"], 1)
 
 
-def _write_file(path: str | None, tensors: list, code: str) -> None:
-    """One safetensors file, streamed tensor by tensor (``path`` None: gather only)."""
-    dtype = _DTYPES[code]
-    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
-    offset = 0
-    for name, shape, _ in tensors:
-        size = math.prod(shape) * dtype.itemsize
-        header[name] = {"dtype": code, "shape": list(shape),
-                        "data_offsets": [offset, offset + size]}
-        offset += size
-    raw = json.dumps(header, separators=(",", ":")).encode()
-    raw += b" " * (-len(raw) % 8)  # keeps the data 8-byte aligned, as safetensors does
-    with open(path, "wb") if path else contextlib.nullcontext() as f:
-        if f:
-            f.write(struct.pack("<Q", len(raw)) + raw)
-        for name, shape, get in tensors:
-            a = get().astype(dtype, order="C")  # every process joins the gather
-            assert a.shape == shape, (name, a.shape, shape)
-            if f:
-                f.write(memoryview(a.reshape(-1).view(np.uint8)))
-        if f:
-            f.flush()
-            os.fsync(f.fileno())
+def _plan(tensors: list, itemsize: int, limit: int) -> dict[str, list]:
+    """File name -> its tensors, filled in order until the next would pass ``limit``
+    bytes (a larger tensor gets a file of its own), named as transformers names them."""
+    groups: list[list] = [[]]
+    size = 0
+    for t in tensors:
+        nbytes = math.prod(t[1]) * itemsize
+        if groups[-1] and size + nbytes > limit:
+            groups.append([])
+            size = 0
+        groups[-1].append(t)
+        size += nbytes
+    if len(groups) == 1:
+        return {"model.safetensors": groups[0]}
+    return {f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors": g
+            for i, g in enumerate(groups)}
+
+
+def _write_file(path: str | None, tensors: list, dtype: np.dtype) -> None:
+    """Gathers one file's tensors and writes them (``path`` None: gather only).
+
+    The file's arrays are on the host together (plus one tensor's gathered copy
+    while it is converted): host memory is one file's worth, ``max_shard_size``.
+    """
+    arrays = {}
+    for name, shape, get in tensors:
+        a = get().astype(dtype, order="C")  # every process joins the gather
+        assert a.shape == shape, (name, a.shape, shape)
+        if path:
+            arrays[name] = a
+    if path:
+        safetensors.numpy.save_file(arrays, path, metadata={"format": "pt"})
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)  # on disk before the directory is renamed into place
+        finally:
+            os.close(fd)
 
 
 def export(params: Any, cfg: llama.LlamaConfig, out_dir: str, dtype: str = "bfloat16", *,
@@ -468,24 +526,14 @@ def export(params: Any, cfg: llama.LlamaConfig, out_dir: str, dtype: str = "bflo
     """Writes ``params`` as a Hugging Face LlamaForCausalLM directory, atomically.
 
     All processes must call this (the gathers are collective); process 0 writes.
-    Tensors are gathered one at a time (stacked parameters one layer at a time)
-    and streamed to disk, so host memory stays at about one tensor. Tokenizer and
-    generation files of ``source`` are copied along.
+    Which tensors go in which file of at most ``shard_bytes`` is planned from the
+    shapes first; then each file's tensors are gathered (stacked parameters one
+    layer at a time), written and freed, so host memory stays at about one file.
+    Tokenizer and generation files of ``source`` are copied along.
     """
-    code = EXPORT_DTYPES[dtype]
+    np_dtype = _DTYPES[EXPORT_DTYPES[dtype]]
     tensors = list(_tensors(params))
-    groups: list[list] = [[]]
-    size = 0
-    for t in tensors:
-        nbytes = math.prod(t[1]) * _DTYPES[code].itemsize
-        if groups[-1] and size + nbytes > shard_bytes:
-            groups.append([])
-            size = 0
-        groups[-1].append(t)
-        size += nbytes
-    names = (["model.safetensors"] if len(groups) == 1 else
-             [f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors" for i in range(len(groups))])
-
+    plan = _plan(tensors, np_dtype.itemsize, shard_bytes)
     writer = jax.process_index() == 0
     out_dir = os.path.abspath(out_dir)
     tmp = None
@@ -494,21 +542,12 @@ def export(params: Any, cfg: llama.LlamaConfig, out_dir: str, dtype: str = "bflo
         tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(out_dir)}.tmp-",
                                dir=os.path.dirname(out_dir))
     try:
-        for name, group in zip(names, groups):
-            _write_file(tmp and os.path.join(tmp, name), group, code)
+        for name, group in plan.items():
+            _write_file(tmp and os.path.join(tmp, name), group, np_dtype)
         if writer:
-            config = hf_config(cfg, dtype, source and source.config, max_position_embeddings)
-            with open(os.path.join(tmp, "config.json"), "w") as f:
-                json.dump(config, f, indent=2, sort_keys=True)
-            if len(groups) > 1:
-                index = {"metadata": {"total_size": sum(math.prod(t[1]) for t in tensors)
-                                      * _DTYPES[code].itemsize},
-                         "weight_map": {t[0]: n for n, g in zip(names, groups) for t in g}}
-                with open(os.path.join(tmp, "model.safetensors.index.json"), "w") as f:
-                    json.dump(index, f, indent=2)
-            for file in sorted(os.listdir(source.directory)) if source else ():
-                if _COPIED.fullmatch(file) and os.path.isfile(os.path.join(source.directory, file)):
-                    shutil.copy(os.path.join(source.directory, file), tmp)
+            _write_metadata(tmp, plan, np_dtype.itemsize,
+                            hf_config(cfg, dtype, source and source.config,
+                                      max_position_embeddings), source)
             os.rename(tmp, out_dir)  # replaces an empty directory; fails on a non-empty one
             tmp = None
     finally:
@@ -516,3 +555,19 @@ def export(params: Any, cfg: llama.LlamaConfig, out_dir: str, dtype: str = "bflo
             shutil.rmtree(tmp, ignore_errors=True)
     if jax.process_count() > 1:  # the others wait until the directory is in place
         multihost_utils.sync_global_devices("ndjax.hf.export")
+
+
+def _write_metadata(tmp: str, plan: dict[str, list], itemsize: int, config: dict,
+                    source: Checkpoint | None) -> None:
+    """config.json, the index of a sharded export, and the source's tokenizer files."""
+    with open(os.path.join(tmp, "config.json"), "w") as f:
+        json.dump(config, f, indent=2, sort_keys=True)
+    if len(plan) > 1:
+        total = sum(math.prod(t[1]) for group in plan.values() for t in group) * itemsize
+        index = {"metadata": {"total_size": total},
+                 "weight_map": {t[0]: name for name, group in plan.items() for t in group}}
+        with open(os.path.join(tmp, "model.safetensors.index.json"), "w") as f:
+            json.dump(index, f, indent=2)
+    for file in sorted(os.listdir(source.directory)) if source else ():
+        if _COPIED.fullmatch(file) and os.path.isfile(os.path.join(source.directory, file)):
+            shutil.copy(os.path.join(source.directory, file), tmp)

@@ -248,7 +248,8 @@ def train(config: ml_collections.ConfigDict, workdir: str,
         # A preempted run exports when it is resumed and finishes.
         if config.export.hf_dir and not preemption.requested:
             hf.export(state.params, exp.model_cfg, config.export.hf_dir, config.export.dtype,
-                      source=exp.checkpoint)
+                      source=exp.checkpoint,
+                      shard_bytes=hf.shard_size(config.export.max_shard_size))
             sinks.message(f"exported Hugging Face checkpoint to {config.export.hf_dir}")
         checkpointer.wait()  # the path printed below is complete
         for line in summary.end(

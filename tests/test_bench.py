@@ -105,3 +105,16 @@ def test_gpu_cases_are_valid_configs():
         else:
             exp = gpu._experiment(case, case["ladder"][-1])
             assert exp.model_cfg.dtype == jax.numpy.bfloat16, case
+
+
+def test_hf_memory_tiny():
+    """Export then import at a small shard size (several files) and at the default
+    (one file); the figures themselves (MiB of RSS) are not checked."""
+    lines = run_tiny("hf_memory.py").stdout.splitlines()
+    rows = table_rows(lines, "export", "import")
+    assert [r[:2] for r in rows] == [["export", "40KB"], ["import", "40KB"],
+                                     ["export", "default"], ["import", "default"]], lines
+    assert int(rows[0][2]) > 3 and rows[0][2] == rows[1][2], lines
+    assert rows[2][2] == rows[3][2] == "1", lines
+    # before, phase peak, added, process peak (mapped pages may shrink under pressure)
+    assert all(float(cell) >= 0 for r in rows for cell in r[3:6] + r[7:]), lines

@@ -26,6 +26,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import tiny_config
+from safetensors import safe_open
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 from ndjax import hf
@@ -57,6 +58,13 @@ FSDP_TP = dict(fsdp=4, tensor=2)
 # One kv head cannot be split over tensor=2: replicate it, as Megatron does for MQA.
 KV_REPLICATED = tuple((name, None if name in ("kv_heads", "act_kv_heads") else axes)
                       for name, axes in rules_lib.PRESETS["default"])
+# Shards what the presets never do, so that import meets it too: the stacked layers
+# over fsdp, head_dim (inside q/k/v's rows and o's columns of the HF matrices) and
+# the norms over tensor.
+ODD_SHARDING = tuple((name, {"layers": "fsdp", "embed": None, "q_heads": None,
+                             "kv_heads": None, "head_dim": "tensor", "norm": "tensor"
+                             }.get(name, axes))
+                     for name, axes in rules_lib.PRESETS["default"])
 B, S = 4, 32  # B divides fsdp=4
 
 
@@ -174,6 +182,80 @@ def test_sharded_safetensors_input(tmp_path):
     toks = tokens(256)
     np.testing.assert_allclose(ndjax_logits(exp, load(exp), toks), hf_logits(model, toks),
                                rtol=0, atol=1e-4)
+
+
+def expected_params(model, shapes):
+    """The ndjax parameters a transformers model's weights make (hf's name/layout map)."""
+    weights = {k: v.float().numpy() for k, v in model.state_dict().items()}
+
+    def layout(name, shape, split):
+        return weights[name] if split is None else weights[name].T.reshape(shape)
+
+    def one(path, shape):
+        keys = tuple(str(k.key) for k in path)
+        if keys[0] != "layers":
+            name, split = hf._TOP[keys]
+            return layout(name, shape.shape, split)
+        name, split = hf._LAYER[keys[1:]]
+        return np.stack([layout(f"model.layers.{i}.{name}", shape.shape[1:], split)
+                         for i in range(shape.shape[0])])
+    return jax.tree_util.tree_map_with_path(one, shapes)
+
+
+@pytest.mark.parametrize("mesh, rules", [(FSDP_TP, "default"),
+                                         (dict(fsdp=2, tensor=4), ODD_SHARDING)],
+                         ids=["fsdp_tp", "odd_sharding"])
+def test_bf16_shards_from_several_files(tmp_path, mesh, rules):
+    """Each device's shard, read from a bfloat16 checkpoint split over files, holds
+    exactly the checkpoint's values (bfloat16 -> float32 is exact)."""
+    model = make_hf(tmp_path, dtype=torch.bfloat16, max_shard_size="40KB")
+    assert len([n for n in os.listdir(tmp_path) if n.endswith(".safetensors")]) > 3
+    exp = Experiment.from_config(config_for(tmp_path, mesh, rules))
+    if rules is ODD_SHARDING:
+        assert exp.state_sharding.params["layers"]["attn"]["wq"].spec == jax.P(
+            "fsdp", None, None, "tensor")
+    params = load(exp)
+    expected = expected_params(model, exp.param_shapes)
+    for (path, got), want, sharding in zip(jax.tree_util.tree_leaves_with_path(params),
+                                           jax.tree.leaves(expected),
+                                           jax.tree.leaves(exp.state_sharding.params)):
+        assert got.sharding == sharding and got.dtype == np.float32, path
+        np.testing.assert_array_equal(np.asarray(got), want, err_msg=str(path))
+
+
+def test_export_in_files_of_max_shard_size(saved, tmp_path):
+    """export.max_shard_size (train.py's path, steps=0): several files, filled in order up
+    to the limit, named and indexed as transformers does; transformers loads them back
+    with the same weights."""
+    directory, model = saved("gqa_llama3")
+    out = tmp_path / "out"
+    c = config_for(directory, FSDP_TP, hf_dir=str(out), dtype="float32", max_shard_size="100KB")
+    c.train.steps = 0
+    c.log.tensorboard = False
+    train(c, str(tmp_path / "w"), verbose=False)
+    files = sorted(n for n in os.listdir(out) if n.endswith(".safetensors"))
+    n = len(files)
+    assert n > 3 and files == [f"model-{i:05d}-of-{n:05d}.safetensors" for i in range(1, n + 1)]
+    sizes = {}
+    for name in files:
+        with safe_open(out / name, framework="numpy") as f:
+            sizes[name] = [math.prod(f.get_slice(k).get_shape()) * 4 for k in f.keys()]
+    # Full files: at most the limit, unless one tensor alone is larger.
+    assert all(sum(s) <= 100_000 or len(s) == 1 for s in sizes.values()), sizes
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    assert sorted(set(index["weight_map"].values())) == files
+    assert index["metadata"]["total_size"] == sum(map(sum, sizes.values())) == 4 * sum(
+        p.numel() for p in model.parameters())
+    loaded, info = AutoModelForCausalLM.from_pretrained(out, output_loading_info=True)
+    assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys"))
+    assert_same_weights(loaded, model)
+
+
+@pytest.mark.parametrize("value, size", [(1234, 1234), ("5GB", 5 * 10**9),
+                                         ("500MB", 500 * 10**6), ("2GiB", 2 * 2**30),
+                                         ("40kb", 40_000), ("1.5MB", 1_500_000)])
+def test_max_shard_size_units(value, size):
+    assert hf.shard_size(value) == size
 
 
 def assert_same_weights(a, b):
@@ -376,6 +458,9 @@ BAD = {
                       dict(max_shard_size="80KB"),
                       r"index.json names \['model-00002-of-0000\d.safetensors'\] files that "
                       r"are not there"),
+    "truncated weights": (lambda d: os.truncate(d / "model.safetensors", 1000), {},
+                          r"model.safetensors is not a readable safetensors file \(.*\)\. "
+                          r"Re-save it"),
     "shape vs config.json": (lambda d: edit_config(d, intermediate_size=144), {},
                              r"mlp.gate_proj.weight has shape \(128, 64\), but config.json "
                              r"implies \(144, 64\) \(hidden_size=64, intermediate_size=144"),
@@ -415,6 +500,9 @@ def test_hub_id_says_download_first():
 @pytest.mark.parametrize("export, match", [
     (dict(dtype="int8"), r"export.dtype='int8': choose one of"),
     (dict(hf_dir="EXISTING"), r"export.hf_dir='.*' exists and is not empty"),
+    (dict(max_shard_size="5XB"), r"export.max_shard_size='5XB': write a positive number of "
+                                 r"bytes or a size like '5GB'"),
+    (dict(max_shard_size=0), r"export.max_shard_size=0: write a positive number"),
 ])
 def test_bad_export_fields_fail_before_training(tmp_path, export, match):
     (tmp_path / "keep.txt").write_text("x")
