@@ -96,6 +96,18 @@ class Checkpointer:
             state=ocp.args.StandardRestore(abstract_state), data=ocp.args.JsonRestore()))
         return restored["state"], dict(restored["data"])
 
+    def restore_params(self, step: int, abstract_state: TrainState) -> Any:
+        """Only the parameters (generation): the optimizer state stays on disk, so the
+        devices hold the model and nothing more."""
+        self.check_compatible(step, abstract_state)
+        skip = getattr(ocp, "PLACEHOLDER", None)  # an orbax without it restores everything
+        if skip is not None:
+            abstract_state = abstract_state.replace(
+                step=skip, opt_state=jax.tree.map(lambda _: skip, abstract_state.opt_state))
+        restored = self.manager.restore(step, args=ocp.args.Composite(
+            state=ocp.args.StandardRestore(abstract_state)))
+        return restored["state"].params
+
     def save(self, step: int, state: TrainState, data_state: dict[str, Any]) -> None:
         """Starts a save; with async on, it returns once the arrays are copied off
         the devices, so the next (donating) step can run while files are written."""
