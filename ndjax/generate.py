@@ -36,12 +36,11 @@ from ml_collections import config_flags
 
 from ndjax import hf
 from ndjax.checkpoint import Checkpointer
-from ndjax.config import default_config
+from ndjax.config import default_config, run_config
 from ndjax.console import quiet_libraries
 from ndjax.data.tokenizers import ByteTokenizer, HFTokenizer, load_tokenizer
 from ndjax.errors import ConfigError
 from ndjax.experiment import Experiment
-from ndjax.export import run_config
 from ndjax.sampling import Generator, Sampling
 
 
