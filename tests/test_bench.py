@@ -72,3 +72,11 @@ def test_gloo_cache_hang_tiny():
     for mode, ok, hung, failed, _ in rows:
         # stderr holds a failed process's last lines
         assert failed == "0" and int(ok) + int(hung) == 1, (mode, out.stdout, out.stderr)
+
+
+def test_generate_tiny():
+    lines = run_tiny("generate.py").stdout.splitlines()
+    layouts = ["1 device", "fsdp=4 x tensor=2", "replica=4 x tensor=2"]
+    rows = table_rows(lines, *layouts)
+    assert [r[0] for r in rows] == layouts, lines
+    assert all(float(c) > 0 for r in rows for c in r[1:]), lines
