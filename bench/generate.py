@@ -64,7 +64,7 @@ def one(devices: int, mesh: dict[str, int], a: argparse.Namespace) -> dict[str, 
             t0 = time.perf_counter()
             first, cache = jax.block_until_ready(g.prefill(params, tokens, pad, g.key))
             t1 = time.perf_counter()
-            out, _ = jax.block_until_ready(g.decode(params, first, cache, g.key))
+            out, _ = jax.block_until_ready(g.decode(params, first, cache, g.key, a.batch))
             t2 = time.perf_counter()
             prefill_s.append(t1 - t0)
             decode_s.append(t2 - t1)

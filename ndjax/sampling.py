@@ -115,7 +115,7 @@ class Generator:
         logits, cache = decode.forward(model, tokens, 0, cache)
         return sample(logits, jax.random.fold_in(key, 0), self.sampling), cache
 
-    def _decode(self, params, first, cache, key):
+    def _decode(self, params, first, cache, key, n_prompts):
         """Tokens (b, max_new_tokens): ``first`` then one per step; after a row's
         end-of-sequence token, ``pad_id``. The cache is donated and returned so that the
         loop updates it in place rather than in a copy."""
@@ -123,7 +123,8 @@ class Generator:
         n = self.max_new
         prompt_slots = cache.k.shape[2] - n
         out = jnp.full((first.shape[0], n), self.pad_id, jnp.int32).at[:, 0].set(first)
-        done = jnp.isin(first, self.eos)
+        # Filler rows (beyond n_prompts) count as done, or they would keep the loop going.
+        done = jnp.isin(first, self.eos) | (jnp.arange(first.shape[0]) >= n_prompts)
 
         def running(carry):
             i, _, done, _ = carry
@@ -178,7 +179,7 @@ class Generator:
         with rules_lib.use(self.rules):
             tokens, pad = self.inputs(prompts)
             first, cache = self.prefill(self.params, tokens, pad, self.key)
-            out, _ = self.decode(self.params, first, cache, self.key)
+            out, _ = self.decode(self.params, first, cache, self.key, len(prompts))
         out = _host(out)[:len(prompts)]
         eos = set(np.asarray(self.eos).tolist())
         result = []
