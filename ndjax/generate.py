@@ -332,16 +332,23 @@ def _fail(message: object) -> None:
     sys.exit(2)
 
 
+_BAD_OVERRIDE = (AttributeError, KeyError, TypeError, ValueError)
+
+
+def _bad_override(e: BaseException) -> None:
+    while isinstance(e, BaseException) and e.args:  # config_flags nests the message
+        e = e.args[0]
+    _fail(f"bad --config override: {e}")
+
+
 def parse_flags(argv: list[str]) -> list[str]:
     """absl's parser, with a bad flag or ``--config.x=...`` override as one line."""
     try:
         return flags.FLAGS(argv)
     except flags.Error as e:
         _fail(e)
-    except (AttributeError, KeyError, TypeError, ValueError) as e:
-        while isinstance(e, BaseException) and e.args:  # config_flags nests the message
-            e = e.args[0]
-        _fail(f"bad --config override: {e}")
+    except _BAD_OVERRIDE as e:
+        _bad_override(e)
     return []
 
 
@@ -382,5 +389,9 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    FLAGS.update(define_flags())
+    try:
+        # config_flags applies --config.* overrides as soon as the flag is defined.
+        FLAGS.update(define_flags())
+    except _BAD_OVERRIDE as e:
+        _bad_override(e)
     app.run(main, flags_parser=parse_flags)

@@ -188,6 +188,8 @@ def assert_one_line_error(result, message):
 def test_cli_errors_are_one_line(hf_dirs):
     directory, _ = hf_dirs["gqa_llama3"]
     assert_one_line_error(run_generate("--prompt=hi"), "give exactly one of --workdir")
+    assert_one_line_error(run_generate(f"--hf_dir={directory}", "--config.mesh.tensr=2"),
+                          'bad --config override: \'tensr\' Did you mean "tensor"')
     result = run_generate(f"--hf_dir={directory}", "--prompt=" + "the quick brown fox " * 10,
                           "--max_len=32", "--max_new_tokens=8", "--config.runtime.cpu_devices=1")
     assert_one_line_error(result, "prompt 1 has 4")  # 40-odd tokens
