@@ -96,6 +96,19 @@ class Checkpointer:
             state=ocp.args.StandardRestore(abstract_state), data=ocp.args.JsonRestore()))
         return restored["state"], dict(restored["data"])
 
+    def restore_params(self, step: int, abstract_state: TrainState) -> Any:
+        """Only the parameters (generation): the optimizer state stays on disk, so the
+        devices hold the model and nothing more."""
+        self.check_compatible(step, abstract_state)
+        item = {"params": abstract_state.params}
+        restore_args = jax.tree.map(lambda s: ocp.ArrayRestoreArgs(
+            sharding=s.sharding, dtype=s.dtype, global_shape=s.shape), item)
+        # The "state" item of the step, as the manager lays it out.
+        path = os.path.join(self.directory, str(step), "state")
+        with ocp.PyTreeCheckpointer() as checkpointer:
+            return checkpointer.restore(path, args=ocp.args.PyTreeRestore(
+                item=item, restore_args=restore_args, partial_restore=True))["params"]
+
     def save(self, step: int, state: TrainState, data_state: dict[str, Any]) -> None:
         """Starts a save; with async on, it returns once the arrays are copied off
         the devices, so the next (donating) step can run while files are written."""

@@ -9,6 +9,8 @@ is an error instead of a silently ignored setting.
 from __future__ import annotations
 
 import difflib
+import json
+import os
 
 import ml_collections
 from ml_collections import config_dict
@@ -163,3 +165,18 @@ def check_keys(config: ml_collections.ConfigDict,
             if not isinstance(value, ml_collections.ConfigDict):
                 raise ConfigError(f"config key {name!r} must be a group of fields, got {value!r}.")
             check_keys(value, default, prefix=f"{name}.")
+
+
+def run_config(workdir: str) -> ml_collections.ConfigDict:
+    """The config a train.py run saved in its workdir."""
+    path = os.path.join(workdir, "config.json")
+    if not os.path.isfile(path):
+        raise ConfigError(f"--workdir={workdir!r} has no config.json: point it at the --workdir "
+                          "of a train.py run.")
+    with open(path) as f:
+        saved = json.load(f)
+    # Over the defaults: a run saved before a field existed (model.param_dtype,
+    # train.opt_state_dtype) gets that field's default, which is what it ran with.
+    config = default_config()
+    config.update(saved)
+    return config

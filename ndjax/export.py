@@ -12,36 +12,19 @@ Step N (default: the newest complete checkpoint) is restored and written as
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 from collections.abc import Sequence
 
 import jax
-import ml_collections
 from absl import app, flags
 
 from ndjax import hf
 from ndjax.checkpoint import Checkpointer
-from ndjax.config import default_config
+from ndjax.config import run_config
 from ndjax.console import quiet_libraries
 from ndjax.errors import ConfigError
 from ndjax.experiment import Experiment
-
-
-def run_config(workdir: str) -> ml_collections.ConfigDict:
-    """The config a train.py run saved in its workdir."""
-    path = os.path.join(workdir, "config.json")
-    if not os.path.isfile(path):
-        raise ConfigError(f"--workdir={workdir!r} has no config.json: point it at the --workdir "
-                          "of a train.py run.")
-    with open(path) as f:
-        saved = json.load(f)
-    # Over the defaults: a run saved before a field existed (model.param_dtype,
-    # train.opt_state_dtype) gets that field's default, which is what it ran with.
-    config = default_config()
-    config.update(saved)
-    return config
 
 
 def export_checkpoint(workdir: str, out: str, step: int | None = None,

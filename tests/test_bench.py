@@ -118,3 +118,10 @@ def test_hf_memory_tiny():
     assert rows[2][2] == rows[3][2] == "1", lines
     # before, phase peak, added, process peak (mapped pages may shrink under pressure)
     assert all(float(cell) >= 0 for r in rows for cell in r[3:6] + r[7:]), lines
+
+def test_generate_tiny():
+    lines = run_tiny("generate.py").stdout.splitlines()
+    layouts = ["1 device", "fsdp=4 x tensor=2", "replica=4 x tensor=2"]
+    rows = table_rows(lines, *layouts)
+    assert [r[0] for r in rows] == layouts, lines
+    assert all(float(c) > 0 for r in rows for c in r[1:]), lines

@@ -188,9 +188,13 @@ def _token_text(value: Any) -> str | None:
     return value if isinstance(value, str) else None
 
 
-def load_chat_template(tokenizer: str, template_file: str = "") -> ChatTemplate:
+def load_chat_template(tokenizer: str, template_file: str = "",
+                       needed_by: str = "data.source='chat'",
+                       fix: str = "set data.chat_template to a Jinja template file"
+                       ) -> ChatTemplate:
     """The chat template for ``data.tokenizer`` (a tokenizer.json path), or the file
-    ``data.chat_template``; a ConfigError when there is none."""
+    ``data.chat_template``; a ConfigError when there is none, saying who needs it and
+    the fix."""
     folder = os.path.dirname(os.path.abspath(tokenizer))
     config_path = os.path.join(folder, "tokenizer_config.json")
     config: dict = {}
@@ -216,8 +220,8 @@ def load_chat_template(tokenizer: str, template_file: str = "") -> ChatTemplate:
     if not text:
         raise ConfigError(
             f"data.tokenizer={tokenizer!r} has no chat template (no chat_template.jinja or "
-            f"chat_template in tokenizer_config.json beside it), which data.source='chat' "
-            "needs; set data.chat_template to a Jinja template file.")
+            f"chat_template in tokenizer_config.json beside it), which {needed_by} needs; "
+            f"{fix}.")
     template = ChatTemplate(text, origin, variables)
     template.check()
     return template

@@ -51,6 +51,10 @@ class ByteTokenizer:
         return [np.frombuffer(t if isinstance(t, bytes) else t.encode("utf-8"), np.uint8)
                 .astype(np.uint16) for t in texts]
 
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        """One text's ids (generation prompts); training adds no BOS, so neither does this."""
+        return list(text.encode("utf-8"))
+
     def decode(self, ids: Sequence[int]) -> str:
         return bytes(int(i) for i in ids if i < 256).decode("utf-8", errors="replace")
 
@@ -110,6 +114,11 @@ class HFTokenizer:
         """The text of every added token marked special (``<|eot_id|>``, ``<|im_end|>``...)."""
         return tuple(t.content for t in self._tok.get_added_tokens_decoder().values()
                      if t.special)
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        """One text's ids (generation prompts); ``add_special_tokens`` runs the tokenizer's
+        post-processor (a BOS, for Llama) as transformers does by default."""
+        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, ids: Sequence[int]) -> str:
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=False)

@@ -1,0 +1,131 @@
+"""The Llama of ``llama.py`` run with a KV cache: prefill and one-token decode steps.
+
+The same parameters, the same weight gathering (``_weight``), projections, RoPE,
+norms and MLP as the training forward; only attention differs: keys and values
+are written into a cache and each query attends to the cache's filled slots.
+
+Layout. The cache is ``(layers, batch, slots, kv heads, head_dim)`` in the compute
+dtype, named ``CACHE_NAMES`` for the rule table: rows over the batch's mesh axes,
+kv heads over ``tensor`` like the k/v projections (repeated like the weights when
+the rules replicate kv heads, ``Rules.kv_repeat``), slots unsplit.
+
+Batches of prompts of different lengths are left-padded: every row's prompt ends
+at the same slot, so one decode step writes one slot for all rows. Row ``b``'s
+token in slot ``t`` has position ``t - pad[b]``; slots before ``pad[b]`` are
+masked out as keys.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from ndjax.models import llama
+from ndjax.models.llama import HIDDEN, RESIDUAL, _weight, apply_rope, project
+from ndjax.rules import active, constrain
+
+CACHE_NAMES = ("layers", "act_batch", None, "act_kv_heads", "act_head_dim")
+HEADS = ("act_batch", "act_seq", "act_heads", "act_head_dim")
+KV_HEADS = ("act_batch", "act_seq", "act_kv_heads", "act_head_dim")
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class Cache:
+    k: jax.Array    # (layers, batch, slots, cache_heads, head_dim), compute dtype
+    v: jax.Array
+    pad: jax.Array  # (batch,) int32: the row's left padding; its slots hold no token
+
+
+def cache_heads(cfg: llama.LlamaConfig) -> int:
+    """kv heads as the k/v projections produce them under the active rules."""
+    rules = active()
+    return cfg.n_kv_heads * (1 if rules is None else rules.kv_repeat(cfg.n_kv_heads))
+
+
+def init_cache(cfg: llama.LlamaConfig, batch: int, slots: int, pad: jax.Array) -> Cache:
+    shape = (cfg.n_layers, batch, slots, cache_heads(cfg), cfg.hd)
+    zeros = constrain(jnp.zeros(shape, cfg.dtype), CACHE_NAMES)
+    return Cache(zeros, zeros, pad.astype(jnp.int32))
+
+
+def forward(model: llama.Llama, tokens: jax.Array, start: jax.Array | int, cache: Cache
+            ) -> tuple[jax.Array, Cache]:
+    """Runs ``tokens`` (b, s), which fill slots ``start .. start+s-1``, through the model.
+
+    Returns the float32 logits (b, vocab) of the last of them, and the cache with
+    their keys and values written.
+    """
+    cfg = model.cfg
+    s = tokens.shape[1]
+    slots = start + jnp.arange(s, dtype=jnp.int32)
+    positions = jnp.maximum(slots[None, :] - cache.pad[:, None], 0)
+    table = _weight(model.embed, cfg.dtype)
+    x = constrain(llama.embed_lookup(table, tokens), RESIDUAL)
+    freqs = positions[..., None].astype(jnp.float32) * llama.rope_frequencies(cfg)
+    freqs = jnp.concatenate([freqs, freqs], axis=-1)
+    cos, sin = jnp.cos(freqs), jnp.sin(freqs)
+    # (b, s, slots): causal over slots, and never a row's padding.
+    keys = jnp.arange(cache.k.shape[2], dtype=jnp.int32)
+    mask = (keys[None, None, :] <= slots[None, :, None]) & (
+        keys[None, None, :] >= cache.pad[:, None, None])
+
+    graphdef, stacked = nnx.split(model.layers)
+
+    def layer(carry, xs):
+        h, k_all, v_all = carry
+        state, i = xs
+        block = nnx.merge(graphdef, state)
+        return _block(block, h, cos, sin, mask, k_all, v_all, i, start), None
+
+    # The whole cache is carried (not scanned over) so that each layer updates its
+    # slots in place instead of the scan writing a fresh copy of every layer's cache.
+    (x, k, v), _ = jax.lax.scan(layer, (x, cache.k, cache.v),
+                                (stacked, jnp.arange(cfg.n_layers, dtype=jnp.int32)))
+    x = constrain(model.final_norm(x[:, -1:]), HIDDEN)
+    head = table.T if cfg.tie_embeddings else _weight(model.lm_head, cfg.dtype)
+    logits = jnp.einsum("bsd,dv->bsv", x, head, preferred_element_type=jnp.float32)
+    logits = constrain(logits, ("act_batch", "act_seq", "act_vocab"))[:, 0]
+    return logits, Cache(k, v, cache.pad)
+
+
+def _block(block: llama.Block, x, cos, sin, mask, k_all, v_all, layer, start):
+    h = constrain(block.attn_norm(x), HIDDEN)
+    attn, k_all, v_all = _attention(block.attn, h, cos, sin, mask, k_all, v_all, layer, start)
+    x = constrain(x + attn, RESIDUAL)
+    h = constrain(block.mlp_norm(x), HIDDEN)
+    return constrain(x + block.mlp(h), RESIDUAL), k_all, v_all
+
+
+def _attention(attn: llama.Attention, x, cos, sin, mask, k_all, v_all, layer, start):
+    """``llama.Attention.__call__`` with the new keys and values written into the cache
+    of ``layer`` at ``start`` and the queries attending to that cache."""
+    dt, n_kv = attn.dtype, attn.cfg.n_kv_heads
+    q = constrain(project("bsd,dhk->bshk", x, _weight(attn.wq, dt)), HEADS)
+    k = constrain(project("bsd,dhk->bshk", x, _weight(attn.wk, dt, n_kv)), KV_HEADS)
+    v = constrain(project("bsd,dhk->bshk", x, _weight(attn.wv, dt, n_kv)), KV_HEADS)
+    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    zero = jnp.zeros((), jnp.int32)
+    at = (layer, zero, jnp.asarray(start, jnp.int32), zero, zero)
+    k_all = constrain(jax.lax.dynamic_update_slice(k_all, k[None].astype(k_all.dtype), at),
+                      CACHE_NAMES)
+    v_all = constrain(jax.lax.dynamic_update_slice(v_all, v[None].astype(v_all.dtype), at),
+                      CACHE_NAMES)
+    out = constrain(_cached_attention(q, k_all[layer], v_all[layer], mask), HEADS)
+    return project("bshk,hkd->bsd", out, _weight(attn.wo, dt)), k_all, v_all
+
+
+def _cached_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
+    """Grouped-query attention of q (b, s, h, d) over cached k, v (b, slots, kv, d) where
+    ``mask`` (b, s, slots) allows; softmax in float32, as ``llama.dot_product_attention``."""
+    b, s, h, d = q.shape
+    kv = k.shape[2]
+    q = q.reshape(b, s, kv, h // kv, d)
+    scores = jnp.einsum("bskgd,btkd->bkgst", q, k, preferred_element_type=jnp.float32)
+    scores = jnp.where(mask[:, None, None], scores / math.sqrt(d), jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    return jnp.einsum("bkgst,btkd->bskgd", probs, v).reshape(b, s, h, d)
