@@ -114,7 +114,9 @@ def test_auto_choices():
     cpu = dict(platform="cpu", compute_capability=None, dtype=jnp.float32)
     assert attn.choose("auto", _site(**cpu)).name == "tiled"
     assert attn.choose("auto", _site(**cpu, seq_len=1024)).name == "dense"
-    assert attn.choose("auto", _site(**cpu, seq_len=4100)).name == "dense"  # no tile fits
+    assert attn.choose("auto", _site(**cpu, seq_len=4100)).name == "dense"  # 512 ∤ 2050
+    assert attn.choose("auto", _site(**cpu, seq_len=4100, kv_tile=410)).name == "tiled"
+    assert attn.choose("auto", _site(**cpu, seq_len=4099, kv_tile=1)).name == "dense"  # odd
     assert "auto on CPU" in attn.choose("auto", _site(**cpu)).describe()
 
 

@@ -64,8 +64,8 @@ CASES = {
                            r"model.attn_impl='tiled' runs on one context shard, but the rules "
                            r"split the sequence over mesh.context=2. Use model.attn_impl='ring'"),
     "tiled tile": (dict(mesh=dict(fsdp=8), model=dict(attn_impl="tiled", attn_kv_tile=5)),
-                   r"model.attn_kv_tile=5 does not divide train.seq_len=32 .* e.g. "
-                   r"model.attn_kv_tile=4"),
+                   r"model.attn_kv_tile=5 does not divide half of train.seq_len=32 \(16 "
+                   r"tokens, .* e.g. model.attn_kv_tile=4"),
     "heads vs kv heads": (dict(mesh=dict(fsdp=8), model=dict(n_heads=8, n_kv_heads=3)),
                           r"model.n_heads=8 is not a multiple of model.n_kv_heads=3"),
     "odd head dim": (dict(mesh=dict(fsdp=8), model=dict(dim=72, n_heads=8)),

@@ -135,20 +135,30 @@ class Dense(Kernel):
 
 
 class Tiled(Kernel):
+    """Ring attention's kernel on one shard, in its zigzag layout with one shard: the
+    sequence as two halves, so the (first half's queries x second half's keys) block,
+    all masked, is skipped rather than computed."""
+
     name, what = "tiled", "online softmax over key tiles, memory linear in seq"
 
     def check(self, site):
         _one_shard(self.name, site)
-        tile = min(site.seq_len, site.kv_tile)
-        if site.seq_len % tile:
-            fit = max(t for t in range(1, tile + 1) if site.seq_len % t == 0)
+        if site.seq_len % 2:
             raise ConfigError(
-                f"model.attn_kv_tile={site.kv_tile} does not divide train.seq_len="
-                f"{site.seq_len} ({_field(self.name)}). Use a divisor, e.g. "
+                f"train.seq_len={site.seq_len} is odd, and {_field(self.name)} works on its two "
+                f"halves. Use an even train.seq_len, or model.attn_impl='dense'.")
+        half = site.seq_len // 2
+        tile = min(half, site.kv_tile)
+        if half % tile:
+            fit = max(t for t in range(1, tile + 1) if half % t == 0)
+            raise ConfigError(
+                f"model.attn_kv_tile={site.kv_tile} does not divide half of train.seq_len="
+                f"{site.seq_len} ({half} tokens, {_field(self.name)}). Use a divisor, e.g. "
                 f"model.attn_kv_tile={fit}.")
 
     def __call__(self, q, k, v, segment_ids, cfg):
-        return ring.ring_attention(q, k, v, segment_ids, mesh=None, layout="contiguous",
+        # zigzag on one shard is the identity order: no permutation of the batch.
+        return ring.ring_attention(q, k, v, segment_ids, mesh=None, layout="zigzag",
                                    kv_tile=cfg.attn_kv_tile)
 
 
