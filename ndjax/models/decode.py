@@ -18,7 +18,6 @@ masked out as keys.
 from __future__ import annotations
 
 import dataclasses
-import math
 
 import jax
 import jax.numpy as jnp
@@ -26,6 +25,7 @@ from flax import nnx
 
 from ndjax.models import llama
 from ndjax.models.llama import HIDDEN, RESIDUAL, _weight, apply_rope, project
+from ndjax.ops.attention import masked_attention
 from ndjax.rules import active, constrain
 
 CACHE_NAMES = ("layers", "act_batch", None, "act_kv_heads", "act_head_dim")
@@ -115,17 +115,5 @@ def _attention(attn: llama.Attention, x, cos, sin, mask, k_all, v_all, layer, st
                       CACHE_NAMES)
     v_all = constrain(jax.lax.dynamic_update_slice(v_all, v[None].astype(v_all.dtype), at),
                       CACHE_NAMES)
-    out = constrain(_cached_attention(q, k_all[layer], v_all[layer], mask), HEADS)
+    out = constrain(masked_attention(q, k_all[layer], v_all[layer], mask), HEADS)
     return project("bshk,hkd->bsd", out, _weight(attn.wo, dt)), k_all, v_all
-
-
-def _cached_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
-    """Grouped-query attention of q (b, s, h, d) over cached k, v (b, slots, kv, d) where
-    ``mask`` (b, s, slots) allows; softmax in float32, as ``llama.dot_product_attention``."""
-    b, s, h, d = q.shape
-    kv = k.shape[2]
-    q = q.reshape(b, s, kv, h // kv, d)
-    scores = jnp.einsum("bskgd,btkd->bkgst", q, k, preferred_element_type=jnp.float32)
-    scores = jnp.where(mask[:, None, None], scores / math.sqrt(d), jnp.finfo(jnp.float32).min)
-    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-    return jnp.einsum("bkgst,btkd->bskgd", probs, v).reshape(b, s, h, d)

@@ -110,21 +110,26 @@ def _one_shard(name: str, site: Site) -> None:
             f"mesh.context={site.context}. Use model.attn_impl='ring' (or 'auto').")
 
 
-def dense(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array) -> jax.Array:
-    """The reference: the whole (s x s) score matrix, softmax in float32."""
+def masked_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
+    """Grouped-query attention of q (b, s, h, d) over k, v (b, t, kv, d) where ``mask``
+    (b, s, t) allows, with the whole (s x t) score matrix; softmax in float32."""
     b, s, h, d = q.shape
     kv = k.shape[2]
     q = q.reshape(b, s, kv, h // kv, d)
     scores = jnp.einsum("bskgd,btkd->bkgst", q, k, preferred_element_type=jnp.float32)
-    scores = scores / math.sqrt(d)
-    idx = jnp.arange(s)
-    mask = (idx[:, None] >= idx[None, :])[None] & (
-        segment_ids[:, :, None] == segment_ids[:, None, :])
-    scores = jnp.where(mask[:, None, None], scores, jnp.finfo(jnp.float32).min)
+    scores = jnp.where(mask[:, None, None], scores / math.sqrt(d), jnp.finfo(jnp.float32).min)
     # Named so that remat=none keeps it (ndjax.models.llama.REMAT_POLICIES).
     probs = checkpoint_name(jax.nn.softmax(scores, axis=-1).astype(v.dtype), "attn_probs")
     out = jnp.einsum("bkgst,btkd->bskgd", probs, v)
     return out.reshape(b, s, h, d)
+
+
+def dense(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array) -> jax.Array:
+    """The reference: causal within each document, the whole score matrix."""
+    idx = jnp.arange(q.shape[1])
+    mask = (idx[:, None] >= idx[None, :])[None] & (
+        segment_ids[:, :, None] == segment_ids[:, None, :])
+    return masked_attention(q, k, v, mask)
 
 
 class Dense(Kernel):
