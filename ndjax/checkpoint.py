@@ -12,8 +12,10 @@ on one layout (or device count) resumes on another.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
+from collections.abc import Iterator
 from typing import Any
 
 import jax
@@ -121,6 +123,27 @@ class Checkpointer:
     def close(self) -> None:
         self.manager.wait_until_finished()
         self.manager.close()
+
+
+@contextlib.contextmanager
+def saved_step(workdir: str, config: ml_collections.ConfigDict, step: int | None = None
+               ) -> Iterator[tuple[Checkpointer, int]]:
+    """The checkpoints of a train.py ``workdir`` (``config``: its checkpoint group) and
+    the step to read: ``step``, or the newest if None. A one-line ConfigError naming
+    ``--workdir`` or ``--step`` when there is no such checkpoint (for the CLIs that
+    read a run: ``ndjax.export``, ``ndjax.generate``)."""
+    if not os.path.isdir(os.path.join(workdir, "checkpoints")):
+        raise ConfigError(f"--workdir={workdir!r} has no checkpoints; train.py saves one at the "
+                          "end of a run and every checkpoint.every steps.")
+    checkpointer = Checkpointer(workdir, config)
+    try:
+        steps = checkpointer.steps()
+        if not steps or (step is not None and step not in steps):
+            raise ConfigError(f"--step={step}: no complete checkpoint of that step in "
+                              f"{checkpointer.directory}; there are {steps or 'none'}.")
+        yield checkpointer, steps[-1] if step is None else step
+    finally:
+        checkpointer.close()
 
 
 class Preemption:

@@ -12,7 +12,6 @@ Step N (default: the newest complete checkpoint) is restored and written as
 
 from __future__ import annotations
 
-import os
 import sys
 from collections.abc import Sequence
 
@@ -20,7 +19,7 @@ import jax
 from absl import app, flags
 
 from ndjax import hf
-from ndjax.checkpoint import Checkpointer
+from ndjax.checkpoint import saved_step
 from ndjax.config import run_config
 from ndjax.console import quiet_libraries
 from ndjax.errors import ConfigError
@@ -37,19 +36,8 @@ def export_checkpoint(workdir: str, out: str, step: int | None = None,
     if dtype is not None:
         config.export.dtype = dtype
     exp = Experiment.from_config(config, devices)  # checks out and dtype too
-    if not os.path.isdir(os.path.join(workdir, "checkpoints")):
-        raise ConfigError(f"--workdir={workdir!r} has no checkpoints; train.py saves one at the "
-                          "end of a run and every checkpoint.every steps.")
-    checkpointer = Checkpointer(workdir, config.checkpoint)
-    try:
-        steps = checkpointer.steps()
-        if not steps or (step is not None and step not in steps):
-            raise ConfigError(f"--step={step}: no complete checkpoint of that step in "
-                              f"{checkpointer.directory}; there are {steps or 'none'}.")
-        step = steps[-1] if step is None else step
+    with saved_step(workdir, config.checkpoint, step) as (checkpointer, step):
         state, _ = checkpointer.restore(step, exp.abstract_state)
-    finally:
-        checkpointer.close()
     hf.export(state.params, exp.model_cfg, out, config.export.dtype, source=exp.checkpoint,
               shard_bytes=hf.shard_size(config.export.max_shard_size))
     return step

@@ -34,7 +34,7 @@ from absl import app, flags
 from ml_collections import config_flags
 
 from ndjax import hf
-from ndjax.checkpoint import Checkpointer
+from ndjax.checkpoint import saved_step
 from ndjax.config import default_config, run_config
 from ndjax.console import quiet_libraries
 from ndjax.data.chat_template import TemplateRefused, load_chat_template
@@ -152,19 +152,8 @@ def source_config(workdir: str | None, hf_dir: str | None) -> ml_collections.Con
 
 def _restore(workdir: str, config: ml_collections.ConfigDict, exp: Experiment,
              step: int | None) -> Any:
-    if not os.path.isdir(os.path.join(workdir, "checkpoints")):
-        raise ConfigError(f"--workdir={workdir!r} has no checkpoints; train.py saves one at the "
-                          "end of a run and every checkpoint.every steps.")
-    checkpointer = Checkpointer(workdir, config.checkpoint)
-    try:
-        steps = checkpointer.steps()
-        if not steps or (step is not None and step not in steps):
-            raise ConfigError(f"--step={step}: no complete checkpoint of that step in "
-                              f"{checkpointer.directory}; there are {steps or 'none'}.")
-        return checkpointer.restore_params(steps[-1] if step is None else step,
-                                           exp.abstract_state)
-    finally:
-        checkpointer.close()
+    with saved_step(workdir, config.checkpoint, step) as (checkpointer, step):
+        return checkpointer.restore_params(step, exp.abstract_state)
 
 
 def _run_tokenizer(config: ml_collections.ConfigDict
