@@ -33,13 +33,18 @@ def _key_str(path: tuple) -> str:
 
 
 class Checkpointer:
-    def __init__(self, workdir: str, cfg: ml_collections.ConfigDict):
+    def __init__(self, workdir: str, cfg: ml_collections.ConfigDict, read_only: bool = False):
+        """``read_only``: for tools that read a run (export, generate), possibly while it
+        trains: nothing is created or deleted, not even an interrupted save's temporary
+        directory, which the run itself may still be writing."""
         self.cfg = cfg
         self.directory = os.path.abspath(os.path.join(workdir, "checkpoints"))
         options = ocp.CheckpointManagerOptions(
             max_to_keep=cfg.keep if cfg.keep > 0 else None,
-            enable_async_checkpointing=bool(cfg["async"]), create=True,
-            cleanup_tmp_directories=True)
+            enable_async_checkpointing=bool(cfg["async"]), create=not read_only,
+            # (orbax's own read_only option logs three warnings; this reader never
+            # saves or deletes, so not creating and not cleaning up is enough.)
+            cleanup_tmp_directories=not read_only)
         # Handlers named up front so that a fresh process can read metadata
         # (for the model-mismatch check) before it restores anything.
         self.manager = ocp.CheckpointManager(
@@ -135,12 +140,16 @@ def saved_step(workdir: str, config: ml_collections.ConfigDict, step: int | None
     if not os.path.isdir(os.path.join(workdir, "checkpoints")):
         raise ConfigError(f"--workdir={workdir!r} has no checkpoints; train.py saves one at the "
                           "end of a run and every checkpoint.every steps.")
-    checkpointer = Checkpointer(workdir, config)
+    checkpointer = Checkpointer(workdir, config, read_only=True)
     try:
         steps = checkpointer.steps()
-        if not steps or (step is not None and step not in steps):
+        if not steps:
+            raise ConfigError(f"--workdir={workdir!r}: no complete checkpoint in "
+                              f"{checkpointer.directory} (a save that was interrupted leaves "
+                              "none); train on, or use another --workdir.")
+        if step is not None and step not in steps:
             raise ConfigError(f"--step={step}: no complete checkpoint of that step in "
-                              f"{checkpointer.directory}; there are {steps or 'none'}.")
+                              f"{checkpointer.directory}; there are {steps}.")
         yield checkpointer, steps[-1] if step is None else step
     finally:
         checkpointer.close()

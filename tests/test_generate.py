@@ -251,3 +251,16 @@ def test_bad_input(workdir, hf_dirs, tmp_path):
         read_prompts([], str(bad))
     with pytest.raises(ConfigError, match="no prompts"):
         read_prompts([], None)
+
+
+def test_interrupted_save_is_one_line_and_left_alone(workdir, tmp_path):
+    """A workdir whose only checkpoint is an interrupted (or still running) save: one
+    line, exit 2, nothing after it, and the save's temporary directory untouched (the
+    run writing it may still be going)."""
+    run = tmp_path / "run"
+    saving = run / "checkpoints" / "5.orbax-checkpoint-tmp-1"
+    saving.mkdir(parents=True)
+    shutil.copy(workdir / "config.json", run)
+    result = run_generate(f"--workdir={run}", "--prompt=hi", "--config.runtime.cpu_devices=1")
+    assert_one_line_error(result, f"--workdir='{run}': no complete checkpoint in ")
+    assert saving.is_dir()
