@@ -125,3 +125,10 @@ def test_generate_tiny():
     rows = table_rows(lines, *layouts)
     assert [r[0] for r in rows] == layouts, lines
     assert all(float(c) > 0 for r in rows for c in r[1:]), lines
+
+
+def test_attention_memory_tiny():
+    lines = run_tiny("attention_memory.py").stdout.splitlines()
+    rows = table_rows(lines, "dense", "tiled", "auto")
+    assert [r[:2] for r in rows] == [["dense", "dense"], ["tiled", "tiled"],
+                                     ["auto", "dense"]], lines  # auto: dense up to 1024
