@@ -26,7 +26,6 @@ Run from the repo root:
 from __future__ import annotations
 
 import argparse
-import re
 import sys
 import time
 
@@ -37,6 +36,7 @@ jax.config.update("jax_num_cpu_devices", 8)
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
+from ndjax.collectives import collectives  # noqa: E402
 from ndjax.config import default_config  # noqa: E402
 from ndjax.experiment import Experiment  # noqa: E402
 from ndjax.mesh import ParallelDims, build_mesh  # noqa: E402
@@ -59,56 +59,17 @@ def experiment(context: int, seq_len: int, impl: str, layout: str = "zigzag") ->
 
 # ----- HLO: collective-permutes executed per step ------------------------------------------
 
-_COMPUTATION = re.compile(r"^(?:ENTRY )?%?([\w.\-]+) \(.*\{$")
-
-
 def executed_collective_permutes(hlo: str) -> dict[str, tuple[int, int]]:
     """Collective-permutes of float (keys, values, their gradients) and integer
-    (segment ids) arrays: (static count in the text, count executed per step).
-
-    Executed: a computation's own collective-permutes, plus its while loops'
-    bodies times their known trip counts, plus called computations; of a
-    conditional's branches the largest (one runs).
-    """
-    bodies: dict[str, list[str]] = {}
-    entry, name = None, None
-    for line in hlo.splitlines():
-        m = _COMPUTATION.match(line)
-        if m:
-            name = m.group(1)
-            bodies[name] = []
-            if line.startswith("ENTRY"):
-                entry = name
-        elif name is not None:
-            bodies[name].append(line)
-    op = re.compile(r"= \(?([a-z]+)\d*\[.*collective-permute(-start)?\(")
-
-    def count(comp: str, kind: str) -> int:
-        total = 0
-        for line in bodies.get(comp, []):
-            m = op.search(line)
-            if m and (m.group(1) == "s") == (kind == "int"):
-                total += 1
-            if " while(" in line:
-                trips = re.search(r'known_trip_count":\{"n":"(\d+)"', line)
-                if trips is None:
-                    raise ValueError(f"while loop without a known trip count: {line[:200]}")
-                body = re.search(r"body=%([\w.\-]+)", line).group(1)
-                total += int(trips.group(1)) * count(body, kind)
-            elif " call(" in line:
-                total += count(re.search(r"to_apply=%([\w.\-]+)", line).group(1), kind)
-            elif " conditional(" in line:
-                branches = re.findall(r"(?:true|false)_computation=%([\w.\-]+)", line) or \
-                    re.findall(r"%([\w.\-]+)", line.split("branch_computations={")[1].split("}")[0])
-                total += max(count(b, kind) for b in branches)
-        return total
-
-    static = {"float": 0, "int": 0}
-    for line in hlo.splitlines():
-        m = op.search(line)
-        if m:
-            static["int" if m.group(1) == "s" else "float"] += 1
-    return {kind: (static[kind], count(entry, kind)) for kind in ("float", "int")}
+    (segment ids) arrays: (static count in the text, count executed per step),
+    from ``ndjax.collectives`` (while loops times their known trip counts)."""
+    out = {"float": [0, 0], "int": [0, 0]}
+    for c in collectives(hlo):
+        if c.kind == "collective-permute":
+            counts = out["int" if c.dtype.rstrip("0123456789") == "s" else "float"]
+            counts[0] += 1
+            counts[1] += c.executed
+    return {kind: (static, run) for kind, (static, run) in out.items()}
 
 
 # ----- the three measurements --------------------------------------------------------------
