@@ -37,7 +37,7 @@ from ndjax import hf
 from ndjax.checkpoint import saved_step
 from ndjax.config import default_config, run_config
 from ndjax.console import quiet_libraries
-from ndjax.data.chat_template import TemplateRefused, load_chat_template
+from ndjax.data.chat_template import TemplateRefused, load_chat_template, token_text
 from ndjax.data.tokenizers import ByteTokenizer, HFTokenizer, load_tokenizer
 from ndjax.errors import ConfigError
 from ndjax.experiment import Experiment
@@ -183,17 +183,13 @@ def _read_json(path: str) -> dict:
     return data if isinstance(data, dict) else {}
 
 
-def _token_text(value: Any) -> str:
-    """A special token in tokenizer_config.json: a string or {"content": ...}."""
-    return value.get("content", "") if isinstance(value, dict) else value or ""
-
-
 def _hf_tokenizer(hf_dir: str) -> HFTokenizer:
     path = os.path.join(hf_dir, "tokenizer.json")
     if not os.path.isfile(path):
         raise ConfigError(f"--hf_dir={hf_dir!r} has no tokenizer.json; copy the model's "
                           "tokenizer files into it.")
-    eos = _token_text(_read_json(os.path.join(hf_dir, "tokenizer_config.json")).get("eos_token"))
+    config = _read_json(os.path.join(hf_dir, "tokenizer_config.json"))
+    eos = token_text(config.get("eos_token")) or ""  # "": the tokenizer guesses
     return HFTokenizer(path, eos, field="--hf_dir tokenizer")
 
 

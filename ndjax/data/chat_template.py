@@ -181,7 +181,7 @@ class ChatTemplate:
         return "".join(blocks), spans
 
 
-def _token_text(value: Any) -> str | None:
+def token_text(value: Any) -> str | None:
     """A special token as tokenizer_config.json writes it: a string or an AddedToken dict."""
     if isinstance(value, dict):
         value = value.get("content")
@@ -206,7 +206,7 @@ def load_chat_template(tokenizer: str, template_file: str = "",
             raise ConfigError(f"data.tokenizer={tokenizer!r}: {config_path} is not valid JSON "
                               f"({e}); fix it or remove it.") from None
     variables = {name: text for name in SPECIAL_TOKEN_NAMES
-                 if (text := _token_text(config.get(name))) is not None}
+                 if (text := token_text(config.get(name))) is not None}
     jinja_path = os.path.join(folder, "chat_template.jinja")
     if template_file:
         if not os.path.isfile(template_file):

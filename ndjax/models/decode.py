@@ -24,13 +24,11 @@ import jax.numpy as jnp
 from flax import nnx
 
 from ndjax.models import llama
-from ndjax.models.llama import HIDDEN, RESIDUAL, _weight, apply_rope, project
+from ndjax.models.llama import HIDDEN, RESIDUAL, _weight
 from ndjax.ops.attention import masked_attention
 from ndjax.rules import active, constrain
 
 CACHE_NAMES = ("layers", "act_batch", None, "act_kv_heads", "act_head_dim")
-HEADS = ("act_batch", "act_seq", "act_heads", "act_head_dim")
-KV_HEADS = ("act_batch", "act_seq", "act_kv_heads", "act_head_dim")
 
 
 @jax.tree_util.register_dataclass
@@ -66,9 +64,7 @@ def forward(model: llama.Llama, tokens: jax.Array, start: jax.Array | int, cache
     positions = jnp.maximum(slots[None, :] - cache.pad[:, None], 0)
     table = _weight(model.embed, cfg.dtype)
     x = constrain(llama.embed_lookup(table, tokens), RESIDUAL)
-    freqs = positions[..., None].astype(jnp.float32) * llama.rope_frequencies(cfg)
-    freqs = jnp.concatenate([freqs, freqs], axis=-1)
-    cos, sin = jnp.cos(freqs), jnp.sin(freqs)
+    cos, sin = llama.rope_tables(cfg, positions)
     # (b, s, slots): causal over slots, and never a row's padding.
     keys = jnp.arange(cache.k.shape[2], dtype=jnp.int32)
     mask = (keys[None, None, :] <= slots[None, :, None]) & (
@@ -94,26 +90,19 @@ def forward(model: llama.Llama, tokens: jax.Array, start: jax.Array | int, cache
 
 
 def _block(block: llama.Block, x, cos, sin, mask, k_all, v_all, layer, start):
-    h = constrain(block.attn_norm(x), HIDDEN)
-    attn, k_all, v_all = _attention(block.attn, h, cos, sin, mask, k_all, v_all, layer, start)
-    x = constrain(x + attn, RESIDUAL)
-    h = constrain(block.mlp_norm(x), HIDDEN)
-    return constrain(x + block.mlp(h), RESIDUAL), k_all, v_all
+    """``llama.Block`` with its attention reading and writing the cache of ``layer``: the
+    new keys and values go in at ``start`` and the queries attend to the whole cache."""
+    cache = {}
 
+    def attend(h):
+        q, k, v = block.attn.qkv(h, cos, sin)
+        zero = jnp.zeros((), jnp.int32)
+        at = (layer, zero, jnp.asarray(start, jnp.int32), zero, zero)
+        for name, new, whole in (("k", k, k_all), ("v", v, v_all)):
+            cache[name] = constrain(jax.lax.dynamic_update_slice(
+                whole, new[None].astype(whole.dtype), at), CACHE_NAMES)
+        out = masked_attention(q, cache["k"][layer], cache["v"][layer], mask)
+        return block.attn.output(out)
 
-def _attention(attn: llama.Attention, x, cos, sin, mask, k_all, v_all, layer, start):
-    """``llama.Attention.__call__`` with the new keys and values written into the cache
-    of ``layer`` at ``start`` and the queries attending to that cache."""
-    dt, n_kv = attn.dtype, attn.cfg.n_kv_heads
-    q = constrain(project("bsd,dhk->bshk", x, _weight(attn.wq, dt)), HEADS)
-    k = constrain(project("bsd,dhk->bshk", x, _weight(attn.wk, dt, n_kv)), KV_HEADS)
-    v = constrain(project("bsd,dhk->bshk", x, _weight(attn.wv, dt, n_kv)), KV_HEADS)
-    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-    zero = jnp.zeros((), jnp.int32)
-    at = (layer, zero, jnp.asarray(start, jnp.int32), zero, zero)
-    k_all = constrain(jax.lax.dynamic_update_slice(k_all, k[None].astype(k_all.dtype), at),
-                      CACHE_NAMES)
-    v_all = constrain(jax.lax.dynamic_update_slice(v_all, v[None].astype(v_all.dtype), at),
-                      CACHE_NAMES)
-    out = constrain(masked_attention(q, k_all[layer], v_all[layer], mask), HEADS)
-    return project("bshk,hkd->bsd", out, _weight(attn.wo, dt)), k_all, v_all
+    x = block.around(x, attend)
+    return x, cache["k"], cache["v"]

@@ -219,6 +219,13 @@ def rope_frequencies(cfg: LlamaConfig) -> jax.Array:
     return jnp.where(medium, smoothed, scaled)
 
 
+def rope_tables(cfg: LlamaConfig, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """cos and sin (b, s, head_dim) of each token's position, for ``apply_rope``."""
+    freqs = positions[..., None].astype(jnp.float32) * rope_frequencies(cfg)
+    freqs = jnp.concatenate([freqs, freqs], axis=-1)
+    return jnp.cos(freqs), jnp.sin(freqs)
+
+
 def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     """Rotate-half RoPE (HF layout). x: (b, s, heads, hd); cos/sin: (b, s, hd)."""
     x32 = x.astype(jnp.float32)
@@ -241,20 +248,24 @@ class Attention(nnx.Module):
         self.cfg = cfg
 
     def __call__(self, x, cos, sin, segment_ids):
-        dt = self.dtype
-        heads = ("act_batch", "act_seq", "act_heads", "act_head_dim")
-        kv_heads = ("act_batch", "act_seq", "act_kv_heads", "act_head_dim")
-        n_kv = self.cfg.n_kv_heads
+        q, k, v = self.qkv(x, cos, sin)
+        return self.output(attention(q, k, v, segment_ids, self.cfg))
+
+    def qkv(self, x, cos, sin):
+        """Queries, keys and values of ``x``, rotated (the KV-cache decode reuses it)."""
+        dt, n_kv = self.dtype, self.cfg.n_kv_heads
         q = project("bsd,dhk->bshk", x, _weight(self.wq, dt))
         k = project("bsd,dhk->bshk", x, _weight(self.wk, dt, n_kv))
         v = project("bsd,dhk->bshk", x, _weight(self.wv, dt, n_kv))
-        q = checkpoint_name(constrain(q, heads), "q_proj")
-        k = checkpoint_name(constrain(k, kv_heads), "k_proj")
-        v = checkpoint_name(constrain(v, kv_heads), "v_proj")
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        out = attention(q, k, v, segment_ids, self.cfg)
-        out = checkpoint_name(constrain(out, heads), "attn_out")
-        return project("bshk,hkd->bsd", out, _weight(self.wo, dt))
+        q = checkpoint_name(constrain(q, HEADS), "q_proj")
+        k = checkpoint_name(constrain(k, KV_HEADS), "k_proj")
+        v = checkpoint_name(constrain(v, KV_HEADS), "v_proj")
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+    def output(self, out):
+        """The attention's output (b, s, heads, head_dim) projected back to the model dim."""
+        out = checkpoint_name(constrain(out, HEADS), "attn_out")
+        return project("bshk,hkd->bsd", out, _weight(self.wo, self.dtype))
 
 
 class MLP(nnx.Module):
@@ -278,6 +289,8 @@ class MLP(nnx.Module):
 
 RESIDUAL = ("act_batch", "act_res_seq", "act_embed")
 HIDDEN = ("act_batch", "act_seq", "act_embed")
+HEADS = ("act_batch", "act_seq", "act_heads", "act_head_dim")
+KV_HEADS = ("act_batch", "act_seq", "act_kv_heads", "act_head_dim")
 
 
 class Block(nnx.Module):
@@ -288,8 +301,13 @@ class Block(nnx.Module):
         self.mlp = MLP(cfg, rngs)
 
     def __call__(self, x, cos, sin, segment_ids):
+        return self.around(x, lambda h: self.attn(h, cos, sin, segment_ids))
+
+    def around(self, x, attend):
+        """The block with ``attend`` (normed input -> attention's projected output) as
+        its attention: the KV-cache decode passes one that reads and writes the cache."""
         h = checkpoint_name(constrain(self.attn_norm(x), HIDDEN), "attn_norm")
-        attn = checkpoint_name(self.attn(h, cos, sin, segment_ids), "attn_block_out")
+        attn = checkpoint_name(attend(h), "attn_block_out")
         x = constrain(x + attn, RESIDUAL)
         h = checkpoint_name(constrain(self.mlp_norm(x), HIDDEN), "mlp_norm")
         out = checkpoint_name(self.mlp(h), "mlp_out")
@@ -327,9 +345,7 @@ class Llama(nnx.Module):
         table = _weight(self.embed, cfg.dtype)
         x = constrain(embed_lookup(table, tokens), RESIDUAL)
 
-        freqs = positions[..., None].astype(jnp.float32) * rope_frequencies(cfg)
-        freqs = jnp.concatenate([freqs, freqs], axis=-1)
-        cos, sin = jnp.cos(freqs), jnp.sin(freqs)
+        cos, sin = rope_tables(cfg, positions)
 
         graphdef, stacked_state = nnx.split(self.layers)
 

@@ -81,6 +81,11 @@ def _at_least(capability: str | None, target: tuple[int, int]) -> bool:
     return tuple(int(x) for x in capability.split(".")[:2]) >= target
 
 
+def _largest_divisor(n: int, at_most: int) -> int:
+    """The tile to suggest when ``at_most`` does not divide ``n``."""
+    return max(t for t in range(1, at_most + 1) if n % t == 0)
+
+
 def _field(name: str) -> str:
     return f"model.attn_impl={name!r}"
 
@@ -155,7 +160,7 @@ class Tiled(Kernel):
         half = site.seq_len // 2
         tile = min(half, site.kv_tile)
         if half % tile:
-            fit = max(t for t in range(1, tile + 1) if half % t == 0)
+            fit = _largest_divisor(half, tile)
             raise ConfigError(
                 f"model.attn_kv_tile={site.kv_tile} does not divide half of train.seq_len="
                 f"{site.seq_len} ({half} tokens, {_field(self.name)}). Use a divisor, e.g. "
@@ -184,7 +189,7 @@ class Ring(Kernel):
                 + (", or model.cp_layout='contiguous'." if pieces == 2 else "."))
         piece, tile = ring.piece_len(layout, seq_len, context), site.kv_tile
         if tile < piece and piece % tile:
-            fit = max(t for t in range(1, tile + 1) if piece % t == 0)
+            fit = _largest_divisor(piece, tile)
             raise ConfigError(
                 f"model.attn_kv_tile={tile} does not divide ring attention's block of {piece} "
                 f"tokens (train.seq_len={seq_len} / ({pieces} x mesh.context={context}), "
