@@ -16,22 +16,13 @@ from collections.abc import Callable
 from absl import app, flags
 from ml_collections import config_flags
 
-
-def _innermost(e: BaseException) -> str:
-    """config_flags wraps the useful message in layers of exceptions."""
-    while isinstance(e, BaseException) and e.args:
-        e = e.args[0]
-    return str(e)
+from ndjax.cli import BAD_OVERRIDE, config_flags_parser, fail, innermost
 
 
 def _fail(message: object, exit: Callable[[int], object] = sys.exit) -> None:
-    """One line, exit 2. From another thread pass exit=os._exit (sys.exit there
-    would only end the thread)."""
-    print(f"train.py: error: {' '.join(str(message).split())}", file=sys.stderr, flush=True)
-    exit(2)
+    fail("train.py", message, exit)
 
 
-_BAD_OVERRIDE = (AttributeError, KeyError, TypeError, ValueError)
 try:
     # config_flags applies the --config.* overrides to the default file as soon
     # as the flag is defined, so a bad override is reported from here.
@@ -39,57 +30,12 @@ try:
         "config", os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs",
                                "llama_fsdp_tp.py"),
         "Experiment config file (configs/*.py).")
-except _BAD_OVERRIDE as e:
-    _fail(f"bad --config override: {_innermost(e)}")
+except BAD_OVERRIDE as e:
+    _fail(f"bad --config override: {innermost(e)}")
 _WORKDIR = flags.DEFINE_string(
     "workdir", None, "Where metrics (and later checkpoints) go; default runs/<config name>.")
 _PRINT_SHARDING = flags.DEFINE_bool(
     "print_sharding", False, "Print where every parameter lives, then exit.")
-
-
-def _config_path(argv: list[str]) -> str | None:
-    """The --config file named on the command line (without a ':override' suffix)."""
-    for i, arg in enumerate(argv[1:], start=1):
-        if arg.startswith("--config="):
-            return arg.split("=", 1)[1]
-        if arg == "--config" and i + 1 < len(argv):
-            return argv[i + 1]
-    return None
-
-
-def _failure_in_file(e: BaseException, path: str) -> str | None:
-    """'line N: Error: message' when ``e`` was raised by the code of ``path`` (a syntax
-    error in it, or an exception while importing it or running its get_config)."""
-    target = os.path.realpath(path)
-    if isinstance(e, SyntaxError) and e.filename and os.path.realpath(e.filename) == target:
-        return f"line {e.lineno}: SyntaxError: {e.msg}"
-    line = None
-    tb = e.__traceback__
-    while tb is not None:
-        if os.path.realpath(tb.tb_frame.f_code.co_filename) == target:
-            line = tb.tb_lineno
-        tb = tb.tb_next
-    return None if line is None else f"line {line}: {type(e).__name__}: {e}"
-
-
-def parse_flags(argv: list[str]) -> list[str]:
-    """absl's parser, with a config file that fails to load or a bad ``--config.x=...``
-    override as one line, not a traceback."""
-    try:
-        return flags.FLAGS(argv)
-    except flags.Error as e:
-        _fail(e)
-    except Exception as e:
-        path = _config_path(argv)
-        where = None if path is None else _failure_in_file(e, path)
-        if where is not None:
-            _fail(f"cannot load --config={path}: {where}")
-        if path is not None and isinstance(e, AttributeError) and "get_config" in str(e):
-            _fail(f"--config={path} has no get_config() function; a config file defines "
-                  "get_config() returning the experiment's ConfigDict (see configs/).")
-        if isinstance(e, _BAD_OVERRIDE):
-            _fail(f"bad --config override: {_innermost(e)}")
-        raise
 
 
 def main(argv: list[str]) -> None:
@@ -101,9 +47,9 @@ def main(argv: list[str]) -> None:
         config = _CONFIG.value  # loads the file and applies --config.* overrides
         config.runtime  # noqa: B018 -- a config file that failed to load raises on access
     except OSError as e:
-        _fail(f"cannot load --config: {_innermost(e)}")
-    except _BAD_OVERRIDE as e:
-        _fail(f"bad --config override: {_innermost(e)}")
+        _fail(f"cannot load --config: {innermost(e)}")
+    except BAD_OVERRIDE as e:
+        _fail(f"bad --config override: {innermost(e)}")
 
     from ndjax import distributed
     from ndjax.errors import ConfigError
@@ -168,4 +114,4 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    app.run(main, flags_parser=parse_flags)
+    app.run(main, flags_parser=config_flags_parser("train.py"))
