@@ -139,6 +139,23 @@ def _check_train(config: ml_collections.ConfigDict) -> None:
             "1 <= first <= last, e.g. --config.log.profile_steps='(5, 7)'.")
 
 
+def check_fields(config: ml_collections.ConfigDict
+                 ) -> tuple[llama.LlamaConfig, hf.Checkpoint | None]:
+    """The checks that do not depend on the mesh: train, export, model and data
+    fields, and the checkpoint of ``model.init_from``. Returns the model's dims and
+    that checkpoint (opened, not read)."""
+    check_keys(config)
+    _check_train(config)
+    hf.check_export(config.export)
+    init_from = config.model.init_from
+    checkpoint = hf.open_checkpoint(init_from) if init_from else None
+    model_cfg = model_config(config.model, checkpoint)
+    if checkpoint is not None:
+        hf.check_tokenizer(config, checkpoint)
+    loader.check_config(config, model_cfg.vocab_size)  # names, sizes, tokenizer vs vocab
+    return model_cfg, checkpoint
+
+
 def _path(keys: Sequence[Any]) -> str:
     return "/".join(str(getattr(k, "key", k)) for k in keys)
 
@@ -167,18 +184,12 @@ class Experiment:
     @classmethod
     def from_config(cls, config: ml_collections.ConfigDict,
                     devices: Sequence[jax.Device] | None = None) -> Experiment:
-        check_keys(config)
         devices = list(jax.devices() if devices is None else devices)
         m = config.mesh
+        check_keys(config)
         dims = ParallelDims(m.replica, m.fsdp, m.context, m.tensor).resolve(len(devices))
-        _check_train(config)
-        hf.check_export(config.export)
+        model_cfg, checkpoint = check_fields(config)
         init_from = config.model.init_from
-        checkpoint = hf.open_checkpoint(init_from) if init_from else None
-        model_cfg = model_config(config.model, checkpoint)
-        if checkpoint is not None:
-            hf.check_tokenizer(config, checkpoint)
-        loader.check_config(config, model_cfg.vocab_size)  # names, sizes, tokenizer vs vocab
         mesh = build_mesh(dims, devices)
         warning = slow_axes_warning(mesh, distributed.host_of)
         if warning and jax.process_index() == 0:
