@@ -1,0 +1,200 @@
+"""Rank every mesh for N GPUs by compiled memory and communication, before renting them.
+
+    python -m ndjax.plan --config=configs/llama_fsdp.py --devices=64 \
+        [--config.model.preset=llama3_8b --config.train.seq_len=8192 ...] \
+        [--devices_per_node=8] [--hardware=h100] [--top=5] [--json]
+
+Every factorisation of --devices into replica x fsdp x context x tensor, under
+each rule preset, is checked as train.py would check it (a failing layout is
+listed as rejected, with the reason), compiled ahead of time on simulated CPU
+devices in the target's dtypes, and priced with a roofline of the hardware
+(``ndjax/roofline.py``). See ``ndjax/planner.py`` for the method and the
+README's "Choosing a layout" for how to read the table. Progress goes to
+stderr; with --json stdout holds only the JSON list of every layout.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import numpy as np
+from absl import app, flags
+from ml_collections import config_flags
+
+from ndjax.cli import BAD_OVERRIDE, config_flags_parser, fail, innermost
+
+PROGRAM = "ndjax.plan"
+
+try:
+    _CONFIG = config_flags.DEFINE_config_file(
+        "config", None, "Experiment config file (configs/*.py), as for train.py.")
+except BAD_OVERRIDE as e:
+    fail(PROGRAM, f"bad --config override: {innermost(e)}")
+_DEVICES = flags.DEFINE_integer("devices", None, "GPUs to plan for.")
+_PER_NODE = flags.DEFINE_integer("devices_per_node", 8, "GPUs per node (NVLink domain).")
+_HARDWARE = flags.DEFINE_string("hardware", "h100", "a100 | h100 | h200 | b200.")
+_TOP = flags.DEFINE_integer("top", 5, "Fitting layouts to print (all with --json).")
+_JSON = flags.DEFINE_bool("json", False, "Print only a JSON list of every layout on stdout.")
+_RULES = flags.DEFINE_list("rules", None, "Rule presets to try; default: all (a config with "
+                           "its own rule table uses that).")
+_MEM_FRACTION = flags.DEFINE_float(
+    "mem_fraction", None, "Share of GPU memory a step may use; default: "
+    "XLA_PYTHON_CLIENT_MEM_FRACTION, else 0.75 (what jax's allocator takes).")
+_WORKERS = flags.DEFINE_integer("workers", None, "Processes compiling at once; default: "
+                                "min(cores, 4); 0 compiles in this process.")
+_CACHE_DIR = flags.DEFINE_string("cache_dir", None, "Where compiled measurements are kept; "
+                                 "default ~/.cache/ndjax/plan; '' for none.")
+flags.mark_flag_as_required("config")
+flags.mark_flag_as_required("devices")
+
+
+def _check_flags(hardware_names: list[str], presets: list[str]) -> None:
+    from ndjax.errors import ConfigError
+
+    n, per_node = _DEVICES.value, _PER_NODE.value
+    if n < 1:
+        raise ConfigError(f"--devices={n} must be >= 1.")
+    if per_node < 1:
+        raise ConfigError(f"--devices_per_node={per_node} must be >= 1.")
+    if _HARDWARE.value not in hardware_names:
+        raise ConfigError(f"--hardware={_HARDWARE.value!r}: choose one of {hardware_names}.")
+    if _TOP.value < 1:
+        raise ConfigError(f"--top={_TOP.value} must be >= 1.")
+    fraction = _MEM_FRACTION.value
+    if fraction is not None and not 0 < fraction <= 1:
+        raise ConfigError(f"--mem_fraction={fraction} must be in (0, 1].")
+    if _WORKERS.value is not None and _WORKERS.value < 0:
+        raise ConfigError(f"--workers={_WORKERS.value} must be >= 0.")
+    unknown = [r for r in _RULES.value or [] if r not in presets]
+    if unknown:
+        raise ConfigError(f"--rules: {unknown} are not rule presets; choose from {presets}.")
+
+
+def _gb(n: float) -> str:
+    return f"{n / 1e9:,.1f}"
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1e3:,.1f}"
+
+
+def _gib(n: float) -> str:
+    return f"{n / 2**30:,.1f}"
+
+
+def _table(rows: list[list[str]]) -> list[str]:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return ["  ".join(c.ljust(w) if i < 3 else c.rjust(w) for i, (c, w) in
+                      enumerate(zip(r, widths))).rstrip() for r in rows]
+
+
+def report(plan, config, top: int) -> str:  # noqa: ANN001 -- planner.Plan, ConfigDict
+    """The ranked table, then what does not fit, what failed and what was rejected."""
+    from ndjax.planner import CONFIG_RULES
+
+    hw, t = plan.hardware, config.train
+    model = config.model.preset if not config.model.init_from else config.model.init_from
+    dims = plan.model
+    ranked, over = plan.by_status("ranked"), plan.by_status("over")
+    failed, rejected = plan.by_status("failed"), plan.by_status("rejected")
+    lines = [
+        f"plan: {model} ({dims.n_layers} layers, dim {dims.dim}) on {plan.devices} x {hw.name} "
+        f"({plan.devices_per_node} per node); batch {t.batch_size} x {t.seq_len} tokens; "
+        f"compute {np.dtype(dims.dtype).name}; "
+        f"memory budget {_gib(plan.budget)} GiB per device",
+        f"layouts: {len(plan.candidates) + plan.aliases} checked: {len(rejected)} rejected, "
+        f"{plan.aliases} the same program as another, {len(ranked)} fit, {len(over)} do not, "
+        f"{len(failed)} failed to compile",
+        "step time: roofline, compute + communication with no overlap (overlapped in "
+        "brackets); see ndjax/roofline.py",
+        "",
+    ]
+    head = ["#", "layout", "rules", "remat", "accum", "GiB/device", "NVLink GB", "network GB",
+            "compute ms", "comm ms", "step ms", "tokens/s", "MFU", "attention"]
+    rows = [head]
+    notes = []
+    for i, c in enumerate(ranked[:top], start=1):
+        e, link = c.estimate, c.link
+        rules = c.layout.rules if c.layout.rules != CONFIG_RULES else "config's"
+        rows.append([str(i), c.layout.mesh, rules, c.layout.remat, str(c.layout.grad_accum),
+                     _gib(c.memory), _gb(link.inside_bytes), _gb(link.across_bytes),
+                     _ms(e.compute_s), _ms(e.communication_s),
+                     f"{_ms(e.serial_s)} ({_ms(e.overlapped_s)})", f"{e.tokens_per_s():,.0f}",
+                     f"{e.mfu():.0%}", c.attention])
+        if c.reason:
+            notes.append(f"  #{i}: {c.reason} (tried: {'; '.join(c.tried)})")
+        if c.aliases:
+            notes.append(f"  #{i}: the same program as {', '.join(c.aliases)}")
+    if ranked:
+        lines += _table(rows) + notes
+        if len(ranked) > top:
+            lines.append(f"  ... {len(ranked) - top} more fit (--top={len(ranked)} or --json)")
+    else:
+        lines.append("no layout fits; see below")
+    if over:
+        lines += ["", f"do not fit ({len(over)}):"]
+        lines += [f"  {c.layout.mesh} [{c.layout.rules}, remat {c.layout.remat}]: "
+                  f"{_gib(c.memory)} GiB; {c.reason}" for c in over]
+    if failed:
+        lines += ["", f"failed to compile ({len(failed)}):"]
+        lines += [f"  {c.layout.mesh} [{c.layout.rules}]: {c.reason}" for c in failed]
+    if rejected:
+        lines += ["", f"rejected ({len(rejected)}):"]
+        lines += [f"  {c.layout.mesh} [{c.layout.rules}]: {c.reason}" for c in rejected]
+    return "\n".join(lines)
+
+
+def main(argv: list[str]) -> None:
+    if len(argv) > 1:
+        raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+    from ndjax.console import quiet_libraries
+    quiet_libraries()
+    try:
+        config = _CONFIG.value
+        config.runtime  # noqa: B018 -- a config file that failed to load raises on access
+    except OSError as e:
+        fail(PROGRAM, f"cannot load --config: {innermost(e)}")
+    except BAD_OVERRIDE as e:
+        fail(PROGRAM, f"bad --config override: {innermost(e)}")
+
+    import jax
+
+    from ndjax import planner, roofline
+    from ndjax.config import check_keys
+    from ndjax.errors import ConfigError
+    from ndjax.rules import PRESETS
+
+    def progress(message: str) -> None:
+        print(f"{PROGRAM}: {message}", file=sys.stderr, flush=True)
+
+    try:
+        _check_flags(sorted(roofline.HARDWARE), sorted(PRESETS))
+        check_keys(config)
+    except ConfigError as e:
+        fail(PROGRAM, e)
+    n = _DEVICES.value
+    # Simulated CPU devices, before any backend exists, even on a GPU host.
+    jax.config.update("jax_platforms", "cpu")
+    jax.config.update("jax_num_cpu_devices", n)
+    workers = _WORKERS.value if _WORKERS.value is not None else min(os.cpu_count() or 1, 4)
+    cache_dir = planner.default_cache_dir() if _CACHE_DIR.value is None else _CACHE_DIR.value
+    compiler = planner.Compiler(n, workers, planner.Cache(cache_dir or None), progress)
+    fraction = _MEM_FRACTION.value or planner.mem_fraction_default()
+    try:
+        plan = planner.make_plan(config, n, roofline.HARDWARE[_HARDWARE.value],
+                                 _PER_NODE.value, fraction, compiler, jax.devices()[:n],
+                                 _RULES.value, progress)
+    except ConfigError as e:  # a field no layout changes (model dims, data, ...)
+        fail(PROGRAM, e)
+    finally:
+        compiler.close()
+    if _JSON.value:
+        print(json.dumps([c.as_dict() for c in plan.candidates], indent=1))
+    else:
+        print(report(plan, config, _TOP.value))
+
+
+if __name__ == "__main__":
+    app.run(main, flags_parser=config_flags_parser(PROGRAM))

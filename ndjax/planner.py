@@ -1,0 +1,521 @@
+"""Every mesh for N GPUs, checked, compiled ahead of time and priced (``python -m ndjax.plan``).
+
+For one config and N devices:
+
+1. ``layouts``: every factorisation of N into replica x fsdp x context x tensor,
+   under each rule preset (or the config's own table), with the config's
+   ``model.remat`` and ``train.grad_accum``.
+2. ``check``: ``Experiment.from_config`` on N simulated CPU devices, the checks a
+   train.py run makes, with the target's dtypes (``model.dtype=auto`` is
+   bfloat16 on GPUs). A layout that fails one is *rejected* with that one-line
+   reason. Layouts that compile to the same program on the same devices
+   (``megatron_sp`` without a tensor axis; ``zero3_everywhere`` on replica=2 x
+   fsdp=4 is ``default`` on fsdp=8) are compiled once, as aliases of one another.
+   The attention kernel is the one ``auto`` (or the config) picks on the target
+   GPU; a fused GPU kernel (cudnn, pallas) is compiled here as ``tiled``, the
+   CPU kernel with the same memory class (linear in the sequence).
+3. ``measure``: the real train step lowered against abstract inputs and compiled
+   (nothing is allocated), in worker processes that each simulate N devices;
+   from the compiled module: argument and temporary bytes per device
+   (``memory_analysis``) and every collective (``ndjax.collectives``). Results are
+   cached on disk, keyed by the config, N, the jax version and ndjax's source.
+4. A layout over the memory budget whose parameters, optimizer state and batch
+   fit is retried with more rematerialisation (``none`` -> ``save_proj`` -> ``full``)
+   and then gradient accumulation (x2, x4, ...), until it fits or nothing is left.
+5. ``ndjax.roofline`` turns FLOPs and collectives into a step time on the target
+   hardware; fitting layouts are ranked by it (no-overlap figure).
+
+The CPU compiler is a stand-in for the GPU one: memory figures are XLA's CPU
+buffer plan for the same program (the CPU widens a few bf16 buffers and lowers
+reduce-scatter as all-reduce, so temporaries are a little high), and collective
+bytes are the program's, which a GPU compile shares.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import hashlib
+import json
+import math
+import multiprocessing
+import os
+import tempfile
+import time
+import warnings
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+import jax
+import ml_collections
+
+from ndjax import roofline
+from ndjax.collectives import collectives
+from ndjax.config import default_config
+from ndjax.errors import ConfigError
+from ndjax.mesh import AXES
+from ndjax.rules import PRESETS
+
+CONFIG_RULES = "config"          # the config's own rule table (not a preset name)
+REMAT_LADDER = ("none", "save_proj", "full")
+FUSED_STAND_IN = {"cudnn": "tiled", "pallas": "tiled"}
+# The planner reads the compiled module's buffers and collectives, never runs it:
+# LLVM's optimisations of the CPU code change neither and take most of the time
+# (the tiny step: 11.0 s -> 2.9 s, the same bytes and collectives).
+MEASURE_OPTIONS = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    replica: int
+    fsdp: int
+    context: int
+    tensor: int
+    rules: str = "default"
+    remat: str = "none"
+    grad_accum: int = 1
+
+    @property
+    def degrees(self) -> tuple[int, int, int, int]:
+        return (self.replica, self.fsdp, self.context, self.tensor)
+
+    @property
+    def mesh(self) -> str:
+        return " x ".join(f"{a}={s}" for a, s in zip(AXES, self.degrees) if s > 1) or "1 device"
+
+    def with_(self, **changes: Any) -> Layout:
+        return dataclasses.replace(self, **changes)
+
+
+def factorizations(n: int) -> list[tuple[int, int, int, int]]:
+    """(replica, fsdp, context, tensor) with product n, tensor and context first
+    growing (the usual reading order of a plan)."""
+    divisors = [d for d in range(1, n + 1) if n % d == 0]
+    out = []
+    for t in divisors:
+        for c in divisors:
+            for f in divisors:
+                if n % (t * c * f) == 0:
+                    out.append((n // (t * c * f), f, c, t))
+    return out
+
+
+def layouts(config: ml_collections.ConfigDict, n: int,
+            presets: Sequence[str] | None = None) -> list[Layout]:
+    """Every candidate: degrees x rule tables, with the config's remat and grad_accum."""
+    if isinstance(config.rules, str):
+        tables = list(presets) if presets else list(PRESETS)
+    else:
+        tables = [CONFIG_RULES]
+    return [Layout(*degrees, rules=rules, remat=config.model.remat,
+                   grad_accum=config.train.grad_accum)
+            for degrees in factorizations(n) for rules in tables]
+
+
+def target_config(config: ml_collections.ConfigDict, layout: Layout,
+                  attn_impl: str | None = None) -> ml_collections.ConfigDict:
+    """The config of one layout, in the target's dtypes."""
+    c = config.copy_and_resolve_references()
+    for axis, size in zip(AXES, layout.degrees):
+        c.mesh[axis] = size
+    if layout.rules != CONFIG_RULES:
+        c.rules = layout.rules
+    c.model.remat = layout.remat
+    c.train.grad_accum = layout.grad_accum
+    if c.model.dtype == "auto":
+        c.model.dtype = "bfloat16"
+    if attn_impl is not None:
+        c.model.attn_impl = attn_impl
+    return c
+
+
+@dataclasses.dataclass
+class Checked:
+    """A layout that passed every check: the config to compile and what it runs."""
+
+    layout: Layout
+    config: ml_collections.ConfigDict
+    attention: str           # the kernel on the GPU, and what stands in for it here
+    model_flops: float       # training FLOPs of one step, all devices
+    tokens: int
+    signature: tuple
+
+
+def check(config: ml_collections.ConfigDict, layout: Layout, devices: Sequence[jax.Device],
+          hardware: roofline.Hardware) -> Checked:
+    """``Experiment.from_config``'s checks for this layout; ConfigError if one fails."""
+    from ndjax.experiment import Experiment
+    from ndjax.flops import flops_per_token
+    from ndjax.ops import attention as attention_ops
+
+    impl = config.model.attn_impl
+    cpu_impl = FUSED_STAND_IN.get(impl, impl)
+    cfg = target_config(config, layout, cpu_impl)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        exp = Experiment.from_config(cfg, devices)
+    site = dataclasses.replace(
+        attention_ops.Site.of(exp.model_cfg, cfg.train.seq_len, exp.rules),
+        platform="gpu", compute_capability=hardware.compute_capability)
+    on_gpu = attention_ops.choose(impl, site).name
+    stand_in = FUSED_STAND_IN.get(on_gpu, on_gpu)
+    cfg.model.attn_impl = stand_in
+    attention = on_gpu if stand_in == on_gpu else f"{on_gpu} (compiled as {stand_in})"
+    t = cfg.train
+    tokens = t.batch_size * t.seq_len
+    signature = (layout.remat, layout.grad_accum, cfg.model.attn_impl,
+                 program_signature(exp.rules, exp.mesh))
+    return Checked(layout, cfg, attention, flops_per_token(exp.model_cfg, t.seq_len) * tokens,
+                   tokens, signature)
+
+
+def program_signature(rules: Any, mesh: Any) -> tuple:
+    """Equal for two (mesh, rule table) pairs that compile to the same program on the
+    same devices in the same order: axis names do not matter, only which names split
+    over which runs of devices. Mesh axes of size 1 are dropped, and two adjacent axes
+    that every name uses together (or not at all) are one axis of their product's
+    size: ``zero3_everywhere`` on replica=2 x fsdp=4 is ``default`` on fsdp=8."""
+    axes = [a for a in mesh.axis_names if mesh.shape[a] > 1]
+    names = sorted({name for name, _ in rules.table})
+    uses = {n: rules.axes_of(n) for n in names}
+    groups = [[a] for a in axes]
+    i = 0
+    while i + 1 < len(groups):
+        a, b = groups[i][-1], groups[i + 1][0]
+        if all((a in u) == (b in u) and (a not in u or u.index(b) == u.index(a) + 1)
+               for u in uses.values()):
+            groups[i] += groups.pop(i + 1)
+        else:
+            i += 1
+    index = {a: k for k, g in enumerate(groups) for a in g}
+    sizes = tuple(math.prod(mesh.shape[a] for a in g) for g in groups)
+    return sizes, tuple((n, tuple(dict.fromkeys(index[a] for a in uses[n]))) for n in names)
+
+
+# ----- compiling, in worker processes, with a cache ------------------------------------------
+
+
+def _source_digest() -> str:
+    """ndjax's own code: a change to it invalidates every cached measurement."""
+    root = os.path.dirname(os.path.abspath(__file__))
+    h = hashlib.sha256()
+    for folder, dirs, files in sorted(os.walk(root)):
+        dirs.sort()
+        for name in sorted(files):
+            if name.endswith(".py"):
+                with open(os.path.join(folder, name), "rb") as f:
+                    h.update(name.encode() + f.read())
+    return h.hexdigest()
+
+
+def config_from_json(text: str) -> ml_collections.ConfigDict:
+    config = default_config()
+    config.update(json.loads(text))
+    return config
+
+
+def measure(config_json: str, n: int) -> dict[str, Any]:
+    """Compile the train step of one layout on the first n devices and read it."""
+    from ndjax.experiment import Experiment
+
+    config = config_from_json(config_json)
+    devices = jax.devices()[:n]
+    start = time.perf_counter()
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            exp = Experiment.from_config(config, devices)
+            compiled = exp.lower_step().compile(MEASURE_OPTIONS)
+    except Exception as e:  # noqa: BLE001 -- a layout XLA cannot compile is a result too
+        return {"error": f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0][:300]}"}
+    seconds = time.perf_counter() - start
+    m = compiled.memory_analysis()
+    position = {d.id: i for i, d in enumerate(devices)}
+    # Partition p of the compiled program runs on the mesh's p-th device.
+    order = [position[d.id] for d in exp.mesh.devices.flat]
+    records = [dict(kind=c.kind, dtype=c.dtype, bytes=c.bytes, ring_bytes=c.ring_bytes,
+                    group_size=c.group_size, executed=c.executed,
+                    groups=[[order[p] for p in g] for g in c.groups])
+               for c in collectives(compiled.as_text())]
+    return dict(arguments=int(m.argument_size_in_bytes), temporaries=int(m.temp_size_in_bytes),
+                compile_s=round(seconds, 2), collectives=records)
+
+
+class Cache:
+    """One JSON file per measurement under ``root``; writes are atomic."""
+
+    def __init__(self, root: str | None):
+        self.root = root
+        self._salt = f"{jax.__version__}:{_source_digest()}" if root else ""
+
+    def key(self, config_json: str, n: int) -> str:
+        return hashlib.sha256(f"{self._salt}:{n}:{config_json}".encode()).hexdigest()[:32]
+
+    def get(self, key: str) -> dict | None:
+        if not self.root:
+            return None
+        try:
+            with open(os.path.join(self.root, key + ".json")) as f:
+                return json.load(f)
+        except (OSError, ValueError):
+            return None
+
+    def put(self, key: str, value: dict) -> None:
+        if not self.root or "error" in value:
+            return
+        os.makedirs(self.root, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=self.root, suffix=".tmp")
+        with os.fdopen(fd, "w") as f:
+            json.dump(value, f)
+        os.replace(tmp, os.path.join(self.root, key + ".json"))
+
+
+def _start_worker(n: int) -> None:
+    jax.config.update("jax_platforms", "cpu")
+    jax.config.update("jax_num_cpu_devices", n)
+
+
+class Compiler:
+    """Measures configs on n simulated devices: from the cache, else in ``workers``
+    processes (0: in this process, which must then have n devices)."""
+
+    def __init__(self, n: int, workers: int, cache: Cache,
+                 progress: Callable[[str], None] = lambda _: None):
+        self.n, self.cache, self.progress = n, cache, progress
+        self._pool = None
+        if workers > 0:
+            self._pool = concurrent.futures.ProcessPoolExecutor(
+                max_workers=workers, mp_context=multiprocessing.get_context("spawn"),
+                initializer=_start_worker, initargs=(n,))
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(cancel_futures=True)
+
+    def measure_all(self, configs: Sequence[ml_collections.ConfigDict]) -> list[dict]:
+        texts = [c.to_json(sort_keys=True) for c in configs]
+        keys = [self.cache.key(t, self.n) for t in texts]
+        out: list[dict | None] = [self.cache.get(k) for k in keys]
+        todo = [i for i, r in enumerate(out) if r is None]
+        if out:
+            self.progress(f"compiling {len(todo)} step(s) ({len(out) - len(todo)} cached)")
+        if self._pool is None:
+            results: Iterable[dict] = (measure(texts[i], self.n) for i in todo)
+        else:
+            results = self._pool.map(measure, [texts[i] for i in todo], [self.n] * len(todo))
+        for done, (i, r) in enumerate(zip(todo, results), start=1):
+            self.cache.put(keys[i], r)
+            out[i] = r
+            if done % 5 == 0 or done == len(todo):
+                self.progress(f"compiled {done}/{len(todo)}")
+        return out  # type: ignore[return-value]
+
+
+# ----- the plan --------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class Candidate:
+    layout: Layout
+    status: str = "rejected"     # ranked | over | rejected | failed
+    reason: str = ""             # why rejected / failed / over, or what was changed to fit
+    attention: str = ""
+    arguments: int = 0
+    temporaries: int = 0
+    compile_s: float = 0.0
+    collectives: list[dict] = dataclasses.field(default_factory=list)
+    estimate: roofline.Estimate | None = None
+    link: roofline.Link | None = None
+    tried: list[str] = dataclasses.field(default_factory=list)  # remedies that did not fit
+    aliases: list[str] = dataclasses.field(default_factory=list)  # the same program
+    least_memory: int = 0        # the smallest of the tries, when none fits
+
+    @property
+    def memory(self) -> int:
+        return self.arguments + self.temporaries
+
+    def as_dict(self) -> dict[str, Any]:
+        e, link = self.estimate, self.link
+        out = dict(mesh=dict(zip(AXES, self.layout.degrees)), rules=self.layout.rules,
+                   remat=self.layout.remat, grad_accum=self.layout.grad_accum,
+                   status=self.status, reason=self.reason, aliases=self.aliases)
+        if self.status in ("ranked", "over"):
+            out.update(attention=self.attention, arguments_bytes=self.arguments,
+                       temporaries_bytes=self.temporaries, memory_bytes=self.memory,
+                       compile_s=self.compile_s, tried=self.tried)
+        if e is not None and link is not None:
+            out.update(
+                bytes_inside_nodes=round(link.inside_bytes),
+                bytes_across_nodes=round(link.across_bytes),
+                bytes_by_kind={k: round(link.inside.get(k, 0) + link.across.get(k, 0))
+                               for k in sorted({*link.inside, *link.across})},
+                compute_s=e.compute_s, communication_s=e.communication_s,
+                step_s=e.serial_s, step_s_overlapped=e.overlapped_s,
+                tokens_per_s=e.tokens_per_s(), mfu=e.mfu())
+        return out
+
+
+@dataclasses.dataclass
+class Plan:
+    devices: int
+    hardware: roofline.Hardware
+    devices_per_node: int
+    budget: float                # bytes per device a step may use
+    candidates: list[Candidate]
+    aliases: int                 # layouts that are another's program (Candidate.aliases)
+    model: Any                   # ndjax.models.llama.LlamaConfig, in the target's dtypes
+
+    def by_status(self, status: str) -> list[Candidate]:
+        return [c for c in self.candidates if c.status == status]
+
+
+def _remedies(layout: Layout, batch_per_device_rows: int) -> list[Layout]:
+    """What to try, in order, when only the activations do not fit."""
+    out = []
+    ladder = REMAT_LADDER if layout.remat in REMAT_LADDER else (layout.remat, "full")
+    for remat in ladder[ladder.index(layout.remat) + 1:]:
+        out.append(layout.with_(remat=remat))
+    k = layout.grad_accum * 2
+    while k <= batch_per_device_rows * layout.grad_accum:
+        out.append(layout.with_(remat="full", grad_accum=k))
+        k *= 2
+    return out
+
+
+def _describe_fix(base: Layout, layout: Layout) -> str:
+    parts = []
+    if layout.remat != base.remat:
+        parts.append(f"model.remat={layout.remat}")
+    if layout.grad_accum != base.grad_accum:
+        parts.append(f"train.grad_accum={layout.grad_accum}")
+    return "fits with " + " and ".join(parts) if parts else ""
+
+
+def _gib(n: float) -> str:
+    return f"{n / 2**30:.1f} GiB"
+
+
+def make_plan(config: ml_collections.ConfigDict, n: int, hardware: roofline.Hardware,
+              devices_per_node: int, mem_fraction: float, compiler: Compiler,
+              devices: Sequence[jax.Device], presets: Sequence[str] | None = None,
+              progress: Callable[[str], None] = lambda _: None) -> Plan:
+    """Check, compile and price every layout (see the module docstring)."""
+    from ndjax.experiment import check_fields
+
+    # What no layout changes is checked once: a bad field there is the user's error.
+    base = Layout(n, 1, 1, 1, remat=config.model.remat, grad_accum=config.train.grad_accum)
+    model, _ = check_fields(target_config(config, base))
+    budget = hardware.memory_bytes * mem_fraction
+    candidates: list[Candidate] = []
+    checked: dict[int, Checked] = {}
+    same: dict[tuple, list[Candidate]] = {}
+    for layout in layouts(config, n, presets):
+        cand = Candidate(layout)
+        try:
+            c = check(config, layout, devices, hardware)
+        except ConfigError as e:
+            cand.reason = " ".join(str(e).split())
+            candidates.append(cand)
+            continue
+        cand.attention = c.attention
+        checked[id(cand)] = c
+        same.setdefault(c.signature, []).append(cand)
+    # One compile per distinct program, under its plainest name: the default rules,
+    # then the fewest replicas; the others are listed as its aliases.
+    for group in same.values():
+        group.sort(key=lambda c: (c.layout.rules not in ("default", CONFIG_RULES),
+                                  c.layout.replica))
+        group[0].aliases = [f"{c.layout.mesh} [{c.layout.rules}]" for c in group[1:]]
+        candidates.append(group[0])
+    skipped = sum(len(g) - 1 for g in same.values())
+    progress(f"{len(checked)} layouts pass the checks ({len(same)} distinct programs), "
+             f"{len(candidates) - len(same)} rejected")
+
+    def fill(cand: Candidate, r: dict, c: Checked) -> None:
+        if "error" in r:
+            cand.status, cand.reason = "failed", r["error"]
+            return
+        cand.arguments, cand.temporaries = r["arguments"], r["temporaries"]
+        cand.compile_s, cand.collectives = r["compile_s"], r["collectives"]
+        cand.link = roofline.traffic(r["collectives"], devices_per_node)
+        cand.estimate = roofline.estimate(hardware, cand.link, c.model_flops, c.tokens, n,
+                                          cand.layout.remat)
+        cand.status = "ranked" if cand.memory <= budget else "over"
+
+    pending = [cand for cand in candidates if id(cand) in checked]
+    results = compiler.measure_all([checked[id(c)].config for c in pending])
+    for cand, r in zip(pending, results):
+        fill(cand, r, checked[id(cand)])
+
+    # Remedies, one rung per round so that each round compiles in parallel.
+    first = {id(c): c.layout for c in pending}
+    queues: dict[int, list[Layout]] = {}
+    for cand in pending:
+        if cand.status == "over" and cand.arguments <= budget:
+            t = checked[id(cand)].config.train
+            rows = t.batch_size // (cand.layout.replica * cand.layout.fsdp) // t.grad_accum
+            queues[id(cand)] = _remedies(cand.layout, rows)
+    while queues:
+        trying: list[tuple[Candidate, Checked]] = []
+        for cand in pending:
+            queue = queues.get(id(cand))
+            if queue is None:
+                continue
+            while queue:
+                try:
+                    trying.append((cand, check(config, queue.pop(0), devices, hardware)))
+                    break
+                except ConfigError:  # e.g. a grad_accum the batch does not split into
+                    continue
+            else:
+                del queues[id(cand)]
+        results = compiler.measure_all([c.config for _, c in trying])
+        for (cand, c), r in zip(trying, results):
+            label = f"remat {c.layout.remat}, grad_accum {c.layout.grad_accum}"
+            total = r["arguments"] + r["temporaries"] if "error" not in r else None
+            if total is None or total > budget:
+                cand.tried.append(f"{label}: " + (r.get("error") or _gib(total)))
+                if total is not None and c.layout.grad_accum > 1 and total > cand.least_memory:
+                    # Accumulation added a gradient buffer and saved less: more won't help.
+                    queues.pop(id(cand), None)
+                if total is not None:
+                    cand.least_memory = min(cand.least_memory or total, total)
+                continue
+            as_given = (f"remat {cand.layout.remat}, grad_accum {cand.layout.grad_accum}: "
+                        f"{_gib(cand.memory)}")
+            cand.layout = c.layout
+            fill(cand, r, c)
+            cand.tried.insert(0, as_given)
+            cand.reason = _describe_fix(first[id(cand)], c.layout)
+            del queues[id(cand)]
+
+    for cand in candidates:
+        if cand.status == "over":
+            if cand.arguments > budget:
+                cand.reason = (f"parameters, optimizer state and batch alone need "
+                               f"{_gib(cand.arguments)} of {_gib(budget)}: shard them over more "
+                               "devices (fsdp) or store them in bfloat16 (model.param_dtype, "
+                               "train.opt_state_dtype)")
+            else:
+                least = min(cand.least_memory or cand.memory, cand.memory)
+                cand.reason = (f"{_gib(least - budget)} over the budget at best (tried: "
+                               f"{'; '.join(cand.tried)}): gradients and optimizer state need "
+                               "more sharding")
+    order = {"ranked": 0, "over": 1, "failed": 2, "rejected": 3}
+    candidates.sort(key=lambda c: (order[c.status],
+                                   c.estimate.serial_s if c.status == "ranked" and c.estimate
+                                   else c.memory if c.status == "over" else 0))
+    return Plan(n, hardware, devices_per_node, budget, candidates, skipped, model)
+
+
+def default_cache_dir() -> str:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "ndjax", "plan")
+
+
+def mem_fraction_default() -> float:
+    """What jax's GPU allocator takes: XLA_PYTHON_CLIENT_MEM_FRACTION, else 0.75."""
+    try:
+        return float(os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.75"))
+    except ValueError:
+        return 0.75

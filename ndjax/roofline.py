@@ -1,0 +1,146 @@
+"""A roofline of one train step on GPUs that are not here: compute, then each collective.
+
+The planner (``ndjax.plan``) compiles the step for N simulated devices and hands
+this module what the compiled module says: model FLOPs per device and every
+collective with its bytes, group and executions per step. The estimate is
+
+    compute       = model FLOPs per device x recompute factor / peak bf16 FLOP/s
+    communication = sum over collectives of ring bytes sent per device / bandwidth
+                    of the slowest link its group crosses (NVLink inside a node,
+                    the network when the group spans nodes), x executions
+    step time     = compute + communication   (no overlap; an upper bound)
+                    max(compute, communication) (perfect overlap; a lower bound)
+
+Ring bytes are ``Collective.ring_bytes``: a ring all-gather or reduce-scatter
+over g devices sends (g-1)/g of the whole array per device, an all-reduce twice
+that, a collective-permute its block once. Latency per message, the NCCL
+protocol, kernel launch gaps and how well XLA overlaps are all left out: the
+figure ranks layouts against each other and is not a promise of a step time.
+
+The recompute factor prices ``model.remat``: ``full`` reruns each layer's
+forward pass in the backward pass, 8 instead of 6 FLOPs per parameter and token
+(4/3); the other policies recompute only elementwise work and norms, counted
+as 1.
+
+Hardware figures are per GPU, from the vendors' data sheets: dense (no
+sparsity) bf16 tensor-core peak; HBM capacity; NVLink bandwidth in one
+direction (half the "bidirectional" figure NVIDIA quotes); the network as the
+DGX/HGX reference design gives it, one 400 Gb/s (A100: 200 Gb/s) InfiniBand
+adapter per GPU = 50 (25) GB/s.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+GB = 1e9
+
+
+@dataclasses.dataclass(frozen=True)
+class Hardware:
+    name: str
+    peak_tflops: float      # dense bf16, per GPU
+    memory_gb: float        # HBM per GPU, 1e9 bytes
+    nvlink_gbs: float       # GB/s per GPU in one direction, inside a node
+    network_gbs: float      # GB/s per GPU across nodes
+    compute_capability: str
+    source: str
+
+    @property
+    def memory_bytes(self) -> float:
+        return self.memory_gb * GB
+
+
+HARDWARE: dict[str, Hardware] = {
+    "a100": Hardware("A100 SXM4 80GB", 312.0, 80.0, 300.0, 25.0, "8.0",
+                     "NVIDIA A100 data sheet (312 TFLOPS bf16, 600 GB/s NVLink 3); DGX A100: "
+                     "8x 200 Gb/s HDR InfiniBand"),
+    "h100": Hardware("H100 SXM5 80GB", 989.0, 80.0, 450.0, 50.0, "9.0",
+                     "NVIDIA H100 data sheet (989 TFLOPS bf16 dense, 900 GB/s NVLink 4); "
+                     "DGX H100: 8x 400 Gb/s NDR InfiniBand"),
+    "h200": Hardware("H200 SXM 141GB", 989.0, 141.0, 450.0, 50.0, "9.0",
+                     "NVIDIA H200 data sheet (989 TFLOPS bf16 dense, 141 GB HBM3e, 900 GB/s "
+                     "NVLink); DGX H200: 8x 400 Gb/s InfiniBand"),
+    "b200": Hardware("B200 180GB", 2250.0, 180.0, 900.0, 50.0, "10.0",
+                     "NVIDIA B200 (2.25 PFLOPS bf16 dense, 4.5 sparse; 1.8 TB/s NVLink 5); DGX "
+                     "B200 data sheet (1,440 GB HBM3e per 8 GPUs; 8x 400 Gb/s InfiniBand)"),
+}
+
+RECOMPUTE = {"full": 4.0 / 3.0}
+
+
+@dataclasses.dataclass(frozen=True)
+class Link:
+    """Bytes one device sends per step over one kind of link, by collective kind."""
+
+    inside: dict[str, float]   # groups within one node
+    across: dict[str, float]   # groups that span nodes
+
+    @property
+    def inside_bytes(self) -> float:
+        return sum(self.inside.values())
+
+    @property
+    def across_bytes(self) -> float:
+        return sum(self.across.values())
+
+
+def nodes_of(group: tuple[int, ...], devices_per_node: int) -> int:
+    """How many nodes a group of device positions (in jax.devices() order) spans."""
+    return len({d // devices_per_node for d in group})
+
+
+def traffic(collectives: list[dict], devices_per_node: int) -> Link:
+    """Ring bytes per device per step, split by whether the group crosses nodes.
+
+    ``collectives``: the planner's records, each with kind, ring_bytes (per
+    execution), executed, and groups as device positions."""
+    inside: dict[str, float] = {}
+    across: dict[str, float] = {}
+    for c in collectives:
+        sent = c["ring_bytes"] * c["executed"]
+        if not sent:
+            continue
+        spans = max(nodes_of(tuple(g), devices_per_node) for g in c["groups"])
+        where = across if spans > 1 else inside
+        where[c["kind"]] = where.get(c["kind"], 0.0) + sent
+    return Link(inside, across)
+
+
+@dataclasses.dataclass(frozen=True)
+class Estimate:
+    compute_s: float
+    inside_s: float
+    across_s: float
+    tokens: int                # per step, all devices
+    model_flops: float         # per step, all devices (6N-style, no recompute)
+    devices: int
+    peak_tflops: float
+
+    @property
+    def communication_s(self) -> float:
+        return self.inside_s + self.across_s
+
+    @property
+    def serial_s(self) -> float:
+        return self.compute_s + self.communication_s
+
+    @property
+    def overlapped_s(self) -> float:
+        return max(self.compute_s, self.communication_s)
+
+    def tokens_per_s(self, overlap: bool = False) -> float:
+        return self.tokens / (self.overlapped_s if overlap else self.serial_s)
+
+    def mfu(self, overlap: bool = False) -> float:
+        seconds = self.overlapped_s if overlap else self.serial_s
+        return self.model_flops / (seconds * self.devices * self.peak_tflops * 1e12)
+
+
+def estimate(hw: Hardware, link: Link, model_flops: float, tokens: int, devices: int,
+             remat: str) -> Estimate:
+    """``model_flops``: training FLOPs of one step over all devices (ndjax.flops)."""
+    compute = model_flops * RECOMPUTE.get(remat, 1.0) / devices / (hw.peak_tflops * 1e12)
+    return Estimate(compute_s=compute, inside_s=link.inside_bytes / (hw.nvlink_gbs * GB),
+                    across_s=link.across_bytes / (hw.network_gbs * GB), tokens=tokens,
+                    model_flops=model_flops, devices=devices, peak_tflops=hw.peak_tflops)

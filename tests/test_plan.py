@@ -1,0 +1,144 @@
+"""The layout planner (python -m ndjax.plan): candidates, checks, compiled memory, remedies."""
+
+import dataclasses
+import json
+import math
+import os
+import subprocess
+import sys
+
+import jax
+import pytest
+from conftest import tiny_config
+
+from ndjax import planner, roofline
+from ndjax.experiment import Experiment
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+H100 = roofline.HARDWARE["h100"]
+
+
+def test_factorizations_are_every_mesh_once():
+    for n, count in ((1, 1), (8, 20), (64, 84), (12, 40)):
+        meshes = planner.factorizations(n)
+        assert len(meshes) == len(set(meshes)) == count
+        assert all(math.prod(m) == n for m in meshes)
+
+
+def _signature(mesh, rules):
+    config = tiny_config(mesh={"replica": 1, "fsdp": 1, "context": 1, "tensor": 1, **mesh},
+                         rules=rules)
+    layout = planner.Layout(**{"replica": 1, "fsdp": 1, "context": 1, "tensor": 1, **mesh},
+                            rules=rules)
+    return planner.check(config, layout, jax.devices(), H100).signature
+
+
+def test_equivalent_layouts_share_one_program():
+    fsdp8 = _signature({"fsdp": 8}, "default")
+    assert _signature({"replica": 2, "fsdp": 4}, "zero3_everywhere") == fsdp8
+    assert _signature({"replica": 8}, "zero3_everywhere") == fsdp8
+    assert _signature({"fsdp": 8}, "megatron_sp") == fsdp8  # no tensor axis: the same table
+    assert _signature({"replica": 2, "fsdp": 4}, "default") != fsdp8  # replicas keep copies
+    assert _signature({"fsdp": 4, "tensor": 2}, "megatron_sp") != _signature(
+        {"fsdp": 4, "tensor": 2}, "default")
+
+
+def test_planned_memory_equals_the_compiled_train_step():
+    """The planner compiles without LLVM's optimisations; the buffers must be the
+    ones of the step train.py compiles and runs."""
+    config = tiny_config(model={"dtype": "bfloat16"}, train={"seq_len": 64})
+    layout = planner.Layout(1, 4, 1, 2, remat="none")
+    checked = planner.check(config, layout, jax.devices(), H100)
+    assert checked.config.model.attn_impl == "tiled"  # cuDNN on an H100, tiled here
+    planned = planner.measure(checked.config.to_json(sort_keys=True), 8)
+    m = Experiment.from_config(checked.config).compiled_step.memory_analysis()
+    assert planned["arguments"] == m.argument_size_in_bytes
+    assert planned["temporaries"] == m.temp_size_in_bytes
+    kinds = {c["kind"] for c in planned["collectives"]}
+    assert {"all-gather", "all-reduce"} <= kinds
+
+
+def _plan(config, hardware, cache_dir, messages):
+    compiler = planner.Compiler(2, 0, planner.Cache(str(cache_dir)), messages.append)
+    return planner.make_plan(config, 2, hardware, 8, 1.0, compiler, jax.devices()[:2],
+                             ["default"], messages.append)
+
+
+def test_plan_rejects_with_reasons_and_fits_with_remat(tmp_path):
+    config = tiny_config(train={"batch_size": 1, "seq_len": 256})
+    messages = []
+    roomy = _plan(config, H100, tmp_path, messages)
+    rejected = roomy.by_status("rejected")
+    # batch_size=1 cannot split over replica=2 or fsdp=2: named, with the fix.
+    assert sorted(c.layout.mesh for c in rejected) == ["fsdp=2", "replica=2"]
+    assert all("train.batch_size=1 is not divisible by 2" in c.reason for c in rejected)
+    ranked = roomy.by_status("ranked")
+    assert sorted(c.layout.mesh for c in ranked) == ["context=2", "tensor=2"]
+    assert all(c.layout.remat == "none" and c.estimate.serial_s > 0 for c in ranked)
+    assert {c.attention for c in ranked} == {"ring", "cudnn (compiled as tiled)"}
+    ring = next(c for c in ranked if c.layout.context == 2)
+    assert ring.link.inside.get("collective-permute", 0) > 0
+
+    # A budget just under what remat=none needs: the planner finds more remat.
+    need = {c.layout.mesh: c.memory for c in ranked}
+    tight = dataclasses.replace(H100, memory_gb=(min(need.values()) - 1) / 1e9)
+    messages.clear()
+    plan = _plan(config, tight, tmp_path, messages)
+    assert any("(2 cached)" in m for m in messages)  # the first plan's compiles
+    for c in plan.by_status("ranked"):
+        assert c.layout.remat != "none" and c.memory < need[c.layout.mesh]
+        assert c.reason.startswith("fits with model.remat=") and c.tried
+    for c in plan.by_status("over"):
+        assert c.tried and "over the budget" in c.reason
+    assert len(plan.by_status("ranked")) + len(plan.by_status("over")) == 2
+
+
+def test_traffic_splits_by_the_nodes_a_group_spans():
+    records = [dict(kind="all-gather", ring_bytes=100.0, executed=2, groups=[[0, 1], [2, 3]]),
+               dict(kind="all-reduce", ring_bytes=10.0, executed=3, groups=[[0, 2], [1, 3]]),
+               dict(kind="all-reduce", ring_bytes=0.0, executed=9, groups=[[0, 3]])]
+    link = roofline.traffic(records, devices_per_node=2)
+    assert link.inside == {"all-gather": 200.0} and link.across == {"all-reduce": 30.0}
+    e = roofline.estimate(H100, link, model_flops=4 * 989e12, tokens=1000, devices=4,
+                          remat="full")
+    assert e.compute_s == pytest.approx(4 / 3)
+    assert e.inside_s == pytest.approx(200 / 450e9)
+    assert e.across_s == pytest.approx(30 / 50e9)
+    assert e.serial_s == pytest.approx(e.compute_s + e.communication_s)
+    assert e.mfu() == pytest.approx(1.0 / e.serial_s)
+
+
+def _cli(*args, tmp_path):
+    return subprocess.run(
+        [sys.executable, "-m", "ndjax.plan", "--config=configs/llama_fsdp.py",
+         "--config.model.vocab_size=256", "--config.model.dim=64", "--config.model.n_layers=2",
+         "--config.model.ffn_dim=128", "--config.train.seq_len=64",
+         "--config.data.source=synthetic", "--workers=0", f"--cache_dir={tmp_path}", *args],
+        cwd=ROOT, capture_output=True, text=True, timeout=300)
+
+
+def test_cli_json_lists_every_layout(tmp_path):
+    r = _cli("--devices=2", "--rules=default", "--config.train.batch_size=1", "--json",
+             tmp_path=tmp_path)
+    assert r.returncode == 0, r.stderr
+    rows = json.loads(r.stdout)
+    assert len(rows) == 4
+    assert {row["status"] for row in rows} == {"ranked", "rejected"}
+    for row in rows:
+        if row["status"] == "ranked":
+            assert row["memory_bytes"] == row["arguments_bytes"] + row["temporaries_bytes"] > 0
+            assert row["tokens_per_s"] > 0 and 0 < row["mfu"] < 1
+        else:
+            assert "is not divisible by 2" in row["reason"]
+
+
+@pytest.mark.parametrize("args, message", [
+    (("--devices=2", "--hardware=tpu"), "--hardware='tpu': choose one of"),
+    (("--devices=0",), "--devices=0 must be >= 1"),
+    (("--devices=2", "--config.model.dtype=float8"), "model.dtype='float8'"),
+])
+def test_cli_bad_input_is_one_line(args, message, tmp_path):
+    r = _cli(*args, tmp_path=tmp_path)
+    assert r.returncode == 2
+    assert r.stdout == "" and len(r.stderr.strip().splitlines()) == 1
+    assert r.stderr.startswith("ndjax.plan: error:") and message in r.stderr
