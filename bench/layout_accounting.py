@@ -28,8 +28,9 @@ counts such operands at 2 bytes an element, as a GPU compile moves them (the
 CPU-HLO figure is printed too); and its all-reduce + dynamic-slice is a
 reduce-scatter (``ndjax.collectives``). Bookkeeping is listed apart: integer
 collectives (segment ids), and all-reduces no bigger than 2 float32 per local
-token of one loss chunk (loss sums, token count, grad norm, the vocab-parallel
-loss's max / sum / target logit).
+token of one loss chunk that run fewer times than there are layers (loss sums, token
+count, grad norm, the vocab-parallel loss's max / sum / target logit; a small
+all-reduce inside the layer scan is a norm scale's gradient and is counted).
 
 Textbook, in result bytes per device per step (the ``Collective.bytes``
 convention: gathered array, scattered shard, whole all-reduced array, received
@@ -254,7 +255,10 @@ def measured(exp: Experiment, compiled, rows: dict, book: list) -> None:
         axes = group_axes(exp, c.groups[0])
         f = source_factor(mod, where, c)
         per = c.bytes * f
-        if c.dtype[0] in "su" or (c.kind == "all-reduce" and c.bytes <= small):
+        # Per-token loss statistics run once per loss chunk, never once per layer:
+        # a small all-reduce inside the layer scan is a norm scale's gradient.
+        if c.dtype[0] in "su" or (c.kind == "all-reduce" and c.bytes <= small
+                                  and c.executed < exp.model_cfg.n_layers):
             book.append((c, axes, per))
             continue
         r = rows.setdefault((c.kind, axes), Row())
