@@ -132,3 +132,14 @@ def test_attention_memory_tiny():
     rows = table_rows(lines, "dense", "tiled", "auto")
     assert [r[:2] for r in rows] == [["dense", "dense"], ["tiled", "tiled"],
                                      ["auto", "dense"]], lines  # auto: dense up to 1024
+
+
+def test_layout_accounting_tiny():
+    """FSDP's weight gathers move exactly the textbook's bytes (bf16, forward and the
+    backward's recompute); TP's memory above the ideal is the replicated kv weights."""
+    lines = run_tiny("layout_accounting.py").stdout.splitlines()
+    memory = [r for r in table_rows(lines, "FSDP", "TP") if r[1].isdigit()]
+    assert [r[:3] for r in memory] == [["FSDP", "8", "fsdp (8)"], ["TP", "8", "tensor (8)"]], lines
+    assert float(memory[0][6]) < 1.01 and "kv weights replicated" in memory[1][8], memory
+    gathers = [r for r in table_rows(lines, "FSDP") if r[1] == "all-gather"]
+    assert len(gathers) == 1 and gathers[0][6] == "1.000", lines
