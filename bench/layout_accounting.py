@@ -169,58 +169,6 @@ def memory(exp: Experiment, compiled) -> dict:
 # ----- collectives: source dtype, axes, keys -----------------------------------------------
 
 
-def _narrow_bits(mod, comp: str, name: str, depth: int = 0) -> int | None:
-    """16 when value ``name`` of ``comp`` is a float32 widened from a 16-bit float (a
-    convert, possibly behind bitcasts/copies, inside a fusion, or both sides of a
-    select whose other side is a constant), else None."""
-    by_name = {i.name: i for i in mod.comps.get(comp, [])}
-    ins = by_name.get(name)
-    while ins is not None and depth < 40:
-        depth += 1
-        if ins.op in ("bitcast", "copy", "reshape", "transpose") and ins.operands:
-            ins = by_name.get(ins.operands[0])
-        elif ins.op == "convert" and ins.operands:
-            src = by_name.get(ins.operands[0])
-            if src is not None and coll._arrays(src.shape)[0][0] in ("bf16", "f16"):
-                return 16
-            return None
-        elif ins.op == "select" and len(ins.operands) == 3:
-            sides = [_narrow_bits(mod, comp, o, depth) if not _constant(by_name.get(o), by_name)
-                     else 0 for o in ins.operands[1:]]
-            return 16 if all(b in (0, 16) for b in sides) and 16 in sides else None
-        elif ins.op == "fusion":
-            called = next((c for a, c in coll._callees(ins) if a == "calls"), None)
-            body = mod.comps.get(called, [])
-            root = body[-1] if body else None  # XLA prints the ROOT last
-            return _narrow_bits(mod, called, root.name, depth) if root else None
-        else:
-            return None
-    return None
-
-
-def _constant(ins, by_name) -> bool:
-    """A constant, or a broadcast of one (a masked-out side of a select)."""
-    if ins is not None and ins.op == "broadcast" and ins.operands:
-        ins = by_name.get(ins.operands[0])
-    return ins is not None and ins.op == "constant"
-
-
-def source_factor(mod, where: dict, c: coll.Collective) -> float:
-    """Bytes a GPU moves / bytes of the CPU HLO's operands for this collective."""
-    comp, ins = where[c.name]
-    full, narrow = 0, 0
-    for op in ins.operands:
-        src = next((i for i in mod.comps[comp] if i.name == op), None)
-        if src is None:
-            continue
-        for dtype, n in coll._arrays(src.shape):
-            b = coll._nbytes(dtype, n)
-            full += b
-            bits = _narrow_bits(mod, comp, op) if dtype == "f32" else None
-            narrow += b * (bits or 32) // 32 if dtype == "f32" else b
-    return narrow / full if full else 1.0
-
-
 def group_axes(exp: Experiment, group: tuple[int, ...]) -> tuple[str, ...]:
     coords = {d.id: idx for idx, d in np.ndenumerate(exp.mesh.devices)}
     cs = np.array([coords[i] for i in group])
@@ -243,8 +191,6 @@ def _ring(kind: str, g: int, nbytes: float) -> float:
 
 def measured(exp: Experiment, compiled, rows: dict, book: list) -> None:
     text = compiled.as_text()
-    mod = coll._parse(text)
-    where = {i.name: (comp, i) for comp, ins in mod.comps.items() for i in ins}
     t = exp.config.train
     local = _local_rows_seq(exp)
     chunk = min(local[1], t.loss_chunk)
@@ -253,8 +199,7 @@ def measured(exp: Experiment, compiled, rows: dict, book: list) -> None:
         if c.executed == 0:
             continue
         axes = group_axes(exp, c.groups[0])
-        f = source_factor(mod, where, c)
-        per = c.bytes * f
+        per = c.moved_bytes  # at the source dtype: what a GPU moves
         # Per-token loss statistics run once per loss chunk, never once per layer:
         # a small all-reduce inside the layer scan is a norm scale's gradient.
         if c.dtype[0] in "su" or (c.kind == "all-reduce" and c.bytes <= small
@@ -264,7 +209,7 @@ def measured(exp: Experiment, compiled, rows: dict, book: list) -> None:
         r = rows.setdefault((c.kind, axes), Row())
         r.hlo += c.bytes * c.executed
         r.bytes += per * c.executed
-        r.ring += c.ring_bytes * f * c.executed
+        r.ring += c.ring_bytes * c.executed
 
 
 # ----- textbook ----------------------------------------------------------------------------

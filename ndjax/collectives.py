@@ -54,6 +54,9 @@ class Collective:
     source-target pairs (a ring of c devices is one group of c; a swap of pairs is
     groups of 2). executed: times one step runs it. lowered_from: set when the
     CPU lowering of another kind was recognised. name: the HLO instruction.
+    wire_bytes: ``bytes`` at the dtype the values had before the CPU compiler
+    widened them: it runs 16-bit floats' collectives in float32 (the operand is a
+    convert from bf16), where a GPU moves the 16-bit values. None: as ``bytes``.
     """
 
     kind: str
@@ -64,6 +67,12 @@ class Collective:
     executed: int
     lowered_from: str | None = None
     name: str = ""
+    wire_bytes: int | None = None
+
+    @property
+    def moved_bytes(self) -> int:
+        """Result bytes per device as a GPU moves them (``wire_bytes`` if widened)."""
+        return self.bytes if self.wire_bytes is None else self.wire_bytes
 
     @property
     def ring_bytes(self) -> float:
@@ -74,7 +83,7 @@ class Collective:
         factor = {"all-gather": (g - 1) / g, "reduce-scatter": g - 1,
                   "all-reduce": 2 * (g - 1) / g, "collective-permute": 1,
                   "all-to-all": (g - 1) / g}[self.kind]
-        return factor * self.bytes
+        return factor * self.moved_bytes
 
 
 # ----- HLO text -> computations of instructions --------------------------------------------
@@ -423,6 +432,50 @@ def _scattered(mod: _Module, comp: str, value: str, shape: str, group: int) -> l
     return out
 
 
+def _widened_bits(mod: _Module, comp: str, name: str, depth: int = 0) -> int | None:
+    """16 when value ``name`` of ``comp`` is a float32 widened from a 16-bit float (a
+    convert, possibly behind bitcasts/copies, inside a fusion, or both sides of a
+    select whose other side is a constant), else None."""
+    by_name = {i.name: i for i in mod.comps.get(comp, [])}
+    ins = by_name.get(name)
+    while ins is not None and depth < 40:
+        depth += 1
+        if ins.op in ("bitcast", "copy", "reshape", "transpose") and ins.operands:
+            ins = by_name.get(ins.operands[0])
+        elif ins.op == "convert" and ins.operands:
+            src = by_name.get(ins.operands[0])
+            return 16 if src is not None and _arrays(src.shape)[0][0] in ("bf16", "f16") else None
+        elif ins.op == "select" and len(ins.operands) == 3:
+            sides = [0 if _constant(by_name.get(o), by_name)
+                     else _widened_bits(mod, comp, o, depth) for o in ins.operands[1:]]
+            return 16 if all(b in (0, 16) for b in sides) and 16 in sides else None
+        elif ins.op == "fusion":
+            called = next((c for a, c in _callees(ins) if a == "calls"), None)
+            body = mod.comps.get(called or "", [])
+            root = body[-1] if body else None  # XLA prints the ROOT last
+            return _widened_bits(mod, called, root.name, depth) if root else None
+        else:
+            return None
+    return None
+
+
+def _constant(ins: _Instr | None, by_name: dict[str, _Instr]) -> bool:
+    """A constant, or a broadcast of one (a masked-out side of a select)."""
+    if ins is not None and ins.op == "broadcast" and ins.operands:
+        ins = by_name.get(ins.operands[0])
+    return ins is not None and ins.op == "constant"
+
+
+def _operand_bits(mod: _Module, comp: str, ins: _Instr, arrays: list) -> list[int]:
+    """Per result array, the bits per element a GPU would move: 16 where the CPU
+    widened a 16-bit float operand to f32, else the array's own."""
+    bits = [_BITS.get(d, 32) for d, _ in arrays]
+    if len(ins.operands) != len(arrays):  # not one operand per result array
+        return bits
+    return [16 if d == "f32" and _widened_bits(mod, comp, op) == 16 else b
+            for (d, _), op, b in zip(arrays, ins.operands, bits)]
+
+
 # ----- public API --------------------------------------------------------------------------
 
 
@@ -442,19 +495,26 @@ def _of(mod: _Module, comp: str, ins: _Instr, executed: int) -> list[Collective]
     else:
         groups = [tuple(int(x) for x in g) for g in _replica_groups(ins.attrs, mod.devices)]
     size = max(len(g) for g in groups)
+    bits = dict(zip(range(len(arrays)), _operand_bits(mod, comp, ins, arrays)))
 
-    def make(kind: str, arrays: list[tuple[str, int]], lowered: str | None) -> Collective:
-        total = sum(_nbytes(d, n) for d, n in arrays)
-        return Collective(kind, _dtype(arrays), total, size, tuple(groups), executed, lowered,
-                          ins.name)
+    def make(kind: str, picked: list[int], lowered: str | None) -> Collective:
+        chosen = [arrays[i] for i in picked]
+        total = sum(_nbytes(d, n) for d, n in chosen)
+        wire = sum(_nbytes(d, n) * bits[i] // _BITS.get(d, 32) for i, (d, n) in zip(picked, chosen))
+        return Collective(kind, _dtype(chosen), total, size, tuple(groups), executed, lowered,
+                          ins.name, None if wire == total else wire)
 
+    everything = list(range(len(arrays)))
     if kind != "all-reduce":
-        return [make(kind, arrays, None)]
+        return [make(kind, everything, None)]
     shards = _scattered(mod, comp, value.name, value.shape, size)
     # A combined all-reduce can hold both kinds: a GPU compile would issue them
-    # as separate collectives, so they are listed separately.
-    scattered = [(d, s) for (d, _), s in zip(arrays, shards) if s is not None]
-    whole = [a for a, s in zip(arrays, shards) if s is None]
+    # as separate collectives, so they are listed separately. A scattered part's
+    # result is its shard.
+    scattered = [i for i in everything if shards[i] is not None]
+    whole = [i for i in everything if shards[i] is None]
+    for i in scattered:
+        arrays[i] = (arrays[i][0], shards[i])
     out = [make("reduce-scatter", scattered, LOWERED_RS)] if scattered else []
     return out + ([make("all-reduce", whole, None)] if whole else [])
 

@@ -155,3 +155,27 @@ def test_context_parallel_permutes_match_the_design():
     assert floats == n_layers * (per_call - 2 * hops)
     assert 0 < ints <= n_layers * 2 * hops
     assert all(c.group_size == context for c in cs)
+
+
+WIDENED = """\
+HloModule jit_step, num_partitions=4
+
+ENTRY %main (w: bf16[16,16], g: f32[16,16]) -> (f32[64,16], f32[64,16]) {
+  %w = bf16[16,16]{1,0} parameter(0)
+  %g = f32[16,16]{1,0} parameter(1)
+  %cv = f32[16,16]{1,0} convert(%w)
+  %ag = f32[64,16]{1,0} all-gather(%cv), channel_id=1, replica_groups={{0,1,2,3}}, dimensions={0}, use_global_device_ids=true
+  %ag.1 = f32[64,16]{1,0} all-gather(%g), channel_id=2, replica_groups={{0,1,2,3}}, dimensions={0}, use_global_device_ids=true
+  ROOT %out = (f32[64,16]{1,0}, f32[64,16]{1,0}) tuple(%ag, %ag.1)
+}
+"""
+
+
+def test_a_widened_bf16_collective_moves_bf16_bytes():
+    """The CPU compiler gathers bf16 weights as f32 (a convert feeds the collective);
+    a GPU moves the bf16 values, and so do the wire and ring bytes."""
+    widened, f32 = collectives(WIDENED)
+    assert widened.bytes == f32.bytes == 64 * 16 * 4
+    assert widened.moved_bytes == 64 * 16 * 2 and f32.moved_bytes == 64 * 16 * 4
+    assert widened.ring_bytes == pytest.approx(3 / 4 * 64 * 16 * 2)
+    assert f32.wire_bytes is None
