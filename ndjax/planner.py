@@ -395,18 +395,13 @@ def _gib(n: float) -> str:
     return f"{n / 2**30:.1f} GiB"
 
 
-def make_plan(config: ml_collections.ConfigDict, n: int, hardware: roofline.Hardware,
-              devices_per_node: int, mem_fraction: float, compiler: Compiler,
-              devices: Sequence[jax.Device], presets: Sequence[str] | None = None,
-              progress: Callable[[str], None] = lambda _: None) -> Plan:
-    """Check, compile and price every layout (see the module docstring)."""
-    from ndjax.experiment import check_fields
-
-    # What no layout changes is checked once: a bad field there is the user's error.
-    base = Layout(n, 1, 1, 1, remat=config.model.remat, grad_accum=config.train.grad_accum)
-    model, _ = check_fields(target_config(config, base))
-    budget = hardware.memory_bytes * mem_fraction
-    candidates: list[Candidate] = []
+def _check_all(config: ml_collections.ConfigDict, n: int, hardware: roofline.Hardware,
+               devices: Sequence[jax.Device], presets: Sequence[str] | None
+               ) -> tuple[list[Candidate], dict[int, Checked], int]:
+    """Every layout through the checks: rejected ones with their reason, and one
+    candidate per distinct program, under its plainest name (the default rules, then
+    the fewest replicas) with the others as its aliases."""
+    rejected: list[Candidate] = []
     checked: dict[int, Checked] = {}
     same: dict[tuple, list[Candidate]] = {}
     for layout in layouts(config, n, presets):
@@ -415,49 +410,55 @@ def make_plan(config: ml_collections.ConfigDict, n: int, hardware: roofline.Hard
             c = check(config, layout, devices, hardware)
         except ConfigError as e:
             cand.reason = " ".join(str(e).split())
-            candidates.append(cand)
+            rejected.append(cand)
             continue
         cand.attention = c.attention
         checked[id(cand)] = c
         same.setdefault(c.signature, []).append(cand)
-    # One compile per distinct program, under its plainest name: the default rules,
-    # then the fewest replicas; the others are listed as its aliases.
+    distinct = []
     for group in same.values():
         group.sort(key=lambda c: (c.layout.rules not in ("default", CONFIG_RULES),
                                   c.layout.replica))
         group[0].aliases = [f"{c.layout.mesh} [{c.layout.rules}]" for c in group[1:]]
-        candidates.append(group[0])
-    skipped = sum(len(g) - 1 for g in same.values())
-    progress(f"{len(checked)} layouts pass the checks ({len(same)} distinct programs), "
-             f"{len(candidates) - len(same)} rejected")
+        distinct.append(group[0])
+    return distinct + rejected, checked, sum(len(g) - 1 for g in same.values())
 
-    def fill(cand: Candidate, r: dict, c: Checked) -> None:
-        if "error" in r:
-            cand.status, cand.reason = "failed", r["error"]
-            return
-        cand.arguments, cand.temporaries = r["arguments"], r["temporaries"]
-        cand.compile_s, cand.collectives = r["compile_s"], r["collectives"]
-        cand.link = roofline.traffic(r["collectives"], devices_per_node)
-        cand.estimate = roofline.estimate(hardware, cand.link, c.model_flops, c.tokens, n,
-                                          cand.layout.remat)
-        cand.status = "ranked" if cand.memory <= budget else "over"
 
-    pending = [cand for cand in candidates if id(cand) in checked]
-    results = compiler.measure_all([checked[id(c)].config for c in pending])
-    for cand, r in zip(pending, results):
-        fill(cand, r, checked[id(cand)])
+def _fill(cand: Candidate, r: dict, c: Checked, hardware: roofline.Hardware,
+          devices_per_node: int, budget: float) -> None:
+    """A candidate's measurement, traffic and estimate, from ``measure``'s record."""
+    if "error" in r:
+        cand.status, cand.reason = "failed", r["error"]
+        return
+    cand.layout = c.layout
+    cand.arguments, cand.temporaries = r["arguments"], r["temporaries"]
+    cand.compile_s, cand.collectives = r["compile_s"], r["collectives"]
+    cand.link = roofline.traffic(r["collectives"], devices_per_node)
+    cand.estimate = roofline.estimate(hardware, cand.link, c.model_flops, c.tokens,
+                                      math.prod(c.layout.degrees), c.layout.remat)
+    cand.status = "ranked" if cand.memory <= budget else "over"
 
-    # Remedies, one rung per round so that each round compiles in parallel.
-    first = {id(c): c.layout for c in pending}
+
+def _label(layout: Layout) -> str:
+    return f"remat {layout.remat}, grad_accum {layout.grad_accum}"
+
+
+def _remedy(config: ml_collections.ConfigDict, over: list[Candidate],
+            checked: dict[int, Checked], compiler: Compiler, hardware: roofline.Hardware,
+            devices: Sequence[jax.Device], devices_per_node: int, budget: float) -> None:
+    """Candidates over the budget whose parameters, optimizer state and batch fit are
+    retried with more remat, then grad_accum, one rung per round (so that each
+    round compiles in parallel), until they fit or nothing is left to try."""
     queues: dict[int, list[Layout]] = {}
-    for cand in pending:
-        if cand.status == "over" and cand.arguments <= budget:
-            t = checked[id(cand)].config.train
-            rows = t.batch_size // (cand.layout.replica * cand.layout.fsdp) // t.grad_accum
-            queues[id(cand)] = _remedies(cand.layout, rows)
+    for cand in over:
+        t = checked[id(cand)].config.train
+        rows = t.batch_size // (cand.layout.replica * cand.layout.fsdp) // t.grad_accum
+        queues[id(cand)] = _remedies(cand.layout, rows)
+        cand.least_memory = cand.memory
+    given = {id(c): (c.layout, f"{_label(c.layout)}: {_gib(c.memory)}") for c in over}
     while queues:
         trying: list[tuple[Candidate, Checked]] = []
-        for cand in pending:
+        for cand in over:
             queue = queues.get(id(cand))
             if queue is None:
                 continue
@@ -471,41 +472,59 @@ def make_plan(config: ml_collections.ConfigDict, n: int, hardware: roofline.Hard
                 del queues[id(cand)]
         results = compiler.measure_all([c.config for _, c in trying])
         for (cand, c), r in zip(trying, results):
-            label = f"remat {c.layout.remat}, grad_accum {c.layout.grad_accum}"
             total = r["arguments"] + r["temporaries"] if "error" not in r else None
-            if total is None or total > budget:
-                cand.tried.append(f"{label}: " + (r.get("error") or _gib(total)))
-                if total is not None and c.layout.grad_accum > 1 and total > cand.least_memory:
-                    # Accumulation added a gradient buffer and saved less: more won't help.
-                    queues.pop(id(cand), None)
-                if total is not None:
-                    cand.least_memory = min(cand.least_memory or total, total)
+            if total is not None and total <= budget:
+                _fill(cand, r, c, hardware, devices_per_node, budget)
+                cand.tried.insert(0, given[id(cand)][1])
+                cand.reason = _describe_fix(given[id(cand)][0], c.layout)
+                del queues[id(cand)]
                 continue
-            as_given = (f"remat {cand.layout.remat}, grad_accum {cand.layout.grad_accum}: "
-                        f"{_gib(cand.memory)}")
-            cand.layout = c.layout
-            fill(cand, r, c)
-            cand.tried.insert(0, as_given)
-            cand.reason = _describe_fix(first[id(cand)], c.layout)
-            del queues[id(cand)]
+            cand.tried.append(f"{_label(c.layout)}: " + (r.get("error") or _gib(total)))
+            if total is None:
+                continue
+            if c.layout.grad_accum > 1 and total > cand.least_memory:
+                # Accumulation added a gradient buffer and saved less: more won't help.
+                queues.pop(id(cand), None)
+            cand.least_memory = min(cand.least_memory, total)
 
+
+def _why_over(cand: Candidate, budget: float) -> str:
+    if cand.arguments > budget:
+        return (f"parameters, optimizer state and batch alone need {_gib(cand.arguments)} of "
+                f"{_gib(budget)}: shard them over more devices (fsdp) or store them in "
+                "bfloat16 (model.param_dtype, train.opt_state_dtype)")
+    return (f"{_gib(cand.least_memory - budget)} over the budget at best (tried: "
+            f"{'; '.join(cand.tried)}): gradients and optimizer state need more sharding")
+
+
+def make_plan(config: ml_collections.ConfigDict, n: int, hardware: roofline.Hardware,
+              devices_per_node: int, mem_fraction: float, compiler: Compiler,
+              devices: Sequence[jax.Device], presets: Sequence[str] | None = None,
+              progress: Callable[[str], None] = lambda _: None) -> Plan:
+    """Check, compile and price every layout (see the module docstring)."""
+    from ndjax.experiment import check_fields
+
+    # What no layout changes is checked once: a bad field there is the user's error.
+    base = Layout(n, 1, 1, 1, remat=config.model.remat, grad_accum=config.train.grad_accum)
+    model, _ = check_fields(target_config(config, base))
+    budget = hardware.memory_bytes * mem_fraction
+    candidates, checked, aliases = _check_all(config, n, hardware, devices, presets)
+    pending = [c for c in candidates if id(c) in checked]
+    progress(f"{len(pending) + aliases} layouts pass the checks ({len(pending)} distinct "
+             f"programs), {len(candidates) - len(pending)} rejected")
+    results = compiler.measure_all([checked[id(c)].config for c in pending])
+    for cand, r in zip(pending, results):
+        _fill(cand, r, checked[id(cand)], hardware, devices_per_node, budget)
+    over = [c for c in pending if c.status == "over" and c.arguments <= budget]
+    _remedy(config, over, checked, compiler, hardware, devices, devices_per_node, budget)
     for cand in candidates:
         if cand.status == "over":
-            if cand.arguments > budget:
-                cand.reason = (f"parameters, optimizer state and batch alone need "
-                               f"{_gib(cand.arguments)} of {_gib(budget)}: shard them over more "
-                               "devices (fsdp) or store them in bfloat16 (model.param_dtype, "
-                               "train.opt_state_dtype)")
-            else:
-                least = min(cand.least_memory or cand.memory, cand.memory)
-                cand.reason = (f"{_gib(least - budget)} over the budget at best (tried: "
-                               f"{'; '.join(cand.tried)}): gradients and optimizer state need "
-                               "more sharding")
+            cand.reason = _why_over(cand, budget)
     order = {"ranked": 0, "over": 1, "failed": 2, "rejected": 3}
     candidates.sort(key=lambda c: (order[c.status],
                                    c.estimate.serial_s if c.status == "ranked" and c.estimate
                                    else c.memory if c.status == "over" else 0))
-    return Plan(n, hardware, devices_per_node, budget, candidates, skipped, model)
+    return Plan(n, hardware, devices_per_node, budget, candidates, aliases, model)
 
 
 def default_cache_dir() -> str:
