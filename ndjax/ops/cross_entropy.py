@@ -13,7 +13,8 @@ batch and the sequence, with ``tensor`` left to the partitioner so that the
 logits stay vocab-parallel. Each device sums the head's gradient over its own
 chunks in a float32 accumulator, and the data axes reduce it once, in float32,
 at the end, rather than once per chunk (which autodiff of a chunked scan does)
-or in bfloat16.
+or in bfloat16: a reduce-scatter straight into the head's storage layout (FSDP
+shards it over the data axes), so that no device receives the whole sum.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec
 
-from ndjax.rules import active
+from ndjax.rules import ParamUse, Weight, active, scatter
 
 
 def cross_entropy(logits: jax.Array, targets: jax.Array) -> jax.Array:
@@ -97,15 +98,18 @@ class _Local:
         return _unchunk(d_x), d_head
 
 
-def loss_sums(x: jax.Array, head: jax.Array, targets: jax.Array, weights: jax.Array,
+def loss_sums(x: jax.Array, head: jax.Array | Weight, targets: jax.Array, weights: jax.Array,
               chunk: int) -> tuple[jax.Array, jax.Array]:
     """(sum of weights x cross-entropy, sum of weights), float32 scalars.
 
     x: (b, s, dim) final hidden states in the compute dtype; head: (dim, vocab) LM
-    head in its compute layout; targets: (b, s) int; weights: (b, s) (the loss
-    mask). ``chunk`` must divide s when s > chunk, in pieces the sequence's mesh
-    axes split evenly (``Experiment`` checks).
+    head, either an array used as it is or a ``rules.Weight``, whose gradient goes to
+    its stored value in the storage layout, summed in float32; targets: (b, s) int;
+    weights: (b, s) (the loss mask). ``chunk`` must divide s when s > chunk, in
+    pieces the sequence's mesh axes split evenly (``Experiment`` checks).
     """
+    if not isinstance(head, Weight):
+        head = Weight(head, head, ParamUse(head.dtype))
     weights = weights.astype(jnp.float32)
     n = num_chunks(x.shape[1], chunk)
     rules = active()
@@ -117,12 +121,29 @@ def loss_sums(x: jax.Array, head: jax.Array, targets: jax.Array, weights: jax.Ar
     else:
         vocab = tuple(a for a in rules.axes_of("act_vocab") if a not in rules.data_axes)
         local = _Local(n, PartitionSpec(None, None, vocab or None))
-    return _fused(local, rules, x, head, targets, weights), jnp.sum(weights)
+    return (_fused(local, rules, head.use, x, head.gathered, targets, weights, head.value),
+            jnp.sum(weights))
 
 
-def _fused(local: _Local, rules, x, head, targets, weights) -> jax.Array:
+def _scatter_axes(storage, data_axes: tuple[str, ...]) -> tuple[tuple[tuple[str, ...], ...],
+                                                                 tuple[str, ...]]:
+    """For the head's gradient inside the shard_map over ``data_axes``: per dimension,
+    the data axes its storage layout splits it over (a ``psum_scatter`` each, in the
+    spec's order), and the data axes that do not split it (a ``psum``)."""
+    spec = tuple(storage.spec) if storage is not None else ()
+    spec = spec + (None,) * (2 - len(spec))
+    per_dim = tuple(tuple(a for a in ((s,) if isinstance(s, str) else s or ()) if a in data_axes)
+                    for s in spec)
+    used = {a for axes in per_dim for a in axes}
+    return per_dim, tuple(a for a in data_axes if a not in used)
+
+
+def _fused(local: _Local, rules, use: ParamUse, x, head, targets, weights, stored
+           ) -> jax.Array:
     """The custom VJP around the per-device loss: a shard_map over the data axes
-    when ``rules`` is given, the plain local functions otherwise."""
+    when ``rules`` is given, the plain local functions otherwise. ``head`` is the
+    head in its compute layout, ``gather(stored, use)``: the head's gradient goes
+    to ``stored``, in its storage layout (``rules.scatter``)."""
     if rules is None:
         forward, backward = local.loss, local.grads
     else:
@@ -131,32 +152,43 @@ def _fused(local: _Local, rules, x, head, targets, weights) -> jax.Array:
         hidden = PartitionSpec(*rows, None) if len(rows) else PartitionSpec()
         shard = functools.partial(jax.shard_map, mesh=rules.mesh, axis_names=set(axes),
                                   check_vma=False)
+        per_dim, summed = _scatter_axes(use.storage, axes)
 
         def total_loss(*args):
             return jax.lax.psum(local.loss(*args), axes)
 
         def all_grads(*args):
             d_x, d_head = local.grads(*args)
-            return d_x, jax.lax.psum(d_head, axes)  # once, in float32
+            # Summed once, in float32, straight into the head's storage layout: a
+            # reduce-scatter over the data axes that shard the head, an all-reduce
+            # over those that do not (replica, unless the rules shard over it).
+            for dim, over in enumerate(per_dim):
+                if over:
+                    d_head = jax.lax.psum_scatter(d_head, over, scatter_dimension=dim,
+                                                  tiled=True)
+            return d_x, jax.lax.psum(d_head, summed) if summed else d_head
 
+        head_spec = PartitionSpec(*(None if not a else a[0] if len(a) == 1 else a
+                                    for a in per_dim))
         forward = shard(total_loss, in_specs=(hidden, PartitionSpec(), rows, rows),
                         out_specs=PartitionSpec())
         backward = shard(all_grads, in_specs=(hidden, PartitionSpec(), rows, rows,
                                               PartitionSpec()),
-                         out_specs=(hidden, PartitionSpec()))
+                         out_specs=(hidden, head_spec))
 
     @jax.custom_vjp
-    def fused(x, head, targets, weights):
+    def fused(x, head, targets, weights, stored):
         return forward(x, head, targets, weights)
 
-    def fwd(x, head, targets, weights):
-        return forward(x, head, targets, weights), (x, head, targets, weights)
+    def fwd(x, head, targets, weights, stored):
+        return (forward(x, head, targets, weights),
+                (x, head, targets, weights, jnp.zeros((0,), stored.dtype)))
 
     def bwd(saved, g):
-        x, head, targets, weights = saved
+        x, head, targets, weights, dtype_of_stored = saved
         d_x, d_head = backward(x, head, targets, weights, g)
-        return (d_x, d_head.astype(head.dtype), np.zeros(targets.shape, jax.dtypes.float0),
-                jnp.zeros_like(weights))
+        return (d_x, None, np.zeros(targets.shape, jax.dtypes.float0), jnp.zeros_like(weights),
+                scatter(d_head, use, dtype_of_stored.dtype))
 
     fused.defvjp(fwd, bwd)
-    return fused(x, head, targets, weights)
+    return fused(x, head, targets, weights, stored)
