@@ -326,6 +326,58 @@ def scatter(g: jax.Array, use: ParamUse, dtype) -> jax.Array:
     return _constrain_to(g, use.storage).astype(dtype)
 
 
+def data_axes(rules: Rules) -> tuple[str, ...]:
+    """The data axes (size > 1) in mesh order: a shard_map's manual axes for per-device
+    work on each device's rows and sequence."""
+    return tuple(a for a in rules.mesh.axis_names if a in rules.data_axes)
+
+
+def _split_data_axes(use: ParamUse, axes: tuple[str, ...]
+                     ) -> tuple[tuple[str, ...], tuple[str, ...], tuple]:
+    """(the data axes that do not shard the parameter, those that do, its storage spec)."""
+    spec = tuple(use.storage.spec) if use.storage is not None else ()
+    sharding = {a for s in spec for a in ((s,) if isinstance(s, str) else s or ())}
+    return (tuple(a for a in axes if a not in sharding),
+            tuple(a for a in axes if a in sharding), spec)
+
+
+def stacked_spec(use: ParamUse, axes: tuple[str, ...], ndim: int) -> PartitionSpec:
+    """Out_spec of a shard_map over the data axes ``axes`` whose result is each device's
+    partial gradient of a parameter (``ndim`` dimensions) behind ``stacked_dims``
+    new leading dimensions of size 1: one per data axis that does not shard the
+    parameter, and one for all those that do (``sum_partials``)."""
+    rest, shard, _ = _split_data_axes(use, axes)
+    lead = (*rest, shard) if shard else rest
+    return PartitionSpec(*lead, *(None,) * ndim)
+
+
+def stacked_dims(use: ParamUse, axes: tuple[str, ...]) -> int:
+    rest, shard, _ = _split_data_axes(use, axes)
+    return len(rest) + bool(shard)
+
+
+def sum_partials(partials: jax.Array, use: ParamUse, axes: tuple[str, ...], dtype
+                 ) -> jax.Array:
+    """The devices' partial gradients, stacked as ``stacked_spec`` says, summed in
+    float32 into the parameter's storage layout and cast to ``dtype``: first over
+    the data axes that shard it (the partitioner makes that a reduce-scatter), then
+    over the others (an all-reduce of the shard, HSDP's replicas).
+
+    A ``psum_scatter`` inside the shard_map would say the same, but XLA first
+    gathers its operand over the axes the shard_map leaves to the partitioner
+    (tensor); one stacked dimension per sharding axis makes it sum them one after
+    the other, all-reducing the whole gradient over the first."""
+    rest, shard, spec = _split_data_axes(use, axes)
+    g = partials.astype(jnp.float32)
+    if shard:
+        g = jnp.sum(g, axis=len(rest))
+        if use.storage is not None:
+            ndim = g.ndim - len(rest)
+            g = jax.lax.with_sharding_constraint(g, NamedSharding(
+                use.storage.mesh, PartitionSpec(*rest, *spec, *(None,) * (ndim - len(spec)))))
+    return scatter(jnp.sum(g, axis=tuple(range(len(rest)))), use, dtype)
+
+
 @functools.partial(jax.tree_util.register_dataclass, data_fields=["gathered", "value"],
                    meta_fields=["use"])
 @dataclasses.dataclass(frozen=True)

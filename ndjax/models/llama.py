@@ -22,10 +22,23 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
+from jax.sharding import PartitionSpec
 
 from ndjax.ops.attention import attention
 from ndjax.ops.layer_scan import scan_full_remat
-from ndjax.rules import ParamUse, Weight, constrain, gather, param_use, scatter
+from ndjax.rules import (
+    ParamUse,
+    Weight,
+    active,
+    constrain,
+    data_axes,
+    gather,
+    param_use,
+    scatter,
+    stacked_dims,
+    stacked_spec,
+    sum_partials,
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -202,11 +215,23 @@ def _embed_fwd(table, tokens, stored, use):
 
 def _embed_bwd(use, saved, g):
     dtype_of_stored, shape, tokens = saved
-    grad = jnp.zeros(shape, jnp.float32)
-    if use.compute is not None:
-        grad = jax.lax.with_sharding_constraint(grad, use.compute)
-    grad = grad.at[tokens].add(g.astype(jnp.float32))
-    return None, None, scatter(grad, use, dtype_of_stored.dtype)
+
+    def local(tokens, g):
+        return jnp.zeros(shape, jnp.float32).at[tokens].add(g.astype(jnp.float32))
+
+    rules = active()
+    if rules is None or not rules.data_axes:
+        return None, None, scatter(local(tokens, g), use, dtype_of_stored.dtype)
+    # Each device's tokens into a float32 table, summed over the data axes into the
+    # table's storage layout (the partitioner, left to place the scatter-add itself,
+    # all-reduces the whole table over some of them).
+    axes = data_axes(rules)
+    rows = rules.spec(("act_batch", "act_seq"))
+    partials = jax.shard_map(
+        lambda t, g: local(t, g).reshape((1,) * stacked_dims(use, axes) + shape),
+        mesh=rules.mesh, axis_names=set(axes), in_specs=(rows, PartitionSpec(*rows, None)),
+        out_specs=stacked_spec(use, axes, len(shape)), check_vma=False)(tokens, g)
+    return None, None, sum_partials(partials, use, axes, dtype_of_stored.dtype)
 
 
 embed_lookup.defvjp(_embed_fwd, _embed_bwd)
@@ -357,13 +382,14 @@ class Llama(nnx.Module):
     def features(self, tokens: jax.Array, positions: jax.Array, segment_ids: jax.Array
                  ) -> tuple[jax.Array, Weight]:
         """tokens, positions, segment_ids: (b, s) int32 -> (final hidden states (b, s, dim)
-        in the compute dtype, LM head (dim, vocab) as stored, with its use).
+        in the compute dtype, LM head (dim, vocab): a ``rules.Weight``, gathered to its
+        compute layout and as stored).
 
-        The loss gathers the head and applies it chunk by chunk
-        (``ndjax.ops.cross_entropy``) so that the whole batch's logits never exist at
-        once; it returns the head's gradient in its storage layout, summed in float32.
-        Tied embeddings are gathered once, for the lookup and the head; each of the
-        two gradients reaches the storage layout on its own, unrounded.
+        The loss applies the head chunk by chunk (``ndjax.ops.cross_entropy``) so that
+        the whole batch's logits never exist at once, and gives the head's gradient to
+        the stored head, summed in float32. Tied embeddings are gathered once, for the
+        lookup and the head; each of the two gradients reaches the storage layout on
+        its own, unrounded.
         """
         cfg = self.cfg
         embed = _use(self.embed, cfg.dtype)

@@ -26,7 +26,16 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec
 
-from ndjax.rules import ParamUse, Weight, active, scatter
+from ndjax.rules import (
+    ParamUse,
+    Weight,
+    active,
+    data_axes,
+    scatter,
+    stacked_dims,
+    stacked_spec,
+    sum_partials,
+)
 
 
 def cross_entropy(logits: jax.Array, targets: jax.Array) -> jax.Array:
@@ -125,19 +134,6 @@ def loss_sums(x: jax.Array, head: jax.Array | Weight, targets: jax.Array, weight
             jnp.sum(weights))
 
 
-def _scatter_axes(storage, data_axes: tuple[str, ...]) -> tuple[tuple[tuple[str, ...], ...],
-                                                                 tuple[str, ...]]:
-    """For the head's gradient inside the shard_map over ``data_axes``: per dimension,
-    the data axes its storage layout splits it over (a ``psum_scatter`` each, in the
-    spec's order), and the data axes that do not split it (a ``psum``)."""
-    spec = tuple(storage.spec) if storage is not None else ()
-    spec = spec + (None,) * (2 - len(spec))
-    per_dim = tuple(tuple(a for a in ((s,) if isinstance(s, str) else s or ()) if a in data_axes)
-                    for s in spec)
-    used = {a for axes in per_dim for a in axes}
-    return per_dim, tuple(a for a in data_axes if a not in used)
-
-
 def _fused(local: _Local, rules, use: ParamUse, x, head, targets, weights, stored
            ) -> jax.Array:
     """The custom VJP around the per-device loss: a shard_map over the data axes
@@ -147,29 +143,21 @@ def _fused(local: _Local, rules, use: ParamUse, x, head, targets, weights, store
     if rules is None:
         forward, backward = local.loss, local.grads
     else:
-        axes = tuple(a for a in rules.mesh.axis_names if a in rules.data_axes)
+        axes = data_axes(rules)
         rows = rules.spec(("act_batch", "act_seq"))
         hidden = PartitionSpec(*rows, None) if len(rows) else PartitionSpec()
         shard = functools.partial(jax.shard_map, mesh=rules.mesh, axis_names=set(axes),
                                   check_vma=False)
-        per_dim, summed = _scatter_axes(use.storage, axes)
 
         def total_loss(*args):
             return jax.lax.psum(local.loss(*args), axes)
 
         def all_grads(*args):
             d_x, d_head = local.grads(*args)
-            # Summed once, in float32, straight into the head's storage layout: a
-            # reduce-scatter over the data axes that shard the head, an all-reduce
-            # over those that do not (replica, unless the rules shard over it).
-            for dim, over in enumerate(per_dim):
-                if over:
-                    d_head = jax.lax.psum_scatter(d_head, over, scatter_dimension=dim,
-                                                  tiled=True)
-            return d_x, jax.lax.psum(d_head, summed) if summed else d_head
+            # Summed outside, in float32, into the head's storage layout.
+            return d_x, d_head.reshape((1,) * stacked_dims(use, axes) + d_head.shape)
 
-        head_spec = PartitionSpec(*(None if not a else a[0] if len(a) == 1 else a
-                                    for a in per_dim))
+        head_spec = stacked_spec(use, axes, 2)
         forward = shard(total_loss, in_specs=(hidden, PartitionSpec(), rows, rows),
                         out_specs=PartitionSpec())
         backward = shard(all_grads, in_specs=(hidden, PartitionSpec(), rows, rows,
@@ -187,8 +175,10 @@ def _fused(local: _Local, rules, use: ParamUse, x, head, targets, weights, store
     def bwd(saved, g):
         x, head, targets, weights, dtype_of_stored = saved
         d_x, d_head = backward(x, head, targets, weights, g)
+        d_head = (scatter(d_head, use, dtype_of_stored.dtype) if rules is None
+                  else sum_partials(d_head, use, axes, dtype_of_stored.dtype))
         return (d_x, None, np.zeros(targets.shape, jax.dtypes.float0), jnp.zeros_like(weights),
-                scatter(d_head, use, dtype_of_stored.dtype))
+                d_head)
 
     fused.defvjp(fwd, bwd)
     return fused(x, head, targets, weights, stored)
