@@ -341,34 +341,58 @@ def _split_data_axes(use: ParamUse, axes: tuple[str, ...]
             tuple(a for a in axes if a in sharding), spec)
 
 
-def stacked_spec(use: ParamUse, axes: tuple[str, ...], ndim: int) -> PartitionSpec:
-    """Out_spec of a shard_map over the data axes ``axes`` whose result is each device's
-    partial gradient of a parameter (``ndim`` dimensions) behind ``stacked_dims``
-    new leading dimensions of size 1: one per data axis that does not shard the
-    parameter, and one for all those that do (``sum_partials``)."""
-    rest, shard, _ = _split_data_axes(use, axes)
+def _in_map(use: ParamUse) -> bool:
+    """Whether a partial gradient is summed inside the shard_map (``psum_scatter``):
+    only when its compute layout splits it over no mesh axis, for XLA gathers a
+    ``psum_scatter``'s operand over the axes the shard_map leaves to the partitioner
+    (tensor) first. Otherwise the partial sums leave the shard_map stacked and are
+    summed outside, which costs a stacked buffer of temporaries (1.75 MiB of the
+    tiny fsdp=8 step's head and table, hence not always)."""
+    return use.compute is None or not any(use.compute.spec)
+
+
+def _data_dims(spec: tuple, axes: tuple[str, ...], ndim: int) -> list[tuple[str, ...]]:
+    spec = spec + (None,) * (ndim - len(spec))
+    return [tuple(a for a in ((s,) if isinstance(s, str) else s or ()) if a in axes)
+            for s in spec]
+
+
+def partials_spec(use: ParamUse, axes: tuple[str, ...], ndim: int) -> PartitionSpec:
+    """Out_spec, in a shard_map over the data axes ``axes``, of ``partials_out``'s result
+    for a parameter of ``ndim`` dimensions."""
+    rest, shard, spec = _split_data_axes(use, axes)
+    if _in_map(use):
+        return PartitionSpec(*(None if not d else d[0] if len(d) == 1 else d
+                               for d in _data_dims(spec, axes, ndim)))
     lead = (*rest, shard) if shard else rest
     return PartitionSpec(*lead, *(None,) * ndim)
 
 
-def stacked_dims(use: ParamUse, axes: tuple[str, ...]) -> int:
-    rest, shard, _ = _split_data_axes(use, axes)
-    return len(rest) + bool(shard)
-
-
-def sum_partials(partials: jax.Array, use: ParamUse, axes: tuple[str, ...], dtype
-                 ) -> jax.Array:
-    """The devices' partial gradients, stacked as ``stacked_spec`` says, summed in
-    float32 into the parameter's storage layout and cast to ``dtype``: first over
-    the data axes that shard it (the partitioner makes that a reduce-scatter), then
-    over the others (an all-reduce of the shard, HSDP's replicas).
-
-    A ``psum_scatter`` inside the shard_map would say the same, but XLA first
-    gathers its operand over the axes the shard_map leaves to the partitioner
-    (tensor); one stacked dimension per sharding axis makes it sum them one after
-    the other, all-reducing the whole gradient over the first."""
+def partials_out(g: jax.Array, use: ParamUse, axes: tuple[str, ...]) -> jax.Array:
+    """Inside a shard_map over the data axes ``axes``: this device's partial gradient
+    ``g`` (float32, the parameter's compute shape), either summed over ``axes``
+    into the storage layout (a reduce-scatter over the axes that shard it, an
+    all-reduce over the others), or stacked for ``partials_sum`` (``_in_map``)."""
     rest, shard, spec = _split_data_axes(use, axes)
-    g = partials.astype(jnp.float32)
+    if not _in_map(use):
+        return g.reshape((1,) * (len(rest) + bool(shard)) + g.shape)
+    for dim, over in enumerate(_data_dims(spec, axes, g.ndim)):
+        if over:
+            g = jax.lax.psum_scatter(g, over, scatter_dimension=dim, tiled=True)
+    return jax.lax.psum(g, rest) if rest else g
+
+
+def partials_sum(out: jax.Array, use: ParamUse, axes: tuple[str, ...], dtype) -> jax.Array:
+    """``partials_out``'s result, out of the shard_map -> the parameter's gradient in its
+    storage layout, cast to ``dtype``. Stacked partial sums are summed in float32,
+    first over the data axes that shard the parameter (the partitioner makes that a
+    reduce-scatter; one stacked dimension per axis would make it sum them one after
+    the other, all-reducing the whole gradient over the first), then over the
+    others (an all-reduce of the shard, HSDP's replicas)."""
+    if _in_map(use):
+        return scatter(out, use, dtype)
+    rest, shard, spec = _split_data_axes(use, axes)
+    g = out.astype(jnp.float32)
     if shard:
         g = jnp.sum(g, axis=len(rest))
         if use.storage is not None:

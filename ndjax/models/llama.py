@@ -34,10 +34,10 @@ from ndjax.rules import (
     data_axes,
     gather,
     param_use,
+    partials_out,
+    partials_spec,
+    partials_sum,
     scatter,
-    stacked_dims,
-    stacked_spec,
-    sum_partials,
 )
 
 
@@ -228,10 +228,10 @@ def _embed_bwd(use, saved, g):
     axes = data_axes(rules)
     rows = rules.spec(("act_batch", "act_seq"))
     partials = jax.shard_map(
-        lambda t, g: local(t, g).reshape((1,) * stacked_dims(use, axes) + shape),
+        lambda t, g: partials_out(local(t, g), use, axes),
         mesh=rules.mesh, axis_names=set(axes), in_specs=(rows, PartitionSpec(*rows, None)),
-        out_specs=stacked_spec(use, axes, len(shape)), check_vma=False)(tokens, g)
-    return None, None, sum_partials(partials, use, axes, dtype_of_stored.dtype)
+        out_specs=partials_spec(use, axes, len(shape)), check_vma=False)(tokens, g)
+    return None, None, partials_sum(partials, use, axes, dtype_of_stored.dtype)
 
 
 embed_lookup.defvjp(_embed_fwd, _embed_bwd)

@@ -31,10 +31,10 @@ from ndjax.rules import (
     Weight,
     active,
     data_axes,
+    partials_out,
+    partials_spec,
+    partials_sum,
     scatter,
-    stacked_dims,
-    stacked_spec,
-    sum_partials,
 )
 
 
@@ -155,9 +155,9 @@ def _fused(local: _Local, rules, use: ParamUse, x, head, targets, weights, store
         def all_grads(*args):
             d_x, d_head = local.grads(*args)
             # Summed outside, in float32, into the head's storage layout.
-            return d_x, d_head.reshape((1,) * stacked_dims(use, axes) + d_head.shape)
+            return d_x, partials_out(d_head, use, axes)  # once, in float32
 
-        head_spec = stacked_spec(use, axes, 2)
+        head_spec = partials_spec(use, axes, 2)
         forward = shard(total_loss, in_specs=(hidden, PartitionSpec(), rows, rows),
                         out_specs=PartitionSpec())
         backward = shard(all_grads, in_specs=(hidden, PartitionSpec(), rows, rows,
@@ -176,7 +176,7 @@ def _fused(local: _Local, rules, use: ParamUse, x, head, targets, weights, store
         x, head, targets, weights, dtype_of_stored = saved
         d_x, d_head = backward(x, head, targets, weights, g)
         d_head = (scatter(d_head, use, dtype_of_stored.dtype) if rules is None
-                  else sum_partials(d_head, use, axes, dtype_of_stored.dtype))
+                  else partials_sum(d_head, use, axes, dtype_of_stored.dtype))
         return (d_x, None, np.zeros(targets.shape, jax.dtypes.float0), jnp.zeros_like(weights),
                 d_head)
 
