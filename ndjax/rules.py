@@ -20,9 +20,11 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import dataclasses
 import functools
 import math
 from collections.abc import Iterator, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -224,45 +226,194 @@ def constrain(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
     return jax.lax.with_sharding_constraint(x, rules.spec(names))
 
 
-def constrain_param(w: jax.Array, names: Sequence[str | None], dtype=None) -> jax.Array:
-    """A parameter at its point of use: cast to ``dtype``, then moved from its storage
-    layout to its compute layout.
+@dataclasses.dataclass(frozen=True)
+class ParamUse:
+    """How a parameter goes from its storage layout to its point of use, and how its
+    gradient comes back: static (hashable), for the custom VJPs of the ops that use
+    weights (``llama.project``, ``llama.embed_lookup``, the LM head in
+    ``ops.cross_entropy``).
 
-    Forward, the weight is cast while still sharded and then gathered over the data
-    axes, so FSDP's all-gather moves compute-dtype bytes (bfloat16: half of float32's).
-    Backward (``_gather_vjp``), the cotangent is cast to float32 *before* it is
-    reduce-scattered back to the storage layout, right here inside the layer loop:
-    gradients are summed across devices in float32 and never accumulated unsharded
-    across layers.
+    Forward (``gather``): cast to ``dtype`` while still sharded (``storage``), so
+    FSDP's all-gather moves compute-dtype bytes (bfloat16: half of float32's),
+    then gathered over the data axes (``gathered``) and, for kv weights stored
+    replicated (``Rules.kv_repeat``), each kv head repeated ``repeat`` times along
+    dimension ``axis`` into ``compute``.
+
+    Backward (``scatter``): the op that uses the gathered weight takes the stored
+    one as an argument too, forms the weight's gradient in float32 from its
+    per-device partial sums and hands it here unrounded, as the stored weight's
+    gradient (the gathered one gets none); it is constrained to
+    ``storage`` in float32, so the partitioner sums it across the data axes with a
+    reduce-scatter (each device receives only its shard, summed in float32), and
+    it is cast to the parameter's dtype only after. Rounding it to the compute
+    dtype first (the gradient of a bfloat16 gathered weight) would force the
+    partitioner to finish the sum before the rounding: an all-reduce of the whole
+    gradient, sliced afterwards, twice a reduce-scatter's bytes.
+
+    The shardings are None when no rules are active (one device, shape inference).
     """
-    dtype = w.dtype if dtype is None else jnp.dtype(dtype)
+
+    dtype: Any
+    storage: NamedSharding | None = None
+    gathered: NamedSharding | None = None
+    compute: NamedSharding | None = None
+    repeat: int = 1
+    axis: int = 0
+
+    @property
+    def T(self) -> ParamUse:  # noqa: N802 (as jax.Array.T)
+        """The use of a 2-d parameter's transpose (the LM head of tied embeddings)."""
+        if self.repeat != 1:
+            raise ValueError("ParamUse.T: a repeated (kv) weight has no transpose use")
+
+        def t(s):
+            if s is None:
+                return None
+            spec = tuple(s.spec) + (None,) * (2 - len(s.spec))
+            return NamedSharding(s.mesh, PartitionSpec(*spec[::-1]))
+        return ParamUse(self.dtype, t(self.storage), t(self.gathered), t(self.compute))
+
+
+def param_use(names: Sequence[str | None], dtype, n_kv_heads: int | None = None) -> ParamUse:
+    """The ``ParamUse`` of a parameter with these logical names under the active rules,
+    used in ``dtype``. ``n_kv_heads`` (the k/v weights): when the rules put more
+    tensor shards than kv heads, the weight is stored replicated along its kv heads
+    (``Rules.stored_names``) and each head is repeated at use, so that every tensor
+    shard gets the one its query heads use."""
+    dtype = jnp.dtype(dtype)
     rules = _ACTIVE.get()
     if rules is None:
-        return w.astype(dtype)
-    storage = NamedSharding(rules.mesh, rules.spec(names))
-    compute = NamedSharding(rules.mesh, rules.compute_spec(names))
-    return _cast_and_gather(w, storage, compute, dtype)
+        return ParamUse(dtype)
+    repeat = 1 if n_kv_heads is None else rules.kv_repeat(n_kv_heads)
+    stored = tuple(names) if repeat == 1 else rules.stored_names(names, n_kv_heads)
+    sharding = functools.partial(NamedSharding, rules.mesh)
+    return ParamUse(dtype, sharding(rules.spec(stored)), sharding(rules.compute_spec(stored)),
+                    sharding(rules.compute_spec(names)), repeat,
+                    list(names).index("kv_heads") if repeat > 1 else 0)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3))
-def _cast_and_gather(w, storage, compute, dtype):
+def _constrain_to(x: jax.Array, sharding: NamedSharding | None) -> jax.Array:
+    return x if sharding is None else jax.lax.with_sharding_constraint(x, sharding)
+
+
+def gather(w: jax.Array, use: ParamUse) -> jax.Array:
+    """A stored parameter in its compute layout and dtype (forward; see ``ParamUse``).
+
+    Differentiating through it would round the weight's gradient to the compute
+    dtype before it is summed across devices: the ops that use a gathered weight
+    take the stored one too and give their gradient to it (``scatter``) instead.
+    """
     # Gather in the narrower of the two dtypes (bfloat16 parameters computed in
     # float32 are widened after the gather). The cast is pinned to the storage
     # layout too, or propagation may place it after the gather.
-    narrow = dtype if jnp.dtype(dtype).itemsize <= w.dtype.itemsize else w.dtype
-    w = jax.lax.with_sharding_constraint(w.astype(narrow), storage)
-    return jax.lax.with_sharding_constraint(jax.lax.with_sharding_constraint(w, compute)
-                                            .astype(dtype), compute)
+    narrow = use.dtype if use.dtype.itemsize <= w.dtype.itemsize else w.dtype
+    w = _constrain_to(w.astype(narrow), use.storage)
+    w = _constrain_to(_constrain_to(w, use.gathered).astype(use.dtype), use.gathered)
+    if use.repeat == 1:
+        return w
+    return _constrain_to(jnp.repeat(w, use.repeat, axis=use.axis), use.compute)
 
 
-def _gather_fwd(w, storage, compute, dtype):
-    # No residual but the parameter's dtype, carried by an empty array.
-    return _cast_and_gather(w, storage, compute, dtype), jnp.zeros((0,), w.dtype)
+def scatter(g: jax.Array, use: ParamUse, dtype) -> jax.Array:
+    """The gradient ``g`` (float32, compute layout, possibly still a per-device partial
+    sum) of ``gather(w, use)`` -> the gradient of ``w``: in its storage layout, summed
+    in float32, then cast to ``dtype`` (the parameter's)."""
+    g = g.astype(jnp.float32)
+    if use.repeat > 1:  # transpose of jnp.repeat: sum each head's copies
+        k = use.axis
+        g = g.reshape(*g.shape[:k], g.shape[k] // use.repeat, use.repeat, *g.shape[k + 1:])
+        g = jnp.sum(g, axis=k + 1)
+    return _constrain_to(g, use.storage).astype(dtype)
 
 
-def _gather_vjp(storage, compute, dtype, dtype_of_w, g):
-    g = jax.lax.with_sharding_constraint(g.astype(jnp.float32), compute)
-    return (jax.lax.with_sharding_constraint(g, storage).astype(dtype_of_w.dtype),)
+def data_axes(rules: Rules) -> tuple[str, ...]:
+    """The data axes (size > 1) in mesh order: a shard_map's manual axes for per-device
+    work on each device's rows and sequence."""
+    return tuple(a for a in rules.mesh.axis_names if a in rules.data_axes)
 
 
-_cast_and_gather.defvjp(_gather_fwd, _gather_vjp)
+def _split_data_axes(use: ParamUse, axes: tuple[str, ...]
+                     ) -> tuple[tuple[str, ...], tuple[str, ...], tuple]:
+    """(the data axes that do not shard the parameter, those that do, its storage spec)."""
+    spec = tuple(use.storage.spec) if use.storage is not None else ()
+    sharding = {a for s in spec for a in ((s,) if isinstance(s, str) else s or ())}
+    return (tuple(a for a in axes if a not in sharding),
+            tuple(a for a in axes if a in sharding), spec)
+
+
+def _in_map(use: ParamUse) -> bool:
+    """Whether a partial gradient is summed inside the shard_map (``psum_scatter``):
+    only when its compute layout splits it over no mesh axis, for XLA gathers a
+    ``psum_scatter``'s operand over the axes the shard_map leaves to the partitioner
+    (tensor) first. Otherwise the partial sums leave the shard_map stacked and are
+    summed outside, which costs a stacked buffer of temporaries (1.75 MiB of the
+    tiny fsdp=8 step's head and table, hence not always)."""
+    return use.compute is None or not any(use.compute.spec)
+
+
+def _data_dims(spec: tuple, axes: tuple[str, ...], ndim: int) -> list[tuple[str, ...]]:
+    spec = spec + (None,) * (ndim - len(spec))
+    return [tuple(a for a in ((s,) if isinstance(s, str) else s or ()) if a in axes)
+            for s in spec]
+
+
+def partials_spec(use: ParamUse, axes: tuple[str, ...], ndim: int) -> PartitionSpec:
+    """Out_spec, in a shard_map over the data axes ``axes``, of ``partials_out``'s result
+    for a parameter of ``ndim`` dimensions."""
+    rest, shard, spec = _split_data_axes(use, axes)
+    if _in_map(use):
+        return PartitionSpec(*(None if not d else d[0] if len(d) == 1 else d
+                               for d in _data_dims(spec, axes, ndim)))
+    lead = (*rest, shard) if shard else rest
+    return PartitionSpec(*lead, *(None,) * ndim)
+
+
+def partials_out(g: jax.Array, use: ParamUse, axes: tuple[str, ...]) -> jax.Array:
+    """Inside a shard_map over the data axes ``axes``: this device's partial gradient
+    ``g`` (float32, the parameter's compute shape), either summed over ``axes``
+    into the storage layout (a reduce-scatter over the axes that shard it, an
+    all-reduce over the others), or stacked for ``partials_sum`` (``_in_map``)."""
+    rest, shard, spec = _split_data_axes(use, axes)
+    if not _in_map(use):
+        return g.reshape((1,) * (len(rest) + bool(shard)) + g.shape)
+    for dim, over in enumerate(_data_dims(spec, axes, g.ndim)):
+        if over:
+            g = jax.lax.psum_scatter(g, over, scatter_dimension=dim, tiled=True)
+    return jax.lax.psum(g, rest) if rest else g
+
+
+def partials_sum(out: jax.Array, use: ParamUse, axes: tuple[str, ...], dtype) -> jax.Array:
+    """``partials_out``'s result, out of the shard_map -> the parameter's gradient in its
+    storage layout, cast to ``dtype``. Stacked partial sums are summed in float32,
+    first over the data axes that shard the parameter (the partitioner makes that a
+    reduce-scatter; one stacked dimension per axis would make it sum them one after
+    the other, all-reducing the whole gradient over the first), then over the
+    others (an all-reduce of the shard, HSDP's replicas)."""
+    if _in_map(use):
+        return scatter(out, use, dtype)
+    rest, shard, spec = _split_data_axes(use, axes)
+    g = out.astype(jnp.float32)
+    if shard:
+        g = jnp.sum(g, axis=len(rest))
+        if use.storage is not None:
+            ndim = g.ndim - len(rest)
+            g = jax.lax.with_sharding_constraint(g, NamedSharding(
+                use.storage.mesh, PartitionSpec(*rest, *spec, *(None,) * (ndim - len(spec)))))
+    return scatter(jnp.sum(g, axis=tuple(range(len(rest)))), use, dtype)
+
+
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["gathered", "value"],
+                   meta_fields=["use"])
+@dataclasses.dataclass(frozen=True)
+class Weight:
+    """A parameter at its point of use: ``gathered`` (``gather(value, use)``, what the
+    op computes with) and the stored ``value`` (what its gradient goes to), for an op
+    outside the model's modules (the LM head, in the chunked loss)."""
+
+    gathered: jax.Array
+    value: jax.Array
+    use: ParamUse
+
+    @property
+    def T(self) -> Weight:  # noqa: N802 (as jax.Array.T)
+        return Weight(self.gathered.T, self.value.T, self.use.T)

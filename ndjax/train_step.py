@@ -11,13 +11,13 @@ import jax.numpy as jnp
 import optax
 
 from ndjax.ops.cross_entropy import loss_sums
-from ndjax.rules import constrain
+from ndjax.rules import Weight, constrain
 from ndjax.state import TrainState
 
 Batch = dict[str, jax.Array]
 # (params, inputs, positions, segment_ids) -> (final hidden states (b, s, dim),
-# LM head (dim, vocab)); see Llama.features.
-FeaturesFn = Callable[[Any, jax.Array, jax.Array, jax.Array], tuple[jax.Array, jax.Array]]
+# LM head (dim, vocab) as stored, rules.Weight); see Llama.features.
+FeaturesFn = Callable[[Any, jax.Array, jax.Array, jax.Array], tuple[jax.Array, Weight]]
 
 
 def loss_sum(features: FeaturesFn, params: Any, batch: Batch, chunk: int

@@ -1,12 +1,15 @@
 """What the compiled programs hold per device, and what they contain."""
 
+import functools
 import math
 import re
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import tiny_config
+from helpers import host_batches
 
 from ndjax.experiment import Experiment
 
@@ -87,3 +90,54 @@ def test_fsdp_keeps_no_gathered_weights_for_all_layers():
     hlo = exp.compiled_step.as_text()
     assert "f32[4,64,128]" not in hlo  # w_gate / w_up of all 4 layers, gathered
     assert "f32[4,8,128]" in hlo       # ... while their sharded stack is there
+
+
+def test_fsdp_reduce_scatters_every_weight_gradient_in_f32():
+    """bf16 compute, f32 parameters, fsdp=8: every weight's gradient crosses devices as
+    a float32 reduce-scatter into its storage shard (1/8 of its float32 bytes per
+    device, once), not as an all-reduce of the whole gradient cut afterwards, and
+    the gradient the optimizer sees was summed in float32, never rounded to bf16.
+
+    A weight gradient rounded to the compute dtype before it reached the storage
+    layout forced the partitioner to finish the sum first: an all-reduce of every
+    layer's whole gradient (2x a reduce-scatter's ring bytes), rounded on the way.
+    """
+    from ndjax import collectives as coll
+    from ndjax import rules as rules_lib
+    from ndjax.train_step import loss_and_grads
+
+    exp = Experiment.from_config(tiny_config(mesh=dict(fsdp=8), model=dict(dtype="bfloat16")))
+    # The step's gradients alone (the train step's collectives, less the update's).
+    grad_shardings = exp.state_sharding.params
+    with rules_lib.use(exp.rules):
+        compiled = jax.jit(
+            functools.partial(loss_and_grads, exp.features, exp.step_options,
+                              grad_shardings=grad_shardings),
+            in_shardings=(grad_shardings, exp.batch_sharding),
+            out_shardings=(None, None, grad_shardings),
+        ).lower(exp.abstract_state.params, exp.abstract_batch).compile()
+    cs = [c for c in coll.collectives(compiled.as_text()) if c.executed]
+    shapes = exp.param_shapes
+    sharded = [s for s, sh in zip(jax.tree.leaves(shapes),
+                                  jax.tree.leaves(exp.state_sharding.params))
+               if math.prod(sh.shard_shape(s.shape)) < math.prod(s.shape)]
+    # Layer weights are stacked (layers, ...): each layer's own shard, once per layer.
+    expected = sum(math.prod(s.shape) * 4 for s in sharded) / 8
+    scattered = sum(c.bytes * c.executed for c in cs
+                    if c.kind == "reduce-scatter" and c.dtype == "f32")
+    assert abs(scattered - expected) / expected < 0.01, (scattered, expected)
+    smallest = min(math.prod(s.shape[1:]) * 4 for s in jax.tree.leaves(shapes["layers"])
+                   if s.ndim > 2)  # one layer's smallest weight, whole, in f32
+    whole = [(c.dtype, c.bytes) for c in cs if c.kind == "all-reduce" and c.bytes >= smallest]
+    assert not whole, whole
+
+    # Not rounded: a float32 sum of bf16 products is almost never a bf16 number. (Not
+    # the embedding's: most of its rows sum one token's bf16 gradient, or none.)
+    batch = exp.device_batch(host_batches(exp.config, 1)[0])
+    grads = compiled(exp.init_state().params, batch)[2]
+    grads = jax.device_get(grads)
+    del grads["embed"]
+    for path, g in jax.tree_util.tree_flatten_with_path(grads)[0]:
+        g = np.asarray(g, np.float32)
+        exact = np.mean(g == g.astype(jnp.bfloat16).astype(np.float32))
+        assert exact < 0.2, (jax.tree_util.keystr(path), exact)

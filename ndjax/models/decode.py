@@ -63,7 +63,7 @@ def forward(model: llama.Llama, tokens: jax.Array, start: jax.Array | int, cache
     slots = start + jnp.arange(s, dtype=jnp.int32)
     positions = jnp.maximum(slots[None, :] - cache.pad[:, None], 0)
     table = _weight(model.embed, cfg.dtype)
-    x = constrain(llama.embed_lookup(table, tokens), RESIDUAL)
+    x = constrain(jnp.take(table, tokens, axis=0), RESIDUAL)
     cos, sin = llama.rope_tables(cfg, positions)
     # (b, s, slots): causal over slots, and never a row's padding.
     keys = jnp.arange(cache.k.shape[2], dtype=jnp.int32)

@@ -22,10 +22,23 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
+from jax.sharding import PartitionSpec
 
 from ndjax.ops.attention import attention
 from ndjax.ops.layer_scan import scan_full_remat
-from ndjax.rules import active, constrain, constrain_param
+from ndjax.rules import (
+    ParamUse,
+    Weight,
+    active,
+    constrain,
+    data_axes,
+    gather,
+    param_use,
+    partials_out,
+    partials_spec,
+    partials_sum,
+    scatter,
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -117,12 +130,15 @@ def _param(rngs: nnx.Rngs, shape: tuple[int, ...], names: tuple[str, ...], std: 
     return nnx.Param(value, logical_axes=names)
 
 
-def _weight(var: nnx.Param, dtype, n_kv_heads: int | None = None) -> jax.Array:
-    """A parameter at its point of use: gathered to its compute layout, cast.
+def _use(var: nnx.Param, dtype, n_kv_heads: int | None = None
+         ) -> tuple[jax.Array, jax.Array, ParamUse]:
+    """(the parameter gathered to its compute layout and cast to ``dtype``, its stored
+    value, how the one is made from the other: ``rules.ParamUse``), the arguments
+    ``project`` and ``embed_lookup`` take.
 
     ``n_kv_heads`` (the k/v weights): when the active rules put more tensor shards
     than kv heads (``Rules.kv_repeat``), the weight is stored replicated along its
-    kv heads and each head is repeated here, so that every tensor shard gets the
+    kv heads and each head is repeated at use, so that every tensor shard gets the
     one its query heads use.
     """
     value = var[...]
@@ -131,61 +147,91 @@ def _weight(var: nnx.Param, dtype, n_kv_heads: int | None = None) -> jax.Array:
     # metadata still names the stacked ``layers`` axis.
     if len(names) == value.ndim + 1 and names[0] == "layers":
         names = names[1:]
-    rules = active()
-    repeat = 1 if rules is None or n_kv_heads is None else rules.kv_repeat(n_kv_heads)
-    if repeat == 1:
-        return checkpoint_name(constrain_param(value, names, dtype), "gathered_weight")
-    w = constrain_param(value, rules.stored_names(names, n_kv_heads), dtype)
-    w = jnp.repeat(w, repeat, axis=names.index("kv_heads"))
-    return checkpoint_name(jax.lax.with_sharding_constraint(w, rules.compute_spec(names)),
-                           "gathered_weight")
+    use = param_use(names, dtype, n_kv_heads)
+    return checkpoint_name(gather(value, use), "gathered_weight"), value, use
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def project(equation: str, x: jax.Array, w: jax.Array) -> jax.Array:
-    """``jnp.einsum(equation, x, w)`` whose weight gradient is formed in float32.
+def _weight(var: nnx.Param, dtype, n_kv_heads: int | None = None) -> jax.Array:
+    """A parameter gathered to its compute layout and cast, for forward-only uses (the
+    KV-cache decode)."""
+    return _use(var, dtype, n_kv_heads)[0]
 
-    The transposed matmul that forms the weight's gradient returns float32, so the
-    partitioner sums the per-device partial gradients across the data axes in
-    float32 (a bfloat16 result would be summed in bfloat16 before
-    ``constrain_param``'s backward could widen it). Activations and their
-    gradients stay in the compute dtype, and so do tensor parallelism's
-    all-reduces of them.
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 4))
+def project(equation: str, x: jax.Array, w: jax.Array, stored: jax.Array, use: ParamUse
+            ) -> jax.Array:
+    """``jnp.einsum(equation, x, w)``, where ``w = gather(stored, use)`` is a stored
+    parameter in its compute layout and dtype, whose gradient goes to ``stored``
+    directly, in float32.
+
+    Backward, the weight's gradient is formed in float32 from the device's tokens
+    and handed to ``rules.scatter`` as it is: the partitioner sums it across the
+    data axes with a reduce-scatter into the storage layout, in float32, and it is
+    rounded to the parameter's dtype only as a shard. ``w`` gets no gradient (a
+    zero, so autodiff runs nothing through ``gather``): a gradient of the
+    compute-dtype ``w`` would be rounded to bfloat16 before the sum, which forces
+    the partitioner to finish the sum first, an all-reduce of the whole gradient.
+    Activations and their gradients stay in the compute dtype, and so do tensor
+    parallelism's all-reduces of them.
+
+    The residuals are ``x`` and ``w``, made outside, so remat policies decide about
+    ``w`` like any value: none saves it (``ACTIVATIONS``), each layer gathers its
+    weights again in the backward pass, and under ``remat=full`` the backward
+    matmuls reuse the recomputed forward's gather.
     """
     return jnp.einsum(equation, x, w)
 
 
-def _project_fwd(equation, x, w):
-    return project(equation, x, w), (x, w)
+def _project_fwd(equation, x, w, stored, use):
+    return project(equation, x, w, stored, use), (x, w, jnp.zeros((0,), stored.dtype))
 
 
-def _project_bwd(equation, saved, g):
-    x, w = saved
+def _project_bwd(equation, use, saved, g):
+    x, w, dtype_of_stored = saved
     inputs, out = equation.split("->")
     x_sub, w_sub = inputs.split(",")
     dx = jnp.einsum(f"{out},{w_sub}->{x_sub}", g, w)
     dw = jnp.einsum(f"{x_sub},{out}->{w_sub}", x, g, preferred_element_type=jnp.float32)
-    return dx, dw.astype(w.dtype)
+    return dx, None, scatter(dw, use, dtype_of_stored.dtype)
 
 
 project.defvjp(_project_fwd, _project_bwd)
 
 
-@jax.custom_vjp
-def embed_lookup(table: jax.Array, tokens: jax.Array) -> jax.Array:
-    """``table[tokens]``, whose gradient is scattered and summed in float32 (see
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def embed_lookup(table: jax.Array, tokens: jax.Array, stored: jax.Array, use: ParamUse
+                 ) -> jax.Array:
+    """``table[tokens]``, where ``table = gather(stored, use)``, whose gradient is
+    scattered and summed in float32 and goes to ``stored`` unrounded (see
     ``project``)."""
     return jnp.take(table, tokens, axis=0)
 
 
-def _embed_fwd(table, tokens):
-    return embed_lookup(table, tokens), (jnp.zeros((0,), table.dtype), table.shape, tokens)
+def _embed_fwd(table, tokens, stored, use):
+    # The table is no residual: its gradient reads only the tokens.
+    return (embed_lookup(table, tokens, stored, use),
+            (jnp.zeros((0,), stored.dtype), table.shape, tokens))
 
 
-def _embed_bwd(saved, g):
-    dtype_of_table, shape, tokens = saved
-    grad = jnp.zeros(shape, jnp.float32).at[tokens].add(g.astype(jnp.float32))
-    return grad.astype(dtype_of_table.dtype), None
+def _embed_bwd(use, saved, g):
+    dtype_of_stored, shape, tokens = saved
+
+    def local(tokens, g):
+        return jnp.zeros(shape, jnp.float32).at[tokens].add(g.astype(jnp.float32))
+
+    rules = active()
+    if rules is None or not rules.data_axes:
+        return None, None, scatter(local(tokens, g), use, dtype_of_stored.dtype)
+    # Each device's tokens into a float32 table, summed over the data axes into the
+    # table's storage layout (the partitioner, left to place the scatter-add itself,
+    # all-reduces the whole table over some of them).
+    axes = data_axes(rules)
+    rows = rules.spec(("act_batch", "act_seq"))
+    partials = jax.shard_map(
+        lambda t, g: partials_out(local(t, g), use, axes),
+        mesh=rules.mesh, axis_names=set(axes), in_specs=(rows, PartitionSpec(*rows, None)),
+        out_specs=partials_spec(use, axes, len(shape)), check_vma=False)(tokens, g)
+    return None, None, partials_sum(partials, use, axes, dtype_of_stored.dtype)
 
 
 embed_lookup.defvjp(_embed_fwd, _embed_bwd)
@@ -254,9 +300,9 @@ class Attention(nnx.Module):
     def qkv(self, x, cos, sin):
         """Queries, keys and values of ``x``, rotated (the KV-cache decode reuses it)."""
         dt, n_kv = self.dtype, self.cfg.n_kv_heads
-        q = project("bsd,dhk->bshk", x, _weight(self.wq, dt))
-        k = project("bsd,dhk->bshk", x, _weight(self.wk, dt, n_kv))
-        v = project("bsd,dhk->bshk", x, _weight(self.wv, dt, n_kv))
+        q = project("bsd,dhk->bshk", x, *_use(self.wq, dt))
+        k = project("bsd,dhk->bshk", x, *_use(self.wk, dt, n_kv))
+        v = project("bsd,dhk->bshk", x, *_use(self.wv, dt, n_kv))
         q = checkpoint_name(constrain(q, HEADS), "q_proj")
         k = checkpoint_name(constrain(k, KV_HEADS), "k_proj")
         v = checkpoint_name(constrain(v, KV_HEADS), "v_proj")
@@ -265,7 +311,7 @@ class Attention(nnx.Module):
     def output(self, out):
         """The attention's output (b, s, heads, head_dim) projected back to the model dim."""
         out = checkpoint_name(constrain(out, HEADS), "attn_out")
-        return project("bshk,hkd->bsd", out, _weight(self.wo, self.dtype))
+        return project("bshk,hkd->bsd", out, *_use(self.wo, self.dtype))
 
 
 class MLP(nnx.Module):
@@ -279,12 +325,12 @@ class MLP(nnx.Module):
     def __call__(self, x):
         dt = self.dtype
         names = ("act_batch", "act_seq", "act_mlp")
-        gate = checkpoint_name(constrain(project("bsd,df->bsf", x, _weight(self.w_gate, dt)),
+        gate = checkpoint_name(constrain(project("bsd,df->bsf", x, *_use(self.w_gate, dt)),
                                          names), "mlp_gate")
-        up = checkpoint_name(constrain(project("bsd,df->bsf", x, _weight(self.w_up, dt)), names),
+        up = checkpoint_name(constrain(project("bsd,df->bsf", x, *_use(self.w_up, dt)), names),
                              "mlp_up")
         h = jax.nn.silu(gate) * up
-        return project("bsf,fd->bsd", h, _weight(self.w_down, dt))
+        return project("bsf,fd->bsd", h, *_use(self.w_down, dt))
 
 
 RESIDUAL = ("act_batch", "act_res_seq", "act_embed")
@@ -334,16 +380,20 @@ class Llama(nnx.Module):
                                   cfg.init_std, cfg.param_dtype)
 
     def features(self, tokens: jax.Array, positions: jax.Array, segment_ids: jax.Array
-                 ) -> tuple[jax.Array, jax.Array]:
+                 ) -> tuple[jax.Array, Weight]:
         """tokens, positions, segment_ids: (b, s) int32 -> (final hidden states (b, s, dim)
-        in the compute dtype, LM head (dim, vocab) in its compute layout).
+        in the compute dtype, LM head (dim, vocab): a ``rules.Weight``, gathered to its
+        compute layout and as stored).
 
         The loss applies the head chunk by chunk (``ndjax.ops.cross_entropy``) so that
-        the whole batch's logits never exist at once.
+        the whole batch's logits never exist at once, and gives the head's gradient to
+        the stored head, summed in float32. Tied embeddings are gathered once, for the
+        lookup and the head; each of the two gradients reaches the storage layout on
+        its own, unrounded.
         """
         cfg = self.cfg
-        table = _weight(self.embed, cfg.dtype)
-        x = constrain(embed_lookup(table, tokens), RESIDUAL)
+        embed = _use(self.embed, cfg.dtype)
+        x = constrain(embed_lookup(embed[0], tokens, *embed[1:]), RESIDUAL)
 
         cos, sin = rope_tables(cfg, positions)
 
@@ -369,8 +419,9 @@ class Llama(nnx.Module):
                 (x, _), _ = body((x, segment_ids), jax.tree.map(lambda a, i=i: a[i], stacked_state))
 
         x = constrain(self.final_norm(x), HIDDEN)
-        head = table.T if cfg.tie_embeddings else _weight(self.lm_head, cfg.dtype)
-        return x, head
+        if cfg.tie_embeddings:
+            return x, Weight(*embed).T
+        return x, Weight(*_use(self.lm_head, cfg.dtype))
 
     def __call__(self, tokens: jax.Array, positions: jax.Array,
                  segment_ids: jax.Array) -> jax.Array:
@@ -379,7 +430,8 @@ class Llama(nnx.Module):
         For inspection and conversion tests; training never builds all the logits.
         """
         x, head = self.features(tokens, positions, segment_ids)
-        logits = jnp.einsum("bsd,dv->bsv", x, head, preferred_element_type=jnp.float32)
+        logits = jnp.einsum("bsd,dv->bsv", x, head.gathered,
+                            preferred_element_type=jnp.float32)
         return constrain(logits, ("act_batch", "act_seq", "act_vocab"))
 
 

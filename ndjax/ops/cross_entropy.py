@@ -13,7 +13,8 @@ batch and the sequence, with ``tensor`` left to the partitioner so that the
 logits stay vocab-parallel. Each device sums the head's gradient over its own
 chunks in a float32 accumulator, and the data axes reduce it once, in float32,
 at the end, rather than once per chunk (which autodiff of a chunked scan does)
-or in bfloat16.
+or in bfloat16: a reduce-scatter straight into the head's storage layout (FSDP
+shards it over the data axes), so that no device receives the whole sum.
 """
 
 from __future__ import annotations
@@ -25,7 +26,16 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec
 
-from ndjax.rules import active
+from ndjax.rules import (
+    ParamUse,
+    Weight,
+    active,
+    data_axes,
+    partials_out,
+    partials_spec,
+    partials_sum,
+    scatter,
+)
 
 
 def cross_entropy(logits: jax.Array, targets: jax.Array) -> jax.Array:
@@ -97,15 +107,18 @@ class _Local:
         return _unchunk(d_x), d_head
 
 
-def loss_sums(x: jax.Array, head: jax.Array, targets: jax.Array, weights: jax.Array,
+def loss_sums(x: jax.Array, head: jax.Array | Weight, targets: jax.Array, weights: jax.Array,
               chunk: int) -> tuple[jax.Array, jax.Array]:
     """(sum of weights x cross-entropy, sum of weights), float32 scalars.
 
     x: (b, s, dim) final hidden states in the compute dtype; head: (dim, vocab) LM
-    head in its compute layout; targets: (b, s) int; weights: (b, s) (the loss
-    mask). ``chunk`` must divide s when s > chunk, in pieces the sequence's mesh
-    axes split evenly (``Experiment`` checks).
+    head, either an array used as it is or a ``rules.Weight``, whose gradient goes to
+    its stored value in the storage layout, summed in float32; targets: (b, s) int;
+    weights: (b, s) (the loss mask). ``chunk`` must divide s when s > chunk, in
+    pieces the sequence's mesh axes split evenly (``Experiment`` checks).
     """
+    if not isinstance(head, Weight):
+        head = Weight(head, head, ParamUse(head.dtype))
     weights = weights.astype(jnp.float32)
     n = num_chunks(x.shape[1], chunk)
     rules = active()
@@ -117,16 +130,20 @@ def loss_sums(x: jax.Array, head: jax.Array, targets: jax.Array, weights: jax.Ar
     else:
         vocab = tuple(a for a in rules.axes_of("act_vocab") if a not in rules.data_axes)
         local = _Local(n, PartitionSpec(None, None, vocab or None))
-    return _fused(local, rules, x, head, targets, weights), jnp.sum(weights)
+    return (_fused(local, rules, head.use, x, head.gathered, targets, weights, head.value),
+            jnp.sum(weights))
 
 
-def _fused(local: _Local, rules, x, head, targets, weights) -> jax.Array:
+def _fused(local: _Local, rules, use: ParamUse, x, head, targets, weights, stored
+           ) -> jax.Array:
     """The custom VJP around the per-device loss: a shard_map over the data axes
-    when ``rules`` is given, the plain local functions otherwise."""
+    when ``rules`` is given, the plain local functions otherwise. ``head`` is the
+    head in its compute layout, ``gather(stored, use)``: the head's gradient goes
+    to ``stored``, in its storage layout (``rules.scatter``)."""
     if rules is None:
         forward, backward = local.loss, local.grads
     else:
-        axes = tuple(a for a in rules.mesh.axis_names if a in rules.data_axes)
+        axes = data_axes(rules)
         rows = rules.spec(("act_batch", "act_seq"))
         hidden = PartitionSpec(*rows, None) if len(rows) else PartitionSpec()
         shard = functools.partial(jax.shard_map, mesh=rules.mesh, axis_names=set(axes),
@@ -137,26 +154,31 @@ def _fused(local: _Local, rules, x, head, targets, weights) -> jax.Array:
 
         def all_grads(*args):
             d_x, d_head = local.grads(*args)
-            return d_x, jax.lax.psum(d_head, axes)  # once, in float32
+            # Summed outside, in float32, into the head's storage layout.
+            return d_x, partials_out(d_head, use, axes)  # once, in float32
 
+        head_spec = partials_spec(use, axes, 2)
         forward = shard(total_loss, in_specs=(hidden, PartitionSpec(), rows, rows),
                         out_specs=PartitionSpec())
         backward = shard(all_grads, in_specs=(hidden, PartitionSpec(), rows, rows,
                                               PartitionSpec()),
-                         out_specs=(hidden, PartitionSpec()))
+                         out_specs=(hidden, head_spec))
 
     @jax.custom_vjp
-    def fused(x, head, targets, weights):
+    def fused(x, head, targets, weights, stored):
         return forward(x, head, targets, weights)
 
-    def fwd(x, head, targets, weights):
-        return forward(x, head, targets, weights), (x, head, targets, weights)
+    def fwd(x, head, targets, weights, stored):
+        return (forward(x, head, targets, weights),
+                (x, head, targets, weights, jnp.zeros((0,), stored.dtype)))
 
     def bwd(saved, g):
-        x, head, targets, weights = saved
+        x, head, targets, weights, dtype_of_stored = saved
         d_x, d_head = backward(x, head, targets, weights, g)
-        return (d_x, d_head.astype(head.dtype), np.zeros(targets.shape, jax.dtypes.float0),
-                jnp.zeros_like(weights))
+        d_head = (scatter(d_head, use, dtype_of_stored.dtype) if rules is None
+                  else partials_sum(d_head, use, axes, dtype_of_stored.dtype))
+        return (d_x, None, np.zeros(targets.shape, jax.dtypes.float0), jnp.zeros_like(weights),
+                d_head)
 
     fused.defvjp(fwd, bwd)
-    return fused(x, head, targets, weights)
+    return fused(x, head, targets, weights, stored)
