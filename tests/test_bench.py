@@ -132,3 +132,14 @@ def test_attention_memory_tiny():
     rows = table_rows(lines, "dense", "tiled", "auto")
     assert [r[:2] for r in rows] == [["dense", "dense"], ["tiled", "tiled"],
                                      ["auto", "dense"]], lines  # auto: dense up to 1024
+
+
+def test_cpu_vs_torch_tiny():
+    """One round of one step each, ndjax and PyTorch, on one device (the multi-device
+    layouts spawn up to 8 PyTorch processes: too slow for the suite)."""
+    lines = run_tiny("cpu_vs_torch.py").stdout.splitlines()
+    rows = table_rows(lines, "1 device")
+    assert len(rows) == 1, lines
+    layout, devices, ndjax, torch, ratio = rows[0][:5]
+    assert devices == "1" and float(ndjax.replace(",", "")) > 0, rows
+    assert float(torch.replace(",", "")) > 0 and ratio.endswith("x"), rows
