@@ -63,6 +63,15 @@ def cores() -> int:
     return len(os.sched_getaffinity(0))
 
 
+def cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next(line.split(":", 1)[1].strip() for line in f
+                        if line.startswith("model name"))
+    except (OSError, StopIteration):
+        return platform.processor() or "unknown CPU"
+
+
 def host_batch(vocab: int, batch: int, seq: int, seed: int = 0):
     import numpy as np
 
@@ -464,7 +473,8 @@ def main(argv=None) -> None:
     import jax
     import torch
 
-    print(f"# CPU: ndjax vs PyTorch, {datetime.date.today()}, {platform.processor() or '?'}, "
+    load = os.getloadavg()[0]
+    print(f"# CPU: ndjax vs PyTorch, {datetime.datetime.now():%Y-%m-%d %H:%M}, {cpu_model()}, "
           f"{cores()} cores; jax {jax.__version__}, torch {torch.__version__}")
     print(f"model {args.model_dims}, float32, global batch {args.batch} x {args.seq}; "
           f"{args.rounds} rounds x {args.steps} steps after {args.warmup} warm-up steps, "
@@ -475,6 +485,11 @@ def main(argv=None) -> None:
         r = rows[-1]
         print(f"  {layout}: ndjax {[round(x) for x in r['ndjax']]}, "
               f"torch {[round(x) for x in r['torch']]}", file=sys.stderr, flush=True)
+    # Other work on the machine slows both frameworks, PyTorch's OpenMP threads the most
+    # (they spin at every parallel region's barrier): a figure taken on a busy machine is
+    # no measure of either, and the ratio is not either.
+    print(f"load average (1 min) at start {load:.1f}, at end {os.getloadavg()[0]:.1f} on "
+          f"{cores()} cores; above ~0.5 per core other work was running\n")
     print("| layout | devices | ndjax tokens/s | PyTorch tokens/s | ndjax / PyTorch | "
           "PyTorch runs as | note |")
     print("|---|---|---|---|---|---|---|")
