@@ -196,3 +196,42 @@ def test_unknown_compile_option_is_dropped_with_a_warning():
         compiled = compiler.compile_step(lowered, {"xla_no_such": True,
                                                    "xla_gpu_enable_latency_hiding_scheduler": True})
     np.testing.assert_array_equal(compiled(jnp.ones(3)), 2 * np.ones(3))
+
+
+_FAULTS_SCRIPT = """
+import resource
+from ndjax import compiler
+print(compiler.cpu_runtime_defaults())
+import jax, jax.numpy as jnp
+f = jax.jit(lambda x: jnp.sum(jnp.cumsum(x) * jnp.cumsum(x[::-1])))
+x = jnp.ones((16 * 2**20,), jnp.float32)
+print(f.lower(x).compile().memory_analysis().temp_size_in_bytes)
+faults = []
+for _ in range(8):
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    f(x).block_until_ready()
+    faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+print(min(faults[2:]))  # the first runs grow the heap (a block may be freed late)
+"""
+
+
+@pytest.mark.parametrize("malloc", ["", "default"])
+def test_cpu_runtime_defaults_keep_step_temporaries_mapped(malloc):
+    """With ndjax's CPU malloc settings a step's large temporaries are not faulted in
+    again on the next run (counted in page faults, not timed); NDJAX_CPU_MALLOC=default
+    leaves glibc's settings, which do fault them in."""
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, PYTHONPATH=root, JAX_PLATFORMS="cpu", **{compiler.MALLOC_ENV: malloc})
+    out = subprocess.run([sys.executable, "-c", _FAULTS_SCRIPT], env=env, capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    applied, temp, faults = out.stdout.split()
+    pages = int(temp) // 4096  # ~190 MiB of temporaries
+    if malloc == "default":
+        assert applied == "False" and int(faults) > pages // 2, out.stdout
+    else:
+        assert applied == "True" and int(faults) < pages // 10, out.stdout

@@ -143,3 +143,14 @@ def test_layout_accounting_tiny():
     assert float(memory[0][6]) < 1.01 and "kv weights replicated" in memory[1][8], memory
     gathers = [r for r in table_rows(lines, "FSDP") if r[1] == "all-gather"]
     assert len(gathers) == 1 and gathers[0][6] == "1.000", lines
+
+
+def test_cpu_vs_torch_tiny():
+    """One round of one step each, ndjax and PyTorch, on one device (the multi-device
+    layouts spawn up to 8 PyTorch processes: too slow for the suite)."""
+    lines = run_tiny("cpu_vs_torch.py").stdout.splitlines()
+    rows = table_rows(lines, "1 device")
+    assert len(rows) == 1, lines
+    layout, devices, ndjax, torch, ratio = rows[0][:5]
+    assert devices == "1" and float(ndjax.replace(",", "")) > 0, rows
+    assert float(torch.replace(",", "")) > 0 and ratio.endswith("x"), rows

@@ -121,11 +121,18 @@ def masked_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) 
     b, s, h, d = q.shape
     kv = k.shape[2]
     q = q.reshape(b, s, kv, h // kv, d)
-    scores = jnp.einsum("bskgd,btkd->bkgst", q, k, preferred_element_type=jnp.float32)
-    scores = jnp.where(mask[:, None, None], scores / math.sqrt(d), jnp.finfo(jnp.float32).min)
+    # The score matrices' order: on CPU (kv head, query, group, key), the order the
+    # dot produces them in (batch dims, then the query's free dims as q stores
+    # them), so that neither they nor the probabilities and their gradients are
+    # ever transposed; measured by bench/cpu_vs_torch.py. Elsewhere (query group,
+    # query, key), as GPUs have run it.
+    scores_order = "bksgt" if jax.default_backend() == "cpu" else "bkgst"
+    scores = jnp.einsum(f"bskgd,btkd->{scores_order}", q, k, preferred_element_type=jnp.float32)
+    key_mask = mask[:, None, :, None] if scores_order == "bksgt" else mask[:, None, None]
+    scores = jnp.where(key_mask, scores / math.sqrt(d), jnp.finfo(jnp.float32).min)
     # Named so that remat=none keeps it (ndjax.models.llama.REMAT_POLICIES).
     probs = checkpoint_name(jax.nn.softmax(scores, axis=-1).astype(v.dtype), "attn_probs")
-    out = jnp.einsum("bkgst,btkd->bskgd", probs, v)
+    out = jnp.einsum(f"{scores_order},btkd->bskgd", probs, v)
     return out.reshape(b, s, h, d)
 
 

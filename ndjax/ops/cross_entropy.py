@@ -88,18 +88,35 @@ class _Local:
                                  _chunks(weights, self.n)))
         return total
 
-    def grads(self, x, head, targets, weights, g):
-        """(d loss / d x in x's dtype, d loss / d head in float32), this device's part."""
-        def body(d_head, chunk):
-            xc, tc, wc = chunk
-            logits = self.logits(xc, head)
-            probs = jax.nn.softmax(logits, axis=-1)
-            one_hot = jax.nn.one_hot(tc, logits.shape[-1], dtype=jnp.float32)
+    def loss_and_probs(self, x, head, targets, weights):
+        """One chunk (``n == 1``): the loss and the softmax of its logits, which the
+        backward pass then takes instead of running the LM head again."""
+        logits = self.logits(x, head)
+        logz = jax.nn.logsumexp(logits, axis=-1, keepdims=True)
+        probs = jnp.exp(logits - logz)
+        target_logit = jnp.sum(logits * jax.nn.one_hot(targets, logits.shape[-1],
+                                                       dtype=logits.dtype), axis=-1)
+        return jnp.sum((logz[..., 0] - target_logit) * weights), probs
+
+    def grads(self, x, head, targets, weights, g, probs=None):
+        """(d loss / d x in x's dtype, d loss / d head in float32), this device's part.
+        ``probs``: the softmax ``loss_and_probs`` kept (one chunk), or None."""
+        def chunk_grads(xc, tc, wc, probs):
+            one_hot = jax.nn.one_hot(tc, probs.shape[-1], dtype=jnp.float32)
             d_logits = ((probs - one_hot) * (wc * g)[..., None]).astype(x.dtype)
             d_x = jnp.einsum("bsv,dv->bsd", d_logits, head)
-            d_head = d_head + jnp.einsum("bsd,bsv->dv", xc, d_logits,
-                                         preferred_element_type=jnp.float32)
+            d_head = jnp.einsum("bsd,bsv->dv", xc, d_logits, preferred_element_type=jnp.float32)
             return d_head, d_x
+
+        if probs is not None:
+            d_head, d_x = chunk_grads(x, targets, weights, probs)
+            return d_x, d_head
+
+        def body(d_head, chunk):
+            xc, tc, wc = chunk
+            probs = jax.nn.softmax(self.logits(xc, head), axis=-1)
+            chunk_d_head, d_x = chunk_grads(xc, tc, wc, probs)
+            return d_head + chunk_d_head, d_x
 
         d_head, d_x = jax.lax.scan(body, jnp.zeros(head.shape, jnp.float32),
                                    (_chunks(x, self.n), _chunks(targets, self.n),
@@ -139,9 +156,19 @@ def _fused(local: _Local, rules, use: ParamUse, x, head, targets, weights, store
     """The custom VJP around the per-device loss: a shard_map over the data axes
     when ``rules`` is given, the plain local functions otherwise. ``head`` is the
     head in its compute layout, ``gather(stored, use)``: the head's gradient goes
-    to ``stored``, in its storage layout (``rules.scatter``)."""
+    to ``stored``, in its storage layout (``rules.scatter``).
+
+    On CPU, when the sequence is one chunk, the forward pass keeps the chunk's
+    softmax (float32, the size of its logits, which exist at that moment anyway)
+    for the backward pass, which comes right after it: the backward pass then
+    skips the LM head's matmul that would recompute the logits (a third of the
+    head's work; measured by bench/cpu_vs_torch.py). Elsewhere, and with more
+    than one chunk, the backward pass recomputes every chunk's logits.
+    """
+    keep_probs = local.n == 1 and jax.default_backend() == "cpu"
     if rules is None:
-        forward, backward = local.loss, local.grads
+        forward = local.loss_and_probs if keep_probs else local.loss
+        backward = local.grads
     else:
         axes = data_axes(rules)
         rows = rules.spec(("act_batch", "act_seq"))
@@ -150,6 +177,9 @@ def _fused(local: _Local, rules, use: ParamUse, x, head, targets, weights, store
                                   check_vma=False)
 
         def total_loss(*args):
+            if keep_probs:
+                total, probs = local.loss_and_probs(*args)
+                return jax.lax.psum(total, axes), probs
             return jax.lax.psum(local.loss(*args), axes)
 
         def all_grads(*args):
@@ -159,22 +189,27 @@ def _fused(local: _Local, rules, use: ParamUse, x, head, targets, weights, store
 
         head_spec = partials_spec(use, axes, 2)
         forward = shard(total_loss, in_specs=(hidden, PartitionSpec(), rows, rows),
-                        out_specs=PartitionSpec())
+                        out_specs=(PartitionSpec(), hidden) if keep_probs else PartitionSpec())
         backward = shard(all_grads, in_specs=(hidden, PartitionSpec(), rows, rows,
-                                              PartitionSpec()),
+                                              PartitionSpec()) + ((hidden,) if keep_probs else ()),
                          out_specs=(hidden, head_spec))
 
     @jax.custom_vjp
     def fused(x, head, targets, weights, stored):
-        return forward(x, head, targets, weights)
+        out = forward(x, head, targets, weights)
+        return out[0] if keep_probs else out
 
     def fwd(x, head, targets, weights, stored):
-        return (forward(x, head, targets, weights),
-                (x, head, targets, weights, jnp.zeros((0,), stored.dtype)))
+        out = forward(x, head, targets, weights)
+        # Only the stored head's dtype is needed, as an empty array of it.
+        saved = (x, head, targets, weights, jnp.zeros((0,), stored.dtype))
+        if keep_probs:
+            return out[0], saved + (out[1],)
+        return out, saved
 
     def bwd(saved, g):
-        x, head, targets, weights, dtype_of_stored = saved
-        d_x, d_head = backward(x, head, targets, weights, g)
+        x, head, targets, weights, dtype_of_stored = saved[:5]
+        d_x, d_head = backward(x, head, targets, weights, g, *saved[5:])
         d_head = (scatter(d_head, use, dtype_of_stored.dtype) if rules is None
                   else partials_sum(d_head, use, axes, dtype_of_stored.dtype))
         return (d_x, None, np.zeros(targets.shape, jax.dtypes.float0), jnp.zeros_like(weights),
