@@ -88,7 +88,11 @@ def test_full_remat_keeps_one_bf16_input_per_layer():
 ])
 def test_full_remat_layouts_match_single_device(mesh, model):
     exp = Experiment.from_config(tiny_config(mesh=mesh, model=dict(model, remat="full")))
-    assert_same_training(exp, {})
+    # Parameters at 2e-4, losses at rtol 1e-5: with jax 0.12 one of 16,384 elements
+    # lands 1.1-1.3e-4 from the single-device run (Adam's normalisation of a near-zero
+    # gradient entry amplifies summation-order differences; see test_attention's
+    # test_kernel_trains_like_dense).
+    assert_same_training(exp, {}, param_atol=2e-4)
 
 
 @pytest.mark.parametrize("chunk", [16, 64])  # 4 chunks; 1 (on CPU the softmax is kept)
