@@ -162,10 +162,14 @@ def _fused(local: _Local, rules, use: ParamUse, x, head, targets, weights, store
     softmax (float32, the size of its logits, which exist at that moment anyway)
     for the backward pass, which comes right after it: the backward pass then
     skips the LM head's matmul that would recompute the logits (a third of the
-    head's work; measured by bench/cpu_vs_torch.py). Elsewhere, and with more
-    than one chunk, the backward pass recomputes every chunk's logits.
+    head's work; measured by bench/cpu_vs_torch.py). Only without the shard_map
+    (nothing splits the batch or the sequence, e.g. one device): through the
+    shard_map the kept softmax, vocab-parallel under tensor parallelism, would
+    leave it under a replicated spec, and a step loaded from the persistent
+    compilation cache then hung in an all-reduce. Elsewhere, and with more than
+    one chunk, the backward pass recomputes every chunk's logits.
     """
-    keep_probs = local.n == 1 and jax.default_backend() == "cpu"
+    keep_probs = local.n == 1 and rules is None and jax.default_backend() == "cpu"
     if rules is None:
         forward = local.loss_and_probs if keep_probs else local.loss
         backward = local.grads
@@ -177,9 +181,6 @@ def _fused(local: _Local, rules, use: ParamUse, x, head, targets, weights, store
                                   check_vma=False)
 
         def total_loss(*args):
-            if keep_probs:
-                total, probs = local.loss_and_probs(*args)
-                return jax.lax.psum(total, axes), probs
             return jax.lax.psum(local.loss(*args), axes)
 
         def all_grads(*args):
@@ -189,9 +190,9 @@ def _fused(local: _Local, rules, use: ParamUse, x, head, targets, weights, store
 
         head_spec = partials_spec(use, axes, 2)
         forward = shard(total_loss, in_specs=(hidden, PartitionSpec(), rows, rows),
-                        out_specs=(PartitionSpec(), hidden) if keep_probs else PartitionSpec())
+                        out_specs=PartitionSpec())
         backward = shard(all_grads, in_specs=(hidden, PartitionSpec(), rows, rows,
-                                              PartitionSpec()) + ((hidden,) if keep_probs else ()),
+                                              PartitionSpec()),
                          out_specs=(hidden, head_spec))
 
     @jax.custom_vjp
