@@ -49,7 +49,7 @@ def cases(tiny: bool) -> list[dict]:
     if tiny:  # one case per code path: auto, an explicit kernel, a refused kernel
         kernels = [dict(name=f"kernel {k}", model=dict(TINY, remat="full", attn_impl=k),
                         seq=256, ladder=[2]) for k in ("tiled", "cudnn")]
-        return [dict(name="remat none", model=dict(TINY, remat="none"), seq=256, ladder=[8, 4]),
+        return [dict(name="remat none", model=dict(TINY, remat="none"), seq=128, ladder=[8, 4]),
                 *kernels]
     remats = [dict(name=f"1b remat {r}", model=dict(ONE_B, remat=r), seq=4096, ladder=ladder)
               for r, ladder in (("none", [16, 8, 4]), ("save_proj", [24, 16, 8]),

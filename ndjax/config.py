@@ -31,7 +31,10 @@ def default_config() -> ml_collections.ConfigDict:
     c.model.tie_embeddings = config_dict.placeholder(bool)
     c.model.dtype = "auto"        # compute dtype: auto = bfloat16 on GPU/TPU, float32 on CPU
     c.model.param_dtype = "float32"  # dtype parameters are stored in: float32 | bfloat16
-    c.model.scan_layers = True
+    # The decoder layers: True = one scanned block (compile time flat in depth),
+    # False = unrolled; unset = unrolled on CPU up to 8 layers, else scanned
+    # (ndjax.models.llama.default_scan_layers says why).
+    c.model.scan_layers = config_dict.placeholder(bool)
     c.model.remat = "none"        # none | full | save_proj | save_attn
     # Attention: auto = ring attention when mesh.context > 1, else dense; or
     # force dense | ring. Ring attention's layout (zigzag balances the causal

@@ -111,9 +111,12 @@ def model_config(model: ml_collections.ConfigDict, checkpoint: hf.Checkpoint | N
             "balances the causal work over the context shards).")
     if not isinstance(model.attn_kv_tile, int) or model.attn_kv_tile < 1:
         raise ConfigError(f"model.attn_kv_tile={model.attn_kv_tile!r} must be an int >= 1.")
+    scan_layers = model.scan_layers
+    if scan_layers is None:
+        scan_layers = llama.default_scan_layers(dims["n_layers"], jax.default_backend())
     return llama.LlamaConfig(**dims, dtype=DTYPES[dtype],
                              param_dtype=PARAM_DTYPES[model.param_dtype],
-                             scan_layers=bool(model.scan_layers),
+                             scan_layers=bool(scan_layers),
                              remat=model.remat, attn_impl=model.attn_impl,
                              cp_layout=model.cp_layout, attn_kv_tile=model.attn_kv_tile)
 

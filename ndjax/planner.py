@@ -124,6 +124,8 @@ def target_config(config: ml_collections.ConfigDict, layout: Layout,
     c.train.grad_accum = layout.grad_accum
     if c.model.dtype == "auto":
         c.model.dtype = "bfloat16"
+    if c.model.scan_layers is None:  # what a GPU runs (llama.default_scan_layers)
+        c.model.scan_layers = True
     if attn_impl is not None:
         c.model.attn_impl = attn_impl
     return c

@@ -38,7 +38,8 @@ def startup(exp: Experiment, workdir: str, resume_step: int | None) -> list[str]
         f"model: {c.model.preset}{source}, {_size(llama.num_params(cfg))} parameters "
         f"({_size(llama.num_params(cfg, embeddings=False))} without embeddings); "
         f"compute {np.dtype(cfg.dtype).name}, parameters {np.dtype(cfg.param_dtype).name}, "
-        f"moments {t.opt_state_dtype}; remat {cfg.remat}",
+        f"moments {t.opt_state_dtype}; remat {cfg.remat}; layers "
+        f"{'scanned' if cfg.scan_layers else 'unrolled'}",
         f"attention: {exp.attention.describe()}",
         f"batch: {t.batch_size} rows x {t.seq_len} tokens = {t.batch_size * t.seq_len} "
         f"tokens per step{micro}; {t.steps} steps; data {c.data.source}, tokenizer {tokenizer}",

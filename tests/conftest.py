@@ -28,7 +28,9 @@ TINY_MODEL = dict(vocab_size=256, dim=64, n_layers=2, n_heads=8, n_kv_heads=4, f
 
 def tiny_config(mesh=None, rules="default", model=None, train=None):
     c = default_config()
-    c.model.update({**TINY_MODEL, **(model or {})})
+    # Scanned layers, as on a GPU, rather than the unrolled ones a small model gets
+    # on CPU by default: the layouts' tests are about the path GPU users run.
+    c.model.update({**TINY_MODEL, "scan_layers": True, **(model or {})})
     c.mesh.update({**dict(replica=1, fsdp=1, context=1, tensor=1), **(mesh or {})})
     c.rules = rules
     # The Markov-chain source: fast, learnable, and any vocab_size fits it.

@@ -113,7 +113,8 @@ def test_auto_choices():
     assert odd.name == "tiled" and "pallas" in odd.why, odd
     cpu = dict(platform="cpu", compute_capability=None, dtype=jnp.float32)
     assert attn.choose("auto", _site(**cpu)).name == "tiled"
-    assert attn.choose("auto", _site(**cpu, seq_len=1024)).name == "dense"
+    assert attn.choose("auto", _site(**cpu, seq_len=128)).name == "dense"
+    assert attn.choose("auto", _site(**cpu, seq_len=256)).name == "tiled"
     assert attn.choose("auto", _site(**cpu, seq_len=4100)).name == "dense"  # 512 ∤ 2050
     assert attn.choose("auto", _site(**cpu, seq_len=4100, kv_tile=410)).name == "tiled"
     assert attn.choose("auto", _site(**cpu, seq_len=4099, kv_tile=1)).name == "dense"  # odd
@@ -142,7 +143,7 @@ def test_start_up_line_says_kernel_and_why():
     exp = Experiment.from_config(tiny_config(mesh=dict(fsdp=8)))
     assert exp.model_cfg.attn_impl == "dense"
     assert exp.attention.describe() == (
-        "dense (the whole score matrix, O(seq^2) memory; auto on CPU, seq_len 32 <= 1024)")
+        "dense (the whole score matrix, O(seq^2) memory; auto on CPU, seq_len 32 <= 128)")
 
 
 @pytest.mark.parametrize("impl", ["tiled", "pallas"])

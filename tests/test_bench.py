@@ -79,7 +79,7 @@ def test_gloo_cache_hang_tiny():
 def test_gpu_tiny():
     lines = run_tiny("gpu.py").stdout.splitlines()
     rows = table_rows(lines, "remat none", "kernel tiled", "kernel cudnn")
-    assert [r[:4] for r in rows] == [["remat none", "dense", "256", "8"],
+    assert [r[:4] for r in rows] == [["remat none", "dense", "128", "8"],
                                      ["kernel tiled", "tiled", "256", "2"],
                                      ["kernel cudnn", "cudnn", "256", "-"]], lines
     assert float(rows[0][5].replace(",", "")) > 0, rows  # tokens/s measured
@@ -131,7 +131,7 @@ def test_attention_memory_tiny():
     lines = run_tiny("attention_memory.py").stdout.splitlines()
     rows = table_rows(lines, "dense", "tiled", "auto")
     assert [r[:2] for r in rows] == [["dense", "dense"], ["tiled", "tiled"],
-                                     ["auto", "dense"]], lines  # auto: dense up to 1024
+                                     ["auto", "tiled"]], lines  # auto: tiled above 128
 
 
 def test_layout_accounting_tiny():
