@@ -333,7 +333,7 @@ def torch_worker(args) -> None:
         thread = threading.Thread(target=_torch_rank_main, args=(0, 1, args, commands, results),
                                   daemon=True)
         thread.start()
-        procs = []
+        procs = [thread]  # joined below, before the queues close under it
     else:
         procs = [ctx.Process(target=_torch_rank_main, args=(r, world, args, commands, results),
                              daemon=True) for r in range(world)]
@@ -343,7 +343,8 @@ def torch_worker(args) -> None:
     if kind == "ERROR":
         print("ERROR " + payload, flush=True)
         for p in procs:
-            p.kill()
+            if hasattr(p, "kill"):
+                p.kill()
         return
     print("READY " + json.dumps(payload), flush=True)
 

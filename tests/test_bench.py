@@ -154,3 +154,15 @@ def test_cpu_vs_torch_tiny():
     layout, devices, ndjax, torch, ratio = rows[0][:5]
     assert devices == "1" and float(ndjax.replace(",", "")) > 0, rows
     assert float(torch.replace(",", "")) > 0 and ratio.endswith("x"), rows
+
+
+def test_cpu_step_variants_tiny():
+    """Each variant runs what it names; unset, a small model on CPU runs its layers
+    unrolled with tiled attention at 256 tokens (llama.default_scan_layers,
+    attention.DENSE_MAX_SEQ)."""
+    lines = run_tiny("cpu_step_variants.py").stdout.splitlines()
+    rows = table_rows(lines, "scanned, dense", "defaults (scan_layers unset, attn_impl auto)",
+                      "unrolled, tiled")
+    assert [r[1:3] for r in rows] == [["scanned", "dense"], ["unrolled", "tiled"],
+                                      ["unrolled", "tiled"]], lines
+    assert all(float(r[4]) > 0 for r in rows), rows

@@ -1,0 +1,190 @@
+"""ndjax's one-device CPU step under model options, side by side, in one run.
+
+The model, batch and optimizer of ``bench/cpu_vs_torch.py`` (issue 14's), on one CPU
+device, with each group's variants alive at once in their own worker processes and
+timed in alternation (``--rounds`` rounds of ``--steps`` steps; the median round), so
+that a busy moment slows every variant alike. The groups are the measurements behind
+ndjax's CPU defaults:
+
+* ``layers``: the layer loop (scanned or unrolled) crossed with the attention kernel
+  (dense or tiled) at 8 x 256 tokens, and the defaults (``model.scan_layers`` unset,
+  ``model.attn_impl=auto``), against the defaults before issue 14 (scanned, dense);
+* ``seq``: dense against tiled attention at 128 to 1024 tokens per row (2,048 tokens
+  per step), layers unrolled: where ``auto``'s switch belongs.
+
+    PYTHONPATH=. python bench/cpu_step_variants.py            # about 8 minutes on 2 cores
+    PYTHONPATH=. python bench/cpu_step_variants.py --tiny     # smoke run, tiny model
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from cpu_vs_torch import MODEL, ROOT, TINY_MODEL, TRAIN, cores, cpu_model, host_batch, serve  # noqa: E402 -- the bench's model, batch and optimizer
+
+TOKENS = 2048  # per step, as cpu_vs_torch's 8 x 256
+
+
+def groups(tiny: bool) -> dict[str, list[tuple[str, dict]]]:
+    """name -> [(variant, model and train overrides)]."""
+    layers = [("scanned, dense", {"model.scan_layers": True, "model.attn_impl": "dense"}),
+              ("defaults (scan_layers unset, attn_impl auto)", {}),
+              ("scanned, tiled", {"model.scan_layers": True, "model.attn_impl": "tiled"}),
+              ("unrolled, dense", {"model.scan_layers": False, "model.attn_impl": "dense"}),
+              ("unrolled, tiled", {"model.scan_layers": False, "model.attn_impl": "tiled"})]
+    if tiny:  # the defaults' path and each explicit choice, at the bench's seq of 256
+        return {"layers": layers}
+    seqs = (128, 256, 512, 1024)
+    seq = [(f"seq {s}, {impl}", {"model.scan_layers": False, "model.attn_impl": impl,
+                                 "train.seq_len": s, "train.batch_size": TOKENS // s})
+           for s in seqs for impl in ("dense", "tiled")]
+    return {"layers": layers, "seq": seq}
+
+
+def worker(args) -> None:
+    from ndjax import compiler
+
+    compiler.cpu_runtime_defaults()  # before jax starts its threads, as train.py does
+    import jax
+    import numpy as np
+
+    from ndjax.config import default_config
+    from ndjax.experiment import Experiment
+
+    c = default_config()
+    c.model.update(json.loads(args.model))
+    c.train.update(dict(batch_size=TOKENS // 256, seq_len=256, schedule="constant",
+                        warmup_steps=0, steps=10**6, **TRAIN))
+    c.data.source = "synthetic"
+    for key, value in json.loads(args.overrides).items():
+        section, field = key.split(".")
+        c[section][field] = value
+    exp = Experiment.from_config(c, jax.devices()[:1])
+    start = time.perf_counter()
+    step = exp.compiled_step
+    compile_s = time.perf_counter() - start
+    b, s = c.train.batch_size, c.train.seq_len
+    inputs, targets = host_batch(c.model.vocab_size, b, s)
+    positions = np.broadcast_to(np.arange(s, dtype=np.int32), inputs.shape)
+    ones = np.ones(inputs.shape, np.int32)
+    batch = exp.device_batch(dict(inputs=inputs, targets=targets, positions=positions,
+                                  segment_ids=ones, loss_mask=ones))
+    state = [exp.init_state()]
+
+    def run(n):
+        start = time.perf_counter()
+        for _ in range(n):
+            state[0], metrics = step(state[0], batch)
+        loss = float(metrics["loss"])  # waits for the last step
+        return time.perf_counter() - start, loss
+
+    run(args.warmup)
+    print("READY " + json.dumps(dict(compile_s=compile_s, attention=exp.model_cfg.attn_impl,
+                                     scan_layers=exp.model_cfg.scan_layers)), flush=True)
+    serve(run)
+
+
+class Variant:
+    def __init__(self, name: str, overrides: dict, args):
+        self.name, self.ms, self.info = name, [], None
+        cmd = [sys.executable, os.path.abspath(__file__), "--worker",
+               "--model", json.dumps(args.model_dims), "--overrides", json.dumps(overrides),
+               "--warmup", str(args.warmup)]
+        env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     text=True, env=env, cwd=ROOT)
+
+    def read(self, tag: str) -> dict:
+        for line in self.proc.stdout:
+            if line.startswith(tag + " "):
+                return json.loads(line[len(tag) + 1:])
+        raise RuntimeError(f"{self.name}: worker exited with status {self.proc.wait()}")
+
+    def time(self, steps: int) -> None:
+        self.proc.stdin.write(f"steps {steps}\n")
+        self.proc.stdin.flush()
+        self.ms.append(1000 * self.read("RESULT")["seconds"] / steps)
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.stdin.write("exit\n")
+            self.proc.stdin.flush()
+            self.proc.wait(timeout=60)
+
+
+def run_group(variants: list[tuple[str, dict]], args) -> list[Variant]:
+    # Started one at a time (compiling in parallel would only slow each other), then
+    # all alive while the timed rounds alternate.
+    started = []
+    try:
+        for name, overrides in variants:
+            started.append(Variant(name, overrides, args))
+            started[-1].info = started[-1].read("READY")
+        for _ in range(args.rounds):
+            for v in started:
+                v.time(args.steps)
+    finally:
+        for v in started:
+            v.close()
+    return started
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--steps", type=int, default=5, help="timed steps per round")
+    p.add_argument("--warmup", type=int, default=3, help="untimed steps after compiling")
+    p.add_argument("--groups", default="layers,seq", help="comma-separated: layers, seq")
+    p.add_argument("--tiny", action="store_true",
+                   help="smoke run: tiny model, the layers group, 1 round")
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--model", help=argparse.SUPPRESS)
+    p.add_argument("--overrides", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.worker:
+        return worker(args)
+    if args.tiny:
+        args.rounds, args.steps, args.warmup = 1, 1, 1
+    args.model_dims = TINY_MODEL if args.tiny else MODEL
+    table = groups(args.tiny)
+    chosen = [g.strip() for g in args.groups.split(",") if g.strip() in table or not args.tiny]
+    unknown = [g for g in chosen if g not in table]
+    if unknown:
+        p.error(f"unknown groups {unknown}; choose from {list(table)}")
+
+    import jax
+
+    load = os.getloadavg()[0]
+    print(f"# ndjax CPU step variants, {datetime.datetime.now():%Y-%m-%d %H:%M}, {cpu_model()}, "
+          f"{cores()} cores; jax {jax.__version__}")
+    print(f"model {args.model_dims}, float32, {TOKENS} tokens per step, one device; "
+          f"{args.rounds} rounds x {args.steps} steps after {args.warmup} warm-up steps, "
+          "variants alternating; ms/step = median round\n")
+    results = {g: run_group(table[g], args) for g in chosen}
+    print(f"load average (1 min) at start {load:.1f}, at end {os.getloadavg()[0]:.1f} on "
+          f"{cores()} cores\n")
+    for g, variants in results.items():
+        # speed-up over the group's first variant; in the seq group, over dense at that seq
+        against = "the first row" if g == "layers" else "dense at the same seq"
+        print(f"| {g}: variant | layers | attention | compile s | ms/step | rounds | "
+              f"speed-up over {against} |")
+        print("|---|---|---|--:|--:|---|--:|")
+        for i, v in enumerate(variants):
+            base = statistics.median(variants[0 if g == "layers" else i - i % 2].ms)
+            ms = statistics.median(v.ms)
+            print(f"| {v.name} | {'scanned' if v.info['scan_layers'] else 'unrolled'} | "
+                  f"{v.info['attention']} | {v.info['compile_s']:.1f} | {ms:.0f} | "
+                  f"{', '.join(f'{x:.0f}' for x in v.ms)} | {base / ms:.2f}x |")
+        print()
+
+
+if __name__ == "__main__":
+    main()
