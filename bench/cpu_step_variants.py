@@ -10,7 +10,11 @@ ndjax's CPU defaults:
   (dense or tiled) at 8 x 256 tokens, and the defaults (``model.scan_layers`` unset,
   ``model.attn_impl=auto``), against the defaults before issue 14 (scanned, dense);
 * ``seq``: dense against tiled attention at 128 to 1024 tokens per row (2,048 tokens
-  per step), layers unrolled: where ``auto``'s switch belongs.
+  per step), layers unrolled: where ``auto``'s switch belongs;
+* ``attention``: one layer's attention alone, forward and backward (``jax.grad``),
+  at the step's shapes (8 x 256 tokens, 8 heads / 4 kv heads of 32), for ndjax's
+  dense and tiled kernels and PyTorch's ``scaled_dot_product_attention``
+  (``is_causal``, ``enable_gqa``), in this process, alternating.
 
     PYTHONPATH=. python bench/cpu_step_variants.py            # about 8 minutes on 2 cores
     PYTHONPATH=. python bench/cpu_step_variants.py --tiny     # smoke run, tiny model
@@ -46,7 +50,57 @@ def groups(tiny: bool) -> dict[str, list[tuple[str, dict]]]:
     seq = [(f"seq {s}, {impl}", {"model.scan_layers": False, "model.attn_impl": impl,
                                  "train.seq_len": s, "train.batch_size": TOKENS // s})
            for s in seqs for impl in ("dense", "tiled")]
-    return {"layers": layers, "seq": seq}
+    return {"layers": layers, "seq": seq, "attention": []}
+
+
+def attention_alone(rounds: int, reps: int = 20) -> list[tuple[str, list[float]]]:
+    """ms per forward + backward of one layer's attention, per round."""
+    from ndjax import compiler
+
+    compiler.cpu_runtime_defaults()  # as in the step's workers; jax has not started yet
+    import jax
+    import numpy as np
+    import torch
+    import torch.nn.functional as F
+
+    from ndjax.ops import attention
+
+    b, s, h, kv, d = 8, 256, MODEL["n_heads"], MODEL["n_kv_heads"], MODEL["dim"] // MODEL["n_heads"]
+    rng = np.random.default_rng(0)
+    q, k, v = (jax.numpy.asarray(rng.standard_normal((b, s, n, d), np.float32))
+               for n in (h, kv, kv))
+    seg = jax.numpy.ones((b, s), jax.numpy.int32)
+    cfg = type("Cfg", (), dict(attn_kv_tile=512))
+
+    def jax_case(name):
+        kernel = attention.KERNELS[name]
+        grad = jax.jit(jax.grad(lambda q, k, v: (kernel(q, k, v, seg, cfg) ** 2).sum(),
+                                argnums=(0, 1, 2)))
+        return lambda: jax.block_until_ready(grad(q, k, v))
+
+    torch.set_num_threads(cores())
+    tq, tk, tv = (torch.randn(b, n, s, d, requires_grad=True) for n in (h, kv, kv))
+
+    def torch_case():
+        out = F.scaled_dot_product_attention(tq, tk, tv, is_causal=True, enable_gqa=True)
+        (out ** 2).sum().backward()
+
+    cases = [("ndjax dense", jax_case("dense")), ("ndjax tiled", jax_case("tiled")),
+             ("PyTorch sdpa", torch_case)]
+    times = {name: [] for name, _ in cases}
+    for _, fn in cases:
+        for _ in range(3):
+            fn()
+    for _ in range(rounds):
+        for name, fn in cases:
+            # PyTorch's OpenMP threads spin for a while after their last parallel
+            # region; let them go idle so that they do not slow the next case.
+            time.sleep(0.5)
+            start = time.perf_counter()
+            for _ in range(reps):
+                fn()
+            times[name].append(1000 * (time.perf_counter() - start) / reps)
+    return list(times.items())
 
 
 def worker(args) -> None:
@@ -142,7 +196,8 @@ def main(argv=None) -> None:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--steps", type=int, default=5, help="timed steps per round")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps after compiling")
-    p.add_argument("--groups", default="layers,seq", help="comma-separated: layers, seq")
+    p.add_argument("--groups", default="layers,seq,attention",
+                   help="comma-separated: layers, seq, attention")
     p.add_argument("--tiny", action="store_true",
                    help="smoke run: tiny model, the layers group, 1 round")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -168,7 +223,8 @@ def main(argv=None) -> None:
     print(f"model {args.model_dims}, float32, {TOKENS} tokens per step, one device; "
           f"{args.rounds} rounds x {args.steps} steps after {args.warmup} warm-up steps, "
           "variants alternating; ms/step = median round\n")
-    results = {g: run_group(table[g], args) for g in chosen}
+    alone = attention_alone(args.rounds) if "attention" in chosen else []
+    results = {g: run_group(table[g], args) for g in chosen if g != "attention"}
     print(f"load average (1 min) at start {load:.1f}, at end {os.getloadavg()[0]:.1f} on "
           f"{cores()} cores\n")
     for g, variants in results.items():
@@ -183,6 +239,14 @@ def main(argv=None) -> None:
             print(f"| {v.name} | {'scanned' if v.info['scan_layers'] else 'unrolled'} | "
                   f"{v.info['attention']} | {v.info['compile_s']:.1f} | {ms:.0f} | "
                   f"{', '.join(f'{x:.0f}' for x in v.ms)} | {base / ms:.2f}x |")
+        print()
+    if alone:
+        base = statistics.median(alone[-1][1])
+        print("| attention alone (one layer, forward + backward) | ms | rounds | vs PyTorch |")
+        print("|---|--:|---|--:|")
+        for name, ms in alone:
+            print(f"| {name} | {statistics.median(ms):.1f} | {', '.join(f'{x:.1f}' for x in ms)} "
+                  f"| {statistics.median(ms) / base:.2f}x the time |")
         print()
 
 
