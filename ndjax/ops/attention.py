@@ -38,11 +38,11 @@ from ndjax.ops import ring_attention as ring
 from ndjax.rules import Rules, active
 
 # auto uses the tiled kernel above this many tokens per row on one context shard.
-# Measured on CPU (bench/cpu_vs_torch.py's model, 2,048 tokens per step, layers
-# unrolled): dense is 4% faster at 128 tokens; tiled 2% faster at 256 (7% with
-# scanned layers: it saves no probabilities to stack), level at 512, 17% faster
-# at 1024. The tiled kernel skips the causally masked (first half x second half)
-# block, and its memory is linear in seq.
+# Measured on CPU in the whole train step (bench/cpu_step_variants.py: issue 14's
+# model, 2,048 tokens per step, layers unrolled), tiled over dense: within noise at
+# 128 tokens (1.02x), 1.05x at 256 (1.07x with scanned
+# layers: it saves no probabilities to stack), 1.11x at 512, 1.44x at 1024. It skips
+# the causally masked (first half x second half) block, and its memory is linear.
 DENSE_MAX_SEQ = 128
 # Pallas's forward block (queries and keys); its backward uses 32-token blocks.
 PALLAS_BLOCK = 128
