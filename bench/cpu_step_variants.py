@@ -7,13 +7,13 @@ that a busy moment slows every variant alike. The groups are the measurements be
 ndjax's CPU defaults:
 
 * ``layers``: the layer loop (scanned or unrolled) crossed with the attention kernel
-  (dense or tiled) at 8 x 256 tokens, and the defaults (``model.scan_layers`` unset,
+  (dense, blocked or tiled) at 8 x 256 tokens, and the defaults (``model.scan_layers`` unset,
   ``model.attn_impl=auto``), against the defaults before issue 14 (scanned, dense);
-* ``seq``: dense against tiled attention at 128 to 1024 tokens per row (2,048 tokens
-  per step), layers unrolled: where ``auto``'s switch belongs;
+* ``seq``: dense, blocked and tiled attention at 128 to 1024 tokens per row (2,048
+  tokens per step), layers unrolled: where ``auto``'s switches belong;
 * ``attention``: one layer's attention alone, forward and backward (``jax.grad``),
   at the step's shapes (8 x 256 tokens, 8 heads / 4 kv heads of 32), for ndjax's
-  dense and tiled kernels and PyTorch's ``scaled_dot_product_attention``
+  dense, blocked and tiled kernels and PyTorch's ``scaled_dot_product_attention``
   (``is_causal``, ``enable_gqa``), in this process, alternating.
 
     PYTHONPATH=. python bench/cpu_step_variants.py            # about 8 minutes on 2 cores
@@ -40,16 +40,17 @@ TOKENS = 2048  # per step, as cpu_vs_torch's 8 x 256
 def groups(tiny: bool) -> dict[str, list[tuple[str, dict]]]:
     """name -> [(variant, model and train overrides)]."""
     layers = [("scanned, dense", {"model.scan_layers": True, "model.attn_impl": "dense"}),
-              ("defaults (scan_layers unset, attn_impl auto)", {}),
-              ("scanned, tiled", {"model.scan_layers": True, "model.attn_impl": "tiled"}),
-              ("unrolled, dense", {"model.scan_layers": False, "model.attn_impl": "dense"}),
-              ("unrolled, tiled", {"model.scan_layers": False, "model.attn_impl": "tiled"})]
+              ("defaults (scan_layers unset, attn_impl auto)", {})]
+    layers += [(f"{loop}, {impl}", {"model.scan_layers": loop == "scanned",
+                                    "model.attn_impl": impl})
+               for loop in ("scanned", "unrolled") for impl in ("dense", "blocked", "tiled")
+               if (loop, impl) != ("scanned", "dense")]
     if tiny:  # the defaults' path and each explicit choice, at the bench's seq of 256
         return {"layers": layers}
     seqs = (128, 256, 512, 1024)
     seq = [(f"seq {s}, {impl}", {"model.scan_layers": False, "model.attn_impl": impl,
                                  "train.seq_len": s, "train.batch_size": TOKENS // s})
-           for s in seqs for impl in ("dense", "tiled")]
+           for s in seqs for impl in ("dense", "blocked", "tiled")]
     return {"layers": layers, "seq": seq, "attention": []}
 
 
@@ -85,8 +86,8 @@ def attention_alone(rounds: int, reps: int = 20) -> list[tuple[str, list[float]]
         out = F.scaled_dot_product_attention(tq, tk, tv, is_causal=True, enable_gqa=True)
         (out ** 2).sum().backward()
 
-    cases = [("ndjax dense", jax_case("dense")), ("ndjax tiled", jax_case("tiled")),
-             ("PyTorch sdpa", torch_case)]
+    cases = [("ndjax dense", jax_case("dense")), ("ndjax blocked", jax_case("blocked")),
+             ("ndjax tiled", jax_case("tiled")), ("PyTorch sdpa", torch_case)]
     times = {name: [] for name, _ in cases}
     for _, fn in cases:
         for _ in range(3):
@@ -234,7 +235,7 @@ def main(argv=None) -> None:
               f"speed-up over {against} |")
         print("|---|---|---|--:|--:|---|--:|")
         for i, v in enumerate(variants):
-            base = statistics.median(variants[0 if g == "layers" else i - i % 2].ms)
+            base = statistics.median(variants[0 if g == "layers" else i - i % 3].ms)
             ms = statistics.median(v.ms)
             print(f"| {v.name} | {'scanned' if v.info['scan_layers'] else 'unrolled'} | "
                   f"{v.info['attention']} | {v.info['compile_s']:.1f} | {ms:.0f} | "

@@ -60,6 +60,14 @@ def test_tiled_matches_dense(heads, kv_heads):
 
 
 @pytest.mark.parametrize("heads, kv_heads", HEADS)
+@pytest.mark.parametrize("s", [64, 60])  # 8 query blocks of 8; 6 of 10 (8 does not divide 60)
+def test_blocked_matches_dense(heads, kv_heads, s):
+    assert attn.query_blocks(s) == {64: 8, 60: 6}[s]
+    _assert_matches_dense(lambda q, k, v, seg: attn.KERNELS["blocked"](q, k, v, seg, None),
+                          heads, kv_heads, s=s)
+
+
+@pytest.mark.parametrize("heads, kv_heads", HEADS)
 def test_pallas_matches_dense(heads, kv_heads):
     _assert_matches_dense(lambda *a: attn.pallas_attention(*a, interpret=True), heads,
                           kv_heads)
@@ -114,10 +122,13 @@ def test_auto_choices():
     cpu = dict(platform="cpu", compute_capability=None, dtype=jnp.float32)
     assert attn.choose("auto", _site(**cpu)).name == "tiled"
     assert attn.choose("auto", _site(**cpu, seq_len=128)).name == "dense"
-    assert attn.choose("auto", _site(**cpu, seq_len=256)).name == "tiled"
-    assert attn.choose("auto", _site(**cpu, seq_len=4100)).name == "dense"  # 512 ∤ 2050
+    assert attn.choose("auto", _site(**cpu, seq_len=256)).name == "blocked"
+    assert attn.choose("auto", _site(**cpu, seq_len=1024)).name == "blocked"
+    assert attn.choose("auto", _site(**cpu, seq_len=2048)).name == "tiled"
+    assert attn.choose("auto", _site(**cpu, seq_len=4100)).name == "blocked"  # 512 ∤ 2050
     assert attn.choose("auto", _site(**cpu, seq_len=4100, kv_tile=410)).name == "tiled"
-    assert attn.choose("auto", _site(**cpu, seq_len=4099, kv_tile=1)).name == "dense"  # odd
+    assert attn.choose("auto", _site(**cpu, seq_len=4099, kv_tile=1)).name == "blocked"  # odd
+    assert attn.choose("blocked", _site(**cpu, seq_len=4099)).name == "blocked"
     assert "auto on CPU" in attn.choose("auto", _site(**cpu)).describe()
 
 
@@ -129,6 +140,7 @@ def test_auto_choices():
     ("pallas", dict(seq_len=4000), r"blocks of 128 tokens, and train.seq_len=4000"),
     ("pallas", dict(platform="cpu"), r"runs on NVIDIA GPUs, and this run's devices are cpu"),
     ("dense", dict(context=2), None),
+    ("blocked", dict(context=2), r"runs on one context shard"),
 ])
 def test_explicit_kernel_checks(impl, site, match):
     if match is None:
@@ -146,7 +158,7 @@ def test_start_up_line_says_kernel_and_why():
         "dense (the whole score matrix, O(seq^2) memory; auto on CPU, seq_len 32 <= 128)")
 
 
-@pytest.mark.parametrize("impl", ["tiled", "pallas"])
+@pytest.mark.parametrize("impl", ["tiled", "blocked", "pallas"])
 def test_kernel_trains_like_dense(impl):
     """The whole step (the kernel's custom VJP inside the layer scan, under FSDP x TP)
     gives the single-device dense losses and parameters. ``pallas`` is refused on CPU

@@ -131,7 +131,7 @@ def test_attention_memory_tiny():
     lines = run_tiny("attention_memory.py").stdout.splitlines()
     rows = table_rows(lines, "dense", "tiled", "auto")
     assert [r[:2] for r in rows] == [["dense", "dense"], ["tiled", "tiled"],
-                                     ["auto", "tiled"]], lines  # auto: tiled above 128
+                                     ["auto", "blocked"]], lines  # auto: blocked, 256-1024
 
 
 def test_layout_accounting_tiny():
@@ -158,11 +158,11 @@ def test_cpu_vs_torch_tiny():
 
 def test_cpu_step_variants_tiny():
     """Each variant runs what it names; unset, a small model on CPU runs its layers
-    unrolled with tiled attention at 256 tokens (llama.default_scan_layers,
-    attention.DENSE_MAX_SEQ)."""
+    unrolled with blocked attention at 256 tokens (llama.default_scan_layers,
+    attention.choose)."""
     lines = run_tiny("cpu_step_variants.py").stdout.splitlines()
     rows = table_rows(lines, "scanned, dense", "defaults (scan_layers unset, attn_impl auto)",
-                      "unrolled, tiled")
-    assert [r[1:3] for r in rows] == [["scanned", "dense"], ["unrolled", "tiled"],
-                                      ["unrolled", "tiled"]], lines
+                      "scanned, tiled", "unrolled, blocked")
+    assert [r[1:3] for r in rows] == [["scanned", "dense"], ["unrolled", "blocked"],
+                                      ["scanned", "tiled"], ["unrolled", "blocked"]], lines
     assert all(float(r[4]) > 0 for r in rows), rows

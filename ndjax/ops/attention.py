@@ -16,9 +16,9 @@ A kernel brings what the rest of ndjax needs to know about it, so that neither
 
 ``auto`` (``choose``) takes, in order: ``ring`` when the rules split the sequence
 over ``mesh.context``; on a GPU the first fused kernel whose check passes,
-``cudnn`` then ``pallas``; else ``tiled`` once the (queries x keys) scores of one
-row and head exceed ``DENSE_MAX_SEQ``\\ ² entries, and ``dense`` below that, where
-its one big softmax is cheaper than a loop over key tiles.
+``cudnn`` then ``pallas``; else by the tokens per row: ``dense`` up to
+``DENSE_MAX_SEQ``, ``blocked`` (dense without the causally masked blocks) up to
+``BLOCKED_MAX_SEQ``, and ``tiled`` above, whose memory is linear in the sequence.
 """
 
 from __future__ import annotations
@@ -37,13 +37,14 @@ from ndjax.errors import ConfigError
 from ndjax.ops import ring_attention as ring
 from ndjax.rules import Rules, active
 
-# auto uses the tiled kernel above this many tokens per row on one context shard.
-# Measured on CPU in the whole train step (bench/cpu_step_variants.py: issue 14's
-# model, 2,048 tokens per step, layers unrolled), tiled over dense: within noise at
-# 128 tokens (1.02x), 1.05x at 256 (1.07x with scanned
-# layers: it saves no probabilities to stack), 1.11x at 512, 1.44x at 1024. It skips
-# the causally masked (first half x second half) block, and its memory is linear.
+# auto on one context shard, off a GPU: dense up to DENSE_MAX_SEQ tokens per row,
+# blocked up to BLOCKED_MAX_SEQ, tiled above (memory linear in seq). Measured on CPU
+# in the whole train step (bench/cpu_step_variants.py: issue 14's model, 2,048
+# tokens per step): BENCHMARKS.md, "What closed the gap".
 DENSE_MAX_SEQ = 128
+BLOCKED_MAX_SEQ = 1024
+# The blocked kernel's most query blocks per row.
+MAX_QUERY_BLOCKS = 8
 # Pallas's forward block (queries and keys); its backward uses 32-token blocks.
 PALLAS_BLOCK = 128
 
@@ -154,6 +155,40 @@ class Dense(Kernel):
 
     def __call__(self, q, k, v, segment_ids, cfg):
         return dense(q, k, v, segment_ids)
+
+
+def query_blocks(seq_len: int) -> int:
+    """How many query blocks ``blocked`` cuts a row into: the most, up to
+    ``MAX_QUERY_BLOCKS``, that divide it evenly."""
+    return _largest_divisor(seq_len, MAX_QUERY_BLOCKS)
+
+
+def blocked(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array,
+            blocks: int) -> jax.Array:
+    """``dense``'s function, as ``blocks`` query blocks, block i against the keys up to
+    its own last query. The score blocks above the diagonal, every entry masked by
+    causality, are never computed: (blocks + 1) / (2 blocks) of dense's work and
+    memory. Each query row still takes one softmax over the same allowed keys."""
+    seq = q.shape[1]
+    size = seq // blocks
+    idx = jnp.arange(seq)
+    outs = []
+    for i in range(blocks):
+        rows, end = slice(i * size, (i + 1) * size), (i + 1) * size
+        mask = (idx[rows, None] >= idx[None, :end])[None] & (
+            segment_ids[:, rows, None] == segment_ids[:, None, :end])
+        outs.append(masked_attention(q[:, rows], k[:, :end], v[:, :end], mask))
+    return jnp.concatenate(outs, axis=1)
+
+
+class Blocked(Kernel):
+    name, what = "blocked", "dense over causal query blocks, the masked blocks skipped"
+
+    def check(self, site):
+        _one_shard(self.name, site)
+
+    def __call__(self, q, k, v, segment_ids, cfg):
+        return blocked(q, k, v, segment_ids, query_blocks(q.shape[1]))
 
 
 class Tiled(Kernel):
@@ -324,7 +359,7 @@ class Pallas(Kernel):
 
 
 KERNELS: dict[str, Kernel] = {kernel.name: kernel for kernel in
-                              (Dense(), Tiled(), Ring(), Cudnn(), Pallas())}
+                              (Dense(), Blocked(), Tiled(), Ring(), Cudnn(), Pallas())}
 IMPLS = ("auto", *KERNELS)
 
 
@@ -364,13 +399,16 @@ def choose(impl: str, site: Site) -> Choice:
     why = "auto on " + site.platform.upper()
     if refused:
         why += f"; fused kernels refused ({' / '.join(refused)})"
-    if site.seq_len > DENSE_MAX_SEQ:
-        try:
-            KERNELS["tiled"].check(site)
-            return Choice("tiled", f"{why}, seq_len {site.seq_len} > {DENSE_MAX_SEQ}")
-        except ConfigError as e:
-            return Choice("dense", f"{why}; tiled refused: {e}")
-    return Choice("dense", f"{why}, seq_len {site.seq_len} <= {DENSE_MAX_SEQ}")
+    if site.seq_len <= DENSE_MAX_SEQ:
+        return Choice("dense", f"{why}, seq_len {site.seq_len} <= {DENSE_MAX_SEQ}")
+    if site.seq_len <= BLOCKED_MAX_SEQ:
+        return Choice("blocked", f"{why}, {DENSE_MAX_SEQ} < seq_len {site.seq_len} <= "
+                                 f"{BLOCKED_MAX_SEQ}")
+    try:
+        KERNELS["tiled"].check(site)
+        return Choice("tiled", f"{why}, seq_len {site.seq_len} > {BLOCKED_MAX_SEQ}")
+    except ConfigError as e:
+        return Choice("blocked", f"{why}; tiled refused: {e}")
 
 
 @functools.cache
