@@ -36,8 +36,8 @@ def default_config() -> ml_collections.ConfigDict:
     # (ndjax.models.llama.default_scan_layers says why).
     c.model.scan_layers = config_dict.placeholder(bool)
     c.model.remat = "none"        # none | full | save_proj | save_attn
-    # Attention: auto = ring over mesh.context, cuDNN or Pallas on a GPU, else
-    # tiled above 128 tokens and dense up to that (ndjax.ops.attention.choose); or
+    # Attention: auto = ring over mesh.context, cuDNN or Pallas on a GPU, else by
+    # length: dense, blocked, tiled (ndjax.ops.attention.choose); or
     # a kernel by name. Ring attention's layout (zigzag balances the causal work,
     # contiguous does not) and the tiled and ring key tile (memory O(local_len x tile)).
     c.model.attn_impl = "auto"
