@@ -32,7 +32,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from cpu_vs_torch import MODEL, ROOT, TINY_MODEL, TRAIN, cores, cpu_model, host_batch, serve  # noqa: E402 -- the bench's model, batch and optimizer
+from cpu_vs_torch import MODEL, ROOT, TINY_MODEL, TRAIN, cores, cpu_model, serve_experiment  # noqa: E402 -- the bench's model, batch, optimizer and worker
 
 TOKENS = 2048  # per step, as cpu_vs_torch's 8 x 256
 
@@ -109,7 +109,6 @@ def worker(args) -> None:
 
     compiler.cpu_runtime_defaults()  # before jax starts its threads, as train.py does
     import jax
-    import numpy as np
 
     from ndjax.config import default_config
     from ndjax.experiment import Experiment
@@ -122,29 +121,7 @@ def worker(args) -> None:
     for key, value in json.loads(args.overrides).items():
         section, field = key.split(".")
         c[section][field] = value
-    exp = Experiment.from_config(c, jax.devices()[:1])
-    start = time.perf_counter()
-    step = exp.compiled_step
-    compile_s = time.perf_counter() - start
-    b, s = c.train.batch_size, c.train.seq_len
-    inputs, targets = host_batch(c.model.vocab_size, b, s)
-    positions = np.broadcast_to(np.arange(s, dtype=np.int32), inputs.shape)
-    ones = np.ones(inputs.shape, np.int32)
-    batch = exp.device_batch(dict(inputs=inputs, targets=targets, positions=positions,
-                                  segment_ids=ones, loss_mask=ones))
-    state = [exp.init_state()]
-
-    def run(n):
-        start = time.perf_counter()
-        for _ in range(n):
-            state[0], metrics = step(state[0], batch)
-        loss = float(metrics["loss"])  # waits for the last step
-        return time.perf_counter() - start, loss
-
-    run(args.warmup)
-    print("READY " + json.dumps(dict(compile_s=compile_s, attention=exp.model_cfg.attn_impl,
-                                     scan_layers=exp.model_cfg.scan_layers)), flush=True)
-    serve(run)
+    serve_experiment(Experiment.from_config(c, jax.devices()[:1]), args.warmup)
 
 
 class Variant:

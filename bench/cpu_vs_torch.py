@@ -101,7 +101,6 @@ def ndjax_worker(args) -> None:
     import jax
 
     jax.config.update("jax_num_cpu_devices", devices)
-    import numpy as np
 
     from ndjax.config import default_config
     from ndjax.experiment import Experiment
@@ -113,12 +112,20 @@ def ndjax_worker(args) -> None:
     c.train.update(dict(batch_size=args.batch, seq_len=args.seq, schedule="constant",
                         warmup_steps=0, steps=10**6, **TRAIN))
     c.data.source = "synthetic"
-    exp = Experiment.from_config(c, jax.devices()[:devices])
+    serve_experiment(Experiment.from_config(c, jax.devices()[:devices]), args.warmup)
+
+
+def serve_experiment(exp, warmup: int) -> None:
+    """Compiles ``exp``'s step, warms it up on one fixed batch of random tokens, says
+    READY (with the compile time and what runs), then times steps for the driver."""
+    import numpy as np
+
     start = time.perf_counter()
     step = exp.compiled_step
     compile_s = time.perf_counter() - start
-    inputs, targets = host_batch(model["vocab_size"], args.batch, args.seq)
-    positions = np.broadcast_to(np.arange(args.seq, dtype=np.int32), inputs.shape)
+    t = exp.config.train
+    inputs, targets = host_batch(exp.model_cfg.vocab_size, t.batch_size, t.seq_len)
+    positions = np.broadcast_to(np.arange(t.seq_len, dtype=np.int32), inputs.shape)
     ones = np.ones(inputs.shape, np.int32)
     batch = exp.device_batch(dict(inputs=inputs, targets=targets, positions=positions,
                                   segment_ids=ones, loss_mask=ones))
@@ -131,9 +138,9 @@ def ndjax_worker(args) -> None:
         loss = float(metrics["loss"])  # waits for the last step
         return time.perf_counter() - start, loss
 
-    run(args.warmup)
-    print("READY " + json.dumps(dict(compile_s=compile_s, attention=exp.model_cfg.attn_impl)),
-          flush=True)
+    run(warmup)
+    print("READY " + json.dumps(dict(compile_s=compile_s, attention=exp.model_cfg.attn_impl,
+                                     scan_layers=exp.model_cfg.scan_layers)), flush=True)
     serve(run)
 
 
