@@ -53,8 +53,8 @@ CASES = {
     "bad layout": (dict(mesh=dict(fsdp=8), model=dict(cp_layout="striped")),
                    r"model.cp_layout='striped': choose one of \('zigzag', 'contiguous'\)"),
     "bad attention": (dict(mesh=dict(fsdp=8), model=dict(attn_impl="flash")),
-                      r"model.attn_impl='flash': choose one of \('auto', 'dense', 'tiled', 'ring', "
-                      r"'cudnn', 'pallas'\)"),
+                      r"model.attn_impl='flash': choose one of \('auto', 'dense', 'blocked', "
+                      r"'tiled', 'ring', 'cudnn', 'pallas'\)"),
     "cudnn on cpu": (dict(mesh=dict(fsdp=8), model=dict(attn_impl="cudnn")),
                      r"model.attn_impl='cudnn' runs on NVIDIA GPUs, and this run's devices are "
                      r"cpu. Use model.attn_impl='auto'"),
