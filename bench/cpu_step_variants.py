@@ -23,21 +23,21 @@ ndjax's CPU defaults:
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from cpu_vs_torch import MODEL, ROOT, TINY_MODEL, TRAIN, cores, cpu_model, serve_experiment  # noqa: E402 -- the bench's model, batch, optimizer and worker
+from cpu_vs_torch import MODEL, TINY_MODEL, TRAIN, Worker, cores, cpu_model, serve_experiment  # noqa: E402 -- the bench's model, batch, optimizer and worker
 
 TOKENS = 2048  # per step, as cpu_vs_torch's 8 x 256
 
 
-def groups(tiny: bool) -> dict[str, list[tuple[str, dict]]]:
+def groups() -> dict[str, list[tuple[str, dict]]]:
     """name -> [(variant, model and train overrides)]."""
     layers = [("scanned, dense", {"model.scan_layers": True, "model.attn_impl": "dense"}),
               ("defaults (scan_layers unset, attn_impl auto)", {})]
@@ -45,8 +45,6 @@ def groups(tiny: bool) -> dict[str, list[tuple[str, dict]]]:
                                     "model.attn_impl": impl})
                for loop in ("scanned", "unrolled") for impl in ("dense", "blocked", "tiled")
                if (loop, impl) != ("scanned", "dense")]
-    if tiny:  # the defaults' path and each explicit choice, at the bench's seq of 256
-        return {"layers": layers}
     seqs = (128, 256, 512, 1024)
     seq = [(f"seq {s}, {impl}", {"model.scan_layers": False, "model.attn_impl": impl,
                                  "train.seq_len": s, "train.batch_size": TOKENS // s})
@@ -124,32 +122,29 @@ def worker(args) -> None:
     serve_experiment(Experiment.from_config(c, jax.devices()[:1]), args.warmup)
 
 
+@dataclasses.dataclass
 class Variant:
-    def __init__(self, name: str, overrides: dict, args):
-        self.name, self.ms, self.info = name, [], None
-        cmd = [sys.executable, os.path.abspath(__file__), "--worker",
-               "--model", json.dumps(args.model_dims), "--overrides", json.dumps(overrides),
-               "--warmup", str(args.warmup)]
-        env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     text=True, env=env, cwd=ROOT)
+    name: str
+    worker: Worker
+    ms: list[float] = dataclasses.field(default_factory=list)
 
-    def read(self, tag: str) -> dict:
-        for line in self.proc.stdout:
-            if line.startswith(tag + " "):
-                return json.loads(line[len(tag) + 1:])
-        raise RuntimeError(f"{self.name}: worker exited with status {self.proc.wait()}")
+    @property
+    def info(self) -> dict:
+        return self.worker.info
 
     def time(self, steps: int) -> None:
-        self.proc.stdin.write(f"steps {steps}\n")
-        self.proc.stdin.flush()
-        self.ms.append(1000 * self.read("RESULT")["seconds"] / steps)
+        self.ms.append(1000 * self.worker.time(steps)["seconds"] / steps)
 
-    def close(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.stdin.write("exit\n")
-            self.proc.stdin.flush()
-            self.proc.wait(timeout=60)
+
+def start(name: str, overrides: dict, args) -> Variant:
+    worker = Worker(["--worker", "--model", json.dumps(args.model_dims),
+                     "--overrides", json.dumps(overrides), "--warmup", str(args.warmup)],
+                    script=__file__)
+    worker.wait_ready()
+    if worker.error:
+        worker.close()
+        raise RuntimeError(f"{name}: {worker.error}")
+    return Variant(name, worker)
 
 
 def run_group(variants: list[tuple[str, dict]], args) -> list[Variant]:
@@ -158,14 +153,13 @@ def run_group(variants: list[tuple[str, dict]], args) -> list[Variant]:
     started = []
     try:
         for name, overrides in variants:
-            started.append(Variant(name, overrides, args))
-            started[-1].info = started[-1].read("READY")
+            started.append(start(name, overrides, args))
         for _ in range(args.rounds):
             for v in started:
                 v.time(args.steps)
     finally:
         for v in started:
-            v.close()
+            v.worker.close()
     return started
 
 
@@ -184,11 +178,11 @@ def main(argv=None) -> None:
     args = p.parse_args(argv)
     if args.worker:
         return worker(args)
-    if args.tiny:
-        args.rounds, args.steps, args.warmup = 1, 1, 1
+    if args.tiny:  # the defaults' path and each explicit choice, at the bench's seq of 256
+        args.rounds, args.steps, args.warmup, args.groups = 1, 1, 1, "layers"
     args.model_dims = TINY_MODEL if args.tiny else MODEL
-    table = groups(args.tiny)
-    chosen = [g.strip() for g in args.groups.split(",") if g.strip() in table or not args.tiny]
+    table = groups()
+    chosen = [g.strip() for g in args.groups.split(",") if g.strip()]
     unknown = [g for g in chosen if g not in table]
     if unknown:
         p.error(f"unknown groups {unknown}; choose from {list(table)}")

@@ -372,11 +372,10 @@ def torch_worker(args) -> None:
 
 
 class Worker:
-    def __init__(self, framework: str, layout: str, args, port: int):
-        cmd = [sys.executable, os.path.abspath(__file__), "--worker", framework,
-               "--layout", layout, "--model", json.dumps(args.model_dims),
-               "--batch", str(args.batch), "--seq", str(args.seq),
-               "--warmup", str(args.warmup), "--port", str(port)]
+    """A worker process (``script argv``) that says READY, then times steps on request."""
+
+    def __init__(self, argv: list[str], script: str = __file__):
+        cmd = [sys.executable, os.path.abspath(script), *argv]
         env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
         self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      text=True, env=env, cwd=ROOT)
@@ -415,8 +414,11 @@ def measure(layout: str, args, port: int) -> dict:
     tokens = args.batch * args.seq * args.steps
     row = dict(layout=layout, ndjax=[], torch=[], note="")
     # Both start (import, compile, warm up) at once; only the timed rounds alternate.
-    nd = Worker("ndjax", layout, args, port)
-    th = Worker("torch", layout, args, port + 1)
+    nd, th = (Worker(["--worker", framework, "--layout", layout,
+                      "--model", json.dumps(args.model_dims), "--batch", str(args.batch),
+                      "--seq", str(args.seq), "--warmup", str(args.warmup),
+                      "--port", str(port + i)])
+              for i, framework in enumerate(("ndjax", "torch")))
     try:
         nd.wait_ready()
         th.wait_ready()
