@@ -97,10 +97,11 @@ def options(platform: str | None = None, env: dict[str, str] | None = None) -> d
 
 
 def compile_step(lowered: jax.stages.Lowered,
-                 compiler_options: dict[str, Any] | None = None) -> jax.stages.Compiled:
-    """``lowered.compile`` with ``options()``, dropping (with a warning) any option
-    this XLA does not know."""
-    chosen = options() if compiler_options is None else dict(compiler_options)
+                 compiler_options: dict[str, Any] | None = None,
+                 platform: str | None = None) -> jax.stages.Compiled:
+    """``lowered.compile`` with ``options(platform)``, dropping (with a warning) any
+    option this XLA does not know."""
+    chosen = options(platform) if compiler_options is None else dict(compiler_options)
     while True:
         try:
             return lowered.compile(compiler_options=chosen or None)

@@ -43,6 +43,10 @@ def default_config() -> ml_collections.ConfigDict:
     c.model.attn_impl = "auto"
     c.model.cp_layout = "zigzag"
     c.model.attn_kv_tile = 512
+    # The most documents one row may hold where the kernel needs a bound: cudnn keeps
+    # softmax statistics for max_docs x seq_len per head and layer (a row's padding
+    # counts as one document). A batch with more stops the run, naming this field.
+    c.model.attn_max_docs = 64
     # A local Hugging Face Llama directory (config.json + safetensors): its
     # config.json sets the dims above and its weights the initial parameters.
     c.model.init_from = config_dict.placeholder(str)

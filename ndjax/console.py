@@ -2,6 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+import os
+import re
+import sys
+import tempfile
+from collections.abc import Iterator
+
 from absl import flags, logging
 
 
@@ -12,3 +20,56 @@ def quiet_libraries() -> None:
     given. Call after the flags are parsed."""
     if not flags.FLAGS["verbosity"].present:
         logging.set_verbosity(logging.WARNING)
+
+
+# Lines the native libraries (XLA, jax's CUDA plugin) write straight to file
+# descriptor 2, past Python's loggers, that say nothing to a user compiling for GPUs
+# that are not here.
+_NATIVE_NOISE = re.compile(
+    r"Could not find cuda drivers|All log messages before absl::InitializeLog|"
+    r"Unable to initialize backend|cudart_stub")
+# What the SPMD partitioner says when it could not reshard a tensor efficiently:
+# it gathers the whole tensor and partitions it again (time and memory).
+_REMAT = re.compile(r"Involuntary full rematerialization.*")
+
+
+@dataclasses.dataclass
+class NativeOutput:
+    """What native code wrote to stderr inside ``native_stderr``: the partitioner's
+    involuntary rematerialisations (one line each, de-duplicated) and the rest."""
+
+    rematerializations: list[str] = dataclasses.field(default_factory=list)
+    other: list[str] = dataclasses.field(default_factory=list)
+
+
+@contextlib.contextmanager
+def native_stderr(echo: bool = True) -> Iterator[NativeOutput]:
+    """Captures file descriptor 2 (where XLA's C++ logs go) for the block. Known noise
+    is dropped, the partitioner's rematerialisation warnings are collected as
+    findings, and anything else is written back to stderr afterwards (``echo``)."""
+    out = NativeOutput()
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile(mode="w+b") as tmp:
+        os.dup2(tmp.fileno(), 2)
+        try:
+            yield out
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            tmp.seek(0)
+            _sort(tmp.read().decode(errors="replace"), out)
+            if echo and out.other:
+                print("\n".join(out.other), file=sys.stderr, flush=True)
+
+
+def _sort(text: str, out: NativeOutput) -> None:
+    for line in text.splitlines():
+        remat = _REMAT.search(line)
+        if remat:
+            finding = " ".join(remat.group(0).split())[:300]
+            if finding not in out.rematerializations:
+                out.rematerializations.append(finding)
+        elif line.strip() and not _NATIVE_NOISE.search(line):
+            out.other.append(line)

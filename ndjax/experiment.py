@@ -10,6 +10,7 @@ the train step is one ``jax.jit`` with shardings from the rule table.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import math
@@ -25,7 +26,7 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from ndjax import compiler, distributed, hf
+from ndjax import compiler, distributed, gpu_target, hf, platforms
 from ndjax import rules as rules_lib
 from ndjax import state as state_lib
 from ndjax.config import check_keys
@@ -62,10 +63,12 @@ def slow_axes_warning(mesh: Mesh, host_of: Callable[[jax.Device], str]) -> str |
             "replica.")
 
 
-def model_config(model: ml_collections.ConfigDict, checkpoint: hf.Checkpoint | None = None
-                 ) -> llama.LlamaConfig:
+def model_config(model: ml_collections.ConfigDict, checkpoint: hf.Checkpoint | None = None,
+                 platform: str | None = None) -> llama.LlamaConfig:
     """The model's dims: the preset, overridden by any field set in the config, all
-    overridden (with a warning) by the checkpoint's config.json if there is one."""
+    overridden (with a warning) by the checkpoint's config.json if there is one.
+    ``platform`` (default: jax's backend) decides what ``auto`` fields become."""
+    platform = platform or jax.default_backend()
     if model.preset not in llama.PRESETS:
         raise ConfigError(
             f"model.preset={model.preset!r} is unknown; choose one of {sorted(llama.PRESETS)}.")
@@ -92,7 +95,7 @@ def model_config(model: ml_collections.ConfigDict, checkpoint: hf.Checkpoint | N
             "for rotary embeddings. Set model.head_dim or change model.dim.")
     dtype = model.dtype
     if dtype == "auto":
-        dtype = "float32" if jax.default_backend() == "cpu" else "bfloat16"
+        dtype = "float32" if platform == "cpu" else "bfloat16"
     if dtype not in DTYPES:
         raise ConfigError(f"model.dtype={model.dtype!r}: choose auto or one of {sorted(DTYPES)}.")
     if model.param_dtype not in PARAM_DTYPES:
@@ -109,16 +112,18 @@ def model_config(model: ml_collections.ConfigDict, checkpoint: hf.Checkpoint | N
         raise ConfigError(
             f"model.cp_layout={model.cp_layout!r}: choose one of {ring.LAYOUTS} (zigzag "
             "balances the causal work over the context shards).")
-    if not isinstance(model.attn_kv_tile, int) or model.attn_kv_tile < 1:
-        raise ConfigError(f"model.attn_kv_tile={model.attn_kv_tile!r} must be an int >= 1.")
+    for field in ("attn_kv_tile", "attn_max_docs"):
+        if isinstance(model[field], bool) or not isinstance(model[field], int) or model[field] < 1:
+            raise ConfigError(f"model.{field}={model[field]!r} must be an int >= 1.")
     scan_layers = model.scan_layers
     if scan_layers is None:
-        scan_layers = llama.default_scan_layers(dims["n_layers"], jax.default_backend())
+        scan_layers = llama.default_scan_layers(dims["n_layers"], platform)
     return llama.LlamaConfig(**dims, dtype=DTYPES[dtype],
                              param_dtype=PARAM_DTYPES[model.param_dtype],
                              scan_layers=bool(scan_layers),
                              remat=model.remat, attn_impl=model.attn_impl,
-                             cp_layout=model.cp_layout, attn_kv_tile=model.attn_kv_tile)
+                             cp_layout=model.cp_layout, attn_kv_tile=model.attn_kv_tile,
+                             attn_max_docs=model.attn_max_docs)
 
 
 def _check_train(config: ml_collections.ConfigDict) -> None:
@@ -142,17 +147,17 @@ def _check_train(config: ml_collections.ConfigDict) -> None:
             "1 <= first <= last, e.g. --config.log.profile_steps='(5, 7)'.")
 
 
-def check_fields(config: ml_collections.ConfigDict
+def check_fields(config: ml_collections.ConfigDict, platform: str | None = None
                  ) -> tuple[llama.LlamaConfig, hf.Checkpoint | None]:
     """The checks that do not depend on the mesh: train, export, model and data
     fields, and the checkpoint of ``model.init_from``. Returns the model's dims and
-    that checkpoint (opened, not read)."""
+    that checkpoint (opened, not read); ``platform`` as for ``model_config``."""
     check_keys(config)
     _check_train(config)
     hf.check_export(config.export)
     init_from = config.model.init_from
     checkpoint = hf.open_checkpoint(init_from) if init_from else None
-    model_cfg = model_config(config.model, checkpoint)
+    model_cfg = model_config(config.model, checkpoint, platform)
     if checkpoint is not None:
         hf.check_tokenizer(config, checkpoint)
     loader.check_config(config, model_cfg.vocab_size)  # names, sizes, tokenizer vs vocab
@@ -191,7 +196,7 @@ class Experiment:
         m = config.mesh
         check_keys(config)
         dims = ParallelDims(m.replica, m.fsdp, m.context, m.tensor).resolve(len(devices))
-        model_cfg, checkpoint = check_fields(config)
+        model_cfg, checkpoint = check_fields(config, platforms.of(devices))
         init_from = config.model.init_from
         mesh = build_mesh(dims, devices)
         warning = slow_axes_warning(mesh, distributed.host_of)
@@ -239,6 +244,16 @@ class Experiment:
         return cls(config, dims, mesh, rules, model_cfg, graphdef, param_shapes, param_names,
                    schedule, optimizer, state_sharding, batch_sharding,
                    attention=chosen, seq_permutation=seq_permutation, checkpoint=checkpoint)
+
+    @property
+    def platform(self) -> str:
+        """Of the devices the step is built for (a GPU target's from a CPU process)."""
+        return platforms.of(self.mesh.devices.flat)
+
+    def for_target(self) -> contextlib.AbstractContextManager:
+        """Where the step is traced and compiled: for GPUs that are not here
+        (``ndjax.gpu_target``), jax's questions about the GPU answered for them."""
+        return gpu_target.compiling_for(list(self.mesh.devices.flat))
 
     # ----- model ---------------------------------------------------------------
 
@@ -319,7 +334,7 @@ class Experiment:
         step = functools.partial(train_step, self.features, self.optimizer, self.schedule,
                                  self.step_options, self.state_sharding.params)
         replicated = NamedSharding(self.mesh, PartitionSpec())
-        with rules_lib.use(self.rules):
+        with rules_lib.use(self.rules), self.for_target():
             jitted = jax.jit(step, in_shardings=(self.state_sharding, self.batch_sharding),
                              out_shardings=(self.state_sharding, replicated),
                              donate_argnums=0)
@@ -327,21 +342,23 @@ class Experiment:
 
     @functools.cached_property
     def compiled_step(self) -> jax.stages.Compiled:
-        return compiler.compile_step(self.lower_step())
+        with self.for_target():
+            return compiler.compile_step(self.lower_step(), platform=self.platform)
 
     def lower_eval(self) -> jax.stages.Lowered:
         """The loss without the update, in the train step's shardings: (params, batch) ->
         {loss, tokens}."""
         step = functools.partial(eval_step, self.features, self.config.train.loss_chunk)
         replicated = NamedSharding(self.mesh, PartitionSpec())
-        with rules_lib.use(self.rules):
+        with rules_lib.use(self.rules), self.for_target():
             jitted = jax.jit(step, in_shardings=(self.state_sharding.params, self.batch_sharding),
                              out_shardings=replicated)
             return jitted.lower(self.abstract_state.params, self.abstract_batch)
 
     @functools.cached_property
     def compiled_eval(self) -> jax.stages.Compiled:
-        return compiler.compile_step(self.lower_eval())
+        with self.for_target():
+            return compiler.compile_step(self.lower_eval(), platform=self.platform)
 
     @functools.cached_property
     def local_rows(self) -> tuple[int, int]:
@@ -370,6 +387,8 @@ class Experiment:
         the token-weighted loss is a sum over tokens and does not change.
         """
         t, perm = self.config.train, self.seq_permutation
+        attention_ops.KERNELS[self.model_cfg.attn_impl].check_batch(batch["segment_ids"],
+                                                                   self.model_cfg)
         start = self.local_rows[0]
         shape = (t.batch_size, t.seq_len)
 

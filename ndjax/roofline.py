@@ -37,6 +37,22 @@ GB = 1e9
 
 
 @dataclasses.dataclass(frozen=True)
+class Chip:
+    """What XLA's GPU compiler needs to know of a GPU to compile for it without one
+    (``ndjax.gpu_target`` writes it as a ``GpuTargetConfigProto``): from the data
+    sheets and the CUDA programming guide's table of compute capabilities."""
+
+    sms: int                      # streaming multiprocessors
+    fp32_per_sm: int              # FP32 cores per SM
+    clock_ghz: float              # boost clock
+    hbm_tbs: float                # HBM bandwidth, 1e12 bytes/s
+    l2_mb: int                    # L2 cache, MiB
+    smem_per_sm_kb: int           # shared memory per SM, KiB
+    smem_per_block_optin_kb: int  # the most one block may opt in to, KiB
+    device_name: str              # as the driver names it (jax's device_kind)
+
+
+@dataclasses.dataclass(frozen=True)
 class Hardware:
     name: str
     peak_tflops: float      # dense bf16, per GPU
@@ -45,25 +61,36 @@ class Hardware:
     network_gbs: float      # GB/s per GPU across nodes
     compute_capability: str
     source: str
+    chip: Chip
 
     @property
     def memory_bytes(self) -> float:
         return self.memory_gb * GB
 
 
+_HOPPER = dict(sms=132, fp32_per_sm=128, clock_ghz=1.98, l2_mb=50, smem_per_sm_kb=228,
+               smem_per_block_optin_kb=227)
 HARDWARE: dict[str, Hardware] = {
     "a100": Hardware("A100 SXM4 80GB", 312.0, 80.0, 300.0, 25.0, "8.0",
                      "NVIDIA A100 data sheet (312 TFLOPS bf16, 600 GB/s NVLink 3); DGX A100: "
-                     "8x 200 Gb/s HDR InfiniBand"),
+                     "8x 200 Gb/s HDR InfiniBand",
+                     Chip(sms=108, fp32_per_sm=64, clock_ghz=1.41, hbm_tbs=2.039, l2_mb=40,
+                          smem_per_sm_kb=164, smem_per_block_optin_kb=163,
+                          device_name="NVIDIA A100-SXM4-80GB")),
     "h100": Hardware("H100 SXM5 80GB", 989.0, 80.0, 450.0, 50.0, "9.0",
                      "NVIDIA H100 data sheet (989 TFLOPS bf16 dense, 900 GB/s NVLink 4); "
-                     "DGX H100: 8x 400 Gb/s NDR InfiniBand"),
+                     "DGX H100: 8x 400 Gb/s NDR InfiniBand",
+                     Chip(**_HOPPER, hbm_tbs=3.35, device_name="NVIDIA H100 80GB HBM3")),
     "h200": Hardware("H200 SXM 141GB", 989.0, 141.0, 450.0, 50.0, "9.0",
                      "NVIDIA H200 data sheet (989 TFLOPS bf16 dense, 141 GB HBM3e, 900 GB/s "
-                     "NVLink); DGX H200: 8x 400 Gb/s InfiniBand"),
+                     "NVLink); DGX H200: 8x 400 Gb/s InfiniBand",
+                     Chip(**_HOPPER, hbm_tbs=4.8, device_name="NVIDIA H200")),
     "b200": Hardware("B200 180GB", 2250.0, 180.0, 900.0, 50.0, "10.0",
                      "NVIDIA B200 (2.25 PFLOPS bf16 dense, 4.5 sparse; 1.8 TB/s NVLink 5); DGX "
-                     "B200 data sheet (1,440 GB HBM3e per 8 GPUs; 8x 400 Gb/s InfiniBand)"),
+                     "B200 data sheet (1,440 GB HBM3e per 8 GPUs; 8x 400 Gb/s InfiniBand)",
+                     Chip(sms=148, fp32_per_sm=128, clock_ghz=1.965, hbm_tbs=8.0, l2_mb=126,
+                          smem_per_sm_kb=228, smem_per_block_optin_kb=227,
+                          device_name="NVIDIA B200")),
 }
 
 RECOMPUTE = {"full": 4.0 / 3.0}

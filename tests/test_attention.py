@@ -8,6 +8,7 @@ CPU: the same program a GPU compiles with Triton, executed by XLA.
 """
 
 import dataclasses
+import types
 
 import jax
 import jax.numpy as jnp
@@ -86,13 +87,29 @@ def _cudnn_semantics(q, k, v, lengths, offsets, *, scale):
     return attn.dense(q, k, v, run) * inside.any(1)[:, :, None, None]
 
 
+# The cudnn kernel's bound on documents per row (model.attn_max_docs): room for
+# more runs than any test row holds, and fewer than its tokens.
+CUDNN_CFG = types.SimpleNamespace(attn_max_docs=12)
+
+
 def test_segment_runs_are_cudnn_sequences():
     seg = jnp.array([[1, 1, 2, 2, 2, 0], [5, 5, 5, 5, 5, 5], [1, 2, 1, 2, 3, 3]], jnp.int32)
-    lengths, offsets = attn.segment_runs(seg)
-    np.testing.assert_array_equal(lengths, [[2, 3, 1, -1, -1, -1], [6, -1, -1, -1, -1, -1],
-                                            [1, 1, 1, 1, 2, -1]])
-    np.testing.assert_array_equal(offsets, [[0, 2, 5, 6, -1, -1, -1], [0, 6, -1, -1, -1, -1, -1],
-                                            [0, 1, 2, 3, 4, 6, -1]])
+    # Room for 5 runs (the most a row here holds), not one per token: cuDNN sizes
+    # its saved softmax statistics by it.
+    lengths, offsets = attn.segment_runs(seg, 5)
+    np.testing.assert_array_equal(lengths, [[2, 3, 1, -1, -1], [6, -1, -1, -1, -1],
+                                            [1, 1, 1, 1, 2]])
+    np.testing.assert_array_equal(offsets, [[0, 2, 5, 6, -1, -1], [0, 6, -1, -1, -1, -1],
+                                            [0, 1, 2, 3, 4, 6]])
+    np.testing.assert_array_equal(attn.runs_per_row(np.asarray(seg)), [3, 1, 5])
+
+
+def test_cudnn_refuses_a_batch_with_more_documents_than_its_bound():
+    kernel = attn.KERNELS["cudnn"]
+    seg = np.array([[1, 1, 2, 2, 2, 0], [1, 2, 1, 2, 3, 3]], np.int32)
+    kernel.check_batch(seg, types.SimpleNamespace(attn_max_docs=5))
+    with pytest.raises(ConfigError, match=r"model.attn_max_docs=4: a batch row holds 5 "):
+        kernel.check_batch(seg, types.SimpleNamespace(attn_max_docs=4))
 
 
 @pytest.mark.parametrize("heads, kv_heads", HEADS)
@@ -100,7 +117,7 @@ def test_cudnn_kernel_matches_dense_given_cudnn_semantics(heads, kv_heads, monke
     """No GPU here: cuDNN itself is replaced by a plain statement of its packed-row
     semantics, so this checks ndjax's side (segment ids -> ragged sequences)."""
     monkeypatch.setattr(attn, "_cudnn_packed", _cudnn_semantics)
-    _assert_matches_dense(lambda q, k, v, seg: attn.KERNELS["cudnn"](q, k, v, seg, None),
+    _assert_matches_dense(lambda q, k, v, seg: attn.KERNELS["cudnn"](q, k, v, seg, CUDNN_CFG),
                           heads, kv_heads)
 
 
@@ -137,7 +154,7 @@ def test_auto_choices():
     ("cudnn", dict(dtype=jnp.float32), r"needs bfloat16 or float16 compute"),
     ("cudnn", dict(compute_capability="8.0", head_dim=256), r"at most 128 on this GPU"),
     ("cudnn", dict(context=2), r"runs on one context shard"),
-    ("pallas", dict(seq_len=4000), r"blocks of 128 tokens, and train.seq_len=4000"),
+    ("pallas", dict(seq_len=4000), r"blocks of 128 tokens at head_dim 64, and train.seq_len=4000"),
     ("pallas", dict(platform="cpu"), r"runs on NVIDIA GPUs, and this run's devices are cpu"),
     ("dense", dict(context=2), None),
     ("blocked", dict(context=2), r"runs on one context shard"),

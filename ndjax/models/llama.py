@@ -73,6 +73,7 @@ class LlamaConfig:
     attn_impl: str = "auto"       # a kernel of ndjax.ops.attention.KERNELS, or auto
     cp_layout: str = "zigzag"     # ring attention's sequence layout: zigzag | contiguous
     attn_kv_tile: int = 512       # ring attention's key tile: memory O(local_len x tile)
+    attn_max_docs: int = 64       # documents per row the cudnn kernel makes room for
 
     @property
     def hd(self) -> int:

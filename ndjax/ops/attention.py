@@ -33,6 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
+from ndjax import platforms
 from ndjax.errors import ConfigError
 from ndjax.ops import ring_attention as ring
 from ndjax.rules import Rules, active
@@ -45,7 +46,7 @@ DENSE_MAX_SEQ = 128
 BLOCKED_MAX_SEQ = 1024
 # The blocked kernel's most query blocks per row.
 MAX_QUERY_BLOCKS = 8
-# Pallas's forward block (queries and keys); its backward uses 32-token blocks.
+# Pallas's forward block (queries and keys) for heads of up to 256 bytes a row.
 PALLAS_BLOCK = 128
 
 
@@ -67,18 +68,14 @@ class Site:
 
     @classmethod
     def of(cls, cfg: Any, seq_len: int, rules: Rules | None) -> Site:
-        """``cfg``: an ``ndjax.models.llama.LlamaConfig``."""
+        """``cfg``: an ``ndjax.models.llama.LlamaConfig``. The platform is that of the
+        rules' mesh (the devices the step is built for), else jax's default."""
+        devices = list(rules.mesh.devices.flat) if rules is not None else jax.devices()
         return cls(seq_len=seq_len, n_heads=cfg.n_heads, n_kv_heads=cfg.n_kv_heads,
                    head_dim=cfg.hd, dtype=jnp.dtype(cfg.dtype),
-                   context=ring.context_shards(rules), platform=jax.default_backend(),
+                   context=ring.context_shards(rules), platform=platforms.of(devices),
                    layout=cfg.cp_layout, kv_tile=cfg.attn_kv_tile,
-                   compute_capability=_compute_capability())
-
-
-def _compute_capability() -> str | None:
-    if jax.default_backend() != "gpu":
-        return None
-    return getattr(jax.devices()[0], "compute_capability", None)
+                   compute_capability=platforms.compute_capability(devices))
 
 
 def _at_least(capability: str | None, target: tuple[int, int]) -> bool:
@@ -109,6 +106,10 @@ class Kernel:
     def permutation(self, site: Site) -> np.ndarray | None:
         return None
 
+    def check_batch(self, segment_ids: np.ndarray, cfg: Any) -> None:
+        """Raises ConfigError where a batch's rows (host-side segment ids, b x s)
+        are beyond what the compiled kernel makes room for."""
+
     def __call__(self, q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array,
                  cfg: Any) -> jax.Array:
         raise NotImplementedError
@@ -132,7 +133,7 @@ def masked_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) 
     # them), so that neither they nor the probabilities and their gradients are
     # ever transposed; measured by bench/cpu_vs_torch.py. Elsewhere (query group,
     # query, key), as GPUs have run it.
-    scores_order = "bksgt" if jax.default_backend() == "cpu" else "bkgst"
+    scores_order = "bksgt" if platforms.current() == "cpu" else "bkgst"
     scores = jnp.einsum(f"bskgd,btkd->{scores_order}", q, k, preferred_element_type=jnp.float32)
     key_mask = mask[:, None, :, None] if scores_order == "bksgt" else mask[:, None, None]
     scores = jnp.where(key_mask, scores / math.sqrt(d), jnp.finfo(jnp.float32).min)
@@ -260,26 +261,33 @@ def _gpu_only(name: str, site: Site, hint: str) -> None:
             f"{site.platform}. {hint}")
 
 
-def segment_runs(segment_ids: jax.Array) -> tuple[jax.Array, jax.Array]:
+def segment_runs(segment_ids: jax.Array, max_runs: int) -> tuple[jax.Array, jax.Array]:
     """Packed rows in cuDNN's ragged form: each run of equal segment ids is one
-    sequence. Returns (lengths (b, s), starts (b, s + 1)), both int32, -1 past
-    each row's last run: the ``q_seqlen`` / ``q_offsets`` of jax's cuDNN attention.
+    sequence. Returns (lengths (b, max_runs), starts (b, max_runs + 1)), both int32,
+    -1 past each row's last run: the ``q_seqlen`` / ``q_offsets`` of jax's cuDNN
+    attention. Padding tokens (segment id 0 at the end of a row) form a run of their
+    own, so every token belongs to a sequence and gets a finite output.
 
-    A row can hold up to s runs (one token each), so the arrays have room for s;
-    padding tokens (segment id 0 at the end of a row) form a run of their own,
-    so every token belongs to a sequence and gets a finite output."""
+    ``max_runs`` sizes cuDNN's saved softmax statistics, (b x max_runs, heads, s)
+    float32 per layer: room for every possible run (s) would make them O(s^2). A row
+    with more runs is refused on the host (``Cudnn.check_batch``) before it gets here."""
     b, s = segment_ids.shape
     first = jnp.ones((b, 1), bool)
     is_start = jnp.concatenate([first, segment_ids[:, 1:] != segment_ids[:, :-1]], axis=1)
 
     def row(starts_mask):
-        count = starts_mask.sum()
-        starts = jnp.nonzero(starts_mask, size=s, fill_value=-1)[0].astype(jnp.int32)
+        count = jnp.minimum(starts_mask.sum(), max_runs)
+        starts = jnp.nonzero(starts_mask, size=max_runs, fill_value=-1)[0].astype(jnp.int32)
         offsets = jnp.concatenate([starts, jnp.full((1,), -1, jnp.int32)]).at[count].set(s)
-        lengths = jnp.where(jnp.arange(s) < count, offsets[1:] - offsets[:-1], -1)
+        lengths = jnp.where(jnp.arange(max_runs) < count, offsets[1:] - offsets[:-1], -1)
         return lengths.astype(jnp.int32), offsets
 
     return jax.vmap(row)(is_start)
+
+
+def runs_per_row(segment_ids: np.ndarray) -> np.ndarray:
+    """Host side: how many runs of equal segment ids each row of (b, s) holds."""
+    return (segment_ids[:, 1:] != segment_ids[:, :-1]).sum(axis=1) + 1
 
 
 def _cudnn_packed(q, k, v, lengths, offsets, *, scale: float):
@@ -316,28 +324,88 @@ class Cudnn(Kernel):
                 f"or newer GPUs (compute capability >= 9.0), and this one is "
                 f"{site.compute_capability}. Use model.attn_impl='pallas'.")
 
+    def check_batch(self, segment_ids, cfg):
+        runs = runs_per_row(segment_ids)
+        worst = int(runs.argmax())
+        if runs[worst] > cfg.attn_max_docs:
+            raise ConfigError(
+                f"model.attn_max_docs={cfg.attn_max_docs}: a batch row holds {runs[worst]} "
+                f"documents (runs of one segment id, the padding counted as one), more than "
+                f"{_field(self.name)} made room for. Raise model.attn_max_docs (cuDNN keeps "
+                f"max_docs x seq_len softmax statistics per head and layer), or use "
+                f"model.attn_impl='pallas' or 'tiled'.")
+
     def __call__(self, q, k, v, segment_ids, cfg):
-        lengths, offsets = segment_runs(segment_ids)
+        lengths, offsets = segment_runs(segment_ids, min(cfg.attn_max_docs, q.shape[1]))
         return _cudnn_packed(q, k, v, lengths, offsets, scale=1 / math.sqrt(q.shape[-1]))
+
+
+def pallas_block_sizes(seq_len: int, head_dim: int, dtype: Any) -> Any:
+    """Pallas's blocks for this shape: the forward's query/key blocks and the
+    backward's (which hold q, k, v, dO and two accumulators at once) shrink as the
+    head grows, so that each fits a Hopper SM's shared memory (compiled for an
+    H100 for head_dim 64, 128 and 256: tests/test_gpu_compile.py)."""
+    from jax.experimental.pallas.ops.gpu import attention as pallas_gpu
+
+    wide = head_dim * jnp.dtype(dtype).itemsize  # bytes of one row of a head
+    forward = PALLAS_BLOCK if wide <= 256 else 64
+    backward = 32 if wide <= 256 else 16
+    fwd, back = min(forward, seq_len), min(backward, seq_len)
+    return pallas_gpu.BlockSizes(block_q=fwd, block_k=fwd, block_q_dkv=back,
+                                 block_kv_dkv=back, block_q_dq=back, block_kv_dq=back)
 
 
 def pallas_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array, *,
                      interpret: bool = False) -> jax.Array:
     """jax's Pallas flash-attention kernel for GPUs (Triton), causal, with segment
     ids; ``interpret=True`` runs it on CPU (slowly: for tests)."""
+    sizes = pallas_block_sizes(q.shape[1], q.shape[-1], q.dtype)
+    return _pallas_gqa(q, k, v, segment_ids.astype(jnp.int32), sizes, interpret)
+
+
+# The kernel wants one key/value head per query head, so the kv heads are repeated
+# for it; its own VJP would keep the repeated k and v (group x theirs) for the
+# backward pass. This one keeps k and v as they are and repeats them again there.
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+def _pallas_gqa(q, k, v, segment_ids, sizes, interpret):
+    return _pallas_gqa_forward(q, k, v, segment_ids, sizes, interpret)[0]
+
+
+def _repeat_kv(x: jax.Array, heads: int) -> jax.Array:
+    return jnp.repeat(x, heads // x.shape[2], axis=2)
+
+
+def _pallas_options(q: jax.Array, sizes: Any, interpret: bool) -> dict[str, Any]:
+    return dict(sm_scale=1 / math.sqrt(q.shape[-1]), causal=True, block_sizes=sizes,
+                interpret=interpret)
+
+
+def _pallas_gqa_forward(q, k, v, segment_ids, sizes, interpret):
     from jax.experimental.pallas.ops.gpu import attention as pallas_gpu
 
-    s, h, kv = q.shape[1], q.shape[2], k.shape[2]
-    block = min(PALLAS_BLOCK, s)
-    back = min(32, s)
-    sizes = pallas_gpu.BlockSizes(block_q=block, block_k=block, block_q_dkv=back,
-                                  block_kv_dkv=back, block_q_dq=back, block_kv_dq=back)
-    # The kernel wants one key/value head per query head: repeat the kv heads
-    # (their gradient sums back through the repeat).
-    k, v = (jnp.repeat(x, h // kv, axis=2) for x in (k, v))
-    return pallas_gpu.mha(q, k, v, segment_ids.astype(jnp.int32),
-                          sm_scale=1 / math.sqrt(q.shape[-1]), causal=True, block_sizes=sizes,
-                          interpret=interpret)
+    h = q.shape[2]
+    out, lse = pallas_gpu.mha(q, _repeat_kv(k, h), _repeat_kv(v, h), segment_ids,
+                              return_residuals=True, **_pallas_options(q, sizes, interpret))
+    return out, (q, k, v, segment_ids, out, lse)
+
+
+def _pallas_gqa_backward(sizes, interpret, res, d_out):
+    from jax.experimental.pallas.ops.gpu import attention as pallas_gpu
+
+    q, k, v, segment_ids, out, lse = res
+    b, s, h, d = q.shape
+    kv = k.shape[2]
+    o = _pallas_options(q, sizes, interpret)
+    dq, dk, dv, _ = pallas_gpu._mha_backward(
+        o["sm_scale"], o["causal"], o["block_sizes"], "triton", None, 2, None, interpret,
+        False, False, (q, _repeat_kv(k, h), _repeat_kv(v, h), segment_ids, out, lse), d_out)
+    # Each kv head's gradient: the sum over the query heads that shared it.
+    dk, dv = (x.astype(jnp.float32).reshape(b, s, kv, h // kv, d).sum(3).astype(k.dtype)
+              for x in (dk, dv))
+    return dq, dk, dv, None
+
+
+_pallas_gqa.defvjp(_pallas_gqa_forward, _pallas_gqa_backward)
 
 
 class Pallas(Kernel):
@@ -346,16 +414,16 @@ class Pallas(Kernel):
     def check(self, site):
         _gpu_only(self.name, site, "Use model.attn_impl='auto' (tiled or dense on CPU).")
         _one_shard(self.name, site)
-        block = min(PALLAS_BLOCK, site.seq_len)
-        if site.seq_len % block or site.seq_len % min(32, site.seq_len):
+        sizes = pallas_block_sizes(site.seq_len, site.head_dim, site.dtype)
+        if site.seq_len % sizes.block_q or site.seq_len % sizes.block_q_dq:
             raise ConfigError(
-                f"{_field(self.name)} works in blocks of {PALLAS_BLOCK} tokens, and "
-                f"train.seq_len={site.seq_len} is not a multiple. Use a multiple of "
-                f"{PALLAS_BLOCK}, or model.attn_impl='tiled'.")
+                f"{_field(self.name)} works in blocks of {sizes.block_q} tokens at head_dim "
+                f"{site.head_dim}, and train.seq_len={site.seq_len} is not a multiple. Use a "
+                f"multiple of {sizes.block_q}, or model.attn_impl='tiled'.")
 
     def __call__(self, q, k, v, segment_ids, cfg):
         return pallas_attention(q, k, v, segment_ids,
-                                interpret=jax.default_backend() != "gpu")
+                                interpret=platforms.current() != "gpu")
 
 
 KERNELS: dict[str, Kernel] = {kernel.name: kernel for kernel in

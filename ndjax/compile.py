@@ -1,0 +1,193 @@
+"""Compile a step for N NVIDIA GPUs on a machine without them, and say what it needs.
+
+    python -m ndjax.compile --config=configs/llama_fsdp_tp.py --hardware=h100 --devices=8 \
+        [--config.model.preset=llama3_8b --config.train.seq_len=16384 ...] \
+        [--devices_per_node=8] [--step=train|eval] [--json] [--dump_hlo=DIR]
+
+The same step train.py runs (``Experiment.from_config`` with every check, then
+the jitted step with the GPU compiler options), lowered against abstract inputs
+and compiled by XLA's GPU compiler for the GPUs of ``--hardware`` (``ndjax/
+gpu_target.py``; needs ``pip install -e '.[gpu-compile]'``). Nothing is allocated
+or run. It prints the memory per device (arguments, temporaries, output, total,
+against the GPU's memory and the budget), the attention kernel and why, every
+collective, and the compile time. ``--json``: one object on stdout.
+
+What the compile cannot see: autotuning, cuBLAS/cuDNN workspaces, speed (README,
+"Compiling for GPUs you don't have").
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from typing import Any
+
+import numpy as np
+from absl import app, flags
+from ml_collections import config_flags
+
+from ndjax.cli import BAD_OVERRIDE, config_flags_parser, fail, innermost
+from ndjax.console import native_stderr
+
+# The CUDA plugin, loaded with jax, logs that this machine has no GPU driver (it
+# needs none to compile): imported here, before the config file imports it.
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+with native_stderr():
+    import jax
+
+PROGRAM = "ndjax.compile"
+STEPS = ("train", "eval")
+
+try:
+    _CONFIG = config_flags.DEFINE_config_file(
+        "config", None, "Experiment config file (configs/*.py), as for train.py.")
+except BAD_OVERRIDE as e:
+    fail(PROGRAM, f"bad --config override: {innermost(e)}")
+_HARDWARE = flags.DEFINE_string("hardware", "h100", "a100 | h100 | h200 | b200.")
+_DEVICES = flags.DEFINE_integer("devices", None, "GPUs to compile for (the mesh's product).")
+_PER_NODE = flags.DEFINE_integer("devices_per_node", 8, "GPUs per node (NVLink domain).")
+_STEP = flags.DEFINE_string("step", "train", "train | eval: which step to compile.")
+_JSON = flags.DEFINE_bool("json", False, "Print one JSON object on stdout, nothing else.")
+_DUMP = flags.DEFINE_string("dump_hlo", None, "Write the optimized HLO text to this directory.")
+_MEM_FRACTION = flags.DEFINE_float(
+    "mem_fraction", None, "Share of GPU memory a step may use; default: "
+    "XLA_PYTHON_CLIENT_MEM_FRACTION, else 0.75 (what jax's allocator takes).")
+flags.mark_flag_as_required("config")
+flags.mark_flag_as_required("devices")
+
+
+def _check_flags() -> None:
+    from ndjax import gpu_target
+    from ndjax.errors import ConfigError
+
+    gpu_target.hardware(_HARDWARE.value)
+    if _DEVICES.value < 1:
+        raise ConfigError(f"--devices={_DEVICES.value} must be >= 1.")
+    if _STEP.value not in STEPS:
+        raise ConfigError(f"--step={_STEP.value!r}: choose one of {STEPS}.")
+    fraction = _MEM_FRACTION.value
+    if fraction is not None and not 0 < fraction <= 1:
+        raise ConfigError(f"--mem_fraction={fraction} must be in (0, 1].")
+    if _DUMP.value is not None and os.path.exists(_DUMP.value) \
+            and not os.path.isdir(_DUMP.value):
+        raise ConfigError(f"--dump_hlo={_DUMP.value!r} exists and is not a directory.")
+
+
+def compile_for(config: Any, hardware: str, n: int, per_node: int = 8,
+                step: str = "train") -> dict[str, Any]:
+    """Compile ``step`` of ``config`` for ``n`` GPUs of kind ``hardware``; what it
+    needs (the JSON fields of ``--json``) and, under ``hlo``, the optimized HLO."""
+    from ndjax import gpu_target
+    from ndjax.collectives import collectives
+    from ndjax.console import native_stderr
+    from ndjax.experiment import Experiment
+
+    hw = gpu_target.hardware(hardware)
+    with native_stderr() as native:
+        devices = gpu_target.devices(hw, n, per_node)
+        exp = Experiment.from_config(config, devices)
+        start = time.perf_counter()
+        compiled = exp.compiled_step if step == "train" else exp.compiled_eval
+        seconds = time.perf_counter() - start
+    m = compiled.memory_analysis()
+    hlo = compiled.as_text()
+    position = {d.id: i for i, d in enumerate(devices)}
+    found = [dict(kind=c.kind, dtype=c.dtype, bytes=c.bytes, group_size=c.group_size,
+                  executed=c.executed, groups=[[position.get(d, d) for d in g] for g in c.groups])
+             for c in collectives(hlo)]
+    return dict(hardware=hardware, gpu=hw.name, devices=n, devices_per_node=per_node,
+                step=step, mesh={a: int(s) for a, s in exp.mesh.shape.items()},
+                attention=exp.attention.name, attention_why=exp.attention.describe(),
+                dtype=np.dtype(exp.model_cfg.dtype).name,
+                remat=exp.model_cfg.remat, scan_layers=exp.model_cfg.scan_layers,
+                argument_bytes=int(m.argument_size_in_bytes), temp_bytes=int(m.temp_size_in_bytes),
+                output_bytes=int(m.output_size_in_bytes), alias_bytes=int(m.alias_size_in_bytes),
+                gpu_memory_bytes=int(hw.memory_bytes), compile_s=round(seconds, 2),
+                collectives=found, rematerializations=native.rematerializations, hlo=hlo)
+
+
+def _gib(n: float) -> str:
+    return f"{n / 2**30:,.2f} GiB"
+
+
+def report(r: dict[str, Any], config: Any) -> str:
+    t = config.train
+    mesh = " x ".join(f"{a}={s}" for a, s in r["mesh"].items() if s > 1) or "1 device"
+    lines = [
+        f"compiled the {r['step']} step for {r['devices']} x {r['gpu']} ({r['devices_per_node']} "
+        f"per node) in {r['compile_s']:.1f} s: {mesh}; batch {t.batch_size} x {t.seq_len}; "
+        f"{r['dtype']} compute, remat {r['remat']}, layers "
+        f"{'scanned' if r['scan_layers'] else 'unrolled'}",
+        f"attention: {r['attention_why']}",
+        f"memory per device: arguments {_gib(r['argument_bytes'])} + temporaries "
+        f"{_gib(r['temp_bytes'])} = {_gib(r['memory_bytes'])} of {_gib(r['budget_bytes'])} "
+        f"budget ({r['mem_fraction']:.0%} of {_gib(r['gpu_memory_bytes'])}): "
+        + ("fits" if r["fits"] else "DOES NOT FIT")
+        + f"; output {_gib(r['output_bytes'])} (aliased to arguments: {_gib(r['alias_bytes'])})",
+        "not counted: cuBLAS/cuDNN workspaces (no autotuning without a GPU)",
+        f"collectives per step ({len(r['collectives'])} in the program; --json lists each):",
+    ]
+    kinds: dict[tuple[str, int], list[int]] = {}
+    for c in r["collectives"]:
+        row = kinds.setdefault((c["kind"], c["group_size"]), [0, 0])
+        row[0] += c["executed"]
+        row[1] += c["bytes"] * c["executed"]
+    for (kind, group), (runs, size) in sorted(kinds.items()):
+        lines.append(f"  {kind:<19} group {group:>3}: {runs:>5} x, {size / 2**30:>9,.2f} GiB "
+                     "of results per device")
+    for finding in r["rematerializations"]:
+        lines.append(f"partitioner: {finding}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str]) -> None:
+    if len(argv) > 1:
+        raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+    try:
+        config = _CONFIG.value
+        config.runtime  # noqa: B018 -- a config file that failed to load raises on access
+    except OSError as e:
+        fail(PROGRAM, f"cannot load --config: {innermost(e)}")
+    except BAD_OVERRIDE as e:
+        fail(PROGRAM, f"bad --config override: {innermost(e)}")
+    from ndjax.console import quiet_libraries
+    quiet_libraries()
+
+    from ndjax import gpu_target
+    from ndjax.config import check_keys
+    from ndjax.errors import ConfigError
+    from ndjax.planner import mem_fraction_default
+
+    # CPU devices only: the GPUs are compile-only devices of the CUDA plugin, and
+    # this machine need not have (or may have other) GPUs.
+    jax.config.update("jax_platforms", "cpu")
+    try:
+        with native_stderr():  # the CUDA plugin's start-up lines
+            _check_flags()
+            check_keys(config)
+            gpu_target.require()
+            jax.devices()
+        result = compile_for(config, _HARDWARE.value, _DEVICES.value, _PER_NODE.value,
+                             _STEP.value)
+    except ConfigError as e:
+        fail(PROGRAM, e)
+    fraction = _MEM_FRACTION.value or mem_fraction_default()
+    hlo = result.pop("hlo")
+    total = result["argument_bytes"] + result["temp_bytes"]
+    budget = result["gpu_memory_bytes"] * fraction
+    result.update(memory_bytes=total, mem_fraction=fraction, budget_bytes=int(budget),
+                  fits=total <= budget)
+    if _DUMP.value:
+        os.makedirs(_DUMP.value, exist_ok=True)
+        path = os.path.join(_DUMP.value, f"{_STEP.value}_step.{_HARDWARE.value}.hlo.txt")
+        with open(path, "w") as f:
+            f.write(hlo)
+        result["hlo_file"] = path
+    print(json.dumps(result, indent=1) if _JSON.value else report(result, config))
+    sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    app.run(main, flags_parser=config_flags_parser(PROGRAM))
