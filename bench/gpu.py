@@ -21,6 +21,13 @@ dense bf16 peak (H200: 989 TFLOP/s).
     python bench/gpu.py                         # on the GPU machine, about 7 minutes
     python bench/gpu.py --write gpu_results.md  # also write the table and its context
     PYTHONPATH=. python bench/gpu.py --tiny     # CPU smoke run: tiny shapes, seconds
+    PYTHONPATH=. python bench/gpu.py --compile_for=h200   # no GPU: each case compiled for
+                                                          # one (pip install -e '.[gpu-compile]')
+
+``--compile_for`` runs nothing: each case is compiled by XLA's GPU compiler for one
+GPU of that kind (``ndjax.gpu_target``), with the GPU's memory (at
+XLA_PYTHON_CLIENT_MEM_FRACTION, 0.95 here) as the limit, and its planned memory
+reported, so that the first GPU at hand runs every case without a surprise.
 """
 
 from __future__ import annotations
@@ -65,7 +72,7 @@ def cases(tiny: bool) -> list[dict]:
 # ----- one case, in its own process -----------------------------------------------------------
 
 
-def _experiment(case: dict, batch: int):
+def _experiment(case: dict, batch: int, devices: list):
     from ndjax.config import default_config
     from ndjax.experiment import Experiment
 
@@ -75,7 +82,7 @@ def _experiment(case: dict, batch: int):
     c.data.source = "synthetic"
     c.train.update(dict(batch_size=batch, seq_len=case["seq"], warmup_steps=0,
                         schedule="constant", steps=10))
-    return Experiment.from_config(c, devices=__import__("jax").devices()[:1])
+    return Experiment.from_config(c, devices=devices)
 
 
 def run_case(case: dict, steps: int) -> dict:
@@ -85,16 +92,24 @@ def run_case(case: dict, steps: int) -> dict:
     from ndjax.data.synthetic import SyntheticSource
     from ndjax.errors import ConfigError
 
-    device = jax.devices()[0]
-    stats = device.memory_stats() or {}
-    limit = stats.get("bytes_limit")
+    target = case.get("compile_for")
+    if target:
+        from ndjax import gpu_target
+
+        hw = gpu_target.hardware(target)
+        devices = gpu_target.devices(hw, 1)
+        limit = float(os.environ["XLA_PYTHON_CLIENT_MEM_FRACTION"]) * hw.memory_bytes
+    else:
+        devices = jax.devices()[:1]
+        limit = (devices[0].memory_stats() or {}).get("bytes_limit")
+    device = devices[0]
     row = dict(name=case["name"], seq=case["seq"], remat=case["model"].get("remat"),
                device=device.device_kind)
     t0 = time.perf_counter()
     exp = compiled = planned = batch = None
     for batch in case["ladder"]:  # the first (largest) that fits, else the last
         try:
-            exp = _experiment(case, batch)
+            exp = _experiment(case, batch, devices)
         except ConfigError as e:
             return dict(row, attention=case["model"].get("attn_impl", "auto"),
                         note=f"refused: {e}")
@@ -108,6 +123,11 @@ def run_case(case: dict, steps: int) -> dict:
     if limit is not None and planned > FIT * limit:
         return dict(row, note=f"does not fit: plans {planned / GiB:.1f} of "
                     f"{limit / GiB:.1f} GiB")
+    if target:
+        m = compiled.memory_analysis()
+        return dict(row, args_gib=m.argument_size_in_bytes / GiB,
+                    temp_gib=m.temp_size_in_bytes / GiB,
+                    note=f"compiled for {hw.name}, not run (of {limit / GiB:.1f} GiB)")
     source = SyntheticSource(exp.model_cfg.vocab_size, case["seq"], 0)
     batch_arrays = exp.device_batch(source.rows(0, 0, batch))
     state = exp.init_state()
@@ -136,6 +156,14 @@ def _cell(value, fmt: str) -> str:
 
 
 def table(rows: list[dict]) -> list[str]:
+    if any("temp_gib" in r for r in rows):  # --compile_for: memory only, nothing timed
+        lines = ["| case | attention | seq | batch | arguments GiB | temporaries GiB | "
+                 "planned GiB | compile s | note |", "|---|---|---|---|---|---|---|---|---|"]
+        lines += [f"| {r['name']} | {r.get('attention', '-')} | {r.get('seq', '-')} | "
+                  f"{r.get('batch', '-')} | {_cell(r.get('args_gib'), '.1f')} | "
+                  f"{_cell(r.get('temp_gib'), '.1f')} | {_cell(r.get('planned_gib'), '.1f')} | "
+                  f"{_cell(r.get('compile_s'), '.0f')} | {r.get('note', '')} |" for r in rows]
+        return lines
     lines = ["| case | attention | seq | batch | step ms | tokens/s | TFLOP/s | MFU | "
              "peak GiB | planned GiB | compile s | note |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -158,6 +186,8 @@ def main() -> None:
                         help="seconds for all cases (default 450; 300 with --tiny)")
     parser.add_argument("--steps", type=int, default=None, help="timed steps per case")
     parser.add_argument("--write", default=None, help="also write the table here (Markdown)")
+    parser.add_argument("--compile_for", default=None, metavar="HARDWARE",
+                        help="no GPU: compile each case for one of these (h100, h200, ...)")
     parser.add_argument("--case", default=None, help=argparse.SUPPRESS)  # one case, as JSON
     args = parser.parse_args()
     steps = args.steps or (2 if args.tiny else 5)
@@ -170,10 +200,12 @@ def main() -> None:
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
                XLA_PYTHON_CLIENT_MEM_FRACTION=os.environ.get(
                    "XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95"))
-    if args.tiny:
+    if args.tiny or args.compile_for:
         env["JAX_PLATFORMS"] = "cpu"
     rows = []
     for case in cases(args.tiny):
+        if args.compile_for:
+            case = dict(case, compile_for=args.compile_for)
         left = budget - (time.perf_counter() - start)
         if left < (10 if args.tiny else 60):
             rows.append(dict(name=case["name"], note="skipped: time budget spent"))
@@ -196,7 +228,11 @@ def main() -> None:
     import jax
 
     device = rows[0].get("device") or platform.processor() or "cpu"
-    header = [f"`python bench/gpu.py{' --tiny' if args.tiny else ''}` on {device}, "
+    if args.compile_for:
+        device = f"a CPU machine ({platform.machine()}, no GPU), compiled for {device}"
+    flags_used = (" --tiny" if args.tiny else "") + (
+        f" --compile_for={args.compile_for}" if args.compile_for else "")
+    header = [f"`python bench/gpu.py{flags_used}` on {device}, "
               f"jax {jax.__version__}, {datetime.date.today().isoformat()}, "
               f"{time.perf_counter() - start:.0f} s", ""]
     lines = header + table(rows)

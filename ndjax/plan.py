@@ -44,6 +44,10 @@ _MEM_FRACTION = flags.DEFINE_float(
     "XLA_PYTHON_CLIENT_MEM_FRACTION, else 0.75 (what jax's allocator takes).")
 _WORKERS = flags.DEFINE_integer("workers", None, "Processes compiling at once; default: "
                                 "min(cores, 4); 0 compiles in this process.")
+_COMPILER = flags.DEFINE_enum(
+    "compiler", "auto", ["auto", "gpu", "cpu"], "Which XLA compiler measures each layout: "
+    "gpu (XLA's GPU compiler for --hardware, needs the gpu-compile extra), cpu (simulated "
+    "CPU devices, a stand-in), auto: gpu where the extra is installed.")
 _CACHE_DIR = flags.DEFINE_string("cache_dir", None, "Where compiled measurements are kept; "
                                  "default ~/.cache/ndjax/plan; '' for none.")
 flags.mark_flag_as_required("config")
@@ -109,6 +113,10 @@ def report(plan, config, top: int) -> str:  # noqa: ANN001 -- planner.Plan, Conf
         f"{len(failed)} failed to compile",
         "step time: roofline, compute + communication with no overlap (overlapped in "
         "brackets); see ndjax/roofline.py",
+        "memory: " + (f"XLA's GPU compiler for {hw.name} (no cuBLAS/cuDNN workspaces)"
+                      if plan.measured_by != "cpu" else
+                      "XLA's CPU compiler on simulated devices, a stand-in (it widens bf16 "
+                      "buffers: figures run high; the gpu-compile extra gives the GPU's own)"),
         "",
     ]
     head = ["#", "layout", "rules", "remat", "accum", "GiB/device", "NVLink GB", "network GB",
@@ -127,6 +135,8 @@ def report(plan, config, top: int) -> str:  # noqa: ANN001 -- planner.Plan, Conf
             notes.append(f"  #{i}: {c.reason} (tried: {'; '.join(c.tried)})")
         if c.aliases:
             notes.append(f"  #{i}: the same program as {', '.join(c.aliases)}")
+        for finding in c.rematerializations:
+            notes.append(f"  #{i}: the partitioner could not reshard efficiently: {finding}")
     if ranked:
         lines += _table(rows) + notes
         if len(ranked) > top:
@@ -175,16 +185,34 @@ def main(argv: list[str]) -> None:
     except ConfigError as e:
         fail(PROGRAM, e)
     n = _DEVICES.value
-    # Simulated CPU devices, before any backend exists, even on a GPU host.
+    # Simulated CPU devices, before any backend exists, even on a GPU host; GPUs, if
+    # any, are the CUDA plugin's compile-only devices.
     jax.config.update("jax_platforms", "cpu")
     jax.config.update("jax_num_cpu_devices", n)
+    from ndjax import gpu_target
+    from ndjax.console import native_stderr
+
+    target = None
+    if _COMPILER.value == "gpu" or (_COMPILER.value == "auto" and not gpu_target.missing()):
+        target = _HARDWARE.value
+        try:
+            with native_stderr():
+                devices = gpu_target.devices(roofline.HARDWARE[target], n, _PER_NODE.value)
+        except ConfigError as e:
+            fail(PROGRAM, e)
+        progress(f"compiling with XLA's GPU compiler for {roofline.HARDWARE[target].name}")
+    else:
+        devices = jax.devices()[:n]
+        progress("compiling with the CPU compiler on simulated devices (a stand-in: install "
+                 f"the gpu-compile extra for the GPU's own figures, {gpu_target.INSTALL})")
     workers = _WORKERS.value if _WORKERS.value is not None else min(os.cpu_count() or 1, 4)
     cache_dir = planner.default_cache_dir() if _CACHE_DIR.value is None else _CACHE_DIR.value
-    compiler = planner.Compiler(n, workers, planner.Cache(cache_dir or None), progress)
+    compiler = planner.Compiler(n, workers, planner.Cache(cache_dir or None), progress,
+                                target, _PER_NODE.value)
     fraction = _MEM_FRACTION.value or planner.mem_fraction_default()
     try:
         plan = planner.make_plan(config, n, roofline.HARDWARE[_HARDWARE.value],
-                                 _PER_NODE.value, fraction, compiler, jax.devices()[:n],
+                                 _PER_NODE.value, fraction, compiler, devices,
                                  _RULES.value, progress)
     except ConfigError as e:  # a field no layout changes (model dims, data, ...)
         fail(PROGRAM, e)

@@ -49,7 +49,7 @@ from typing import Any
 import jax
 import ml_collections
 
-from ndjax import roofline
+from ndjax import platforms, roofline
 from ndjax.collectives import collectives
 from ndjax.config import default_config
 from ndjax.errors import ConfigError
@@ -151,7 +151,8 @@ def check(config: ml_collections.ConfigDict, layout: Layout, devices: Sequence[j
     from ndjax.ops import attention as attention_ops
 
     impl = config.model.attn_impl
-    cpu_impl = FUSED_STAND_IN.get(impl, impl)
+    on_target = platforms.of(devices) == "gpu"  # the GPU compiler: no stand-ins
+    cpu_impl = impl if on_target else FUSED_STAND_IN.get(impl, impl)
     cfg = target_config(config, layout, cpu_impl)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -160,7 +161,7 @@ def check(config: ml_collections.ConfigDict, layout: Layout, devices: Sequence[j
         attention_ops.Site.of(exp.model_cfg, cfg.train.seq_len, exp.rules),
         platform="gpu", compute_capability=hardware.compute_capability)
     on_gpu = attention_ops.choose(impl, site).name
-    stand_in = FUSED_STAND_IN.get(on_gpu, on_gpu)
+    stand_in = on_gpu if on_target else FUSED_STAND_IN.get(on_gpu, on_gpu)
     cfg.model.attn_impl = stand_in
     attention = on_gpu if stand_in == on_gpu else f"{on_gpu} (compiled as {stand_in})"
     t = cfg.train
@@ -216,18 +217,28 @@ def config_from_json(text: str) -> ml_collections.ConfigDict:
     return config
 
 
-def measure(config_json: str, n: int) -> dict[str, Any]:
-    """Compile the train step of one layout on the first n devices and read it."""
+def measure(config_json: str, n: int, target: str | None = None,
+            per_node: int = 8) -> dict[str, Any]:
+    """Compile the train step of one layout for n devices and read it: the first n
+    CPU devices, or with ``target`` (a ``roofline.HARDWARE`` name) n GPUs of that
+    kind, ``per_node`` to a node, by XLA's GPU compiler (``ndjax.gpu_target``)."""
+    from ndjax import gpu_target
+    from ndjax.console import native_stderr
     from ndjax.experiment import Experiment
 
     config = config_from_json(config_json)
-    devices = jax.devices()[:n]
     start = time.perf_counter()
     try:
-        with warnings.catch_warnings():
+        with warnings.catch_warnings(), native_stderr(echo=False) as native:
             warnings.simplefilter("ignore")
-            exp = Experiment.from_config(config, devices)
-            compiled = exp.lower_step().compile(MEASURE_OPTIONS)
+            if target:
+                devices = gpu_target.devices(gpu_target.hardware(target), n, per_node)
+                exp = Experiment.from_config(config, devices)
+                compiled = exp.compiled_step  # with the GPU options train.py compiles with
+            else:
+                devices = jax.devices()[:n]
+                exp = Experiment.from_config(config, devices)
+                compiled = exp.lower_step().compile(MEASURE_OPTIONS)
     except Exception as e:  # noqa: BLE001 -- a layout XLA cannot compile is a result too
         return {"error": f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0][:300]}"}
     seconds = time.perf_counter() - start
@@ -240,7 +251,8 @@ def measure(config_json: str, n: int) -> dict[str, Any]:
                     groups=[[order[p] for p in g] for g in c.groups])
                for c in collectives(compiled.as_text())]
     return dict(arguments=int(m.argument_size_in_bytes), temporaries=int(m.temp_size_in_bytes),
-                compile_s=round(seconds, 2), collectives=records)
+                compile_s=round(seconds, 2), collectives=records,
+                rematerializations=native.rematerializations)
 
 
 class Cache:
@@ -250,8 +262,9 @@ class Cache:
         self.root = root
         self._salt = f"{jax.__version__}:{_source_digest()}" if root else ""
 
-    def key(self, config_json: str, n: int) -> str:
-        return hashlib.sha256(f"{self._salt}:{n}:{config_json}".encode()).hexdigest()[:32]
+    def key(self, config_json: str, n: int, target: str = "cpu") -> str:
+        text = f"{self._salt}:{n}:{target}:{config_json}"
+        return hashlib.sha256(text.encode()).hexdigest()[:32]
 
     def get(self, key: str) -> dict | None:
         if not self.root:
@@ -278,12 +291,15 @@ def _start_worker(n: int) -> None:
 
 
 class Compiler:
-    """Measures configs on n simulated devices: from the cache, else in ``workers``
-    processes (0: in this process, which must then have n devices)."""
+    """Measures configs on n simulated devices, or for n GPUs of kind ``target`` with
+    the GPU compiler: from the cache, else in ``workers`` processes (0: in this
+    process, which must then have n CPU devices where ``target`` is None)."""
 
     def __init__(self, n: int, workers: int, cache: Cache,
-                 progress: Callable[[str], None] = lambda _: None):
+                 progress: Callable[[str], None] = lambda _: None,
+                 target: str | None = None, per_node: int = 8):
         self.n, self.cache, self.progress = n, cache, progress
+        self.target, self.per_node = target, per_node
         self._pool = None
         if workers > 0:
             self._pool = concurrent.futures.ProcessPoolExecutor(
@@ -296,15 +312,19 @@ class Compiler:
 
     def measure_all(self, configs: Sequence[ml_collections.ConfigDict]) -> list[dict]:
         texts = [c.to_json(sort_keys=True) for c in configs]
-        keys = [self.cache.key(t, self.n) for t in texts]
+        keys = [self.cache.key(t, self.n, f"{self.target}/{self.per_node}" if self.target
+                               else "cpu") for t in texts]
         out: list[dict | None] = [self.cache.get(k) for k in keys]
         todo = [i for i, r in enumerate(out) if r is None]
         if out:
             self.progress(f"compiling {len(todo)} step(s) ({len(out) - len(todo)} cached)")
         if self._pool is None:
-            results: Iterable[dict] = (measure(texts[i], self.n) for i in todo)
+            results: Iterable[dict] = (measure(texts[i], self.n, self.target, self.per_node)
+                                       for i in todo)
         else:
-            results = self._pool.map(measure, [texts[i] for i in todo], [self.n] * len(todo))
+            k = len(todo)
+            results = self._pool.map(measure, [texts[i] for i in todo], [self.n] * k,
+                                     [self.target] * k, [self.per_node] * k)
         for done, (i, r) in enumerate(zip(todo, results), start=1):
             self.cache.put(keys[i], r)
             out[i] = r
@@ -331,6 +351,9 @@ class Candidate:
     tried: list[str] = dataclasses.field(default_factory=list)  # remedies that did not fit
     aliases: list[str] = dataclasses.field(default_factory=list)  # the same program
     least_memory: int = 0        # the smallest of the tries, when none fits
+    # The SPMD partitioner's "involuntary full rematerialization" warnings: a
+    # resharding it could only do by gathering a whole tensor (time and memory).
+    rematerializations: list[str] = dataclasses.field(default_factory=list)
 
     @property
     def memory(self) -> int:
@@ -344,7 +367,8 @@ class Candidate:
         if self.status in ("ranked", "over"):
             out.update(attention=self.attention, arguments_bytes=self.arguments,
                        temporaries_bytes=self.temporaries, memory_bytes=self.memory,
-                       compile_s=self.compile_s, tried=self.tried)
+                       compile_s=self.compile_s, tried=self.tried,
+                       rematerializations=self.rematerializations)
         if e is not None and link is not None:
             out.update(
                 bytes_inside_nodes=round(link.inside_bytes),
@@ -366,6 +390,7 @@ class Plan:
     candidates: list[Candidate]
     aliases: int                 # layouts that are another's program (Candidate.aliases)
     model: Any                   # ndjax.models.llama.LlamaConfig, in the target's dtypes
+    measured_by: str = "cpu"     # the compiler: "cpu", or the GPU kind compiled for
 
     def by_status(self, status: str) -> list[Candidate]:
         return [c for c in self.candidates if c.status == status]
@@ -435,6 +460,7 @@ def _fill(cand: Candidate, r: dict, c: Checked, hardware: roofline.Hardware,
     cand.layout = c.layout
     cand.arguments, cand.temporaries = r["arguments"], r["temporaries"]
     cand.compile_s, cand.collectives = r["compile_s"], r["collectives"]
+    cand.rematerializations = r.get("rematerializations", [])
     cand.link = roofline.traffic(r["collectives"], devices_per_node)
     cand.estimate = roofline.estimate(hardware, cand.link, c.model_flops, c.tokens,
                                       math.prod(c.layout.degrees), c.layout.remat)
@@ -526,7 +552,8 @@ def make_plan(config: ml_collections.ConfigDict, n: int, hardware: roofline.Hard
     candidates.sort(key=lambda c: (order[c.status],
                                    c.estimate.serial_s if c.status == "ranked" and c.estimate
                                    else c.memory if c.status == "over" else 0))
-    return Plan(n, hardware, devices_per_node, budget, candidates, aliases, model)
+    return Plan(n, hardware, devices_per_node, budget, candidates, aliases, model,
+                compiler.target or "cpu")
 
 
 def default_cache_dir() -> str:

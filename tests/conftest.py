@@ -6,6 +6,9 @@ import tempfile
 import jax
 import pytest
 
+# CPU devices even where jax's CUDA plugin is installed (the gpu-compile extra): its
+# GPUs are compile-only targets (tests/test_gpu_compile.py), never the backend.
+jax.config.update("jax_platforms", "cpu")
 jax.config.update("jax_num_cpu_devices", 8)
 
 # Many tests compile the same programs (the same tiny model on the same mesh)

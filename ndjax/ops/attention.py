@@ -46,8 +46,10 @@ DENSE_MAX_SEQ = 128
 BLOCKED_MAX_SEQ = 1024
 # The blocked kernel's most query blocks per row.
 MAX_QUERY_BLOCKS = 8
-# Pallas's forward block (queries and keys) for heads of up to 256 bytes a row.
+# Pallas's largest forward block (queries and keys), and the shared memory its
+# forward blocks may take (pallas_block_sizes).
 PALLAS_BLOCK = 128
+PALLAS_SMEM = 200 * 1024
 
 
 @dataclasses.dataclass(frozen=True)
@@ -341,15 +343,17 @@ class Cudnn(Kernel):
 
 
 def pallas_block_sizes(seq_len: int, head_dim: int, dtype: Any) -> Any:
-    """Pallas's blocks for this shape: the forward's query/key blocks and the
-    backward's (which hold q, k, v, dO and two accumulators at once) shrink as the
-    head grows, so that each fits a Hopper SM's shared memory (compiled for an
-    H100 for head_dim 64, 128 and 256: tests/test_gpu_compile.py)."""
+    """Pallas's blocks for this shape. The forward kernel holds a query block and,
+    double-buffered, a key and a value block: about 5 blocks of (rows x head bytes)
+    in shared memory, kept under ``PALLAS_SMEM`` (a Hopper SM has 227 KiB for one
+    block). The backward's blocks, which hold more at once, are smaller still.
+    Compiled for an H100 at head_dim 64, 128 and 256 in bfloat16 and float32:
+    tests/test_gpu_compile.py."""
     from jax.experimental.pallas.ops.gpu import attention as pallas_gpu
 
     wide = head_dim * jnp.dtype(dtype).itemsize  # bytes of one row of a head
-    forward = PALLAS_BLOCK if wide <= 256 else 64
-    backward = 32 if wide <= 256 else 16
+    forward = min(PALLAS_BLOCK, 1 << max(4, (PALLAS_SMEM // (5 * wide)).bit_length() - 1))
+    backward = 32 if wide <= 512 else 16
     fwd, back = min(forward, seq_len), min(backward, seq_len)
     return pallas_gpu.BlockSizes(block_q=fwd, block_k=fwd, block_q_dkv=back,
                                  block_kv_dkv=back, block_q_dq=back, block_kv_dq=back)
