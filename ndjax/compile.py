@@ -29,13 +29,11 @@ from absl import app, flags
 from ml_collections import config_flags
 
 from ndjax.cli import BAD_OVERRIDE, config_flags_parser, fail, innermost
-from ndjax.console import native_stderr
+from ndjax.console import import_jax_quietly, native_stderr
 
-# The CUDA plugin, loaded with jax, logs that this machine has no GPU driver (it
-# needs none to compile): imported here, before the config file imports it.
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-with native_stderr():
-    import jax
+import_jax_quietly()
+import jax  # noqa: E402
 
 PROGRAM = "ndjax.compile"
 STEPS = ("train", "eval")

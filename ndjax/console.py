@@ -73,3 +73,12 @@ def _sort(text: str, out: NativeOutput) -> None:
                 out.rematerializations.append(finding)
         elif line.strip() and not _NATIVE_NOISE.search(line):
             out.other.append(line)
+
+
+def import_jax_quietly() -> None:
+    """Imports jax with the native start-up lines of its CUDA plugin dropped: on a
+    machine without a GPU driver (the gpu-compile extra compiles for GPUs from one)
+    the plugin logs that it found none, which says nothing to the user. Call before
+    anything else imports jax (a config file does)."""
+    with native_stderr():
+        import jax  # noqa: F401

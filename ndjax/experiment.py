@@ -205,8 +205,10 @@ class Experiment:
         rules = rules_lib.Rules(config.rules, mesh)
         _check_batch(config, rules, mesh)
         _check_loss_chunk(config, rules, mesh)
-        # The attention kernel, decided once here: the model then runs it by name.
-        site = attention_ops.Site.of(model_cfg, config.train.seq_len, rules)
+        # The attention kernel, decided once here: the model then runs it by name. It
+        # sees one micro-batch's rows at once (_check_batch: they divide evenly).
+        t = config.train
+        site = attention_ops.Site.of(model_cfg, t.seq_len, rules, t.batch_size // t.grad_accum)
         chosen = attention_ops.choose(model_cfg.attn_impl, site)
         model_cfg = dataclasses.replace(model_cfg, attn_impl=chosen.name)
         seq_permutation = attention_ops.KERNELS[chosen.name].permutation(site)

@@ -24,6 +24,9 @@ from absl import app, flags
 from ml_collections import config_flags
 
 from ndjax.cli import BAD_OVERRIDE, config_flags_parser, fail, innermost
+from ndjax.console import import_jax_quietly
+
+import_jax_quietly()
 
 PROGRAM = "ndjax.plan"
 
@@ -44,6 +47,9 @@ _MEM_FRACTION = flags.DEFINE_float(
     "XLA_PYTHON_CLIENT_MEM_FRACTION, else 0.75 (what jax's allocator takes).")
 _WORKERS = flags.DEFINE_integer("workers", None, "Processes compiling at once; default: "
                                 "min(cores, 4); 0 compiles in this process.")
+_EXHAUSTIVE = flags.DEFINE_bool(
+    "exhaustive", False, "Compile every remedy of every layout, also those that cannot "
+    "rank among the --top best (slower; --json then has every layout's best fit).")
 _COMPILER = flags.DEFINE_enum(
     "compiler", "auto", ["auto", "gpu", "cpu"], "Which XLA compiler measures each layout: "
     "gpu (XLA's GPU compiler for --hardware, needs the gpu-compile extra), cpu (simulated "
@@ -200,11 +206,8 @@ def main(argv: list[str]) -> None:
                 devices = gpu_target.devices(roofline.HARDWARE[target], n, _PER_NODE.value)
         except ConfigError as e:
             fail(PROGRAM, e)
-        progress(f"compiling with XLA's GPU compiler for {roofline.HARDWARE[target].name}")
     else:
         devices = jax.devices()[:n]
-        progress("compiling with the CPU compiler on simulated devices (a stand-in: install "
-                 f"the gpu-compile extra for the GPU's own figures, {gpu_target.INSTALL})")
     workers = _WORKERS.value if _WORKERS.value is not None else min(os.cpu_count() or 1, 4)
     cache_dir = planner.default_cache_dir() if _CACHE_DIR.value is None else _CACHE_DIR.value
     compiler = planner.Compiler(n, workers, planner.Cache(cache_dir or None), progress,
@@ -213,7 +216,8 @@ def main(argv: list[str]) -> None:
     try:
         plan = planner.make_plan(config, n, roofline.HARDWARE[_HARDWARE.value],
                                  _PER_NODE.value, fraction, compiler, devices,
-                                 _RULES.value, progress)
+                                 _RULES.value, progress,
+                                 None if _EXHAUSTIVE.value else _TOP.value)
     except ConfigError as e:  # a field no layout changes (model dims, data, ...)
         fail(PROGRAM, e)
     finally:

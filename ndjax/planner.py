@@ -141,6 +141,9 @@ class Checked:
     model_flops: float       # training FLOPs of one step, all devices
     tokens: int
     signature: tuple
+    # Bytes per device of the step's inputs (parameters, optimizer state, batch),
+    # from their shardings: what the compiled step's arguments will be.
+    arguments: int = 0
 
 
 def check(config: ml_collections.ConfigDict, layout: Layout, devices: Sequence[jax.Device],
@@ -158,7 +161,8 @@ def check(config: ml_collections.ConfigDict, layout: Layout, devices: Sequence[j
         warnings.simplefilter("ignore")
         exp = Experiment.from_config(cfg, devices)
     site = dataclasses.replace(
-        attention_ops.Site.of(exp.model_cfg, cfg.train.seq_len, exp.rules),
+        attention_ops.Site.of(exp.model_cfg, cfg.train.seq_len, exp.rules,
+                              cfg.train.batch_size // cfg.train.grad_accum),
         platform="gpu", compute_capability=hardware.compute_capability)
     on_gpu = attention_ops.choose(impl, site).name
     stand_in = on_gpu if on_target else FUSED_STAND_IN.get(on_gpu, on_gpu)
@@ -169,7 +173,14 @@ def check(config: ml_collections.ConfigDict, layout: Layout, devices: Sequence[j
     signature = (layout.remat, layout.grad_accum, cfg.model.attn_impl,
                  program_signature(exp.rules, exp.mesh))
     return Checked(layout, cfg, attention, flops_per_token(exp.model_cfg, t.seq_len) * tokens,
-                   tokens, signature)
+                   tokens, signature, argument_bytes(exp))
+
+
+def argument_bytes(exp: Any) -> int:
+    """The train step's inputs per device, from their shardings: the parameters,
+    optimizer state and batch a compile would report as its arguments."""
+    leaves = jax.tree.leaves((exp.abstract_state, exp.abstract_batch))
+    return sum(math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize for x in leaves)
 
 
 def program_signature(rules: Any, mesh: Any) -> tuple:
@@ -306,6 +317,13 @@ class Compiler:
                 max_workers=workers, mp_context=multiprocessing.get_context("spawn"),
                 initializer=_start_worker, initargs=(n,))
 
+    def describe(self) -> str:
+        if self.target:
+            return f"compiling with XLA's GPU compiler for {roofline.HARDWARE[self.target].name}"
+        from ndjax.gpu_target import INSTALL
+        return ("compiling with the CPU compiler on simulated devices, a stand-in (the GPU's "
+                f"own figures: {INSTALL})")
+
     def close(self) -> None:
         if self._pool is not None:
             self._pool.shutdown(cancel_futures=True)
@@ -351,6 +369,7 @@ class Candidate:
     tried: list[str] = dataclasses.field(default_factory=list)  # remedies that did not fit
     aliases: list[str] = dataclasses.field(default_factory=list)  # the same program
     least_memory: int = 0        # the smallest of the tries, when none fits
+    cannot_rank: str = ""        # why its remedies were not compiled (_remedy)
     # The SPMD partitioner's "involuntary full rematerialization" warnings: a
     # resharding it could only do by gathering a whole tensor (time and memory).
     rematerializations: list[str] = dataclasses.field(default_factory=list)
@@ -471,12 +490,31 @@ def _label(layout: Layout) -> str:
     return f"remat {layout.remat}, grad_accum {layout.grad_accum}"
 
 
+def _kth_best(candidates: Sequence[Candidate], top: int | None) -> float:
+    """The step time a layout must beat to be among the ``top`` best that fit so far
+    (infinite while fewer fit, or with ``top`` None: every remedy is tried)."""
+    times = sorted(c.estimate.serial_s for c in candidates
+                   if c.status == "ranked" and c.estimate is not None)
+    return times[top - 1] if top is not None and len(times) >= top else math.inf
+
+
+def _at_least(cand: Candidate, c: Checked, hardware: roofline.Hardware) -> float:
+    """A lower bound of ``c``'s step time from ``cand``'s measurement at less remat:
+    more remat (or accumulation) adds compute and never removes a collective, so the
+    communication measured there and the compute of ``c``'s remat bound it below."""
+    return roofline.estimate(hardware, cand.link, c.model_flops, c.tokens,
+                             math.prod(c.layout.degrees), c.layout.remat).serial_s
+
+
 def _remedy(config: ml_collections.ConfigDict, over: list[Candidate],
             checked: dict[int, Checked], compiler: Compiler, hardware: roofline.Hardware,
-            devices: Sequence[jax.Device], devices_per_node: int, budget: float) -> None:
+            devices: Sequence[jax.Device], devices_per_node: int, budget: float,
+            ranked: Sequence[Candidate], top: int | None) -> None:
     """Candidates over the budget whose parameters, optimizer state and batch fit are
     retried with more remat, then grad_accum, one rung per round (so that each
-    round compiles in parallel), until they fit or nothing is left to try."""
+    round compiles in parallel), until they fit or nothing is left to try. A rung
+    whose step time cannot beat the ``top``-th best layout that fits (``_at_least``)
+    is not compiled: the layout could not rank, and says so."""
     queues: dict[int, list[Layout]] = {}
     for cand in over:
         t = checked[id(cand)].config.train
@@ -490,14 +528,24 @@ def _remedy(config: ml_collections.ConfigDict, over: list[Candidate],
             queue = queues.get(id(cand))
             if queue is None:
                 continue
-            while queue:
+            chosen = None
+            while queue and chosen is None:
                 try:
-                    trying.append((cand, check(config, queue.pop(0), devices, hardware)))
-                    break
+                    c = check(config, queue.pop(0), devices, hardware)
                 except ConfigError:  # e.g. a grad_accum the batch does not split into
                     continue
-            else:
+                bound, best = _at_least(cand, c, hardware), _kth_best([*ranked, *over], top)
+                if bound > best:
+                    cand.cannot_rank = (f"it could only rank below #{top}: with "
+                                        f"{_label(c.layout)} its step takes at least "
+                                        f"{bound * 1e3:,.1f} ms, #{top} takes {best * 1e3:,.1f}")
+                    queue.clear()
+                else:
+                    chosen = c
+            if chosen is None:
                 del queues[id(cand)]
+            else:
+                trying.append((cand, chosen))
         results = compiler.measure_all([c.config for _, c in trying])
         for (cand, c), r in zip(trying, results):
             total = r["arguments"] + r["temporaries"] if "error" not in r else None
@@ -521,6 +569,9 @@ def _why_over(cand: Candidate, budget: float) -> str:
         return (f"parameters, optimizer state and batch alone need {_gib(cand.arguments)} of "
                 f"{_gib(budget)}: shard them over more devices (fsdp) or store them in "
                 "bfloat16 (model.param_dtype, train.opt_state_dtype)")
+    if cand.cannot_rank:
+        tried = f" (tried: {'; '.join(cand.tried)})" if cand.tried else ""
+        return f"not retried with more remat: {cand.cannot_rank}{tried}"
     return (f"{_gib(cand.least_memory - budget)} over the budget at best (tried: "
             f"{'; '.join(cand.tried)}): gradients and optimizer state need more sharding")
 
@@ -528,23 +579,34 @@ def _why_over(cand: Candidate, budget: float) -> str:
 def make_plan(config: ml_collections.ConfigDict, n: int, hardware: roofline.Hardware,
               devices_per_node: int, mem_fraction: float, compiler: Compiler,
               devices: Sequence[jax.Device], presets: Sequence[str] | None = None,
-              progress: Callable[[str], None] = lambda _: None) -> Plan:
-    """Check, compile and price every layout (see the module docstring)."""
+              progress: Callable[[str], None] = lambda _: None,
+              top: int | None = None) -> Plan:
+    """Check, compile and price every layout (see the module docstring). With ``top``,
+    what cannot rank among the ``top`` best is not compiled: a layout whose
+    parameters, optimizer state and batch alone overflow the budget, and remedies
+    that could not beat the ``top``-th best step time."""
     from ndjax.experiment import check_fields
 
     # What no layout changes is checked once: a bad field there is the user's error.
     base = Layout(n, 1, 1, 1, remat=config.model.remat, grad_accum=config.train.grad_accum)
     model, _ = check_fields(target_config(config, base))
     budget = hardware.memory_bytes * mem_fraction
+    progress(compiler.describe())
     candidates, checked, aliases = _check_all(config, n, hardware, devices, presets)
     pending = [c for c in candidates if id(c) in checked]
     progress(f"{len(pending) + aliases} layouts pass the checks ({len(pending)} distinct "
              f"programs), {len(candidates) - len(pending)} rejected")
+    for cand in pending:  # its inputs alone do not fit: nothing to compile
+        if checked[id(cand)].arguments > budget:
+            cand.status, cand.arguments = "over", checked[id(cand)].arguments
+    pending = [c for c in pending if c.status != "over"]
     results = compiler.measure_all([checked[id(c)].config for c in pending])
     for cand, r in zip(pending, results):
         _fill(cand, r, checked[id(cand)], hardware, devices_per_node, budget)
     over = [c for c in pending if c.status == "over" and c.arguments <= budget]
-    _remedy(config, over, checked, compiler, hardware, devices, devices_per_node, budget)
+    ranked = [c for c in pending if c.status == "ranked"]
+    _remedy(config, over, checked, compiler, hardware, devices, devices_per_node, budget,
+            ranked, top)
     for cand in candidates:
         if cand.status == "over":
             cand.reason = _why_over(cand, budget)

@@ -25,6 +25,7 @@ from conftest import tiny_config
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from ndjax import compiler, gpu_target, roofline
+from ndjax.collectives import collectives
 from ndjax.errors import ConfigError
 from ndjax.experiment import Experiment
 from ndjax.ops import attention as attn
@@ -111,10 +112,10 @@ SMALL = dict(vocab_size=4096, dim=512, n_layers=2, n_heads=8, n_kv_heads=2, ffn_
              dtype="bfloat16", remat="full")
 
 
-def _step_temp(impl, seq, mesh=None, model=None, hw="h100", step="train"):
+def _step_temp(impl, seq, mesh=None, model=None, hw="h100", step="train", rows=2):
     c = tiny_config(mesh=mesh or dict(fsdp=2), model={**SMALL, "attn_impl": impl,
                                                       **(model or {})},
-                    train=dict(batch_size=2, seq_len=seq))
+                    train=dict(batch_size=rows, seq_len=seq))
     n = int(np.prod([v for v in c.mesh.values()]))
     exp = Experiment.from_config(c, gpu_target.devices(roofline.HARDWARE[hw], n))
     with warnings.catch_warnings():
@@ -146,6 +147,34 @@ def test_auto_on_a_gpu_picks_a_kernel_that_compiles(dtype, want):
     exp, compiled = _step_temp("auto", 1024, model=dict(dtype=dtype))
     assert exp.model_cfg.attn_impl == want
     assert "custom-call" in compiled.as_text()  # cuDNN's or Triton's kernel, not einsums
+
+
+@needs_extra
+def test_one_row_on_several_gpus_takes_pallas_and_compiles():
+    """cuDNN's sharding rule fails for one row per micro-batch on several devices:
+    auto takes Pallas there, and an explicit cudnn is refused before compiling."""
+    exp, _ = _step_temp("auto", 512, mesh=dict(tensor=2), rows=1)
+    assert exp.model_cfg.attn_impl == "pallas"
+    with pytest.raises(ConfigError, match="one row per micro-batch"):
+        c = tiny_config(mesh=dict(tensor=2), model={**SMALL, "attn_impl": "cudnn"},
+                        train=dict(batch_size=2, seq_len=512, grad_accum=2))
+        Experiment.from_config(c, gpu_target.devices(H100, 2))
+
+
+def _gathered(compiled):
+    return sorted((c.kind, c.bytes, c.executed) for c in collectives(compiled.as_text())
+                  if c.kind == "all-gather")
+
+
+@needs_extra
+def test_pallas_runs_on_each_devices_rows_and_heads():
+    """A pallas_call has no partitioning rule: outside a shard_map XLA gathered the
+    whole batch and every head onto each device around it. Now its step gathers
+    what the tiled kernel's gathers (the weights), nothing more."""
+    mesh = dict(fsdp=2, tensor=2)
+    _, pallas = _step_temp("pallas", 1024, mesh)
+    _, tiled = _step_temp("tiled", 1024, mesh)
+    assert _gathered(pallas) == _gathered(tiled)
 
 
 @needs_extra

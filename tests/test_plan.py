@@ -58,10 +58,51 @@ def test_planned_memory_equals_the_compiled_train_step():
     assert {"all-gather", "all-reduce"} <= kinds
 
 
-def _plan(config, hardware, cache_dir, messages):
-    compiler = planner.Compiler(2, 0, planner.Cache(str(cache_dir)), messages.append)
-    return planner.make_plan(config, 2, hardware, 8, 1.0, compiler, jax.devices()[:2],
-                             ["default"], messages.append)
+def test_argument_bytes_from_the_shardings_are_the_compiled_arguments():
+    """What lets the planner skip compiling a layout whose inputs alone overflow."""
+    for mesh, rules in ((dict(fsdp=4, tensor=2), "default"),
+                        (dict(replica=2, fsdp=2, context=2), "megatron_sp")):
+        exp = Experiment.from_config(tiny_config(mesh=mesh, rules=rules))
+        compiled = exp.lower_step().compile().memory_analysis().argument_size_in_bytes
+        # One int32 scalar of the state (a second step count) is unused by the
+        # step, and XLA drops it from the compiled arguments.
+        assert planner.argument_bytes(exp) == compiled + 4
+
+
+def _plan(config, hardware, cache_dir, messages, n=2, top=None):
+    compiler = planner.Compiler(n, 0, planner.Cache(str(cache_dir)), messages.append)
+    return planner.make_plan(config, n, hardware, 8, 1.0, compiler, jax.devices()[:n],
+                             ["default"], messages.append, top)
+
+
+def _compiles(messages):
+    return sum(int(m.split("compiling ")[1].split()[0]) for m in messages
+               if m.startswith("compiling ") and "step(s)" in m)
+
+
+def test_plan_for_the_top_layouts_compiles_less_and_ranks_the_same(tmp_path):
+    """--top=1 skips remedies that cannot beat the best fitting layout (their measured
+    communication plus the compute of more remat is already slower): the winner is
+    the exhaustive plan's; every layout it left is provably slower."""
+    config = tiny_config(train={"batch_size": 2, "seq_len": 256})
+    every, some = [], []
+    roomy = _plan(config, H100, tmp_path / "a", every, n=4)
+    need = sorted(c.memory for c in roomy.by_status("ranked"))
+    tight = dataclasses.replace(H100, memory_gb=(need[0] + need[1]) / 2 / 1e9)
+    every.clear()
+    full = _plan(config, tight, tmp_path / "b", every, n=4)
+    best = _plan(config, tight, tmp_path / "c", some, n=4, top=1)
+    first = full.by_status("ranked")[0]
+    assert best.by_status("ranked")[0].layout == first.layout
+    assert best.by_status("ranked")[0].estimate.serial_s == first.estimate.serial_s
+    pruned = [c for c in best.candidates if c.cannot_rank]
+    assert pruned, [c.reason for c in best.candidates]
+    assert _compiles(some) < _compiles(every)
+    exhaustive = {c.layout.mesh: c for c in full.candidates}
+    for c in pruned:
+        assert c.status == "over" and "not retried with more remat" in c.reason
+        there = exhaustive[c.layout.mesh]  # what its remedies gave when compiled
+        assert there.status != "ranked" or there.estimate.serial_s > first.estimate.serial_s
 
 
 def test_plan_rejects_with_reasons_and_fits_with_remat(tmp_path):

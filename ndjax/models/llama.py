@@ -25,7 +25,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec
 
-from ndjax.ops.attention import attention
+from ndjax.ops.attention import HEADS, KV_HEADS, attention
 from ndjax.ops.layer_scan import scan_full_remat
 from ndjax.rules import (
     ParamUse,
@@ -356,8 +356,6 @@ class MLP(nnx.Module):
 
 RESIDUAL = ("act_batch", "act_res_seq", "act_embed")
 HIDDEN = ("act_batch", "act_seq", "act_embed")
-HEADS = ("act_batch", "act_seq", "act_heads", "act_head_dim")
-KV_HEADS = ("act_batch", "act_seq", "act_kv_heads", "act_head_dim")
 
 
 class Block(nnx.Module):

@@ -32,11 +32,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.ad_checkpoint import checkpoint_name
+from jax.sharding import PartitionSpec
 
 from ndjax import platforms
 from ndjax.errors import ConfigError
 from ndjax.ops import ring_attention as ring
 from ndjax.rules import Rules, active
+
+# The logical names of q (and the output), and of k and v, (b, s, heads, head_dim).
+HEADS = ("act_batch", "act_seq", "act_heads", "act_head_dim")
+KV_HEADS = ("act_batch", "act_seq", "act_kv_heads", "act_head_dim")
 
 # auto on one context shard, off a GPU: dense up to DENSE_MAX_SEQ tokens per row,
 # blocked up to BLOCKED_MAX_SEQ, tiled above (memory linear in seq). Measured on CPU
@@ -67,9 +72,11 @@ class Site:
     layout: str            # ring attention's sequence layout (model.cp_layout)
     kv_tile: int           # the tiled and ring kernels' key tile (model.attn_kv_tile)
     compute_capability: str | None = None  # of the first GPU, e.g. "9.0"
+    rows: int = 0          # rows attention runs on at once (a micro-batch), 0: unknown
+    devices: int = 1       # of the mesh
 
     @classmethod
-    def of(cls, cfg: Any, seq_len: int, rules: Rules | None) -> Site:
+    def of(cls, cfg: Any, seq_len: int, rules: Rules | None, rows: int = 0) -> Site:
         """``cfg``: an ``ndjax.models.llama.LlamaConfig``. The platform is that of the
         rules' mesh (the devices the step is built for), else jax's default."""
         devices = list(rules.mesh.devices.flat) if rules is not None else jax.devices()
@@ -77,7 +84,8 @@ class Site:
                    head_dim=cfg.hd, dtype=jnp.dtype(cfg.dtype),
                    context=ring.context_shards(rules), platform=platforms.of(devices),
                    layout=cfg.cp_layout, kv_tile=cfg.attn_kv_tile,
-                   compute_capability=platforms.compute_capability(devices))
+                   compute_capability=platforms.compute_capability(devices), rows=rows,
+                   devices=len(devices) if rules is not None else 1)
 
 
 def _at_least(capability: str | None, target: tuple[int, int]) -> bool:
@@ -325,6 +333,13 @@ class Cudnn(Kernel):
                 f"{_field(self.name)}: cuDNN attends within packed documents only on Hopper "
                 f"or newer GPUs (compute capability >= 9.0), and this one is "
                 f"{site.compute_capability}. Use model.attn_impl='pallas'.")
+        if site.rows == 1 and site.devices > 1:
+            # jax's sharding rule for cuDNN's saved statistics, (rows x documents,
+            # heads, seq), fails to verify when rows is 1 (compiled for H100s).
+            raise ConfigError(
+                f"{_field(self.name)} cannot be partitioned over {site.devices} devices with "
+                "one row per micro-batch (jax's cuDNN sharding rule fails for it). Use "
+                "train.batch_size / train.grad_accum >= 2, or model.attn_impl='pallas'.")
 
     def check_batch(self, segment_ids, cfg):
         runs = runs_per_row(segment_ids)
@@ -426,8 +441,29 @@ class Pallas(Kernel):
                 f"multiple of {sizes.block_q}, or model.attn_impl='tiled'.")
 
     def __call__(self, q, k, v, segment_ids, cfg):
-        return pallas_attention(q, k, v, segment_ids,
-                                interpret=platforms.current() != "gpu")
+        run = functools.partial(pallas_attention, interpret=platforms.current() != "gpu")
+        return _per_shard(run, q, k, v, segment_ids)
+
+
+def _per_shard(kernel, q: jax.Array, k: jax.Array, v: jax.Array,
+               segment_ids: jax.Array) -> jax.Array:
+    """``kernel`` on each device's rows and heads. A ``pallas_call`` has no rule for
+    XLA's partitioner, which would otherwise gather every operand whole around it
+    (compiled for GPUs: each device attending over the whole batch and all heads).
+    Batch and heads split as the rule table says; each device's query heads share
+    its kv heads (the model repeats kv heads so that they do: Rules.kv_repeat)."""
+    rules = active()
+    if rules is None or rules.mesh is None or rules.mesh.size == 1:
+        return kernel(q, k, v, segment_ids)
+    q_spec, kv_spec = (tuple(rules.spec(n)) + (None,) * 4 for n in (HEADS, KV_HEADS))
+    heads = (q_spec[0], None, q_spec[2], q_spec[3])
+    if q_spec[1] is not None or q_spec[:4] != heads or kv_spec[:4] != heads:
+        # The sequence split, or kv heads split unlike the query heads: left to the
+        # partitioner (correct, with the gathers above).
+        return kernel(q, k, v, segment_ids)
+    spec, rows = PartitionSpec(*heads), PartitionSpec(heads[0], None)
+    return jax.shard_map(kernel, mesh=rules.mesh, in_specs=(spec, spec, spec, rows),
+                         out_specs=spec, check_vma=False)(q, k, v, segment_ids)
 
 
 KERNELS: dict[str, Kernel] = {kernel.name: kernel for kernel in
@@ -495,5 +531,5 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array,
     (a model built outside an Experiment, e.g. in tests)."""
     name = cfg.attn_impl
     if name == "auto":
-        name = _chosen_at_trace(name, Site.of(cfg, q.shape[1], active()))
+        name = _chosen_at_trace(name, Site.of(cfg, q.shape[1], active(), q.shape[0]))
     return KERNELS[name](q, k, v, segment_ids, cfg)
