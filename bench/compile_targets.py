@@ -1,14 +1,15 @@
 """Memory per device of the planner's layouts: XLA's CPU compiler (the planner's
 stand-in) next to XLA's GPU compiler for the GPUs themselves, side by side.
 
-For each case below (the top rows BENCHMARKS.md records for ``python -m ndjax.plan``),
+For each case below (the top rows BENCHMARKS.md records for ``python -m ndjax.plan``,
+and two without remat),
 the same train step is compiled twice through ``ndjax.planner.measure``: on N
 simulated CPU devices with the planner's CPU options, the fused attention kernel
 compiled as ``tiled``; and for N H100s (``ndjax.gpu_target``, the gpu-compile
 extra) with the train step's GPU options and the kernel ``auto`` picks there. The
 ratio CPU / GPU is the error band of a CPU-compiled plan.
 
-    PYTHONPATH=. python bench/compile_targets.py            # 9 layouts, ~3 minutes on 2 cores
+    PYTHONPATH=. python bench/compile_targets.py            # 11 layouts, ~4 minutes on 2 cores
     PYTHONPATH=. python bench/compile_targets.py --tiny     # smoke run
     PYTHONPATH=. python bench/compile_targets.py --kernels  # attention kernels, GPU only
 
@@ -33,6 +34,9 @@ CASES = [
     ("llama3_8b", 8, 16, 8192, "full", [(1, 8, 1, 1), (2, 4, 1, 1), (1, 4, 2, 1)]),
     ("llama3_8b", 64, 128, 8192, "full", [(8, 8, 1, 1), (8, 4, 2, 1), (8, 2, 4, 1)]),
     ("llama3_70b", 64, 64, 8192, "full", [(1, 32, 1, 2), (1, 16, 2, 2), (1, 8, 4, 2)]),
+    # Without remat, where the CPU compiler's widened bf16 activations show most.
+    ("llama3_8b", 8, 8, 4096, "none", [(1, 4, 1, 2)]),
+    ("llama3_8b", 64, 128, 4096, "none", [(8, 8, 1, 1)]),
 ]
 TINY = [("tiny", 8, 8, 256, "full", [(1, 8, 1, 1), (1, 4, 1, 2)])]
 

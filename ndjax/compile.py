@@ -103,7 +103,8 @@ def compile_for(config: Any, hardware: str, n: int, per_node: int = 8,
                 argument_bytes=int(m.argument_size_in_bytes), temp_bytes=int(m.temp_size_in_bytes),
                 output_bytes=int(m.output_size_in_bytes), alias_bytes=int(m.alias_size_in_bytes),
                 gpu_memory_bytes=int(hw.memory_bytes), compile_s=round(seconds, 2),
-                collectives=found, rematerializations=native.rematerializations, hlo=hlo)
+                collectives=found, rematerializations=native.rematerializations,
+                compiler_over_memory=native.over_memory, hlo=hlo)
 
 
 def _gib(n: float) -> str:
@@ -137,6 +138,8 @@ def report(r: dict[str, Any], config: Any) -> str:
                      "of results per device")
     for finding in r["rematerializations"]:
         lines.append(f"partitioner: {finding}")
+    for finding in r["compiler_over_memory"]:
+        lines.append(f"XLA's GPU compiler: {finding}")
     return "\n".join(lines)
 
 

@@ -31,14 +31,19 @@ _NATIVE_NOISE = re.compile(
 # What the SPMD partitioner says when it could not reshard a tensor efficiently:
 # it gathers the whole tensor and partitions it again (time and memory).
 _REMAT = re.compile(r"Involuntary full rematerialization.*")
+# What XLA's GPU compiler says when the step needs more than the GPU's memory even
+# after recomputing what it could.
+_OVER = re.compile(r"Can't reduce memory use below.*")
 
 
 @dataclasses.dataclass
 class NativeOutput:
     """What native code wrote to stderr inside ``native_stderr``: the partitioner's
-    involuntary rematerialisations (one line each, de-duplicated) and the rest."""
+    involuntary rematerialisations and the GPU compiler's "can't reduce memory use"
+    (one line each, de-duplicated), and the rest."""
 
     rematerializations: list[str] = dataclasses.field(default_factory=list)
+    over_memory: list[str] = dataclasses.field(default_factory=list)
     other: list[str] = dataclasses.field(default_factory=list)
 
 
@@ -66,13 +71,16 @@ def native_stderr(echo: bool = True) -> Iterator[NativeOutput]:
 
 def _sort(text: str, out: NativeOutput) -> None:
     for line in text.splitlines():
-        remat = _REMAT.search(line)
-        if remat:
-            finding = " ".join(remat.group(0).split())[:300]
-            if finding not in out.rematerializations:
-                out.rematerializations.append(finding)
-        elif line.strip() and not _NATIVE_NOISE.search(line):
-            out.other.append(line)
+        for pattern, found in ((_REMAT, out.rematerializations), (_OVER, out.over_memory)):
+            match = pattern.search(line)
+            if match:
+                finding = " ".join(match.group(0).split())[:300]
+                if finding not in found:
+                    found.append(finding)
+                break
+        else:
+            if line.strip() and not _NATIVE_NOISE.search(line):
+                out.other.append(line)
 
 
 def import_jax_quietly() -> None:

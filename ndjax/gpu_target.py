@@ -60,8 +60,8 @@ def require() -> None:
     absent = missing()
     if absent:
         raise ConfigError(
-            f"compiling for a GPU on this machine needs {', '.join(absent)}, which is not "
-            f"installed. Install it with: {INSTALL}")
+            f"compiling for a GPU on this machine needs the gpu-compile extra (not installed: "
+            f"{', '.join(absent)}). Install it with: {INSTALL}")
 
 
 def hardware(name: str) -> Hardware:

@@ -5,30 +5,38 @@ For one config and N devices:
 1. ``layouts``: every factorisation of N into replica x fsdp x context x tensor,
    under each rule preset (or the config's own table), with the config's
    ``model.remat`` and ``train.grad_accum``.
-2. ``check``: ``Experiment.from_config`` on N simulated CPU devices, the checks a
+2. ``check``: ``Experiment.from_config`` on the N devices compiled for, the checks a
    train.py run makes, with the target's dtypes (``model.dtype=auto`` is
    bfloat16 on GPUs). A layout that fails one is *rejected* with that one-line
    reason. Layouts that compile to the same program on the same devices
    (``megatron_sp`` without a tensor axis; ``zero3_everywhere`` on replica=2 x
    fsdp=4 is ``default`` on fsdp=8) are compiled once, as aliases of one another.
    The attention kernel is the one ``auto`` (or the config) picks on the target
-   GPU; a fused GPU kernel (cudnn, pallas) is compiled here as ``tiled``, the
-   CPU kernel with the same memory class (linear in the sequence).
+   GPU; on CPU devices a fused GPU kernel (cudnn, pallas) is compiled as ``tiled``,
+   the CPU kernel with the same memory class (linear in the sequence).
 3. ``measure``: the real train step lowered against abstract inputs and compiled
-   (nothing is allocated), in worker processes that each simulate N devices;
-   from the compiled module: argument and temporary bytes per device
-   (``memory_analysis``) and every collective (``ndjax.collectives``). Results are
-   cached on disk, keyed by the config, N, the jax version and ndjax's source.
+   (nothing is allocated): by XLA's GPU compiler for N GPUs of the target kind
+   where the gpu-compile extra is installed (``ndjax.gpu_target``; the fused
+   kernels compiled for real, with the train step's GPU options), else on N
+   simulated CPU devices, in worker processes; from the compiled module: argument
+   and temporary bytes per device (``memory_analysis``), every collective
+   (``ndjax.collectives``) and the partitioner's involuntary rematerialisations.
+   A layout whose inputs alone (parameters, optimizer state, batch: known from
+   their shardings) overflow the budget is not compiled. Results are cached on
+   disk, keyed by the config, N, the compiler, the jax version and ndjax's source.
 4. A layout over the memory budget whose parameters, optimizer state and batch
    fit is retried with more rematerialisation (``none`` -> ``save_proj`` -> ``full``)
    and then gradient accumulation (x2, x4, ...), until it fits or nothing is left.
+   With ``top``, a retry whose step time cannot beat the ``top``-th best layout
+   that fits (its measured communication plus the compute of more remat: more
+   remat adds compute and never removes a collective) is not compiled.
 5. ``ndjax.roofline`` turns FLOPs and collectives into a step time on the target
    hardware; fitting layouts are ranked by it (no-overlap figure).
 
 The CPU compiler is a stand-in for the GPU one: memory figures are XLA's CPU
-buffer plan for the same program (the CPU widens a few bf16 buffers and lowers
-reduce-scatter as all-reduce, so temporaries are a little high), and collective
-bytes are the program's, which a GPU compile shares.
+buffer plan for the same program (the CPU widens bf16 buffers and lowers
+reduce-scatter as all-reduce, so temporaries run high: BENCHMARKS.md, "Compiled
+for GPUs"), and collective bytes are the program's, which a GPU compile shares.
 """
 
 from __future__ import annotations
