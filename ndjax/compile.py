@@ -36,7 +36,7 @@ import_jax_quietly()
 import jax  # noqa: E402
 
 PROGRAM = "ndjax.compile"
-STEPS = ("train", "eval")
+STEPS = ("train", "eval", "decode")
 
 try:
     _CONFIG = config_flags.DEFINE_config_file(
@@ -46,7 +46,11 @@ except BAD_OVERRIDE as e:
 _HARDWARE = flags.DEFINE_string("hardware", "h100", "a100 | h100 | h200 | b200.")
 _DEVICES = flags.DEFINE_integer("devices", None, "GPUs to compile for (the mesh's product).")
 _PER_NODE = flags.DEFINE_integer("devices_per_node", 8, "GPUs per node (NVLink domain).")
-_STEP = flags.DEFINE_string("step", "train", "train | eval: which step to compile.")
+_STEP = flags.DEFINE_string(
+    "step", "train", "train | eval | decode: which step to compile. decode: generation's "
+    "prefill and decode loop (python -m ndjax.generate) for train.batch_size prompts of "
+    "train.seq_len - --max_new_tokens tokens, with a KV cache of train.seq_len.")
+_MAX_NEW = flags.DEFINE_integer("max_new_tokens", 256, "--step=decode: tokens to generate.")
 _JSON = flags.DEFINE_bool("json", False, "Print one JSON object on stdout, nothing else.")
 _DUMP = flags.DEFINE_string("dump_hlo", None, "Write the optimized HLO text to this directory.")
 _MEM_FRACTION = flags.DEFINE_float(
@@ -68,15 +72,37 @@ def _check_flags() -> None:
     fraction = _MEM_FRACTION.value
     if fraction is not None and not 0 < fraction <= 1:
         raise ConfigError(f"--mem_fraction={fraction} must be in (0, 1].")
+    if _STEP.value == "decode" and _MAX_NEW.value < 1:
+        raise ConfigError(f"--max_new_tokens={_MAX_NEW.value} must be >= 1.")
     if _DUMP.value is not None and os.path.exists(_DUMP.value) \
             and not os.path.isdir(_DUMP.value):
         raise ConfigError(f"--dump_hlo={_DUMP.value!r} exists and is not a directory.")
 
 
+def _decode_programs(config: Any, devices: list, max_new_tokens: int) -> tuple[Any, dict]:
+    """Generation's two programs, as ``python -m ndjax.generate`` builds them."""
+    from ndjax.errors import ConfigError
+    from ndjax.experiment import Experiment
+    from ndjax.generate import for_generation
+    from ndjax.sampling import Generator
+
+    t = config.train
+    if max_new_tokens >= t.seq_len:
+        raise ConfigError(f"--max_new_tokens={max_new_tokens} leaves no room for a prompt in "
+                          f"train.seq_len={t.seq_len} (the KV cache). Use fewer.")
+    exp = Experiment.from_config(for_generation(config, len(devices)), devices)
+    gen = Generator(exp.graphdef, exp.abstract_state.params, exp.model_cfg, exp.rules,
+                    max_new_tokens=max_new_tokens, max_len=t.seq_len)
+    with exp.for_target():
+        prefill, loop = gen.compile_ahead(t.batch_size, t.seq_len - max_new_tokens)
+    return exp, {"prefill": prefill, "decode": loop}
+
+
 def compile_for(config: Any, hardware: str, n: int, per_node: int = 8,
-                step: str = "train") -> dict[str, Any]:
+                step: str = "train", max_new_tokens: int = 256) -> dict[str, Any]:
     """Compile ``step`` of ``config`` for ``n`` GPUs of kind ``hardware``; what it
-    needs (the JSON fields of ``--json``) and, under ``hlo``, the optimized HLO."""
+    needs (the JSON fields of ``--json``) and, under ``hlo``, the optimized HLO (for
+    ``decode``, of whichever of prefill and decode needs more memory)."""
     from ndjax import gpu_target
     from ndjax.collectives import collectives
     from ndjax.console import native_stderr
@@ -85,11 +111,18 @@ def compile_for(config: Any, hardware: str, n: int, per_node: int = 8,
     hw = gpu_target.hardware(hardware)
     with native_stderr() as native:
         devices = gpu_target.devices(hw, n, per_node)
-        exp = Experiment.from_config(config, devices)
         start = time.perf_counter()
-        compiled = exp.compiled_step if step == "train" else exp.compiled_eval
+        if step == "decode":
+            exp, programs = _decode_programs(config, devices, max_new_tokens)
+        else:
+            exp = Experiment.from_config(config, devices)
+            programs = {step: exp.compiled_step if step == "train" else exp.compiled_eval}
         seconds = time.perf_counter() - start
-    m = compiled.memory_analysis()
+    memory = {name: c.memory_analysis() for name, c in programs.items()}
+    # The program that needs the most is what must fit (decode: prefill or the loop).
+    name = max(memory, key=lambda k: memory[k].argument_size_in_bytes
+               + memory[k].temp_size_in_bytes)
+    compiled, m = programs[name], memory[name]
     hlo = compiled.as_text()
     position = {d.id: i for i, d in enumerate(devices)}
     found = [dict(kind=c.kind, dtype=c.dtype, bytes=c.bytes, group_size=c.group_size,
@@ -97,7 +130,11 @@ def compile_for(config: Any, hardware: str, n: int, per_node: int = 8,
              for c in collectives(hlo)]
     return dict(hardware=hardware, gpu=hw.name, devices=n, devices_per_node=per_node,
                 step=step, mesh={a: int(s) for a, s in exp.mesh.shape.items()},
-                attention=exp.attention.name, attention_why=exp.attention.describe(),
+                attention="kv-cache" if step == "decode" else exp.attention.name,
+                attention_why=("the KV-cache attention of ndjax.models.decode"
+                               if step == "decode" else exp.attention.describe()),
+                programs={k: dict(argument_bytes=int(v.argument_size_in_bytes),
+                                  temp_bytes=int(v.temp_size_in_bytes)) for k, v in memory.items()},
                 dtype=np.dtype(exp.model_cfg.dtype).name,
                 remat=exp.model_cfg.remat, scan_layers=exp.model_cfg.scan_layers,
                 argument_bytes=int(m.argument_size_in_bytes), temp_bytes=int(m.temp_size_in_bytes),
@@ -125,6 +162,9 @@ def report(r: dict[str, Any], config: Any) -> str:
         f"budget ({r['mem_fraction']:.0%} of {_gib(r['gpu_memory_bytes'])}): "
         + ("fits" if r["fits"] else "DOES NOT FIT")
         + f"; output {_gib(r['output_bytes'])} (aliased to arguments: {_gib(r['alias_bytes'])})",
+        *(["programs: " + "; ".join(
+            f"{k} {_gib(v['argument_bytes'])} + {_gib(v['temp_bytes'])}"
+            for k, v in r["programs"].items())] if len(r["programs"]) > 1 else []),
         "not counted: cuBLAS/cuDNN workspaces (no autotuning without a GPU)",
         f"collectives per step ({len(r['collectives'])} in the program; --json lists each):",
     ]
@@ -171,7 +211,7 @@ def main(argv: list[str]) -> None:
             gpu_target.require()
             jax.devices()
         result = compile_for(config, _HARDWARE.value, _DEVICES.value, _PER_NODE.value,
-                             _STEP.value)
+                             _STEP.value, _MAX_NEW.value)
     except ConfigError as e:
         fail(PROGRAM, e)
     fraction = _MEM_FRACTION.value or mem_fraction_default()

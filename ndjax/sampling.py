@@ -162,6 +162,34 @@ class Generator:
         return (jax.device_put(tokens, NamedSharding(mesh, self.rules.spec(("act_batch", None)))),
                 jax.device_put(pad, NamedSharding(mesh, self.rules.spec(("act_batch",)))))
 
+    def compile_ahead(self, n_prompts: int, longest: int
+                      ) -> tuple[jax.stages.Compiled, jax.stages.Compiled]:
+        """Prefill and decode compiled for a batch of ``n_prompts`` prompts of up to
+        ``longest`` tokens, against abstract inputs (``params`` may be abstract too):
+        what ``python -m ndjax.compile --step=decode`` reads."""
+        from ndjax import compiler, platforms
+
+        rows, slots = self.shapes(n_prompts, longest)
+        mesh = self.rules.mesh
+        platform = platforms.of(mesh.devices.flat)
+
+        def placed(shape, dtype, names):
+            return jax.ShapeDtypeStruct(shape, dtype,
+                                        sharding=NamedSharding(mesh, self.rules.spec(names)))
+
+        key = placed(self.key.shape, self.key.dtype, ())
+        with rules_lib.use(self.rules):
+            prefill = compiler.compile_step(self.prefill.trace(
+                self.params, placed((rows, slots), jnp.int32, ("act_batch", None)),
+                placed((rows,), jnp.int32, ("act_batch",)), key).lower(), platform=platform)
+            first, cache = jax.tree.map(
+                lambda x, sharding: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding),
+                prefill.out_info, prefill.output_shardings)
+            decode_step = compiler.compile_step(self.decode.trace(
+                self.params, first, cache, key, placed((), jnp.int32, ())).lower(),
+                platform=platform)
+        return prefill, decode_step
+
     def check(self, prompts: Sequence[Sequence[int]]) -> None:
         for i, p in enumerate(prompts):
             if not len(p):

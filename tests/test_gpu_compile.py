@@ -232,7 +232,9 @@ def test_compile_cli_json_for_llama3_8b_at_16k():
     (["--devices=8", "--hardware=h900"], "--hardware='h900': choose one of"),
     (["--devices=4"], "multiply to 8, but there are 4 devices"),
     (["--devices=12"], "--devices=12 is not a whole number of nodes"),
-    (["--devices=8", "--step=decode"], "--step='decode': choose one of"),
+    (["--devices=8", "--step=predict"], "--step='predict': choose one of"),
+    (["--devices=8", "--step=decode", "--max_new_tokens=4096", "--config.train.seq_len=4096"],
+     "--max_new_tokens=4096 leaves no room for a prompt"),
 ])
 def test_compile_cli_bad_input_is_one_line(args, message):
     out = _compile_cli(*args)
@@ -240,6 +242,18 @@ def test_compile_cli_bad_input_is_one_line(args, message):
     lines = out.stderr.strip().splitlines()
     assert len(lines) == 1 and message in lines[0], out.stderr
     assert out.stdout == ""
+
+
+@needs_extra
+def test_compile_cli_decode_compiles_prefill_and_the_decode_loop():
+    out = _compile_cli("--hardware=h100", "--devices=8", "--json", "--step=decode",
+                       "--max_new_tokens=32", "--config.train.seq_len=256")
+    assert out.returncode == 0, out.stderr
+    r = json.loads(out.stdout)
+    assert r["step"] == "decode" and set(r["programs"]) == {"prefill", "decode"}
+    assert all(p["argument_bytes"] > 0 for p in r["programs"].values())
+    worst = max(p["argument_bytes"] + p["temp_bytes"] for p in r["programs"].values())
+    assert r["argument_bytes"] + r["temp_bytes"] == worst
 
 
 @needs_extra
