@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import sys
 from collections.abc import Callable
+from typing import Any
 
 from absl import flags
 
@@ -25,6 +26,19 @@ def fail(program: str, message: object, exit: Callable[[int], object] = sys.exit
     would only end the thread)."""
     print(f"{program}: error: {' '.join(str(message).split())}", file=sys.stderr, flush=True)
     exit(2)
+
+
+def loaded_config(program: str, flag: flags.FlagHolder) -> Any:
+    """The ``--config`` ConfigDict; a config file that failed to load or a bad
+    override (both surface on first access) is one line, exit 2."""
+    try:
+        config = flag.value
+        config.runtime  # noqa: B018 -- a config file that failed to load raises on access
+    except OSError as e:
+        fail(program, f"cannot load --config: {innermost(e)}")
+    except BAD_OVERRIDE as e:
+        fail(program, f"bad --config override: {innermost(e)}")
+    return config
 
 
 def config_path(argv: list[str]) -> str | None:

@@ -28,7 +28,7 @@ import numpy as np
 from absl import app, flags
 from ml_collections import config_flags
 
-from ndjax.cli import BAD_OVERRIDE, config_flags_parser, fail, innermost
+from ndjax.cli import BAD_OVERRIDE, config_flags_parser, fail, innermost, loaded_config
 from ndjax.console import import_jax_quietly, native_stderr
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -186,13 +186,7 @@ def report(r: dict[str, Any], config: Any) -> str:
 def main(argv: list[str]) -> None:
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-    try:
-        config = _CONFIG.value
-        config.runtime  # noqa: B018 -- a config file that failed to load raises on access
-    except OSError as e:
-        fail(PROGRAM, f"cannot load --config: {innermost(e)}")
-    except BAD_OVERRIDE as e:
-        fail(PROGRAM, f"bad --config override: {innermost(e)}")
+    config = loaded_config(PROGRAM, _CONFIG)
     from ndjax.console import quiet_libraries
     quiet_libraries()
 

@@ -23,7 +23,7 @@ import numpy as np
 from absl import app, flags
 from ml_collections import config_flags
 
-from ndjax.cli import BAD_OVERRIDE, config_flags_parser, fail, innermost
+from ndjax.cli import BAD_OVERRIDE, config_flags_parser, fail, innermost, loaded_config
 from ndjax.console import import_jax_quietly
 
 import_jax_quietly()
@@ -167,13 +167,7 @@ def main(argv: list[str]) -> None:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
     from ndjax.console import quiet_libraries
     quiet_libraries()
-    try:
-        config = _CONFIG.value
-        config.runtime  # noqa: B018 -- a config file that failed to load raises on access
-    except OSError as e:
-        fail(PROGRAM, f"cannot load --config: {innermost(e)}")
-    except BAD_OVERRIDE as e:
-        fail(PROGRAM, f"bad --config override: {innermost(e)}")
+    config = loaded_config(PROGRAM, _CONFIG)
 
     import jax
 

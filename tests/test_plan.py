@@ -80,6 +80,17 @@ def _compiles(messages):
                if m.startswith("compiling ") and "step(s)" in m)
 
 
+def test_a_layout_whose_inputs_overflow_is_not_compiled(tmp_path):
+    config = tiny_config(train={"batch_size": 2, "seq_len": 64})
+    messages = []
+    tiny_gpu = dataclasses.replace(H100, memory_gb=1e-6)  # 1 kB: no layout's inputs fit
+    plan = _plan(config, tiny_gpu, tmp_path, messages)
+    assert _compiles(messages) == 0, messages
+    over = plan.by_status("over")
+    assert over and all("parameters, optimizer state and batch alone need" in c.reason
+                        for c in over)
+
+
 def test_plan_for_the_top_layouts_compiles_less_and_ranks_the_same(tmp_path):
     """--top=1 skips remedies that cannot beat the best fitting layout (their measured
     communication plus the compute of more remat is already slower): the winner is
