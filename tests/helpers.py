@@ -15,7 +15,9 @@ def train_py_flags() -> list[str]:
     """``tiny_config()`` as train.py ``--config.*`` flags, so that runs of train.py
     in a subprocess train exactly what the in-process tests train."""
     c = tiny_config()
-    flags = [f"--config.model.{k}={c.model[k]}" for k in TINY_MODEL]
+    # scan_layers too: unset, a CPU run unrolls a small model's layers, another
+    # program whose float32 sums need not match the scanned one's bit for bit.
+    flags = [f"--config.model.{k}={c.model[k]}" for k in (*TINY_MODEL, "scan_layers")]
     flags += [f"--config.train.{k}={c.train[k]}" for k in
               ("steps", "batch_size", "seq_len", "lr", "warmup_steps", "schedule", "eps")]
     return flags + [f"--config.data.source={c.data.source}"]

@@ -101,9 +101,9 @@ def test_gpu_cases_are_valid_configs():
     for case in gpu.cases(tiny=False):
         if case["model"].get("attn_impl") in ("cudnn", "pallas"):
             with pytest.raises(ConfigError, match="runs on NVIDIA GPUs"):
-                gpu._experiment(case, case["ladder"][-1])
+                gpu._experiment(case, case["ladder"][-1], jax.devices()[:1])
         else:
-            exp = gpu._experiment(case, case["ladder"][-1])
+            exp = gpu._experiment(case, case["ladder"][-1], jax.devices()[:1])
             assert exp.model_cfg.dtype == jax.numpy.bfloat16, case
 
 

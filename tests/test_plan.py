@@ -130,7 +130,9 @@ def test_plan_rejects_with_reasons_and_fits_with_remat(tmp_path):
     ranked = roomy.by_status("ranked")
     assert sorted(c.layout.mesh for c in ranked) == ["context=2", "tensor=2"]
     assert all(c.layout.remat == "none" and c.estimate.serial_s > 0 for c in ranked)
-    assert {c.attention for c in ranked} == {"ring", "cudnn (compiled as tiled)"}
+    # One row on tensor=2: cuDNN's sharding rule fails there (ndjax.ops.attention.Cudnn),
+    # so an H100 runs Pallas.
+    assert {c.attention for c in ranked} == {"ring", "pallas (compiled as tiled)"}
     ring = next(c for c in ranked if c.layout.context == 2)
     assert ring.link.inside.get("collective-permute", 0) > 0
 
