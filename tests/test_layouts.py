@@ -1,10 +1,11 @@
 """Every layout trains exactly like one device (f32).
 
-Tolerances: loss rtol 1e-5 and params atol 1e-4 after 3 AdamW steps. Layouts
-differ from one device only in the order of floating-point reductions
-(all-reduce trees, split matmuls), which moves f32 results by ~1e-7 relative;
-Adam's update is bounded by lr (1e-2 here) per step, so parameters cannot
-drift by more than a few ulps of that.
+Tolerances (helpers.assert_same_training): the losses of 3 AdamW steps at rtol
+1e-5, and the first step's gradients within 1e-5 of each parameter's largest
+gradient. Layouts differ from one device only in the order of floating-point
+reductions (all-reduce trees, split matmuls), which moves f32 results by ~1e-7
+relative. Parameters after Adam are not compared: Adam divides by sqrt(v), so a
+near-zero gradient entry turns that noise into a parameter difference.
 """
 
 import jax
