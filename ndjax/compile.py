@@ -104,9 +104,8 @@ def compile_for(config: Any, hardware: str, n: int, per_node: int = 8,
     needs (the JSON fields of ``--json``) and, under ``hlo``, the optimized HLO (for
     ``decode``, of whichever of prefill and decode needs more memory)."""
     from ndjax import gpu_target
-    from ndjax.collectives import collectives
-    from ndjax.console import native_stderr
     from ndjax.experiment import Experiment
+    from ndjax.planner import collective_records
 
     hw = gpu_target.hardware(hardware)
     with native_stderr() as native:
@@ -124,10 +123,7 @@ def compile_for(config: Any, hardware: str, n: int, per_node: int = 8,
                + memory[k].temp_size_in_bytes)
     compiled, m = programs[name], memory[name]
     hlo = compiled.as_text()
-    position = {d.id: i for i, d in enumerate(devices)}
-    found = [dict(kind=c.kind, dtype=c.dtype, bytes=c.bytes, group_size=c.group_size,
-                  executed=c.executed, groups=[[position.get(d, d) for d in g] for g in c.groups])
-             for c in collectives(hlo)]
+    found = collective_records(hlo, exp.mesh, devices)
     return dict(hardware=hardware, gpu=hw.name, devices=n, devices_per_node=per_node,
                 step=step, mesh={a: int(s) for a, s in exp.mesh.shape.items()},
                 attention="kv-cache" if step == "decode" else exp.attention.name,

@@ -262,16 +262,21 @@ def measure(config_json: str, n: int, target: str | None = None,
         return {"error": f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0][:300]}"}
     seconds = time.perf_counter() - start
     m = compiled.memory_analysis()
-    position = {d.id: i for i, d in enumerate(devices)}
-    # Partition p of the compiled program runs on the mesh's p-th device.
-    order = [position[d.id] for d in exp.mesh.devices.flat]
-    records = [dict(kind=c.kind, dtype=c.dtype, bytes=c.bytes, ring_bytes=c.ring_bytes,
-                    group_size=c.group_size, executed=c.executed,
-                    groups=[[order[p] for p in g] for g in c.groups])
-               for c in collectives(compiled.as_text())]
+    records = collective_records(compiled.as_text(), exp.mesh, devices)
     return dict(arguments=int(m.argument_size_in_bytes), temporaries=int(m.temp_size_in_bytes),
                 compile_s=round(seconds, 2), collectives=records,
                 rematerializations=native.rematerializations)
+
+
+def collective_records(hlo: str, mesh: Any, devices: Sequence[jax.Device]) -> list[dict]:
+    """Every collective of a compiled step as a record, its groups as positions in
+    ``devices`` (partition p of the program runs on the mesh's p-th device)."""
+    position = {d.id: i for i, d in enumerate(devices)}
+    order = [position[d.id] for d in mesh.devices.flat]
+    return [dict(kind=c.kind, dtype=c.dtype, bytes=c.bytes, ring_bytes=c.ring_bytes,
+                 group_size=c.group_size, executed=c.executed,
+                 groups=[[order[p] for p in g] for g in c.groups])
+            for c in collectives(hlo)]
 
 
 class Cache:
