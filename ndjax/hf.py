@@ -13,7 +13,9 @@ and indexed (``model.safetensors.index.json``) as transformers does; then each
 file's tensors are gathered to the host (per Hugging Face tensor, i.e. per
 layer), written with ``safetensors.numpy.save_file`` and freed, so the host
 holds about one file. Everything goes into a temporary directory renamed into
-place at the end.
+place at the end. The token ids (config.json's, generation_config.json's) are the
+run's tokenizer's, and its tokenizer files go along, so that transformers'
+generate stops where training ended documents and AutoTokenizer loads the export.
 
 Files are opened with ``framework="numpy"``: it returns host arrays (bfloat16
 through ml_dtypes, which jax registers) that go straight to their devices,
@@ -32,7 +34,7 @@ import re
 import shutil
 import tempfile
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import jax
@@ -44,6 +46,7 @@ from jax.experimental import multihost_utils
 from safetensors import SafetensorError, safe_open
 
 from ndjax.config import default_config
+from ndjax.data.tokenizers import HFTokenizer, Tokenizer, load_tokenizer
 from ndjax.errors import ConfigError
 from ndjax.models import llama
 
@@ -59,9 +62,12 @@ _SIZE_UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
 # the host holds the shard plus one chunk of the file, not two copies of the shard.
 _CHUNKS = 32
 _CHUNK_CAP = 32 << 20
-# Files of the source directory that a Hugging Face user expects next to the weights.
-_COPIED = re.compile(r"(tokenizer|special_tokens_map|added_tokens|generation_config|"
-                     r"chat_template)[\w.-]*")
+# Files of the source directory that a Hugging Face user expects next to the weights:
+# the tokenizer's (which the run's own tokenizer replaces, when the export knows it)...
+_TOKENIZER_FILES = re.compile(r"(tokenizer|special_tokens_map|added_tokens|chat_template)"
+                              r"[\w.-]*")
+# ... and the model's.
+_MODEL_FILES = re.compile(r"generation_config[\w.-]*")
 # Left in old checkpoints by transformers < 4.31; recomputed from config.json.
 _IGNORED = re.compile(r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq")
 
@@ -304,11 +310,12 @@ def override_dims(model: ml_collections.ConfigDict, preset_dims: dict, ckpt: Che
     """The checkpoint's dims, with a warning naming each config field they override."""
     fields = ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "head_dim",
               "rope_theta", "tie_embeddings")
-    asked = [(f"model.{f}={model[f]!r}", f, model[f]) for f in fields if model[f] is not None]
+    set_ = {f: getattr(model, f) for f in fields if getattr(model, f) is not None}
+    asked = [(f"model.{f}={v!r}", f, v) for f, v in set_.items()]
     # A preset other than the default was chosen on purpose: say so if it is ignored.
     if model.preset != default_config().model.preset:
         asked += [(f"{f}={preset_dims[f]!r} of model.preset={model.preset!r}", f, preset_dims[f])
-                  for f in fields if model[f] is None and f in preset_dims]
+                  for f in fields if f not in set_ and f in preset_dims]
     changed = [f"{label} -> {ckpt.dims[f]!r}" for label, f, value in asked
                if value != ckpt.dims[f]]
     if changed:
@@ -426,9 +433,41 @@ def check_export(export: ml_collections.ConfigDict) -> None:
                           "overwrite it. Remove it or choose a new directory.")
 
 
+def run_tokenizer(data: Any) -> Tokenizer | None:
+    """The tokenizer whose ids a run trained on, for ``export``'s ``tokenizer``: ``data``
+    is the run's ``config.data`` (its ``source``, ``tokenizer`` and ``eos_token``). None
+    for synthetic data, whose ids are random and end no documents (and may not even
+    hold the byte tokenizer's, in a vocabulary under 259)."""
+    if data.source == "synthetic":
+        return None
+    return load_tokenizer(data.tokenizer, data.eos_token)
+
+
+def with_token_ids(config: dict, tokenizer: Tokenizer) -> dict:
+    """``config`` (config.json or generation_config.json) with the run's token ids.
+
+    EOS: the run's, unless ``config``'s already includes it (Llama 3 Instruct stops at
+    [128001, 128008, 128009]; a run ending documents with one of them keeps all three).
+    BOS: the run's, or where its tokenizer has none, ``config``'s (Qwen's config.json
+    names one its tokenizer does not). PAD: the run's (any id works; it says which).
+    """
+    out = dict(config)
+    eos = out.get("eos_token_id")
+    if not (eos == tokenizer.eos_id or (isinstance(eos, list) and tokenizer.eos_id in eos)):
+        out["eos_token_id"] = tokenizer.eos_id
+    if tokenizer.bos_id is not None:
+        out["bos_token_id"] = tokenizer.bos_id
+    else:  # None, not LlamaConfig's default 1, which is some other token here
+        out.setdefault("bos_token_id", None)
+    out["pad_token_id"] = tokenizer.pad_id
+    return out
+
+
 def hf_config(cfg: llama.LlamaConfig, dtype: str, source: dict | None = None,
-              max_position_embeddings: int | None = None) -> dict:
-    """config.json for ``cfg``; fields ndjax does not model (token ids, ...) from ``source``."""
+              max_position_embeddings: int | None = None,
+              tokenizer: Tokenizer | None = None) -> dict:
+    """config.json for ``cfg``; fields ndjax does not model from ``source``, token ids
+    from ``tokenizer`` (the run's) where given, else from ``source``."""
     out = {k: v for k, v in (source or {}).items() if k not in (
         "rope_scaling", "rope_parameters", "rope_theta", "torch_dtype", "dtype",
         "transformers_version", "auto_map", "quantization_config", "_name_or_path")}
@@ -448,6 +487,8 @@ def hf_config(cfg: llama.LlamaConfig, dtype: str, source: dict | None = None,
         rope_scaling=None if cfg.rope_scaling is None else dict(rope),
         dtype=dtype, torch_dtype=dtype)
     out.setdefault("max_position_embeddings", max_position_embeddings or default_positions)
+    if tokenizer is not None:
+        out = with_token_ids(out, tokenizer)
     # transformers' LlamaConfig defaults.
     for key, value in (("bos_token_id", 1), ("eos_token_id", 2), ("initializer_range", 0.02),
                        ("use_cache", True)):
@@ -522,14 +563,20 @@ def _write_file(path: str | None, tensors: list, dtype: np.dtype) -> None:
 
 def export(params: Any, cfg: llama.LlamaConfig, out_dir: str, dtype: str = "bfloat16", *,
            source: Checkpoint | None = None, max_position_embeddings: int | None = None,
-           shard_bytes: int = SHARD_BYTES) -> None:
+           shard_bytes: int = SHARD_BYTES, tokenizer: Tokenizer | None = None) -> None:
     """Writes ``params`` as a Hugging Face LlamaForCausalLM directory, atomically.
 
     All processes must call this (the gathers are collective); process 0 writes.
     Which tensors go in which file of at most ``shard_bytes`` is planned from the
     shapes first; then each file's tensors are gathered (stacked parameters one
     layer at a time), written and freed, so host memory stays at about one file.
-    Tokenizer and generation files of ``source`` are copied along.
+
+    ``tokenizer`` is the run's (``run_tokenizer(config.data)``; None: unknown, as for
+    synthetic data). Its bos/eos/pad ids go into config.json and generation_config.json,
+    and a tokenizer.json's files (tokenizer_config.json, chat template...) are copied,
+    replacing ``source``'s tokenizer files: the export describes the ids the weights
+    were trained on. Without it, ``source``'s token ids and files are kept. Generation
+    files of ``source`` are copied along.
     """
     np_dtype = _DTYPES[EXPORT_DTYPES[dtype]]
     tensors = list(_tensors(params))
@@ -547,7 +594,7 @@ def export(params: Any, cfg: llama.LlamaConfig, out_dir: str, dtype: str = "bflo
         if writer:
             _write_metadata(tmp, plan, np_dtype.itemsize,
                             hf_config(cfg, dtype, source and source.config,
-                                      max_position_embeddings), source)
+                                      max_position_embeddings, tokenizer), source, tokenizer)
             os.rename(tmp, out_dir)  # replaces an empty directory; fails on a non-empty one
             tmp = None
     finally:
@@ -558,8 +605,9 @@ def export(params: Any, cfg: llama.LlamaConfig, out_dir: str, dtype: str = "bflo
 
 
 def _write_metadata(tmp: str, plan: dict[str, list], itemsize: int, config: dict,
-                    source: Checkpoint | None) -> None:
-    """config.json, the index of a sharded export, and the source's tokenizer files."""
+                    source: Checkpoint | None, tokenizer: Tokenizer | None) -> None:
+    """config.json, the index of a sharded export, the source's generation files and
+    the run's (else the source's) tokenizer files."""
     with open(os.path.join(tmp, "config.json"), "w") as f:
         json.dump(config, f, indent=2, sort_keys=True)
     if len(plan) > 1:
@@ -569,5 +617,62 @@ def _write_metadata(tmp: str, plan: dict[str, list], itemsize: int, config: dict
         with open(os.path.join(tmp, "model.safetensors.index.json"), "w") as f:
             json.dump(index, f, indent=2)
     for file in sorted(os.listdir(source.directory)) if source else ():
-        if _COPIED.fullmatch(file) and os.path.isfile(os.path.join(source.directory, file)):
+        # A known run tokenizer replaces the source's: a byte run's ids are bytes, and a
+        # run on another tokenizer.json must not ship the source's next to its weights.
+        wanted = _MODEL_FILES.fullmatch(file) or (
+            tokenizer is None and _TOKENIZER_FILES.fullmatch(file))
+        if wanted and os.path.isfile(os.path.join(source.directory, file)):
             shutil.copy(os.path.join(source.directory, file), tmp)
+    if tokenizer is None:
+        return
+    generation = os.path.join(tmp, "generation_config.json")
+    if os.path.isfile(generation):
+        _update_json(generation, lambda c: with_token_ids(c, tokenizer))
+    if isinstance(tokenizer, HFTokenizer):
+        _copy_tokenizer(tmp, tokenizer)
+
+
+def _update_json(path: str, change: Callable[[dict], dict]) -> None:
+    """Rewrites the JSON object in ``path`` as ``change(it)`` (only if that differs)."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            before = json.load(f)
+    except (ValueError, UnicodeDecodeError) as e:
+        # At the end of a run: a copied file that is not JSON is left as it was, not
+        # worth losing the export over.
+        warnings.warn(f"{os.path.basename(path)} of the export is not JSON ({e}); its token "
+                      "ids were left as they were.", stacklevel=2)
+        return
+    if not isinstance(before, dict):
+        return
+    after = change(before)
+    if after != before:
+        with open(path, "w", encoding="utf-8") as f:
+            json.dump(after, f, indent=2, sort_keys=True, ensure_ascii=False)
+
+
+def _copy_tokenizer(tmp: str, tokenizer: HFTokenizer) -> None:
+    """The run's tokenizer.json (under that name, whatever the run called it) and the
+    files transformers keeps beside it; a tokenizer_config.json that names the run's
+    special tokens where it did not (or did not exist), so AutoTokenizer knows them."""
+    folder = os.path.dirname(os.path.abspath(tokenizer.name))
+    for file in sorted(os.listdir(folder)):
+        # The folder's own tokenizer.json is not the run's if the run named another file.
+        if _TOKENIZER_FILES.fullmatch(file) and file != "tokenizer.json" \
+                and os.path.isfile(os.path.join(folder, file)):
+            shutil.copy(os.path.join(folder, file), tmp)
+    shutil.copy(tokenizer.name, os.path.join(tmp, "tokenizer.json"))
+    config_path = os.path.join(tmp, "tokenizer_config.json")
+    if not os.path.isfile(config_path):
+        # transformers 4 and 5 both load a bare tokenizer.json through this class.
+        with open(config_path, "w", encoding="utf-8") as f:
+            json.dump({"tokenizer_class": "PreTrainedTokenizerFast"}, f)
+    named = {"eos_token": tokenizer.eos_id, "pad_token": tokenizer.pad_id,
+             "bos_token": tokenizer.bos_id}
+
+    def fill(config: dict) -> dict:
+        # Only absent keys: a name the file gives (even null) is the tokenizer's own.
+        missing = {k: tokenizer.id_to_token(i) for k, i in named.items()
+                   if k not in config and i is not None}
+        return {**config, **missing}
+    _update_json(config_path, fill)

@@ -26,11 +26,14 @@ import numpy as np
 import pytest
 import torch
 from conftest import tiny_config
+from data_files import data_config, texts, write_text, write_tokenizer
 from safetensors import safe_open
-from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+from test_tokenizer_files import QWEN, write_hf_tokenizer
+from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 from ndjax import hf
 from ndjax import rules as rules_lib
+from ndjax.data.tokenizers import load_tokenizer
 from ndjax.errors import ConfigError
 from ndjax.experiment import Experiment
 from ndjax.export import export_checkpoint
@@ -433,6 +436,124 @@ def test_export_cli_bad_input(trained_run, tmp_path):
     with pytest.raises(ConfigError, match=r"export.hf_dir=.* exists and is not empty"):
         export_checkpoint(workdir, str(trained_run / "at_end"))
     assert os.listdir(tmp_path) == []
+
+
+# ----- the run's tokenizer ---------------------------------------------------------------
+
+
+def exported_run(tmp_path, tokenizer="byte", **data):
+    """One step of a tiny model from scratch on text, on one device, exported afterwards
+    with ndjax.export; returns the export directory."""
+    write_text(tmp_path / "txt", texts(24))
+    c = data_config("text", str(tmp_path / "txt" / "*.txt"), tokenizer=tokenizer, **data)
+    c.model.tie_embeddings = False
+    c.train.steps = 1
+    c.log.tensorboard = False
+    one = jax.devices()[:1]
+    train(c, str(tmp_path / "w"), devices=one, verbose=False)
+    out = tmp_path / "out"
+    export_checkpoint(str(tmp_path / "w"), str(out), dtype="float32", devices=one)
+    return out
+
+
+def always_says(model, token):
+    """Makes a LlamaForCausalLM's greedy choice ``token`` at every step: the blocks add
+    nothing to the residual stream, every token embeds the same, only ``token``'s logit
+    row is non-zero (and the final norm's scale, ~1, keeps that logit positive)."""
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+        model.model.embed_tokens.weight.fill_(1.0)
+        model.lm_head.weight.zero_()
+        model.lm_head.weight[token] = 1.0
+        model.model.norm.weight.abs_()
+    return model
+
+
+def test_byte_tokenizer_export_stops_at_its_eos(tmp_path):
+    """The byte tokenizer ends documents with 256: config.json says so (not LlamaConfig's
+    defaults 1 and 2), and transformers' greedy generate stops there."""
+    out = exported_run(tmp_path)
+    config = json.loads((out / "config.json").read_text())
+    assert config["eos_token_id"] == 256
+    assert (config.get("bos_token_id"), config.get("pad_token_id")) == (257, 258)
+    model = always_says(AutoModelForCausalLM.from_pretrained(out).eval(), 256)
+    assert model.generation_config.eos_token_id == 256
+    prompt = torch.tensor([list(b"def f(")])
+    tokens = model.generate(prompt, max_new_tokens=8, do_sample=False)
+    assert tokens[0, 6:].tolist() == [256]  # stopped at EOS, not after 8 tokens
+    model.generation_config.eos_token_id = 2  # LlamaConfig's default, which exports wrote
+    assert model.generate(prompt, max_new_tokens=8, do_sample=False)[0, 6:].tolist() == [256] * 8
+    # No tokenizer files: transformers has no tokenizer for these byte ids.
+    assert not [n for n in os.listdir(out) if n.startswith(("tokenizer", "special_tokens"))]
+
+
+@pytest.mark.parametrize("kind", ["saved_by_transformers", "tokenizer_json_only"])
+def test_tokenizer_json_export_carries_its_tokenizer(tmp_path, kind):
+    """A run on a tokenizer.json: its files (tokenizer_config.json, chat template) go into
+    the export, AutoTokenizer loads them and agrees with the run on every special id and on
+    the tokens; config.json's ids are the run's. Without a tokenizer_config.json (a bare
+    tokenizer.json), the export writes one naming the run's end token."""
+    folder = tmp_path / "tok"
+    if kind == "saved_by_transformers":  # Qwen-like: EOS <|im_end|> from tokenizer_config
+        path = write_hf_tokenizer(folder, **{k: v for k, v in QWEN.items() if k != "special"})
+    else:  # EOS <|endoftext|> by its usual name, pad <pad>
+        folder.mkdir()
+        path = write_tokenizer(folder / "tokenizer.json", texts(24))
+    tok = load_tokenizer(str(path))
+    out = exported_run(tmp_path, str(path))
+    assert (out / "tokenizer.json").read_bytes() == path.read_bytes()
+    ref = AutoTokenizer.from_pretrained(out)
+    config = json.loads((out / "config.json").read_text())
+    assert config["eos_token_id"] == ref.eos_token_id == tok.eos_id
+    assert config["pad_token_id"] == ref.pad_token_id == tok.pad_id
+    assert config["bos_token_id"] is None and ref.bos_token_id is None  # none in either
+    assert AutoModelForCausalLM.from_pretrained(out).generation_config.eos_token_id == tok.eos_id
+    text = texts(1)[0]
+    assert ref(text, add_special_tokens=False).input_ids == tok.encode(text)
+    if kind == "saved_by_transformers":
+        assert ref.decode([tok.eos_id]) == "<|im_end|>"
+        chat = [{"role": "user", "content": "alpha beta"}]
+        original = AutoTokenizer.from_pretrained(folder)
+        assert ref.apply_chat_template(chat, tokenize=False) == original.apply_chat_template(
+            chat, tokenize=False)
+        assert sorted(os.listdir(out)) == sorted(
+            ["config.json", "model.safetensors", *os.listdir(folder)])
+
+
+@pytest.mark.parametrize("run", ["byte", "source_tokenizer"])
+def test_export_from_a_checkpoint_takes_the_run_token_ids(tmp_path, run):
+    """From model.init_from: config.json and the copied generation_config.json get the
+    run's ids. A byte run drops the source's tokenizer files (its ids are bytes); a run on
+    the source's own tokenizer.json keeps them, with the EOS of its tokenizer_config.json."""
+    source = tmp_path / "source"
+    make_hf(source, **CASES["odd_sizes"])  # vocab 264 holds the byte tokenizer's 259 ids
+    path = write_hf_tokenizer(source, **{k: v for k, v in QWEN.items() if k != "special"})
+    tok = load_tokenizer("byte" if run == "byte" else str(path))
+    exp = Experiment.from_config(config_for(source), jax.devices()[:1])
+    out = tmp_path / "out"
+    hf.export(load(exp), exp.model_cfg, str(out), "float32", source=exp.checkpoint,
+              tokenizer=tok)
+    config = json.loads((out / "config.json").read_text())
+    generation = json.loads((out / "generation_config.json").read_text())
+    # The source's bos 1 stays where the run's tokenizer has none (Qwen's).
+    want = (tok.eos_id, 1 if tok.bos_id is None else tok.bos_id, tok.pad_id)
+    for ids in (config, generation):
+        assert (ids["eos_token_id"], ids["bos_token_id"], ids["pad_token_id"]) == want
+    names = {n for n in os.listdir(out) if n.startswith(("tokenizer", "chat_template"))}
+    assert names == (set() if run == "byte" else
+                     {"tokenizer.json", "tokenizer_config.json", "chat_template.jinja"})
+
+
+@pytest.mark.parametrize("current, eos, want", [
+    (2, 7, 7), ([5, 7], 7, [5, 7]), ([5, 6], 7, 7), (None, 7, 7), (7, 7, 7)])
+def test_eos_of_the_source_is_kept_when_it_holds_the_run_eos(current, eos, want):
+    """Llama 3 Instruct's generation_config.json stops at [128001, 128008, 128009]: a run
+    whose EOS is one of them keeps the list; any other source EOS gives way to the run's."""
+    tok = load_tokenizer("byte")
+    tok = type("Tok", (), dict(eos_id=eos, bos_id=tok.bos_id, pad_id=tok.pad_id))()
+    assert hf.with_token_ids({"eos_token_id": current}, tok)["eos_token_id"] == want
 
 
 # ----- bad input ----------------------------------------------------------------------

@@ -3,21 +3,31 @@
 Both expose the same small interface (``Tokenizer``): ``vocab_size`` (one past
 the largest id it can emit, what the model's embedding must cover), ``eos_id``
 (appended after every document when packing), ``pad_id`` (the input id of
-padding, which the loss mask and segment id 0 hide) and ``encode_batch``.
+padding, which the loss mask and segment id 0 hide), ``bos_id`` (None if there
+is none; training adds no BOS, exports write it) and ``encode_batch``.
+
+A tokenizer.json's special tokens are read as transformers' AutoTokenizer reads
+them: from the ``tokenizer_config.json`` beside it (and the legacy
+``special_tokens_map.json``), so the EOS that ends documents is the one the
+checkpoint's own tokenizer and generation stop at (``<|im_end|>`` for Qwen, not
+the ``<|endoftext|>`` its vocabulary also holds).
 """
 
 from __future__ import annotations
 
 import functools
+import json
 import os
 from collections.abc import Sequence
 from typing import Protocol
 
 import numpy as np
 
+from ndjax.data.chat_template import token_text
 from ndjax.errors import ConfigError
 
-# Special tokens of HF tokenizers that end a document, most specific first.
+# Special tokens of HF tokenizers that end a document, most specific first: the guess
+# when neither data.eos_token nor tokenizer_config.json names one.
 EOS_CANDIDATES = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>", "<|eos|>", "[SEP]")
 
 
@@ -26,6 +36,7 @@ class Tokenizer(Protocol):
     vocab_size: int
     eos_id: int
     pad_id: int
+    bos_id: int | None
     takes_bytes: bool  # False: documents must be decoded to str first
 
     def encode_batch(self, texts: Sequence[str | bytes]) -> list[np.ndarray]: ...
@@ -42,7 +53,7 @@ class ByteTokenizer:
     name = "byte"
     EOS, BOS, PAD = 256, 257, 258
     vocab_size = 259
-    eos_id, pad_id = EOS, PAD
+    eos_id, pad_id, bos_id = EOS, PAD, BOS
     takes_bytes = True
 
     def encode_batch(self, texts: Sequence[str | bytes]) -> list[np.ndarray]:
@@ -80,7 +91,23 @@ class HFTokenizer:
                               f"{str(e).splitlines()[0]}") from None
         self.name = path
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
-        names = (eos_token,) if eos_token else EOS_CANDIDATES
+        # The named special tokens (eos_token, bos_token, pad_token...) of the files
+        # transformers saves beside tokenizer.json.
+        self.special = special_tokens(path, field)
+        named_eos = self.special.get("eos_token")
+        if eos_token:
+            names = (eos_token,)
+        elif named_eos is not None:
+            # transformers would add a missing eos_token to the vocabulary as a new id the
+            # model never saw; that is a broken directory, not a guess to make silently.
+            if self._tok.token_to_id(named_eos) is None:
+                raise ConfigError(
+                    f"{field}={path!r}: eos_token={named_eos!r} of the tokenizer_config.json "
+                    "(or special_tokens_map.json) beside it is not a token of this tokenizer; "
+                    "fix that file or set data.eos_token to the token that ends a document.")
+            names = (named_eos,)
+        else:
+            names = EOS_CANDIDATES
         found = [t for t in names if self._tok.token_to_id(t) is not None]
         if not found:
             what = (f"data.eos_token={eos_token!r} is not" if eos_token
@@ -88,8 +115,14 @@ class HFTokenizer:
             raise ConfigError(f"{field}={path!r}: {what} a token of this tokenizer; set "
                               "data.eos_token to the token that ends a document.")
         self.eos_id = self._tok.token_to_id(found[0])
-        # Padding is masked out of the loss and attention, so any valid id works.
-        self.pad_id = next((i for i in (self._tok.token_to_id(t) for t in ("<pad>", "[PAD]"))
+        # Training adds no BOS; the id is for exports (config.json's bos_token_id). A
+        # bos_token missing from the vocabulary leaves it unknown rather than failing.
+        bos = self.special.get("bos_token")
+        self.bos_id = None if bos is None else self._tok.token_to_id(bos)
+        # Padding is masked out of the loss and attention, so any valid id works; the
+        # named pad_token first, so that exports and transformers agree on it.
+        pads = (self.special.get("pad_token"), "<pad>", "[PAD]")
+        self.pad_id = next((i for i in (self._tok.token_to_id(t) for t in pads if t)
                             if i is not None), self.eos_id)
         self._dtype = token_dtype(self.vocab_size)
 
@@ -122,6 +155,42 @@ class HFTokenizer:
 
     def decode(self, ids: Sequence[int]) -> str:
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=False)
+
+    def id_to_token(self, i: int) -> str | None:
+        """The token text of one id (a special token's own text, e.g. ``<|im_end|>``)."""
+        return self._tok.id_to_token(int(i))
+
+
+SPECIAL_FILES = ("tokenizer_config.json", "special_tokens_map.json")
+
+
+def _read_json(path: str, field: str, tokenizer: str) -> dict:
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except (ValueError, UnicodeDecodeError) as e:  # JSONDecodeError is a ValueError
+        raise ConfigError(f"{field}={tokenizer!r}: {path} is not valid JSON ({e}); fix it or "
+                          "remove it.") from None
+    return data if isinstance(data, dict) else {}
+
+
+def special_tokens(path: str, field: str = "data.tokenizer") -> dict[str, str | None]:
+    """``{"eos_token": "<|im_end|>", "bos_token": None, ...}``: the special tokens that the
+    files beside tokenizer.json ``path`` name, merged as transformers 5 merges them.
+
+    tokenizer_config.json holds each as a string or an AddedToken dict (``content``);
+    special_tokens_map.json, the legacy file, overrides it only when tokenizer_config.json
+    has no ``added_tokens_decoder`` (transformers 4 saves both, with the same tokens).
+    A key present with null means "none", as in Qwen's ``"bos_token": null``.
+    """
+    folder = os.path.dirname(os.path.abspath(path))
+    config, legacy = (_read_json(p, field, path) if os.path.isfile(p) else {}
+                      for p in (os.path.join(folder, n) for n in SPECIAL_FILES))
+    merged = dict(config)
+    if "added_tokens_decoder" not in config:
+        merged.update(legacy)
+    return {k: token_text(v) for k, v in merged.items()
+            if k.endswith("_token") and (v is None or token_text(v) is not None)}
 
 
 @functools.lru_cache(maxsize=8)
