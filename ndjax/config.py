@@ -1,16 +1,28 @@
-"""Experiment configuration: the defaults every config file starts from.
+"""Experiment configuration: typed sections, every field checked once, in one place.
 
-A config file (``configs/*.py``) calls ``default_config()`` and changes what
-its experiment needs; command-line flags (``--config.train.steps=5``) change
-the rest. ``check_keys`` rejects keys that the defaults do not know, so a typo
-is an error instead of a silently ignored setting.
+Users write configs as ml_collections files (``configs/*.py`` call
+``default_config()`` and change what their experiment needs) and override them
+with ``--config.train.steps=5``. ``Settings.parse`` turns that ConfigDict into
+frozen dataclasses: each field has a type and, where it has one, its allowed
+values or range, declared beside its default below. Unknown keys, wrong types
+and out-of-range values are one ``ConfigError`` naming the field, the value and
+a fix, raised before anything is built. Checks that need the mesh or the model
+(divisibility, kernels) stay in ``Experiment.from_config``.
+
+The code below ``Experiment`` receives these typed sections, never the ConfigDict.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
+import functools
 import json
+import math
 import os
+import typing
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import ml_collections
 from ml_collections import config_dict
@@ -18,173 +30,455 @@ from ml_collections import config_dict
 from ndjax.errors import ConfigError
 
 
-def default_config() -> ml_collections.ConfigDict:
-    c = ml_collections.ConfigDict()
+@dataclasses.dataclass(frozen=True)
+class Spec:
+    """What a field accepts beyond its type. ``choices`` may be a function, so that
+    tables defined in heavier modules (kernels, presets) are read only when checked."""
 
-    c.model = ml_collections.ConfigDict()
-    c.model.preset = "tiny"
-    # Dims left at None come from the preset.
-    for field in ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim",
-                  "head_dim"):
-        c.model[field] = config_dict.placeholder(int)
-    c.model.rope_theta = config_dict.placeholder(float)
-    c.model.tie_embeddings = config_dict.placeholder(bool)
-    c.model.dtype = "auto"        # compute dtype: auto = bfloat16 on GPU/TPU, float32 on CPU
-    c.model.param_dtype = "float32"  # dtype parameters are stored in: float32 | bfloat16
+    choices: Sequence[Any] | Callable[[], Sequence[Any]] | None = None
+    ge: float | None = None
+    gt: float | None = None
+    le: float | None = None
+    lt: float | None = None
+    hint: str = ""  # appended to the error: what the field means or how to fix it
+
+
+def setting(default: Any, **spec: Any) -> Any:
+    return dataclasses.field(default=default, metadata={"spec": Spec(**spec)})
+
+
+def _presets() -> Sequence[str]:
+    from ndjax.models import llama
+    return sorted(llama.PRESETS)
+
+
+def _remat() -> Sequence[str]:
+    from ndjax.models import llama
+    return tuple(llama.REMAT_POLICIES)
+
+
+def _attn_impls() -> Sequence[str]:
+    from ndjax.ops import attention
+    return attention.IMPLS
+
+
+def _cp_layouts() -> Sequence[str]:
+    from ndjax.ops import ring_attention
+    return ring_attention.LAYOUTS
+
+
+def _sources() -> Sequence[str]:
+    from ndjax.data import loader
+    return loader.SOURCES
+
+
+_DIMS = dict(ge=1, hint=" (or unset: the preset's)")
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSettings:
+    preset: str = setting("tiny", choices=_presets)
+    # Dims left at None come from the preset (or model.init_from's config.json).
+    vocab_size: int | None = setting(None, **_DIMS)
+    dim: int | None = setting(None, **_DIMS)
+    n_layers: int | None = setting(None, **_DIMS)
+    n_heads: int | None = setting(None, **_DIMS)
+    n_kv_heads: int | None = setting(None, **_DIMS)
+    ffn_dim: int | None = setting(None, **_DIMS)
+    head_dim: int | None = setting(None, **_DIMS)
+    rope_theta: float | None = setting(None, gt=0)
+    # Llama 3 frequency scaling: {factor, low_freq_factor, high_freq_factor,
+    # original_max_position_embeddings}; {}: none; None: the preset's. A run saves the model it
+    # trained in full (ndjax.workdir), so its workdir needs no model.init_from.
+    rope_scaling: dict | None = setting(None)
+    rms_norm_eps: float | None = setting(None, gt=0)
+    tie_embeddings: bool | None = setting(None)
+    # compute dtype: auto = bfloat16 on GPU/TPU, float32 on CPU
+    dtype: str = setting("auto", choices=("auto", "float32", "bfloat16", "float16"))
+    # dtype parameters are stored in (no float16: its range needs loss scaling)
+    param_dtype: str = setting("float32", choices=("float32", "bfloat16"))
     # The decoder layers: True = one scanned block (compile time flat in depth),
     # False = unrolled; unset = unrolled on CPU up to 8 layers, else scanned
     # (ndjax.models.llama.default_scan_layers says why).
-    c.model.scan_layers = config_dict.placeholder(bool)
-    c.model.remat = "none"        # none | full | save_proj | save_attn
+    scan_layers: bool | None = setting(None)
+    remat: str = setting("none", choices=_remat)
     # Attention: auto = ring over mesh.context, cuDNN or Pallas on a GPU, else by
-    # length: dense, blocked, tiled (ndjax.ops.attention.choose); or
-    # a kernel by name. Ring attention's layout (zigzag balances the causal work,
-    # contiguous does not) and the tiled and ring key tile (memory O(local_len x tile)).
-    c.model.attn_impl = "auto"
-    c.model.cp_layout = "zigzag"
-    c.model.attn_kv_tile = 512
+    # length: dense, blocked, tiled (ndjax.ops.attention.choose); or a kernel by name.
+    attn_impl: str = setting("auto", choices=_attn_impls,
+                             hint=" (auto picks by mesh, device and sequence length)")
+    # Ring attention's layout (zigzag balances the causal work over the context
+    # shards, contiguous does not).
+    cp_layout: str = setting("zigzag", choices=_cp_layouts)
+    # The tiled and ring key tile (memory O(local_len x tile)).
+    attn_kv_tile: int = setting(512, ge=1)
     # The most documents one row may hold where the kernel needs a bound: cudnn keeps
     # softmax statistics for max_docs x seq_len per head and layer (a row's padding
     # counts as one document). A batch with more stops the run, naming this field.
-    c.model.attn_max_docs = 64
+    attn_max_docs: int = setting(64, ge=1)
     # A local Hugging Face Llama directory (config.json + safetensors): its
     # config.json sets the dims above and its weights the initial parameters.
-    c.model.init_from = config_dict.placeholder(str)
+    init_from: str | None = setting(None)
 
-    c.mesh = ml_collections.ConfigDict()
-    c.mesh.replica = 1
-    c.mesh.fsdp = -1              # -1: all remaining devices
-    c.mesh.context = 1
-    c.mesh.tensor = 1
+    def check(self) -> None:
+        if self.rope_scaling is not None:
+            from ndjax.models.llama import RopeScaling
+            known = {f.name for f in dataclasses.fields(RopeScaling)}
+            unknown = sorted(set(self.rope_scaling) - known)
+            if unknown:
+                raise ConfigError(f"model.rope_scaling={self.rope_scaling!r}: unknown keys "
+                                  f"{unknown}; it takes {sorted(known)}.")
 
-    # A preset name from ndjax.rules.PRESETS, or a full table of
-    # (logical_name, mesh_axes) pairs.
-    c.rules = config_dict.FieldReference("default", field_type=object)
 
-    c.runtime = ml_collections.ConfigDict()
-    c.runtime.cpu_devices = 8     # simulated devices per process on a CPU-only host; ignored on GPU
+@dataclasses.dataclass(frozen=True)
+class MeshSettings:
+    # Degrees of the four axes; -1 (one axis at most): all remaining devices. The
+    # values are checked against the device count in ndjax.mesh.ParallelDims.
+    replica: int = setting(1)
+    fsdp: int = setting(-1)
+    context: int = setting(1)
+    tensor: int = setting(1)
+
+
+@dataclasses.dataclass(frozen=True)
+class RuntimeSettings:
+    # simulated devices per process on a CPU-only host; ignored on GPU
+    cpu_devices: int = setting(8, ge=1)
     # Several processes (one per host or per GPU) joined by jax.distributed. Left
     # unset, a launcher's environment (srun, mpirun, JAX_COORDINATOR_ADDRESS)
     # decides, and a plain single-process run needs nothing. See the README's
     # "Multiple hosts" section.
-    c.runtime.coordinator = config_dict.placeholder(str)  # host:port of process 0
-    c.runtime.num_processes = config_dict.placeholder(int)
-    c.runtime.process_id = config_dict.placeholder(int)
+    coordinator: str | None = setting(None, hint=" (host:port of process 0)")
+    num_processes: int | None = setting(None, ge=1)
+    process_id: int | None = setting(None, ge=0)
     # GPUs this process uses, e.g. "0,1,2,3,4,5,6,7"; unset: all (under srun, jax
     # gives each task only the GPU of its SLURM_LOCALID unless this is set).
-    c.runtime.local_device_ids = config_dict.placeholder(str)
-    c.runtime.init_timeout = 300    # seconds to wait for the coordinator and every process
+    local_device_ids: str | None = setting(None)
+    # seconds to wait for the coordinator and every process
+    init_timeout: int = setting(300, ge=1)
     # A process silent for this many seconds is declared dead and the others stop.
-    c.runtime.heartbeat_timeout = 100
+    heartbeat_timeout: int = setting(100, ge=1)
 
-    c.train = ml_collections.ConfigDict()
-    # Defaults are the CPU demo (tiny model, builtin corpus): the loss falls from
-    # 7.8 to about 2.7 in 100 steps.
-    c.train.steps = 100
-    c.train.batch_size = 8        # global batch, in rows of seq_len tokens
-    c.train.seq_len = 64
-    c.train.seed = 0
-    c.train.lr = 3e-3
-    c.train.schedule = "cosine"   # cosine (warmup + cosine decay) | constant (warmup + flat)
-    c.train.warmup_steps = 5
-    c.train.min_lr_ratio = 0.1    # cosine decays to lr * min_lr_ratio
-    c.train.weight_decay = 0.1
-    c.train.b1 = 0.9
-    c.train.b2 = 0.95
-    c.train.eps = 1e-8
-    c.train.clip_norm = 1.0       # global-norm clipping; 0 disables
-    # dtype AdamW's two moments are stored in: float32 | bfloat16 (computed in float32).
-    c.train.opt_state_dtype = "float32"
+
+@dataclasses.dataclass(frozen=True)
+class TrainSettings:
+    # Defaults are the CPU demo (tiny model, builtin corpus).
+    steps: int = setting(100, ge=0)
+    batch_size: int = setting(8, ge=1, hint=" (global batch, in rows of seq_len tokens)")
+    seq_len: int = setting(64, ge=1)
+    seed: int = setting(0, ge=0, lt=2**32)
+    lr: float = setting(3e-3, ge=0)
+    # cosine (warmup + cosine decay) | constant (warmup + flat)
+    schedule: str = setting("cosine", choices=("cosine", "constant"))
+    warmup_steps: int = setting(5, ge=0)
+    min_lr_ratio: float = setting(0.1, ge=0, le=1, hint=" (cosine decays to lr * min_lr_ratio)")
+    weight_decay: float = setting(0.1, ge=0)
+    b1: float = setting(0.9, ge=0, lt=1)
+    b2: float = setting(0.95, ge=0, lt=1)
+    eps: float = setting(1e-8, gt=0)
+    clip_norm: float = setting(1.0, ge=0, hint=" (global-norm clipping; 0 disables)")
+    # dtype AdamW's two moments are stored in (computed in float32).
+    opt_state_dtype: str = setting("float32", choices=("float32", "bfloat16"))
     # A NaN/Inf loss or gradient norm: "stop" (exit non-zero, save nothing) or
     # "skip" (drop that update, count it in the metrics).
-    c.train.on_nan = "stop"
+    on_nan: str = setting("stop", choices=("stop", "skip"))
     # Micro-batches per step: the batch runs as grad_accum slices of batch_size /
     # grad_accum rows in one jitted step, gradients summed (activation memory of
     # one slice; the update is the same as one big batch's).
-    c.train.grad_accum = 1
+    grad_accum: int = setting(1, ge=1, hint=" (micro-batches per step)")
     # Sequence positions per chunk of the LM head + cross-entropy: the logits of
     # one chunk exist at a time, never the whole batch's (b x seq x vocab).
-    c.train.loss_chunk = 1024
-    c.train.eval_every = 0        # loss on the validation split every N steps; 0 = never
-    c.train.eval_steps = 4        # batches per evaluation (the same ones every time)
+    loss_chunk: int = setting(1024, ge=1, hint=" (sequence positions per chunk of the LM "
+                                               "head and loss)")
+    eval_every: int = setting(0, ge=0, hint=" (loss on the validation split every N steps; "
+                                            "0 = never)")
+    eval_steps: int = setting(4, ge=1, hint=" (batches per evaluation)")
 
+
+@dataclasses.dataclass(frozen=True)
+class DataSettings:
     # Where batches come from (see ndjax/data/ and the README's Data section).
-    c.data = ml_collections.ConfigDict()
     # builtin: this Python's standard library source | synthetic: a seeded Markov
     # chain | text | jsonl | parquet: local files | tokens: pre-tokenized files |
     # chat: conversations (JSON Lines or Parquet)
-    c.data.source = "builtin"
-    c.data.files = ""             # comma-separated paths or globs (the file sources)
-    c.data.eval_files = ""        # the validation split of those sources, same format
-    c.data.text_field = "text"    # JSON Lines key / Parquet column holding the text
+    source: str = setting("builtin", choices=_sources)
+    files: str = setting("", hint=" (comma-separated paths or globs)")
+    eval_files: str = setting("")  # the validation split of those sources, same format
+    text_field: str = setting("text")  # JSON Lines key / Parquet column holding the text
     # chat: JSON Lines / Parquet conversations, rendered with the tokenizer's chat
     # template; only the assistant's tokens are learned (README "Fine-tuning on chat data").
-    c.data.messages_field = "messages"      # a list of {role, content}
-    c.data.prompt_field = "prompt"          # or a prompt (user) ...
-    c.data.completion_field = "completion"  # ... and completion (assistant) pair
-    c.data.chat_template = ""     # a Jinja template file; "" = the tokenizer's own
-    c.data.overlong = "drop"      # a conversation longer than seq_len + 1 tokens: drop | truncate
-    c.data.tokenizer = "byte"     # byte (256 bytes + EOS/BOS/PAD) or a tokenizer.json path
-    c.data.eos_token = ""         # a tokenizer.json's end-of-document token; "" = guess
-    c.data.token_dtype = "auto"   # raw token files: uint16 | uint32; auto = from the sidecar
-    c.data.packing = True         # pack documents into full rows; False: one piece per row
-    c.data.prefetch = 2           # batches a loader thread prepares ahead; 0 = no thread
+    messages_field: str = setting("messages")      # a list of {role, content}
+    prompt_field: str = setting("prompt")          # or a prompt (user) ...
+    completion_field: str = setting("completion")  # ... and completion (assistant) pair
+    chat_template: str = setting("")  # a Jinja template file; "" = the tokenizer's own
+    # a conversation longer than seq_len + 1 tokens: drop | truncate
+    overlong: str = setting("drop", choices=("drop", "truncate"),
+                            hint=" (drop leaves out a conversation longer than train.seq_len "
+                                 "+ 1 tokens, truncate keeps its beginning)")
+    # byte (256 bytes + EOS/BOS/PAD) or a tokenizer.json path
+    tokenizer: str = setting("byte")
+    # a tokenizer.json's end-of-document token; "" = its tokenizer_config.json's, else a guess
+    eos_token: str = setting("")
+    # raw token files: uint16 | uint32; auto = from the sidecar
+    token_dtype: str = setting("auto", choices=("auto", "uint16", "uint32"))
+    packing: bool = setting(True)  # pack documents into full rows; False: one piece per row
+    # batches a loader thread prepares ahead; 0 = no thread
+    prefetch: int = setting(2, ge=0, hint=" (0: no thread)")
 
-    c.checkpoint = ml_collections.ConfigDict()
-    c.checkpoint.every = 0        # save every N steps (0: only at the end and on SIGTERM)
-    c.checkpoint.keep = 3         # newest checkpoints kept (0: all)
-    c.checkpoint["async"] = True  # write files in the background while training goes on
-    c.checkpoint.resume = "auto"  # auto (newest complete one) | never | a step number
 
-    c.log = ml_collections.ConfigDict()
-    c.log.every = 1
-    c.log.tensorboard = True      # event files under <workdir>/tb/
-    c.log.peak_tflops = config_dict.placeholder(float)  # per device; default from the device kind
-    c.log.profile_steps = ()      # (first, last): jax.profiler trace into <workdir>/profile/
+@dataclasses.dataclass(frozen=True)
+class CheckpointSettings:
+    every: int = setting(0, ge=0, hint=" (save every N steps; 0: only at the end and on "
+                                       "SIGTERM)")
+    keep: int = setting(3, ge=0, hint=" (newest checkpoints kept; 0: all)")
+    # write files in the background while training goes on (was ``async``, a Python
+    # keyword that a --config override cannot name)
+    async_save: bool = setting(True)
+    # auto (newest complete one) | never | a step number
+    resume: str = setting("auto")
 
-    c.debug = ml_collections.ConfigDict()
-    c.debug.nan_at_step = -1      # poison the loss at this step (tests of train.on_nan)
+    def check(self) -> None:
+        if self.resume not in ("auto", "never") and not self.resume.isdigit():
+            raise ConfigError(f"checkpoint.resume={self.resume!r}: use 'auto', 'never' or a "
+                              "step number.")
 
-    c.export = ml_collections.ConfigDict()
+
+@dataclasses.dataclass(frozen=True)
+class LogSettings:
+    every: int = setting(1, ge=1)
+    tensorboard: bool = setting(True)  # event files under <workdir>/tb/
+    # per device; default from the device kind
+    peak_tflops: float | None = setting(None, gt=0)
+    # (first, last): jax.profiler trace into <workdir>/profile/
+    profile_steps: tuple = setting(())
+    # Every N steps (0: never), the greedy completion of sample_prompt (tokenized as
+    # the training data) in sample_tokens new tokens, printed and appended to
+    # <workdir>/samples.jsonl: what fine-tuning users watch besides the loss.
+    sample_every: int = setting(0, ge=0)
+    sample_prompt: str = setting("")
+    sample_tokens: int = setting(32, ge=1)
+
+    def check(self) -> None:
+        p = self.profile_steps
+        if p and not (len(p) == 2 and all(isinstance(s, int) and not isinstance(s, bool)
+                                           for s in p) and 1 <= p[0] <= p[1]):
+            raise ConfigError(
+                f"log.profile_steps={p!r} must be empty or (first, last) with "
+                "1 <= first <= last, e.g. --config.log.profile_steps='(5, 7)'.")
+        if self.sample_every and not self.sample_prompt:
+            raise ConfigError(f"log.sample_every={self.sample_every} needs log.sample_prompt, "
+                              "the text to complete, e.g. --config.log.sample_prompt='def '.")
+
+
+@dataclasses.dataclass(frozen=True)
+class DebugSettings:
+    nan_at_step: int = setting(-1)  # poison the loss at this step (tests of train.on_nan)
+
+
+@dataclasses.dataclass(frozen=True)
+class ExportSettings:
     # At the end of training, write a directory that transformers loads
     # (AutoModelForCausalLM.from_pretrained); None: no export.
-    c.export.hf_dir = config_dict.placeholder(str)
-    c.export.dtype = "bfloat16"   # of the exported weights: bfloat16 | float16 | float32
+    hf_dir: str | None = setting(None)
+    # of the exported weights
+    dtype: str = setting("bfloat16", choices=("bfloat16", "float16", "float32"))
     # Largest weight file, bytes (int) or "5GB" / "500MB" / "2GiB"; bigger models are split
     # into files with an index, as transformers does. The host holds one file while writing.
-    c.export.max_shard_size = config_dict.FieldReference("5GB", field_type=object)
+    max_shard_size: Any = setting("5GB")
+
+    def check(self) -> None:
+        from ndjax import hf
+        hf.shard_size(self.max_shard_size)
+
+
+SECTIONS: dict[str, type] = {
+    "model": ModelSettings, "mesh": MeshSettings, "runtime": RuntimeSettings,
+    "train": TrainSettings, "data": DataSettings, "checkpoint": CheckpointSettings,
+    "log": LogSettings, "debug": DebugSettings, "export": ExportSettings,
+}
+# Keys that were renamed: old saved configs and config files still read.
+RENAMED = {("checkpoint", "async"): "async_save"}
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    """The whole experiment, typed and checked. ``rules`` is a preset name from
+    ndjax.rules.PRESETS or a full table of (logical_name, mesh_axes) pairs, checked
+    against the mesh by ndjax.rules.Rules."""
+
+    model: ModelSettings
+    mesh: MeshSettings
+    runtime: RuntimeSettings
+    train: TrainSettings
+    data: DataSettings
+    checkpoint: CheckpointSettings
+    log: LogSettings
+    debug: DebugSettings
+    export: ExportSettings
+    rules: Any = "default"
+
+    @classmethod
+    def parse(cls, config: Mapping[str, Any]) -> Settings:
+        """Checks every key and value of ``config`` (a ConfigDict or plain dicts);
+        the first problem is a ConfigError."""
+        known = [*SECTIONS, "rules"]
+        for key in config.keys():
+            if key not in known:
+                _unknown(key, "", known)
+        sections = {}
+        for name, section in SECTIONS.items():
+            values = config[name] if name in config else {}
+            if not isinstance(values, Mapping | ml_collections.ConfigDict):
+                raise ConfigError(f"config key {name!r} must be a group of fields, got "
+                                  f"{values!r}.")
+            sections[name] = _parse_section(name, section, values)
+        return cls(**sections, rules=config["rules"] if "rules" in config else "default")
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain values for config.json (a table of rules as lists)."""
+        return json.loads(json.dumps(dataclasses.asdict(self), default=list))
+
+
+@functools.cache
+def _hints(section: type) -> dict[str, Any]:
+    return typing.get_type_hints(section)
+
+
+def _unknown(key: str, prefix: str, known: Sequence[str]) -> typing.NoReturn:
+    close = difflib.get_close_matches(key, list(known), n=1)
+    hint = f" Did you mean {prefix}{close[0]}?" if close else ""
+    raise ConfigError(f"unknown config key {prefix + key!r}.{hint} Known keys here: "
+                      f"{', '.join(prefix + k for k in sorted(known))}.")
+
+
+def _parse_section(name: str, section: type, values: Mapping[str, Any]) -> Any:
+    fields = {f.name: f for f in dataclasses.fields(section)}
+    kwargs = {}
+    for key in values.keys():
+        field = RENAMED.get((name, key), key)
+        if field not in fields:
+            _unknown(key, f"{name}.", list(fields))
+        kwargs[field] = _parse_value(f"{name}.{key}", values[key], _hints(section)[field],
+                                     fields[field].metadata.get("spec", Spec()))
+    parsed = section(**kwargs)
+    if hasattr(parsed, "check"):
+        parsed.check()
+    return parsed
+
+
+def _kind(tp: Any) -> tuple[Any, bool]:
+    """(the field's type without None, whether None is allowed)."""
+    args = typing.get_args(tp)
+    if type(None) in args:
+        rest = [a for a in args if a is not type(None)]
+        return rest[0], True
+    return tp, False
+
+
+def _parse_value(name: str, value: Any, tp: Any, spec: Spec) -> Any:
+    tp, optional = _kind(tp)
+    if isinstance(value, ml_collections.ConfigDict):
+        value = value.to_dict()
+    if value is None:
+        if optional:
+            return None
+        raise ConfigError(f"{name}=None must be {_describe(tp, spec)}{spec.hint}; set it.")
+    ok = {
+        int: lambda v: isinstance(v, int) and not isinstance(v, bool),
+        float: lambda v: isinstance(v, int | float) and not isinstance(v, bool)
+        and math.isfinite(v),
+        bool: lambda v: isinstance(v, bool),
+        str: lambda v: isinstance(v, str),
+        tuple: lambda v: isinstance(v, tuple | list),
+        dict: lambda v: isinstance(v, Mapping),
+    }.get(tp, lambda v: True)
+    if not ok(value) or not _in_range(value, spec):
+        raise ConfigError(f"{name}={value!r} must be {_describe(tp, spec)}{spec.hint}.")
+    if tp is float:
+        value = float(value)
+    elif tp is tuple:
+        value = tuple(value)
+    elif tp is dict:
+        value = dict(value)
+    choices = spec.choices() if callable(spec.choices) else spec.choices
+    if choices is not None and value not in choices:
+        raise ConfigError(f"{name}={value!r}: choose one of {tuple(choices)}{spec.hint}.")
+    return value
+
+
+def _in_range(value: Any, spec: Spec) -> bool:
+    return ((spec.ge is None or value >= spec.ge) and (spec.gt is None or value > spec.gt)
+            and (spec.le is None or value <= spec.le) and (spec.lt is None or value < spec.lt))
+
+
+def _describe(tp: Any, spec: Spec) -> str:
+    what = {int: "an int", float: "a number", bool: "True or False", str: "a string",
+            tuple: "a tuple", dict: "a dict"}.get(tp, "a value")
+    bounds = [f"{op} {_num(v)}" for op, v in
+              ((">=", spec.ge), (">", spec.gt), ("<=", spec.le), ("<", spec.lt)) if v is not None]
+    return " ".join([what, " and ".join(bounds)]).strip()
+
+
+def _num(v: float) -> str:
+    return str(int(v)) if float(v).is_integer() and abs(v) < 1e15 else repr(v)
+
+
+def default_config() -> ml_collections.ConfigDict:
+    """The defaults as the ConfigDict that config files start from: built from the
+    sections above, so the defaults and their types live in one place. A field that
+    may be None is a typed placeholder, so ``--config.model.dim=512`` parses as int."""
+    c = ml_collections.ConfigDict()
+    for name, section in SECTIONS.items():
+        group = ml_collections.ConfigDict()
+        for f in dataclasses.fields(section):
+            tp, optional = _kind(_hints(section)[f.name])
+            if tp in (dict, Any, typing.Any):
+                group[f.name] = config_dict.FieldReference(f.default, field_type=object)
+            elif optional and f.default is None:
+                group[f.name] = config_dict.placeholder(tp)
+            else:
+                group[f.name] = f.default
+        c[name] = group
+    c.rules = config_dict.FieldReference("default", field_type=object)
     return c
 
 
-def check_keys(config: ml_collections.ConfigDict,
-               defaults: ml_collections.ConfigDict | None = None, prefix: str = "") -> None:
-    """Raises ConfigError for any key that the defaults do not have."""
-    defaults = default_config() if defaults is None else defaults
-    for key in config.keys():
-        name = f"{prefix}{key}"
-        if key not in defaults:
-            close = difflib.get_close_matches(key, list(defaults.keys()), n=1)
-            hint = f" Did you mean {prefix}{close[0]}?" if close else ""
-            raise ConfigError(
-                f"unknown config key {name!r}.{hint} Known keys here: "
-                f"{', '.join(prefix + k for k in sorted(defaults.keys()))}.")
-        value, default = config[key], defaults[key]
-        if isinstance(default, ml_collections.ConfigDict):
-            if not isinstance(value, ml_collections.ConfigDict):
-                raise ConfigError(f"config key {name!r} must be a group of fields, got {value!r}.")
-            check_keys(value, default, prefix=f"{name}.")
+def as_settings(config: Settings | Mapping[str, Any]) -> Settings:
+    """``config`` typed and checked (already typed: as it is)."""
+    return config if isinstance(config, Settings) else Settings.parse(config)
+
+
+def check_keys(config: Mapping[str, Any]) -> None:
+    """Raises ConfigError for any key that the defaults do not have (and any bad value)."""
+    Settings.parse(config)
+
+
+def field_paths() -> list[str]:
+    """Every field as ``section.name``: what a test sets from the command line."""
+    return [f"{name}.{f.name}" for name, section in SECTIONS.items()
+            for f in dataclasses.fields(section)] + ["rules"]
 
 
 def run_config(workdir: str) -> ml_collections.ConfigDict:
-    """The config a train.py run saved in its workdir."""
+    """The config a train.py run saved in its workdir (see ndjax.workdir)."""
     path = os.path.join(workdir, "config.json")
     if not os.path.isfile(path):
         raise ConfigError(f"--workdir={workdir!r} has no config.json: point it at the --workdir "
                           "of a train.py run.")
     with open(path) as f:
         saved = json.load(f)
-    # Over the defaults: a run saved before a field existed (model.param_dtype,
-    # train.opt_state_dtype) gets that field's default, which is what it ran with.
+    return over_defaults(saved)
+
+
+def over_defaults(saved: Mapping[str, Any]) -> ml_collections.ConfigDict:
+    """A saved config over the defaults: a run saved before a field existed gets that
+    field's default, which is what it ran with; renamed keys take their new names."""
     config = default_config()
-    config.update(saved)
+    for name, values in saved.items():
+        if isinstance(values, Mapping) and name in SECTIONS:
+            for key, value in values.items():
+                key = RENAMED.get((name, key), key)
+                if key in config[name]:
+                    config[name][key] = value
+        else:
+            config[name] = values
     return config

@@ -29,13 +29,13 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from ndjax import compiler, distributed, gpu_target, hf, platforms
 from ndjax import rules as rules_lib
 from ndjax import state as state_lib
-from ndjax.config import check_keys
+from ndjax.config import ModelSettings, Settings, TrainSettings
 from ndjax.data import BATCH_FIELDS, loader
 from ndjax.errors import ConfigError
 from ndjax.mesh import ParallelDims, build_mesh, cross_process_axes
 from ndjax.models import llama
 from ndjax.ops import attention as attention_ops
-from ndjax.ops import ring_attention as ring
+from ndjax.precision import Precision
 from ndjax.train_step import Batch, StepOptions, eval_step, train_step
 
 # Which config field sets the size of each logical parameter axis (for errors).
@@ -44,9 +44,9 @@ FIELD_OF_AXIS = {
     "kv_heads": "model.n_kv_heads", "head_dim": "model.head_dim", "mlp": "model.ffn_dim",
     "layers": "model.n_layers", "norm": "model.dim",
 }
-DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
-# Storage dtypes of parameters. No float16: its range needs loss scaling.
-PARAM_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+# The model fields a config (or model.init_from's config.json) may set over the preset.
+MODEL_DIMS = ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "head_dim",
+              "rope_theta", "rms_norm_eps", "tie_embeddings")
 
 
 def slow_axes_warning(mesh: Mesh, host_of: Callable[[jax.Device], str]) -> str | None:
@@ -63,20 +63,19 @@ def slow_axes_warning(mesh: Mesh, host_of: Callable[[jax.Device], str]) -> str |
             "replica.")
 
 
-def model_config(model: ml_collections.ConfigDict, checkpoint: hf.Checkpoint | None = None,
+def model_config(model: ModelSettings, checkpoint: hf.Checkpoint | None = None,
                  platform: str | None = None) -> llama.LlamaConfig:
     """The model's dims: the preset, overridden by any field set in the config, all
     overridden (with a warning) by the checkpoint's config.json if there is one.
     ``platform`` (default: jax's backend) decides what ``auto`` fields become."""
     platform = platform or jax.default_backend()
-    if model.preset not in llama.PRESETS:
-        raise ConfigError(
-            f"model.preset={model.preset!r} is unknown; choose one of {sorted(llama.PRESETS)}.")
     dims = dict(llama.PRESETS[model.preset])
-    for field in ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim",
-                  "head_dim", "rope_theta", "tie_embeddings"):
-        if model[field] is not None:
-            dims[field] = model[field]
+    for field in MODEL_DIMS:
+        if getattr(model, field) is not None:
+            dims[field] = getattr(model, field)
+    if model.rope_scaling is not None:  # {}: none, over a preset's
+        dims["rope_scaling"] = (llama.RopeScaling(**model.rope_scaling) if model.rope_scaling
+                                else None)
     if checkpoint is not None:
         dims = hf.override_dims(model, llama.PRESETS[model.preset], checkpoint)
     for field in ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim"):
@@ -93,75 +92,32 @@ def model_config(model: ml_collections.ConfigDict, checkpoint: hf.Checkpoint | N
             f"model: head_dim={head_dim} (model.dim={dims['dim']} / model.n_heads="
             f"{dims['n_heads']} unless model.head_dim is set) must be a whole, even number "
             "for rotary embeddings. Set model.head_dim or change model.dim.")
-    dtype = model.dtype
-    if dtype == "auto":
-        dtype = "float32" if platform == "cpu" else "bfloat16"
-    if dtype not in DTYPES:
-        raise ConfigError(f"model.dtype={model.dtype!r}: choose auto or one of {sorted(DTYPES)}.")
-    if model.param_dtype not in PARAM_DTYPES:
-        raise ConfigError(f"model.param_dtype={model.param_dtype!r}: choose one of "
-                          f"{sorted(PARAM_DTYPES)}.")
-    if model.remat not in llama.REMAT_POLICIES:
-        raise ConfigError(
-            f"model.remat={model.remat!r}: choose one of {sorted(llama.REMAT_POLICIES)}.")
-    if model.attn_impl not in attention_ops.IMPLS:
-        raise ConfigError(
-            f"model.attn_impl={model.attn_impl!r}: choose one of {attention_ops.IMPLS} (auto "
-            "picks by mesh, device and sequence length).")
-    if model.cp_layout not in ring.LAYOUTS:
-        raise ConfigError(
-            f"model.cp_layout={model.cp_layout!r}: choose one of {ring.LAYOUTS} (zigzag "
-            "balances the causal work over the context shards).")
-    for field in ("attn_kv_tile", "attn_max_docs"):
-        if isinstance(model[field], bool) or not isinstance(model[field], int) or model[field] < 1:
-            raise ConfigError(f"model.{field}={model[field]!r} must be an int >= 1.")
+    precision = Precision.of(model.dtype, model.param_dtype, "float32", platform)
     scan_layers = model.scan_layers
     if scan_layers is None:
         scan_layers = llama.default_scan_layers(dims["n_layers"], platform)
-    return llama.LlamaConfig(**dims, dtype=DTYPES[dtype],
-                             param_dtype=PARAM_DTYPES[model.param_dtype],
+    return llama.LlamaConfig(**dims, dtype=precision.compute, param_dtype=precision.params,
                              scan_layers=bool(scan_layers),
                              remat=model.remat, attn_impl=model.attn_impl,
                              cp_layout=model.cp_layout, attn_kv_tile=model.attn_kv_tile,
                              attn_max_docs=model.attn_max_docs)
 
 
-def _check_train(config: ml_collections.ConfigDict) -> None:
-    t = config.train
-    for field, low in (("steps", 0), ("batch_size", 1), ("seq_len", 1), ("warmup_steps", 0)):
-        if not isinstance(t[field], int) or t[field] < low:
-            raise ConfigError(f"train.{field}={t[field]!r} must be an int >= {low}.")
-    if t.schedule not in ("cosine", "constant"):
-        raise ConfigError(f"train.schedule={t.schedule!r}: choose 'cosine' or 'constant'.")
-    if t.opt_state_dtype not in state_lib.OPT_STATE_DTYPES:
-        raise ConfigError(f"train.opt_state_dtype={t.opt_state_dtype!r}: choose one of "
-                          f"{sorted(state_lib.OPT_STATE_DTYPES)}.")
-    if t.on_nan not in ("stop", "skip"):
-        raise ConfigError(f"train.on_nan={t.on_nan!r}: choose 'stop' or 'skip'.")
-    if config.log.every < 1:
-        raise ConfigError(f"log.every={config.log.every} must be >= 1.")
-    profile = tuple(config.log.profile_steps)
-    if profile and not (len(profile) == 2 and 1 <= profile[0] <= profile[1]):
-        raise ConfigError(
-            f"log.profile_steps={profile!r} must be empty or (first, last) with "
-            "1 <= first <= last, e.g. --config.log.profile_steps='(5, 7)'.")
-
-
-def check_fields(config: ml_collections.ConfigDict, platform: str | None = None
-                 ) -> tuple[llama.LlamaConfig, hf.Checkpoint | None]:
-    """The checks that do not depend on the mesh: train, export, model and data
-    fields, and the checkpoint of ``model.init_from``. Returns the model's dims and
-    that checkpoint (opened, not read); ``platform`` as for ``model_config``."""
-    check_keys(config)
-    _check_train(config)
-    hf.check_export(config.export)
-    init_from = config.model.init_from
+def check_fields(config: ml_collections.ConfigDict | Settings, platform: str | None = None
+                 ) -> tuple[Settings, llama.LlamaConfig, hf.Checkpoint | None]:
+    """The checks that do not depend on the mesh: every field's type and range
+    (``Settings.parse``), the export and data fields, and the checkpoint of
+    ``model.init_from``. Returns the typed settings, the model's dims and that
+    checkpoint (opened, not read); ``platform`` as for ``model_config``."""
+    settings = config if isinstance(config, Settings) else Settings.parse(config)
+    hf.check_export(settings.export)
+    init_from = settings.model.init_from
     checkpoint = hf.open_checkpoint(init_from) if init_from else None
-    model_cfg = model_config(config.model, checkpoint, platform)
+    model_cfg = model_config(settings.model, checkpoint, platform)
     if checkpoint is not None:
-        hf.check_tokenizer(config, checkpoint)
-    loader.check_config(config, model_cfg.vocab_size)  # names, sizes, tokenizer vs vocab
-    return model_cfg, checkpoint
+        hf.check_tokenizer(settings, checkpoint)
+    loader.check_config(settings, model_cfg.vocab_size)  # names, sizes, tokenizer vs vocab
+    return settings, model_cfg, checkpoint
 
 
 def _path(keys: Sequence[Any]) -> str:
@@ -170,7 +126,8 @@ def _path(keys: Sequence[Any]) -> str:
 
 @dataclasses.dataclass
 class Experiment:
-    config: ml_collections.ConfigDict
+    config: ml_collections.ConfigDict  # as written (saved with the run, sent to workers)
+    settings: Settings                 # the same, typed and checked: what the code reads
     dims: ParallelDims
     mesh: Mesh
     rules: rules_lib.Rules
@@ -193,21 +150,21 @@ class Experiment:
     def from_config(cls, config: ml_collections.ConfigDict,
                     devices: Sequence[jax.Device] | None = None) -> Experiment:
         devices = list(jax.devices() if devices is None else devices)
-        m = config.mesh
-        check_keys(config)
+        settings = Settings.parse(config)
+        m = settings.mesh
         dims = ParallelDims(m.replica, m.fsdp, m.context, m.tensor).resolve(len(devices))
-        model_cfg, checkpoint = check_fields(config, platforms.of(devices))
-        init_from = config.model.init_from
+        settings, model_cfg, checkpoint = check_fields(settings, platforms.of(devices))
+        init_from = settings.model.init_from
         mesh = build_mesh(dims, devices)
         warning = slow_axes_warning(mesh, distributed.host_of)
         if warning and jax.process_index() == 0:
             warnings.warn(warning, stacklevel=2)
-        rules = rules_lib.Rules(config.rules, mesh)
-        _check_batch(config, rules, mesh)
-        _check_loss_chunk(config, rules, mesh)
+        rules = rules_lib.Rules(settings.rules, mesh)
+        t = settings.train
+        _check_batch(t, rules, mesh)
+        _check_loss_chunk(t, rules, mesh)
         # The attention kernel, decided once here: the model then runs it by name. It
         # sees one micro-batch's rows at once (_check_batch: they divide evenly).
-        t = config.train
         site = attention_ops.Site.of(model_cfg, t.seq_len, rules, t.batch_size // t.grad_accum)
         chosen = attention_ops.choose(model_cfg.attn_impl, site)
         model_cfg = dataclasses.replace(model_cfg, attn_impl=chosen.name)
@@ -237,14 +194,14 @@ class Experiment:
         param_shardings = jax.tree_util.tree_map_with_path(
             param_sharding, param_shapes, param_names)
 
-        schedule = state_lib.make_schedule(config.train)
-        optimizer = state_lib.make_optimizer(config.train, param_names, schedule)
+        schedule = state_lib.make_schedule(t)
+        optimizer = state_lib.make_optimizer(t, param_names, schedule)
         replicated = NamedSharding(mesh, PartitionSpec())
         state_sharding = state_lib.state_shardings(optimizer, param_shapes, param_shardings,
                                                    replicated)
         batch_sharding = rules.sharding(("act_batch", "act_seq"))
-        return cls(config, dims, mesh, rules, model_cfg, graphdef, param_shapes, param_names,
-                   schedule, optimizer, state_sharding, batch_sharding,
+        return cls(config, settings, dims, mesh, rules, model_cfg, graphdef, param_shapes,
+                   param_names, schedule, optimizer, state_sharding, batch_sharding,
                    attention=chosen, seq_permutation=seq_permutation, checkpoint=checkpoint)
 
     @property
@@ -271,9 +228,9 @@ class Experiment:
 
     @property
     def step_options(self) -> StepOptions:
-        t = self.config.train
+        t = self.settings.train
         return StepOptions(skip_nonfinite=t.on_nan == "skip",
-                           nan_at_step=int(self.config.debug.nan_at_step),
+                           nan_at_step=int(self.settings.debug.nan_at_step),
                            loss_chunk=t.loss_chunk, grad_accum=t.grad_accum)
 
     # ----- state ---------------------------------------------------------------
@@ -296,7 +253,7 @@ class Experiment:
         if self.checkpoint is not None:
             return self.state_from_params(hf.load_params(
                 self.checkpoint, self.param_shapes, self.state_sharding.params))
-        seed = self.config.train.seed if seed is None else seed
+        seed = self.settings.train.seed if seed is None else seed
         return self.compiled_init(jnp.asarray(seed, jnp.uint32))
 
     def state_from_params(self, params: Any) -> state_lib.TrainState:
@@ -327,7 +284,7 @@ class Experiment:
 
     @property
     def abstract_batch(self) -> Batch:
-        t = self.config.train
+        t = self.settings.train
         return {k: jax.ShapeDtypeStruct((t.batch_size, t.seq_len), jnp.int32,
                                         sharding=self.batch_sharding) for k in BATCH_FIELDS}
 
@@ -350,7 +307,7 @@ class Experiment:
     def lower_eval(self) -> jax.stages.Lowered:
         """The loss without the update, in the train step's shardings: (params, batch) ->
         {loss, tokens}."""
-        step = functools.partial(eval_step, self.features, self.config.train.loss_chunk)
+        step = functools.partial(eval_step, self.features, self.settings.train.loss_chunk)
         replicated = NamedSharding(self.mesh, PartitionSpec())
         with rules_lib.use(self.rules), self.for_target():
             jitted = jax.jit(step, in_shardings=(self.state_sharding.params, self.batch_sharding),
@@ -370,7 +327,7 @@ class Experiment:
         spans processes, several processes hold pieces of the same rows, and each
         loads those rows whole.
         """
-        t = self.config.train
+        t = self.settings.train
         indices = self.batch_sharding.addressable_devices_indices_map((t.batch_size, t.seq_len))
         rows = sorted({idx[0].indices(t.batch_size)[:2] for idx in indices.values()})
         start, stop = rows[0][0], max(r[1] for r in rows)
@@ -388,7 +345,7 @@ class Experiment:
         permuted here, all alike, so each context shard receives its two chunks;
         the token-weighted loss is a sum over tokens and does not change.
         """
-        t, perm = self.config.train, self.seq_permutation
+        t, perm = self.settings.train, self.seq_permutation
         attention_ops.KERNELS[self.model_cfg.attn_impl].check_batch(batch["segment_ids"],
                                                                    self.model_cfg)
         start = self.local_rows[0]
@@ -424,8 +381,7 @@ def _check_kv_heads(model_cfg: llama.LlamaConfig, rules: rules_lib.Rules, mesh: 
         "mesh axes in the rule table.")
 
 
-def _check_batch(config: ml_collections.ConfigDict, rules: rules_lib.Rules, mesh: Mesh) -> None:
-    t = config.train
+def _check_batch(t: TrainSettings, rules: rules_lib.Rules, mesh: Mesh) -> None:
     checks = (("train.batch_size", t.batch_size, ("act_batch",)),
               ("train.seq_len", t.seq_len, ("act_seq", "act_res_seq")))
     for field, value, names in checks:
@@ -436,9 +392,6 @@ def _check_batch(config: ml_collections.ConfigDict, rules: rules_lib.Rules, mesh
                 f"split it (rules for {', '.join(names)}). Use a multiple of {ways}, e.g. "
                 f"{field}={(value // ways + 1) * ways}.")
     k = t.grad_accum
-    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
-        raise ConfigError(f"train.grad_accum={k!r} must be an int >= 1 (micro-batches per "
-                          "step).")
     ways, parts = _ways(rules, mesh, ("act_batch",))
     if t.batch_size % (k * ways):
         fits = [d for d in range(1, t.batch_size // ways + 1)
@@ -458,15 +411,10 @@ def _ways(rules: rules_lib.Rules, mesh: Mesh, names: Sequence[str]) -> tuple[int
             " x ".join(f"{a}({mesh.shape[a]})" for a in axes) or "none")
 
 
-def _check_loss_chunk(config: ml_collections.ConfigDict, rules: rules_lib.Rules,
-                      mesh: Mesh) -> None:
+def _check_loss_chunk(t: TrainSettings, rules: rules_lib.Rules, mesh: Mesh) -> None:
     """The chunked loss cuts each row into seq_len / loss_chunk chunks on every
     device, so a chunk must split over the sequence's mesh axes like the sequence."""
-    t = config.train
     chunk, seq_len = t.loss_chunk, t.seq_len
-    if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
-        raise ConfigError(f"train.loss_chunk={chunk!r} must be an int >= 1 (sequence "
-                          "positions per chunk of the LM head and loss).")
     if seq_len <= chunk:
         return
     ways, axes = _ways(rules, mesh, ("act_seq",))

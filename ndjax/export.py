@@ -7,7 +7,8 @@ The run's experiment is rebuilt from ``<workdir>/config.json`` (written by
 train.py): the same model, mesh and rules, so run this where the run's devices
 are (on a CPU host, ``runtime.cpu_devices`` of that config simulates them).
 Step N (default: the newest complete checkpoint) is restored and written as
-``export.hf_dir`` would have been. Bad input is one line on stderr, exit code 2.
+``export.hf_dir`` would have been, with the token ids and tokenizer files of the
+run's ``data.tokenizer``. Bad input is one line on stderr, exit code 2.
 """
 
 from __future__ import annotations
@@ -19,8 +20,8 @@ import jax
 from absl import app, flags
 
 from ndjax import hf
+from ndjax import workdir as workdir_lib
 from ndjax.checkpoint import saved_step
-from ndjax.config import run_config
 from ndjax.console import quiet_libraries
 from ndjax.errors import ConfigError
 from ndjax.experiment import Experiment
@@ -31,15 +32,18 @@ def export_checkpoint(workdir: str, out: str, step: int | None = None,
                       devices: Sequence[jax.Device] | None = None) -> int:
     """Writes checkpoint ``step`` (None: the newest) of the run in ``workdir`` to ``out``
     as a Hugging Face directory; returns the step."""
-    config = run_config(workdir)
+    config = workdir_lib.run_config(workdir)  # the copies the run keeps, not its sources
     config.export.hf_dir = out
     if dtype is not None:
         config.export.dtype = dtype
     exp = Experiment.from_config(config, devices)  # checks out and dtype too
     with saved_step(workdir, config.checkpoint, step) as (checkpointer, step):
         state, _ = checkpointer.restore(step, exp.abstract_state)
-    hf.export(state.params, exp.model_cfg, out, config.export.dtype, source=exp.checkpoint,
-              shard_bytes=hf.shard_size(config.export.max_shard_size))
+    # The run's tokenizer: its ids and files describe what the weights were trained on.
+    hf.export(state.params, exp.model_cfg, out, config.export.dtype,
+              source=workdir_lib.source(workdir),
+              shard_bytes=hf.shard_size(config.export.max_shard_size),
+              tokenizer=hf.run_tokenizer(config.data))
     return step
 
 
@@ -58,7 +62,7 @@ def main(argv: list[str]) -> None:
     try:
         if not _WORKDIR.value or not _OUT.value:
             raise ConfigError("--workdir and --out are required.")
-        config = run_config(_WORKDIR.value)
+        config = workdir_lib.run_config(_WORKDIR.value)
         # Before JAX creates its backends, as train.py does (CPU hosts only).
         jax.config.update("jax_num_cpu_devices", int(config.runtime.cpu_devices))
         step = export_checkpoint(_WORKDIR.value, _OUT.value, _STEP.value, _DTYPE.value)

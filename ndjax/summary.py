@@ -24,7 +24,7 @@ def _size(n: float) -> str:
 
 def startup(exp: Experiment, workdir: str, resume_step: int | None) -> list[str]:
     """Before compiling: where it runs, what it trains, on what, and where results go."""
-    c, cfg, t = exp.config, exp.model_cfg, exp.config.train
+    c, cfg, t = exp.settings, exp.model_cfg, exp.settings.train
     devices = exp.mesh.devices.flat
     kinds = sorted({d.device_kind for d in devices})
     rules = c.rules if isinstance(c.rules, str) else "custom table"

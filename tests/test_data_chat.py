@@ -237,7 +237,8 @@ def test_bad_records_name_file_and_line(tokenizers, tmp_path, record, message):
 
 
 @pytest.mark.parametrize("data, message", [
-    (dict(overlong="split"), r"data.overlong='split': choose 'drop' .* or 'truncate'"),
+    (dict(overlong="split"),
+     r"data.overlong='split': choose one of \('drop', 'truncate'\) \(drop leaves out"),
     (dict(tokenizer="byte"), r"data.source='chat' needs the model's tokenizer"),
     (dict(chat_template="missing.jinja"), r"data.chat_template='missing.jinja': no such file"),
 ])

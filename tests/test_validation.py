@@ -71,7 +71,7 @@ CASES = {
     "odd head dim": (dict(mesh=dict(fsdp=8), model=dict(dim=72, n_heads=8)),
                      r"head_dim=9 .* must be a whole, even number"),
     "unknown preset": (dict(mesh=dict(fsdp=8), model=dict(preset="llama9")),
-                       r"model.preset='llama9' is unknown"),
+                       r"model.preset='llama9': choose one of \('llama3_1b', "),
     "unknown rules": (dict(mesh=dict(fsdp=8), rules="fastest"), r"rules='fastest' is not a preset"),
     "bad remat": (dict(mesh=dict(fsdp=8), model=dict(remat="some")), r"model.remat='some'"),
     "bad dtype": (dict(mesh=dict(fsdp=8), model=dict(dtype="fp8")), r"model.dtype='fp8'"),
@@ -93,9 +93,9 @@ CASES = {
         r"train.loss_chunk=2 must divide train.seq_len=32 and be a multiple of 4 = "
         r"context\(4\)"),
     "bad param dtype": (dict(mesh=dict(fsdp=8), model=dict(param_dtype="float16")),
-                        r"model.param_dtype='float16': choose one of \['bfloat16', 'float32'\]"),
+                        r"model.param_dtype='float16': choose one of \('float32', 'bfloat16'\)"),
     "bad moment dtype": (dict(mesh=dict(fsdp=8), train=dict(opt_state_dtype="fp8")),
-                         r"train.opt_state_dtype='fp8': choose one of \['bfloat16', 'float32'\]"),
+                         r"train.opt_state_dtype='fp8': choose one of \('float32', 'bfloat16'\)"),
     "kv heads neither divided by tensor nor dividing it": (
         dict(mesh=dict(fsdp=2, tensor=4), model=dict(n_heads=12, n_kv_heads=3, dim=96)),
         r"model.n_kv_heads=3 cannot be laid over 4 = tensor\(4\), .* must divide n_kv_heads "

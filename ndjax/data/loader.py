@@ -22,6 +22,7 @@ import ml_collections
 import numpy as np
 from jax.experimental import multihost_utils
 
+from ndjax.config import Settings, as_settings
 from ndjax.data import chat, sources
 from ndjax.data.chat_template import ChatTemplate, load_chat_template
 from ndjax.data.streams import ChatRows, RowSource, TextRows, TokenRows
@@ -39,19 +40,13 @@ def _files_field(split: str) -> str:
     return "data.files" if split == "train" else "data.eval_files"
 
 
-def _files(config: ml_collections.ConfigDict, split: str) -> str:
+def _files(config: Settings, split: str) -> str:
     return config.data.files if split == "train" else config.data.eval_files
 
 
-def _check_source(config: ml_collections.ConfigDict) -> None:
+def _check_source(config: Settings) -> None:
+    # Each field's type and allowed values: ndjax.config. Here: how they combine.
     d, t = config.data, config.train
-    if d.source not in SOURCES:
-        raise ConfigError(f"data.source={d.source!r}: choose one of {', '.join(SOURCES)}.")
-    if not isinstance(d.prefetch, int) or d.prefetch < 0:
-        raise ConfigError(f"data.prefetch={d.prefetch!r} must be an int >= 0 (0: no thread).")
-    for field, low in (("eval_every", 0), ("eval_steps", 1)):
-        if not isinstance(t[field], int) or t[field] < low:
-            raise ConfigError(f"train.{field}={t[field]!r} must be an int >= {low}.")
     if d.source in FILE_SOURCES:
         if not sources.split_patterns(d.files):
             raise ConfigError(f"data.source={d.source!r} reads data.files, which is empty: set "
@@ -69,10 +64,6 @@ def _check_source(config: ml_collections.ConfigDict) -> None:
         raise ConfigError("data.packing=False needs document boundaries, which pre-tokenized "
                           "files do not index; use data.packing=True with data.source=tokens.")
     if d.source == "chat":
-        if d.overlong not in chat.OVERLONG:
-            raise ConfigError(f"data.overlong={d.overlong!r}: choose 'drop' (leave out a "
-                              "conversation longer than train.seq_len + 1 tokens) or "
-                              "'truncate' (keep its beginning).")
         if d.tokenizer == "byte":
             raise ConfigError("data.source='chat' needs the model's tokenizer: set data.tokenizer "
                               "to its tokenizer.json (the chat template is read from the "
@@ -82,11 +73,11 @@ def _check_source(config: ml_collections.ConfigDict) -> None:
                           "use data.packing=True or a text source.")
 
 
-def splits(config: ml_collections.ConfigDict) -> tuple[str, ...]:
+def splits(config: Settings) -> tuple[str, ...]:
     return ("train", "eval") if config.train.eval_every else ("train",)
 
 
-def _tokenizer(config: ml_collections.ConfigDict, vocab_size: int) -> Tokenizer:
+def _tokenizer(config: Settings, vocab_size: int) -> Tokenizer:
     tok = load_tokenizer(config.data.tokenizer, config.data.eos_token)
     if tok.vocab_size > vocab_size:
         fit = -(-tok.vocab_size // 128) * 128
@@ -109,8 +100,9 @@ def _token_eos(files: list[sources.TokenFile], tok: Tokenizer, field: str) -> in
     return tok.eos_id
 
 
-def check_config(config: ml_collections.ConfigDict, vocab_size: int) -> None:
+def check_config(config: Settings | ml_collections.ConfigDict, vocab_size: int) -> None:
     """Every check of ``data.*`` that reads no file contents (sizes, names, footers)."""
+    config = as_settings(config)
     _check_source(config)
     d, t = config.data, config.train
     if d.source == "synthetic":
@@ -146,11 +138,11 @@ def check_config(config: ml_collections.ConfigDict, vocab_size: int) -> None:
                     "Use more data or a smaller batch_size.")
 
 
-def _chat_template(config: ml_collections.ConfigDict) -> ChatTemplate:
+def _chat_template(config: Settings) -> ChatTemplate:
     return load_chat_template(config.data.tokenizer, config.data.chat_template)
 
 
-def _chat_columns(config: ml_collections.ConfigDict) -> tuple[str, ...]:
+def _chat_columns(config: Settings) -> tuple[str, ...]:
     d = config.data
     return (d.messages_field, d.prompt_field, d.completion_field) if d.source == "chat" else ()
 
@@ -176,7 +168,7 @@ def process_rows(batch_size: int, process_index: int | None = None,
     return index * per_process, per_process
 
 
-def _text_rows(config: ml_collections.ConfigDict, tok: Tokenizer, split: str,
+def _text_rows(config: Settings, tok: Tokenizer, split: str,
                slots: range) -> tuple[TextRows, int]:
     """Reads and tokenizes the shares of ``slots`` only; checks each is long enough."""
     d, t = config.data, config.train
@@ -201,7 +193,7 @@ def _text_rows(config: ml_collections.ConfigDict, tok: Tokenizer, split: str,
     return rows, corpus.fingerprint()
 
 
-def _chat_rows(config: ml_collections.ConfigDict, tok: Tokenizer, split: str,
+def _chat_rows(config: Settings, tok: Tokenizer, split: str,
                slots: range) -> tuple[ChatRows, int]:
     """Renders, tokenizes and fits the conversations of ``slots`` only; checks each slot
     keeps at least one."""
@@ -252,7 +244,8 @@ def _tokenize(documents: Iterator[sources.Document], tok: Tokenizer) -> list[np.
     return out
 
 
-def make_loader(config: ml_collections.ConfigDict, vocab_size: int, split: str = "train", *,
+def make_loader(config: Settings | ml_collections.ConfigDict, vocab_size: int,
+                split: str = "train", *,
                 rows: tuple[int, int] | None = None,
                 process_index: int | None = None, process_count: int | None = None,
                 prefetch: int | None = None,
@@ -266,6 +259,7 @@ def make_loader(config: ml_collections.ConfigDict, vocab_size: int, split: str =
     runs on each batch in the loader thread, so the host-to-device copy is off
     the step's path too.
     """
+    config = as_settings(config)
     check_config(config, vocab_size)
     d, t = config.data, config.train
     start, count = rows or process_rows(t.batch_size, process_index, process_count)

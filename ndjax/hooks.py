@@ -1,0 +1,270 @@
+"""The loop's periodic work, one small unit each: a ``Hook`` is called around every
+step by ``ndjax.loop.Trainer`` and does its work when it is due.
+
+A hook reads and changes the run only through the trainer it is given (its
+experiment, state, sinks, records, checkpointer, ``flush`` and ``stop``), so adding
+one (``Sample``, which prints a completion every N steps) touches no other.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import jax
+import numpy as np
+
+from ndjax.checkpoint import Preemption
+from ndjax.errors import ConfigError
+from ndjax.flops import flops_per_token, peak_tflops
+
+if TYPE_CHECKING:
+    from ndjax.loop import Trainer
+    from ndjax.train_step import Batch
+
+
+class NonFiniteError(RuntimeError):
+    """The loss or gradient norm became NaN/Inf and train.on_nan is 'stop'."""
+
+
+def due(every: int, step: int) -> bool:
+    """Every ``every`` steps; 0 never."""
+    return bool(every) and step % every == 0
+
+
+class Hook:
+    """Called by the trainer, in the order of its hooks. Every method is optional.
+
+    ``on_metrics`` gets a finished step's metrics as host values, one step after
+    the step was dispatched (so reading them never leaves the device idle), and
+    always in step order; ``flush`` on the trainer delivers the held-back step now.
+    """
+
+    def start(self, trainer: Trainer) -> None:
+        """Before the first step (after the state is restored or initialised)."""
+
+    def before_step(self, trainer: Trainer, step: int) -> None:
+        """With the step's batch ready, before the step is dispatched."""
+
+    def after_step(self, trainer: Trainer, step: int, outputs: Any) -> None:
+        """After the step is dispatched; ``outputs``: its metrics, still on device."""
+
+    def on_metrics(self, trainer: Trainer, step: int, values: dict[str, Any]) -> None:
+        """A finished step's metrics; a hook may add to ``values`` for those after it."""
+
+    def end(self, trainer: Trainer) -> None:
+        """After the last step (or a stop), before the run's summary."""
+
+    def close(self) -> None:
+        """On every way out, an exception included."""
+
+
+class NonFinite(Hook):
+    """A NaN/Inf loss or gradient norm: stop (train.on_nan=stop; nothing is saved,
+    since this runs before any later save of that step) or count the skipped update."""
+
+    def __init__(self, on_nan: str):
+        self.on_nan = on_nan
+        self.last_good = self.skipped = 0
+
+    def on_metrics(self, trainer: Trainer, step: int, values: dict[str, Any]) -> None:
+        if values.pop("finite"):
+            self.last_good = step
+        elif self.on_nan == "stop":
+            raise NonFiniteError(
+                f"loss {values['loss']} / grad norm {values['grad_norm']} at step {step} "
+                f"(last good step {self.last_good}); nothing was saved. Lower train.lr or "
+                "train.clip_norm, or set train.on_nan=skip to drop such updates.")
+        else:
+            self.skipped += 1
+            trainer.sinks.message(f"step {step}: non-finite loss or gradient, update skipped")
+        values["skipped_steps"] = self.skipped
+
+
+def device_memory() -> dict[str, int | None]:
+    """Bytes in use / peak on this process's first device, where the backend says."""
+    stats = jax.local_devices()[0].memory_stats() or {}
+    return {"mem_in_use_bytes": stats.get("bytes_in_use"),
+            "mem_peak_bytes": stats.get("peak_bytes_in_use")}
+
+
+class Log(Hook):
+    """A metrics record every ``every`` steps (and the last): the step's values, its
+    time, throughput, TFLOP/s and MFU (6 x parameters + attention FLOPs per token,
+    ndjax.flops, over the device's peak), data counts and device memory."""
+
+    def __init__(self, every: int, last_step: int, data_counts: dict[str, int]):
+        self.every, self.last_step, self.data_counts = every, last_step, data_counts
+
+    def start(self, trainer: Trainer) -> None:
+        exp, t = trainer.exp, trainer.exp.settings.train
+        self.devices = exp.mesh.devices.size
+        self.tokens_per_step = t.batch_size * t.seq_len
+        self.flops_per_step = flops_per_token(exp.model_cfg, t.seq_len) * self.tokens_per_step
+        self.peak = peak_tflops(exp.mesh.devices.flat[0].device_kind,
+                                exp.settings.log.peak_tflops)
+
+    def on_metrics(self, trainer: Trainer, step: int, values: dict[str, Any]) -> None:
+        if not due(self.every, step) and step != self.last_step:
+            return
+        elapsed = values.pop("step_time")
+        tflops = self.flops_per_step / elapsed / self.devices / 1e12
+        record = {"step": step, **values, "step_time": elapsed,
+                  "tokens_per_sec": self.tokens_per_step / elapsed,
+                  "tokens_per_sec_per_device": self.tokens_per_step / elapsed / self.devices,
+                  "tflops_per_device": tflops, "mfu": tflops / self.peak if self.peak else None,
+                  "skipped_steps": values.get("skipped_steps", 0), **self.data_counts,
+                  **device_memory()}
+        trainer.sinks.write(record)
+        trainer.records.append(record)
+
+
+def evaluate(exp: Any, params: Any, batches: Sequence[Batch]) -> dict[str, float]:
+    """Token-weighted mean loss over ``batches`` (the validation split) and its perplexity."""
+    outs = jax.device_get([exp.compiled_eval(params, b) for b in batches])
+    tokens = sum(float(o["tokens"]) for o in outs)
+    loss = sum(float(o["loss"]) * float(o["tokens"]) for o in outs) / max(tokens, 1.0)
+    return {"eval_loss": loss, "eval_perplexity": math.exp(loss) if loss < 700 else math.inf,
+            "eval_tokens": tokens}
+
+
+class Evaluate(Hook):
+    """The loss on the validation split (the same batches every time) every ``every`` steps."""
+
+    def __init__(self, every: int, batches: Sequence[Batch]):
+        self.every, self.batches = every, batches
+
+    def after_step(self, trainer: Trainer, step: int, outputs: Any) -> None:
+        if not due(self.every, step):
+            return
+        trainer.flush()  # records stay in step order
+        record = {"step": step, **evaluate(trainer.exp, trainer.state.params, self.batches)}
+        trainer.sinks.write_eval(record)
+        trainer.records.append(record)
+        trainer.restart_clock()  # the next step's time excludes the evaluation
+
+
+class Profile(Hook):
+    """A jax.profiler trace of steps first..last (1-based, inclusive)."""
+
+    def __init__(self, steps: Sequence[int], logdir: str):
+        self.first, self.last = (tuple(steps) or (0, -1))
+        self.logdir = logdir
+        self.tracing = False
+
+    def before_step(self, trainer: Trainer, step: int) -> None:
+        if step == self.first:
+            jax.profiler.start_trace(self.logdir)
+            self.tracing = True
+
+    def after_step(self, trainer: Trainer, step: int, outputs: Any) -> None:
+        if step == self.last:
+            jax.block_until_ready(outputs)
+            self.close()
+
+    def close(self) -> None:
+        if self.tracing:
+            self.tracing = False
+            jax.profiler.stop_trace()
+
+
+class StopOnSigterm(Hook):
+    """SIGTERM (SLURM, Kubernetes, spot VMs) stops the run after the current step,
+    on every process at the same step (ndjax.checkpoint.Preemption); the checkpoint
+    hook after this one saves it. A second SIGTERM exits at once."""
+
+    def __init__(self):
+        self.preemption = Preemption()
+
+    def after_step(self, trainer: Trainer, step: int, outputs: Any) -> None:
+        if self.preemption.should_stop(step):
+            trainer.stop("SIGTERM")
+
+    def close(self) -> None:
+        self.preemption.close()
+
+
+class Checkpoint(Hook):
+    """Saves every ``every`` steps, at the last step and when the run stops early."""
+
+    def __init__(self, every: int, last_step: int):
+        self.every, self.last_step = every, last_step
+
+    def after_step(self, trainer: Trainer, step: int, outputs: Any) -> None:
+        if not (trainer.stop_reason or step == self.last_step or due(self.every, step)):
+            return
+        trainer.flush()  # a NaN stops the run before the state is saved
+        trainer.checkpointer.save(step, trainer.state, trainer.data.get_state())
+        trainer.saved = step
+        if trainer.stop_reason:
+            trainer.checkpointer.wait()
+            trainer.sinks.message(f"{trainer.stop_reason}: saved checkpoint step {step} in "
+                                  f"{trainer.checkpointer.directory}; exiting")
+
+    def end(self, trainer: Trainer) -> None:
+        trainer.checkpointer.wait()  # the path the summary prints is complete
+
+
+class Export(Hook):
+    """At the end, the parameters as a Hugging Face directory (export.hf_dir). A run
+    stopped early exports when it is resumed and finishes."""
+
+    def __init__(self, hf_dir: str, dtype: str, shard_bytes: int, source: Any, **kw: Any):
+        self.hf_dir, self.dtype, self.shard_bytes, self.source = hf_dir, dtype, shard_bytes, source
+        self.kw = kw
+
+    def end(self, trainer: Trainer) -> None:
+        if trainer.stop_reason:
+            return
+        from ndjax import hf
+        hf.export(trainer.state.params, trainer.exp.model_cfg, self.hf_dir, self.dtype,
+                  source=self.source, shard_bytes=self.shard_bytes, **self.kw)
+        trainer.exported = self.hf_dir
+        trainer.sinks.message(f"exported Hugging Face checkpoint to {self.hf_dir}")
+
+
+class Sample(Hook):
+    """Every ``every`` steps, the greedy completion of ``prompt`` from the current
+    parameters (ndjax.sampling on the training mesh), printed and appended to
+    ``path`` (JSON Lines: step, prompt, completion). The prompt is tokenized as the
+    training data was (no BOS) and checked against train.seq_len when the hook is
+    made, before anything compiles; the decode programs compile at the first sample."""
+
+    def __init__(self, exp: Any, every: int, prompt: str, max_new_tokens: int, path: str):
+        from ndjax.data.tokenizers import load_tokenizer
+        from ndjax.sampling import Generator
+        d, t = exp.settings.data, exp.settings.train
+        self.every, self.prompt, self.path = every, prompt, path
+        self.tokenizer = load_tokenizer(d.tokenizer, d.eos_token)
+        self.ids = self.tokenizer.encode(prompt)
+        self.generator = Generator(
+            exp.graphdef, None, exp.model_cfg, exp.rules, max_new_tokens=max_new_tokens,
+            max_len=t.seq_len, eos_ids=(self.tokenizer.eos_id,),
+            pad_id=self.tokenizer.pad_id, max_len_what="train.seq_len")
+        if len(self.ids) + max_new_tokens > t.seq_len:
+            raise ConfigError(
+                f"log.sample_prompt has {len(self.ids)} tokens; with log.sample_tokens="
+                f"{max_new_tokens} that is {len(self.ids) + max_new_tokens}, more than "
+                f"train.seq_len={t.seq_len}, the longest sequence the model trains on. "
+                "Shorten the prompt or lower log.sample_tokens.")
+
+    def after_step(self, trainer: Trainer, step: int, outputs: Any) -> None:
+        if not due(self.every, step):
+            return
+        trainer.flush()
+        self.generator.params = trainer.state.params
+        new = self.generator.generate([self.ids])[0]
+        eos = self.tokenizer.eos_id
+        text = self.tokenizer.decode([i for i in new if i != eos])
+        if jax.process_index() == 0:
+            with open(self.path, "a") as f:
+                f.write(json.dumps({"step": step, "prompt": self.prompt, "completion": text,
+                                    "tokens": new}) + "\n")
+        trainer.sinks.message(f"step {step} sample: {self.prompt!r} -> {text!r}")
+        trainer.restart_clock()  # the next step's time excludes the sampling
+
+
+def host_values(metrics: dict[str, Any]) -> dict[str, Any]:
+    return {k: np.asarray(v).item() for k, v in jax.device_get(metrics).items()}

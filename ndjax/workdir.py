@@ -1,0 +1,163 @@
+"""A run's workdir holds everything that defines the run, so that resuming it,
+exporting it or generating from it needs nothing else.
+
+train.py writes, before the first step:
+- ``config.json``: the config as run, with the model resolved in full (every dim,
+  ``rope_scaling``, ``rms_norm_eps``), whether it came from a preset or from
+  ``model.init_from``'s config.json;
+- ``run/tokenizer/``: the tokenizer files of ``data.tokenizer`` (tokenizer.json and
+  the files transformers keeps beside it);
+- ``run/chat_template.jinja``: ``data.chat_template``'s file, where one was set;
+- ``run/source/``: ``model.init_from``'s files other than the weights (config.json,
+  generation_config.json, tokenizer files), which exports carry along.
+
+``run_config`` reads a run back pointing at those copies: moving or deleting the
+directories the run started from changes nothing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+import shutil
+from typing import Any
+
+import ml_collections
+
+from ndjax import config as config_lib
+from ndjax.errors import ConfigError
+
+RUN = "run"
+TOKENIZER = os.path.join(RUN, "tokenizer")
+CHAT_TEMPLATE = os.path.join(RUN, "chat_template.jinja")
+SOURCE = os.path.join(RUN, "source")
+# Beside a tokenizer.json or a Hugging Face checkpoint: what transformers reads with it.
+_TOKENIZER_FILES = re.compile(r"(tokenizer|special_tokens_map|added_tokens|chat_template)"
+                              r"[\w.-]*")
+_SOURCE_FILES = re.compile(r"config\.json|generation_config\.json|"
+                           + _TOKENIZER_FILES.pattern)
+
+
+def resolved_model(model_cfg: Any) -> dict[str, Any]:
+    """The model fields that define ``model_cfg`` (a LlamaConfig) in full. rope_scaling
+    {} means none (None would mean the preset's)."""
+    scaling = model_cfg.rope_scaling
+    return dict(vocab_size=model_cfg.vocab_size, dim=model_cfg.dim, n_layers=model_cfg.n_layers,
+                n_heads=model_cfg.n_heads, n_kv_heads=model_cfg.n_kv_heads,
+                ffn_dim=model_cfg.ffn_dim, head_dim=model_cfg.hd,
+                rope_theta=float(model_cfg.rope_theta),
+                rope_scaling={} if scaling is None else dataclasses.asdict(scaling),
+                rms_norm_eps=float(model_cfg.rms_norm_eps),
+                tie_embeddings=bool(model_cfg.tie_embeddings))
+
+
+def _copy_files(src_dir: str, dst_dir: str, pattern: re.Pattern) -> None:
+    os.makedirs(dst_dir, exist_ok=True)
+    for name in sorted(os.listdir(src_dir)):
+        path = os.path.join(src_dir, name)
+        if pattern.fullmatch(name) and os.path.isfile(path):
+            shutil.copy(path, os.path.join(dst_dir, name))
+
+
+def record(workdir: str, settings: config_lib.Settings, model_cfg: Any) -> None:
+    """Writes config.json and the copies under run/ (process 0, before training)."""
+    d, model = settings.data, settings.model
+    if d.tokenizer != "byte" and os.path.abspath(d.tokenizer) != os.path.abspath(
+            os.path.join(workdir, TOKENIZER, "tokenizer.json")):
+        # Only tokenizer.json's own siblings: the run may point into a directory
+        # that holds much else.
+        _copy_files(os.path.dirname(os.path.abspath(d.tokenizer)),
+                    os.path.join(workdir, TOKENIZER), _TOKENIZER_FILES)
+        shutil.copy(d.tokenizer, os.path.join(workdir, TOKENIZER, "tokenizer.json"))
+    if d.chat_template and os.path.isfile(d.chat_template) and os.path.abspath(
+            d.chat_template) != os.path.abspath(os.path.join(workdir, CHAT_TEMPLATE)):
+        os.makedirs(os.path.join(workdir, RUN), exist_ok=True)
+        shutil.copy(d.chat_template, os.path.join(workdir, CHAT_TEMPLATE))
+    if model.init_from and os.path.isdir(model.init_from):
+        _copy_files(model.init_from, os.path.join(workdir, SOURCE), _SOURCE_FILES)
+    saved = settings.to_dict()
+    saved["model"].update(resolved_model(model_cfg))
+    with open(os.path.join(workdir, "config.json"), "w") as f:
+        json.dump(saved, f, indent=2)
+
+
+def run_config(workdir: str) -> ml_collections.ConfigDict:
+    """The run's config, reading the copies in the workdir: the model from its
+    resolved fields (weights come from the run's checkpoints, so no
+    ``model.init_from``), the tokenizer and chat template from run/."""
+    config = config_lib.run_config(workdir)
+    if _resolved(config):  # (a run saved before workdirs kept their model still needs it)
+        config.model.init_from = None
+    tokenizer = os.path.join(workdir, TOKENIZER, "tokenizer.json")
+    if config.data.tokenizer != "byte" and os.path.isfile(tokenizer):
+        config.data.tokenizer = tokenizer
+    template = os.path.join(workdir, CHAT_TEMPLATE)
+    if config.data.chat_template and os.path.isfile(template):
+        config.data.chat_template = template
+    return config
+
+
+def source_dir(workdir: str) -> str | None:
+    """The copy of ``model.init_from``'s non-weight files, if the run had one."""
+    path = os.path.join(workdir, SOURCE)
+    return path if os.path.isfile(os.path.join(path, "config.json")) else None
+
+
+def source_config(workdir: str) -> dict | None:
+    """``model.init_from``'s config.json as the run saw it (token ids and other
+    fields ndjax does not model, which an export keeps)."""
+    path = source_dir(workdir)
+    if path is None:
+        return None
+    with open(os.path.join(path, "config.json")) as f:
+        return json.load(f)
+
+
+def source(workdir: str) -> Any:
+    """That copy as an ``hf.Checkpoint`` without tensors: what ``hf.export`` takes as
+    its ``source`` (config.json fields and files to carry along)."""
+    from ndjax import hf
+    config = source_config(workdir)
+    return None if config is None else hf.Checkpoint(source_dir(workdir), config, {}, {})
+
+
+def has_checkpoint(workdir: str) -> bool:
+    """A complete checkpoint under <workdir>/checkpoints (orbax renames a save's
+    temporary directory to the bare step number when it is complete)."""
+    directory = os.path.join(workdir, "checkpoints")
+    return os.path.isdir(directory) and any(n.isdigit() for n in os.listdir(directory))
+
+
+def for_resume(config: ml_collections.ConfigDict, workdir: str) -> ml_collections.ConfigDict:
+    """A run resumed from its checkpoints takes its model from the workdir, not from
+    ``model.init_from`` (whose weights only step 0 needs, and which may be gone).
+    The config is returned unchanged when there is nothing to resume or no init_from."""
+    if (config.model.init_from is None or str(config.checkpoint.resume) == "never"
+            or not has_checkpoint(workdir)
+            or not os.path.isfile(os.path.join(workdir, "config.json"))):
+        return config
+    saved = config_lib.run_config(workdir)
+    if not _resolved(saved):
+        return config
+    if saved.model.init_from != config.model.init_from:
+        raise ConfigError(
+            f"model.init_from={config.model.init_from!r}, but the run in {workdir!r} started "
+            f"from {saved.model.init_from!r}; resume it with the same model.init_from, or use "
+            "another --workdir (or checkpoint.resume=never).")
+    config = ml_collections.ConfigDict(config.to_dict())
+    for field in resolved_model_fields():
+        config.model[field] = saved.model[field]
+    config.model.init_from = None
+    return config
+
+
+def _resolved(config: ml_collections.ConfigDict) -> bool:
+    """Whether a saved config holds its model in full."""
+    return all(config.model[f] is not None for f in resolved_model_fields())
+
+
+def resolved_model_fields() -> tuple[str, ...]:
+    return ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "head_dim",
+            "rope_theta", "rope_scaling", "rms_norm_eps", "tie_embeddings")

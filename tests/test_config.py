@@ -1,0 +1,194 @@
+"""The typed config: every field set from the command line, every field's bad value
+one clear error (in-process for all fields; through train.py for a sample)."""
+
+import re
+import subprocess
+import sys
+
+import pytest
+from absl import flags
+from ml_collections import config_flags
+
+from ndjax.config import RENAMED, Settings, default_config, field_paths, over_defaults
+from ndjax.errors import ConfigError
+
+# A valid value other than the default, for every field, written as on a command line.
+GOOD = {
+    "model.preset": "llama3_1b", "model.vocab_size": "512", "model.dim": "128",
+    "model.n_layers": "3", "model.n_heads": "4", "model.n_kv_heads": "2",
+    "model.ffn_dim": "256", "model.head_dim": "32", "model.rope_theta": "10000.0",
+    "model.rope_scaling": "{'factor': 4.0}", "model.rms_norm_eps": "1e-6",
+    "model.tie_embeddings": "True", "model.dtype": "bfloat16", "model.param_dtype": "bfloat16",
+    "model.scan_layers": "False", "model.remat": "full", "model.attn_impl": "tiled",
+    "model.cp_layout": "contiguous", "model.attn_kv_tile": "128", "model.attn_max_docs": "8",
+    "model.init_from": "/nowhere/llama",
+    "mesh.replica": "2", "mesh.fsdp": "2", "mesh.context": "2", "mesh.tensor": "2",
+    "runtime.cpu_devices": "4", "runtime.coordinator": "localhost:1234",
+    "runtime.num_processes": "2", "runtime.process_id": "1",
+    "runtime.local_device_ids": "0,1", "runtime.init_timeout": "60",
+    "runtime.heartbeat_timeout": "30",
+    "train.steps": "7", "train.batch_size": "16", "train.seq_len": "128", "train.seed": "3",
+    "train.lr": "1e-4", "train.schedule": "constant", "train.warmup_steps": "0",
+    "train.min_lr_ratio": "0.5", "train.weight_decay": "0.0", "train.b1": "0.8",
+    "train.b2": "0.999", "train.eps": "1e-6", "train.clip_norm": "0.5",
+    "train.opt_state_dtype": "bfloat16", "train.on_nan": "skip", "train.grad_accum": "2",
+    "train.loss_chunk": "64", "train.eval_every": "10", "train.eval_steps": "2",
+    "data.source": "jsonl", "data.files": "a.jsonl", "data.eval_files": "b.jsonl",
+    "data.text_field": "body", "data.messages_field": "conv", "data.prompt_field": "q",
+    "data.completion_field": "a", "data.chat_template": "t.jinja", "data.overlong": "truncate",
+    "data.tokenizer": "tok/tokenizer.json", "data.eos_token": "</s>",
+    "data.token_dtype": "uint16", "data.packing": "False", "data.prefetch": "0",
+    "checkpoint.every": "5", "checkpoint.keep": "0", "checkpoint.async_save": "False",
+    "checkpoint.resume": "never",
+    "log.every": "10", "log.tensorboard": "False", "log.peak_tflops": "989.0",
+    "log.profile_steps": "(5, 7)", "log.sample_every": "50", "log.sample_prompt": "def ",
+    "log.sample_tokens": "16",
+    "debug.nan_at_step": "3",
+    "export.hf_dir": "out/hf", "export.dtype": "float32", "export.max_shard_size": "2GB",
+    "rules": "megatron_sp",
+}
+
+# A bad value for every field (what a config file could hold), and what the error says
+# after "<field>=<value>".
+BAD = {
+    "model.preset": ("llama9", r": choose one of"),
+    **{f"model.{f}": (0, r" must be an int >= 1") for f in
+       ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "head_dim")},
+    "model.rope_theta": (-1.0, r" must be a number > 0"),
+    "model.rope_scaling": ({"factr": 2.0}, r": unknown keys \['factr'\]"),
+    "model.rms_norm_eps": (0.0, r" must be a number > 0"),
+    "model.tie_embeddings": ("yes", r" must be True or False"),
+    "model.dtype": ("fp8", r": choose one of"),
+    "model.param_dtype": ("float16", r": choose one of"),
+    "model.scan_layers": (1, r" must be True or False"),
+    "model.remat": ("some", r": choose one of"),
+    "model.attn_impl": ("flash", r": choose one of"),
+    "model.cp_layout": ("striped", r": choose one of"),
+    "model.attn_kv_tile": (0, r" must be an int >= 1"),
+    "model.attn_max_docs": (-2, r" must be an int >= 1"),
+    "model.init_from": (3, r" must be a string"),
+    **{f"mesh.{a}": (2.5, r" must be an int") for a in ("replica", "fsdp", "context", "tensor")},
+    "runtime.cpu_devices": (0, r" must be an int >= 1"),
+    "runtime.coordinator": (1234, r" must be a string"),
+    "runtime.num_processes": (0, r" must be an int >= 1"),
+    "runtime.process_id": (-1, r" must be an int >= 0"),
+    "runtime.local_device_ids": (0, r" must be a string"),
+    "runtime.init_timeout": (0, r" must be an int >= 1"),
+    "runtime.heartbeat_timeout": (-5, r" must be an int >= 1"),
+    "train.steps": (-1, r" must be an int >= 0"),
+    "train.batch_size": (0, r" must be an int >= 1"),
+    "train.seq_len": (0, r" must be an int >= 1"),
+    "train.seed": (-1, r" must be an int >= 0 and < 4294967296"),
+    "train.lr": (-3e-4, r" must be a number >= 0"),
+    "train.schedule": ("linear", r": choose one of"),
+    "train.warmup_steps": (-1, r" must be an int >= 0"),
+    "train.min_lr_ratio": (1.5, r" must be a number >= 0 and <= 1"),
+    "train.weight_decay": (-0.1, r" must be a number >= 0"),
+    "train.b1": (1.0, r" must be a number >= 0 and < 1"),
+    "train.b2": (1.2, r" must be a number >= 0 and < 1"),
+    "train.eps": (0.0, r" must be a number > 0"),
+    "train.clip_norm": (-1.0, r" must be a number >= 0"),
+    "train.opt_state_dtype": ("fp8", r": choose one of"),
+    "train.on_nan": ("ignore", r": choose one of"),
+    "train.grad_accum": (0, r" must be an int >= 1"),
+    "train.loss_chunk": (0, r" must be an int >= 1"),
+    "train.eval_every": (-1, r" must be an int >= 0"),
+    "train.eval_steps": (0, r" must be an int >= 1"),
+    "data.source": ("webdataset", r": choose one of"),
+    **{f"data.{f}": (1, r" must be a string") for f in
+       ("files", "eval_files", "text_field", "messages_field", "prompt_field",
+        "completion_field", "chat_template", "tokenizer", "eos_token")},
+    "data.overlong": ("wrap", r": choose one of"),
+    "data.token_dtype": ("int8", r": choose one of"),
+    "data.packing": ("no", r" must be True or False"),
+    "data.prefetch": (-1, r" must be an int >= 0"),
+    "checkpoint.every": (-1, r" must be an int >= 0"),
+    "checkpoint.keep": (-1, r" must be an int >= 0"),
+    "checkpoint.async_save": ("no", r" must be True or False"),
+    "checkpoint.resume": ("latest", r": use 'auto', 'never' or a step number"),
+    "log.every": (0, r" must be an int >= 1"),
+    "log.tensorboard": (1, r" must be True or False"),
+    "log.peak_tflops": (0.0, r" must be a number > 0"),
+    "log.profile_steps": ((7, 5), r" must be empty or \(first, last\)"),
+    "log.sample_every": (-1, r" must be an int >= 0"),
+    "log.sample_prompt": (7, r" must be a string"),
+    "log.sample_tokens": (0, r" must be an int >= 1"),
+    "debug.nan_at_step": (1.5, r" must be an int"),
+    "export.hf_dir": (1, r" must be a string"),
+    "export.dtype": ("int8", r": choose one of"),
+    "export.max_shard_size": ("5XB", r": write a positive number of bytes"),
+}
+
+
+def test_the_tables_cover_every_field():
+    assert set(GOOD) == set(field_paths())
+    assert set(BAD) == set(field_paths()) - {"rules"}  # rules: checked against the mesh
+
+
+def _parse_flags(argv):
+    # config_flags applies the overrides it finds in sys_argv when the flag is defined.
+    holder = flags.FlagValues()
+    flag = config_flags.DEFINE_config_dict("config", default_config(), flag_values=holder,
+                                           sys_argv=["prog", *argv])
+    holder(["prog", *argv])
+    return flag.value
+
+
+def test_every_field_can_be_set_from_the_command_line():
+    config = _parse_flags([f"--config.{k}={v}" for k, v in GOOD.items()])
+    settings = Settings.parse(config)
+    defaults = Settings.parse(default_config())
+    for path in field_paths():
+        section, _, name = path.partition(".")
+        value = getattr(getattr(settings, section), name) if name else settings.rules
+        default = getattr(getattr(defaults, section), name) if name else defaults.rules
+        assert value != default, path
+    assert settings.checkpoint.async_save is False
+    assert settings.model.rope_scaling == {"factor": 4.0}
+    assert settings.log.profile_steps == (5, 7)
+
+
+@pytest.mark.parametrize("path", sorted(BAD))
+def test_every_field_rejects_a_bad_value(path):
+    value, says = BAD[path]
+    section, name = path.split(".")
+    config = default_config().to_dict()
+    config[section][name] = value
+    with pytest.raises(ConfigError) as e:
+        Settings.parse(config)
+    message = str(e.value)
+    assert re.match(re.escape(f"{path}={value!r}") + says, message), message
+    assert "\n" not in message
+
+
+def test_unknown_keys_suggest_the_nearest():
+    config = default_config().to_dict()
+    config["train"]["stpes"] = 3
+    with pytest.raises(ConfigError, match=r"unknown config key 'train.stpes'. Did you mean "
+                                          r"train.steps\?"):
+        Settings.parse(config)
+
+
+def test_the_keyword_field_is_renamed_and_old_saves_still_read():
+    # checkpoint.async could not be set from the command line: 'async' is a keyword.
+    assert RENAMED[("checkpoint", "async")] == "async_save"
+    assert over_defaults({"checkpoint": {"async": False}}).checkpoint.async_save is False
+    config = default_config().to_dict()
+    config["checkpoint"] = {"async": False}
+    assert Settings.parse(config).checkpoint.async_save is False
+
+
+@pytest.mark.parametrize("flag, says", [
+    ("--config.train.b2=1.5", "train.b2=1.5 must be a number >= 0 and < 1"),
+    ("--config.checkpoint.keep=-1", "checkpoint.keep=-1 must be an int >= 0"),
+    ("--config.train.clip_norm=-1.0", "train.clip_norm=-1.0 must be a number >= 0"),
+])
+def test_train_py_reports_a_bad_field_in_one_line(tmp_path, flag, says):
+    result = subprocess.run([sys.executable, "train.py", "--config=configs/llama_fsdp_tp.py",
+                             flag, f"--workdir={tmp_path / 'run'}"],
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"train.py: error: {says}"), result.stderr
+    assert result.stdout == ""
+    assert not (tmp_path / "run").exists()

@@ -1,0 +1,74 @@
+"""A run's workdir is self-contained: generate, export and resume read nothing from
+the directories the run started from (model.init_from, the tokenizer's)."""
+
+import json
+import shutil
+
+import numpy as np
+import torch
+from conftest import tiny_config
+from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+
+from ndjax import generate
+from ndjax.export import export_checkpoint
+from ndjax.loop import train
+from ndjax.workdir import SOURCE, run_config
+
+SCALING = dict(factor=4.0, low_freq_factor=1.0, high_freq_factor=4.0,
+               original_max_position_embeddings=16)
+
+
+def _source(directory):
+    """A transformers checkpoint whose rms_norm_eps and rope scaling are not ndjax's
+    defaults: a saved config that forgot them would build another model."""
+    torch.manual_seed(0)
+    LlamaForCausalLM(LlamaConfig(
+        vocab_size=264, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=256,
+        rms_norm_eps=1e-3, rope_theta=20_000.0, rope_scaling=dict(rope_type="llama3", **SCALING),
+        bos_token_id=257, eos_token_id=256)).save_pretrained(directory)
+
+
+def _config(init_from, steps):
+    c = tiny_config(mesh=dict(fsdp=4, tensor=2), train=dict(steps=steps))
+    for field in ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim",
+                  "rope_theta"):
+        c.model[field] = None
+    c.model.init_from = str(init_from)
+    return c
+
+
+def test_generate_export_and_resume_after_the_source_is_gone(tmp_path, cpu_devices):
+    source, run = tmp_path / "source", tmp_path / "run"
+    _source(source)
+    train(_config(source, steps=2), str(run), cpu_devices, verbose=False)
+
+    saved = json.loads((run / "config.json").read_text())["model"]
+    assert saved["init_from"] == str(source)  # where it started, for the record
+    assert saved["rms_norm_eps"] == 1e-3 and saved["rope_theta"] == 20_000.0
+    assert saved["rope_scaling"] == SCALING
+    assert (saved["vocab_size"], saved["dim"], saved["n_kv_heads"]) == (264, 64, 4)
+    assert (run / SOURCE / "config.json").is_file()
+    assert not list((run / SOURCE).glob("*.safetensors"))  # weights come from checkpoints
+
+    shutil.move(source, tmp_path / "moved")
+    assert run_config(str(run)).model.init_from is None
+
+    model = generate.load(workdir=str(run), devices=cpu_devices)
+    assert model.exp.model_cfg.rms_norm_eps == 1e-3
+    assert model.exp.model_cfg.rope_scaling.factor == 4.0
+
+    out = tmp_path / "hf"
+    assert export_checkpoint(str(run), str(out), devices=cpu_devices) == 2
+    exported = json.loads((out / "config.json").read_text())
+    assert exported["rms_norm_eps"] == 1e-3
+    assert exported["rope_scaling"]["factor"] == 4.0
+    assert exported["bos_token_id"] == 257  # from the source's config.json, kept in the run
+    loaded = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+    assert loaded.config.rms_norm_eps == 1e-3
+
+    # Resume with the very command the run started with: the model comes from the
+    # workdir, the weights from its checkpoint at step 2.
+    records = train(_config(source, steps=4), str(run), cpu_devices, verbose=False)
+    assert [r["step"] for r in records] == [3, 4]
+    assert np.isfinite([r["loss"] for r in records]).all()
