@@ -1,4 +1,4 @@
-"""Sample completions from a training run or a Hugging Face Llama directory.
+r"""Sample completions from a training run or a Hugging Face Llama directory.
 
     python -m ndjax.generate --workdir=runs/llama_fsdp_tp [--step=N] --prompt='import os' \
         [--max_new_tokens=64] [--temperature=0.8 --top_p=0.95 --top_k=50 --seed=0] [--json]
@@ -6,17 +6,15 @@
         --prompts_file=prompts.jsonl --config.mesh.tensor=2
 
 From ``--workdir`` the run's saved config rebuilds model, mesh and rules (as
-``ndjax.export`` does) and step N (default: the newest) is restored onto the
-devices present; ``--config.a.b=value`` changes any field of it, e.g. a decode
-mesh. Only the parameters are read, not the optimizer state. Prompts are
-tokenized as the run's training data was (``data.tokenizer``, no BOS). From
-``--hf_dir`` the directory's ``config.json``, weights and ``tokenizer.json`` are
-used and prompts get the tokenizer's special tokens (BOS), as transformers adds
-them. ``--chat`` renders each prompt as one user message with the tokenizer's
-chat template. Generation stops at ``--max_new_tokens`` or an end-of-sequence
-token (``generation_config.json``, else ``config.json``, else the tokenizer's).
-
-Bad input is one line on stderr, exit code 2.
+``ndjax.export`` does) and restores the parameters of step N (default: the newest)
+onto the devices present; prompts are tokenized as its training data was
+(``data.tokenizer``, no BOS), and ``--chat`` renders each as one user message with
+the template training used (``data.chat_template``, else the tokenizer's). From
+``--hf_dir``: the directory's ``config.json``, weights, ``tokenizer.json`` and chat
+template; prompts get the tokenizer's special tokens (BOS), as transformers adds
+them. Generation stops at ``--max_new_tokens`` or an end-of-sequence token
+(``generation_config.json``, else ``config.json``, else the tokenizer's). Bad input
+is one line on stderr, exit code 2.
 """
 
 from __future__ import annotations
@@ -34,10 +32,16 @@ from absl import app, flags
 from ml_collections import config_flags
 
 from ndjax import hf
+from ndjax import workdir as workdir_lib
 from ndjax.checkpoint import saved_step
-from ndjax.config import default_config, run_config
+from ndjax.config import default_config
 from ndjax.console import quiet_libraries
-from ndjax.data.chat_template import TemplateRefused, load_chat_template, token_text
+from ndjax.data.chat_template import (
+    ChatTemplate,
+    TemplateRefused,
+    load_chat_template,
+    token_text,
+)
 from ndjax.data.tokenizers import ByteTokenizer, HFTokenizer, load_tokenizer
 from ndjax.errors import ConfigError
 from ndjax.experiment import Experiment
@@ -56,6 +60,10 @@ class Model:
     max_len_what: str           # where max_len comes from, for errors
     bos_in_prompts: bool        # plain prompts get the tokenizer's special tokens
     tokenizer_dir: str | None   # where tokenizer_config.json / chat_template.jinja may be
+    # data.chat_template: the Jinja file a run rendered its chat data with ("" = the
+    # tokenizer's own), so that --chat prompts look like the conversations trained on.
+    chat_template: str = ""
+    chat_template_what: str = "data.chat_template"  # where it was set, for errors
 
     def generator(self, max_new_tokens: int, sampling: Sampling | None = None, seed: int = 0,
                   max_len: int | None = None) -> Generator:
@@ -68,7 +76,8 @@ class Model:
     def encode(self, prompts: Sequence[str], chat: bool = False) -> list[list[int]]:
         if chat:
             ids = [self.tokenizer.encode(text) for text in
-                   render_chat(self.tokenizer_dir, self.tokenizer.name, prompts)]
+                   render_chat(self.tokenizer_dir, self.tokenizer.name, prompts,
+                               self.chat_template, self.chat_template_what)]
         else:
             ids = [self.tokenizer.encode(p, add_special_tokens=self.bos_in_prompts)
                    for p in prompts]
@@ -122,11 +131,16 @@ def load(workdir: str | None = None, hf_dir: str | None = None, step: int | None
     apply_overrides(config, overrides or {})
     n = len(jax.devices() if devices is None else devices)
     exp = Experiment.from_config(for_generation(config, n), devices)
+    template = str(config.data.chat_template or "")
+    template_what = ("--config.data.chat_template" if "data.chat_template" in (overrides or {})
+                     else "the run's data.chat_template")
     if workdir:
-        tokenizer, eos = _run_tokenizer(config)
+        source = workdir_lib.source_dir(workdir)  # model.init_from's files, kept by the run
+        tokenizer, eos = _run_tokenizer(config, source)
         return Model(exp, _restore(workdir, config, exp, step), tokenizer, eos,
                      max_len=int(config.train.seq_len), max_len_what="the run's train.seq_len",
-                     bos_in_prompts=False, tokenizer_dir=_tokenizer_dir(config))
+                     bos_in_prompts=False, tokenizer_dir=_tokenizer_dir(config, source),
+                     chat_template=template, chat_template_what=template_what)
     tokenizer = _hf_tokenizer(hf_dir)
     max_len = exp.checkpoint.config.get("max_position_embeddings")
     if not isinstance(max_len, int):
@@ -135,13 +149,15 @@ def load(workdir: str | None = None, hf_dir: str | None = None, step: int | None
     params = hf.load_params(exp.checkpoint, exp.param_shapes, exp.state_sharding.params)
     return Model(exp, params, tokenizer, eos_ids(hf_dir, tokenizer), max_len,
                  "max_position_embeddings of config.json", bos_in_prompts=True,
-                 tokenizer_dir=hf_dir)
+                 tokenizer_dir=hf_dir, chat_template=template,
+                 chat_template_what="--config.data.chat_template")
 
 
 def source_config(workdir: str | None, hf_dir: str | None) -> ml_collections.ConfigDict:
-    """The run's saved config, or the defaults with the model from ``hf_dir``."""
+    """The run's saved config (reading the copies its workdir keeps: ndjax.workdir), or
+    the defaults with the model from ``hf_dir``."""
     if workdir:
-        return run_config(workdir)
+        return workdir_lib.run_config(workdir)
     config = default_config()
     for field in ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim",
                   "head_dim", "rope_theta", "tie_embeddings"):
@@ -156,20 +172,20 @@ def _restore(workdir: str, config: ml_collections.ConfigDict, exp: Experiment,
         return checkpointer.restore_params(step, exp.abstract_state)
 
 
-def _run_tokenizer(config: ml_collections.ConfigDict
+def _run_tokenizer(config: ml_collections.ConfigDict, source: str | None
                    ) -> tuple[ByteTokenizer | HFTokenizer, tuple[int, ...]]:
     """The run's tokenizer; training ended every document with its EOS, so that stops
-    generation (and so do the stop tokens of a checkpoint the run started from)."""
+    generation (and so do the stop tokens of the checkpoint the run started from,
+    whose files the run keeps in ``source``)."""
     tokenizer = load_tokenizer(config.data.tokenizer, config.data.eos_token)
-    init_from = config.model.init_from
-    extra = eos_ids(init_from, None) if init_from and os.path.isdir(init_from) else ()
+    extra = eos_ids(source, None) if source else ()
     return tokenizer, tuple(dict.fromkeys((tokenizer.eos_id, *extra)))
 
 
-def _tokenizer_dir(config: ml_collections.ConfigDict) -> str | None:
+def _tokenizer_dir(config: ml_collections.ConfigDict, source: str | None) -> str | None:
     if config.data.tokenizer != "byte":
         return os.path.dirname(os.path.abspath(config.data.tokenizer))
-    return config.model.init_from
+    return source
 
 
 def _read_json(path: str) -> dict:
@@ -206,18 +222,41 @@ def eos_ids(directory: str, tokenizer: HFTokenizer | None) -> tuple[int, ...]:
 # ----- chat -------------------------------------------------------------------------
 
 
-def render_chat(tokenizer_dir: str | None, tokenizer: str, prompts: Sequence[str]) -> list[str]:
-    """Each prompt as one user message in the tokenizer's chat template, ready for the
-    assistant's answer (add_generation_prompt=True): the renderer training uses
-    (``ndjax.data.chat_template``), so prompts look like the conversations trained on."""
-    no_template = ConfigError(f"--chat: the tokenizer ({tokenizer}) has no chat template "
-                              "(chat_template.jinja or tokenizer_config.json's chat_template); "
-                              "drop --chat or use a chat model's tokenizer.")
+def run_chat_template(tokenizer_dir: str | None, tokenizer: str, template_file: str = "",
+                      template_what: str = "data.chat_template") -> ChatTemplate:
+    """The template training rendered conversations with: ``template_file``
+    (``data.chat_template``) if set, else the tokenizer's own, found as training finds
+    it (``ndjax.data.chat_template``), with the tokenizer's special tokens."""
+    if template_file and not os.path.isfile(template_file):
+        # A run's config.json holds the path the run was given, as given: the file
+        # may have moved or changed since, or be relative to another directory.
+        raise ConfigError(f"--chat: {template_what}={template_file!r} is not a file (moved or "
+                          "deleted since, or relative to another directory?); give "
+                          "--config.data.chat_template=PATH of the template to prompt with.")
     if tokenizer_dir is None:
-        raise no_template
-    template = load_chat_template(os.path.join(tokenizer_dir, "tokenizer.json"),
-                                  needed_by="--chat", fix="drop --chat or use a chat model's "
-                                  "tokenizer")
+        if not template_file:
+            raise ConfigError(f"--chat: the tokenizer ({tokenizer}) has no chat template "
+                              "(chat_template.jinja or tokenizer_config.json's chat_template); "
+                              "drop --chat, use a chat model's tokenizer, or give "
+                              "--config.data.chat_template=FILE.")
+        # A byte-level run has no tokenizer folder, so no named special tokens.
+        with open(template_file, encoding="utf-8") as f:
+            template = ChatTemplate(f.read(), f"{template_what}={template_file!r}", {})
+        template.check()
+        return template
+    return load_chat_template(os.path.join(tokenizer_dir, "tokenizer.json"), template_file,
+                              needed_by="--chat", fix="drop --chat, use a chat model's "
+                              "tokenizer, or give --config.data.chat_template=FILE")
+
+
+def render_chat(tokenizer_dir: str | None, tokenizer: str, prompts: Sequence[str],
+                template_file: str = "", template_what: str = "data.chat_template"
+                ) -> list[str]:
+    """Each prompt as one user message in the run's chat template (``chat_template``),
+    ready for the assistant's answer (add_generation_prompt=True): the renderer training
+    uses (``ndjax.data.chat_template``), so prompts look like the conversations trained
+    on."""
+    template = run_chat_template(tokenizer_dir, tokenizer, template_file, template_what)
     rendered = []
     for i, prompt in enumerate(prompts):
         try:
@@ -265,28 +304,37 @@ def define_flags() -> dict[str, Any]:
                                "--workdir)."),
         step=f.DEFINE_integer("step", None, "Checkpoint step of --workdir; default: the "
                               "newest."),
-        prompt=f.DEFINE_multi_string("prompt", [], "A prompt; repeat for several."),
+        prompt=f.DEFINE_multi_string("prompt", [], "A prompt"),
         prompts_file=f.DEFINE_string("prompts_file", None, "JSON Lines, a 'prompt' field "
                                      "each."),
-        chat=f.DEFINE_bool("chat", False, "Wrap each prompt in the tokenizer's chat template."),
+        chat=f.DEFINE_bool("chat", False, "Wrap each prompt in the run's chat template."),
         max_new_tokens=f.DEFINE_integer("max_new_tokens", 64, "Tokens to generate at most per "
                                         "prompt."),
         max_len=f.DEFINE_integer("max_len", None, "Prompt + new tokens must fit in this; "
                                  "default: the run's train.seq_len, or "
                                  "max_position_embeddings."),
         temperature=f.DEFINE_float("temperature", 0.0, "0: greedy; else sample at it."),
-        top_p=f.DEFINE_float("top_p", 1.0, "Nucleus sampling: keep the most likely tokens up "
-                             "to this probability (1: off)."),
+        top_p=f.DEFINE_float("top_p", 1.0, "Keep the likeliest tokens up to this probability "
+                             "(1: off)."),
         top_k=f.DEFINE_integer("top_k", 0, "Keep the k most likely tokens (0: off)."),
         seed=f.DEFINE_integer("seed", 0, "Sampling seed."),
         batch_size=f.DEFINE_integer("batch_size", 8, "Prompts generated together."),
-        json=f.DEFINE_bool("json", False, "One JSON line per prompt: prompt, completion, "
-                           "prompt_tokens, completion_tokens."),
+        json=f.DEFINE_bool("json", False, "One JSON line per prompt (prompt, completion, "
+                           "token counts)."),
         # --config.a.b=value: fields of the run's config (or the defaults, with --hf_dir).
-        config=config_flags.DEFINE_config_dict("config", default_config(),
-                                               "Overrides of the run's config, e.g. "
-                                               "--config.mesh.tensor=2."),
+        config=_config_flag(),
     )
+
+
+def _config_flag() -> flags.FlagHolder:
+    """--config, documented in a line: its default is only there to give the overrides
+    their fields and types (the config used is the run's), and absl would print all of
+    it, some 80 lines, under --help."""
+    holder = config_flags.DEFINE_config_dict(
+        "config", default_config(), "--config.a.b=value changes field a.b of the run's "
+        "config (with --hf_dir, of the defaults: ndjax/config.py), e.g. --config.mesh.tensor=2.")
+    flags.FLAGS[holder.name].default_as_str = None  # absl's help prints no "(default: ...)"
+    return holder
 
 
 FLAGS: dict[str, Any] = {}

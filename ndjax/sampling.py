@@ -11,8 +11,12 @@ steps that stops early once every row has emitted an end-of-sequence token.
 Sampling settings are compile-time constants (they are fixed for a run).
 Temperature 0 is greedy (argmax). Otherwise logits are divided by the temperature,
 cut to the ``top_k`` largest and to the smallest set whose probability reaches
-``top_p``, and sampled with the key ``fold_in(key(seed), step)``: a seed gives the
-same tokens for the same batch on any run.
+``top_p``, and sampled. Each prompt draws its own randomness: prompt ``j`` (its place
+in the list a Generator is called with) samples step ``t`` with the key
+``fold_in(fold_in(key(seed), j), t)``. So no two prompts share draws (16 copies of
+one prompt give 16 completions, whichever batches they fall in), a seed repeats the
+whole output, and a prompt's draws do not depend on ``batch_size``, on its row in
+the batch or on the filler rows a mesh pads the batch with.
 """
 
 from __future__ import annotations
@@ -52,7 +56,8 @@ class Sampling:
 
 
 def sample(logits: jax.Array, key: jax.Array, s: Sampling) -> jax.Array:
-    """logits (b, vocab) float32 -> token ids (b,) int32."""
+    """logits (b, vocab) float32 -> token ids (b,) int32; ``key`` is one key for the
+    whole batch, or (b,) keys, one per row."""
     if s.temperature == 0:
         return jnp.argmax(logits, axis=-1).astype(jnp.int32)
     logits = logits / s.temperature
@@ -68,7 +73,21 @@ def sample(logits: jax.Array, key: jax.Array, s: Sampling) -> jax.Array:
         kept = jnp.cumsum(probs, axis=-1) - probs < s.top_p
         cutoff = jnp.min(jnp.where(kept, ordered, jnp.inf), axis=-1, keepdims=True)
         logits = jnp.where(logits < cutoff, low, logits)
-    return jax.random.categorical(key, logits, axis=-1).astype(jnp.int32)
+    if key.ndim == 0:
+        return jax.random.categorical(key, logits, axis=-1).astype(jnp.int32)
+    # One key per row: a row's draw depends only on its own key, not on how many rows
+    # the batch has or where the row sits in it.
+    return jax.vmap(jax.random.categorical)(key, logits).astype(jnp.int32)
+
+
+def row_keys(key: jax.Array, start: jax.Array | int, rows: int) -> jax.Array:
+    """(rows,) keys: row r's is ``fold_in(key, start + r)``, its prompt's own stream."""
+    return jax.vmap(jax.random.fold_in, (None, 0))(key, start + jnp.arange(rows))
+
+
+def step_keys(keys: jax.Array, step: jax.Array | int) -> jax.Array:
+    """Each row's key for decode step ``step`` (0: the token prefill samples)."""
+    return jax.vmap(jax.random.fold_in, (0, None))(keys, step)
 
 
 def decode_rules(rules: rules_lib.Rules) -> rules_lib.Rules:
@@ -108,18 +127,24 @@ class Generator:
 
     # ----- the two jitted programs ---------------------------------------------------
 
-    def _prefill(self, params, tokens, pad, key):
+    # ``start``: the index of the batch's first prompt among all prompts, which picks
+    # each row's random stream (``row_keys``); a traced scalar, so every batch runs the
+    # same compiled program. Its default keeps the older four- and five-argument calls
+    # (bench/generate.py) working.
+    def _prefill(self, params, tokens, pad, key, start=0):
         model = nnx.merge(self.graphdef, params)
         b, slots = tokens.shape
         cache = decode.init_cache(self.cfg, b, slots + self.max_new, pad)
         logits, cache = decode.forward(model, tokens, 0, cache)
-        return sample(logits, jax.random.fold_in(key, 0), self.sampling), cache
+        keys = step_keys(row_keys(key, start, b), 0)
+        return sample(logits, keys, self.sampling), cache
 
-    def _decode(self, params, first, cache, key, n_prompts):
+    def _decode(self, params, first, cache, key, n_prompts, start=0):
         """Tokens (b, max_new_tokens): ``first`` then one per step; after a row's
         end-of-sequence token, ``pad_id``. The cache is donated and returned so that the
         loop updates it in place rather than in a copy."""
         model = nnx.merge(self.graphdef, params)
+        keys = row_keys(key, start, first.shape[0])
         n = self.max_new
         prompt_slots = cache.k.shape[2] - n
         out = jnp.full((first.shape[0], n), self.pad_id, jnp.int32).at[:, 0].set(first)
@@ -134,7 +159,7 @@ class Generator:
             i, out, done, cache = carry
             last = jax.lax.dynamic_slice_in_dim(out, i - 1, 1, axis=1)
             logits, cache = decode.forward(model, last, prompt_slots + i - 1, cache)
-            token = sample(logits, jax.random.fold_in(key, i), self.sampling)
+            token = sample(logits, step_keys(keys, i), self.sampling)
             token = jnp.where(done, self.pad_id, token)
             out = jax.lax.dynamic_update_slice_in_dim(out, token[:, None], i, axis=1)
             return i + 1, out, done | jnp.isin(token, self.eos), cache
@@ -178,15 +203,17 @@ class Generator:
                                         sharding=NamedSharding(mesh, self.rules.spec(names)))
 
         key = placed(self.key.shape, self.key.dtype, ())
+        start = placed((), jnp.int32, ())
         with rules_lib.use(self.rules):
             prefill = compiler.compile_step(self.prefill.trace(
                 self.params, placed((rows, slots), jnp.int32, ("act_batch", None)),
-                placed((rows,), jnp.int32, ("act_batch",)), key).lower(), platform=platform)
+                placed((rows,), jnp.int32, ("act_batch",)), key, start).lower(),
+                platform=platform)
             first, cache = jax.tree.map(
                 lambda x, sharding: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding),
                 prefill.out_info, prefill.output_shardings)
             decode_step = compiler.compile_step(self.decode.trace(
-                self.params, first, cache, key, placed((), jnp.int32, ())).lower(),
+                self.params, first, cache, key, placed((), jnp.int32, ()), start).lower(),
                 platform=platform)
         return prefill, decode_step
 
@@ -200,14 +227,18 @@ class Generator:
                     f"that is {len(p) + self.max_new}, more than --max_len={self.max_len} "
                     f"({self.max_len_what}). Shorten the prompt or lower --max_new_tokens.")
 
-    def generate(self, prompts: Sequence[Sequence[int]]) -> list[list[int]]:
+    def generate(self, prompts: Sequence[Sequence[int]], start: int = 0) -> list[list[int]]:
         """One batch: each prompt's new tokens, up to and including its first
-        end-of-sequence token."""
+        end-of-sequence token. ``start``: the index of ``prompts[0]`` among all the
+        prompts of the call, so that each prompt samples with its own key."""
         self.check(prompts)
+        # Traced, as compile_ahead declares it: one compiled program for every batch.
+        first_index = np.int32(start)
         with rules_lib.use(self.rules):
             tokens, pad = self.inputs(prompts)
-            first, cache = self.prefill(self.params, tokens, pad, self.key)
-            out, _ = self.decode(self.params, first, cache, self.key, len(prompts))
+            first, cache = self.prefill(self.params, tokens, pad, self.key, first_index)
+            out, _ = self.decode(self.params, first, cache, self.key, len(prompts),
+                                 first_index)
         out = _host(out)[:len(prompts)]
         eos = set(np.asarray(self.eos).tolist())
         result = []
@@ -222,7 +253,7 @@ class Generator:
         self.check(prompts)
         out: list[list[int]] = []
         for i in range(0, len(prompts), batch_size):
-            out += self.generate(prompts[i:i + batch_size])
+            out += self.generate(prompts[i:i + batch_size], start=i)
         return out
 
 

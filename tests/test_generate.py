@@ -130,6 +130,22 @@ def test_sampling_is_seeded(hf_dirs):
     assert first != m.generator(N_NEW)(ids)  # not greedy
 
 
+def test_each_prompt_draws_its_own_randomness(hf_dirs):
+    """16 copies of one prompt, 8 per batch: the second batch does not replay the first's
+    draws (every completion is its own), a seed repeats the whole output in a new
+    generator, and a prompt's draws do not depend on the batch it falls in."""
+    directory, _ = hf_dirs["gqa_llama3"]
+    m = load(hf_dir=str(directory), devices=jax.devices()[:1])
+    s = Sampling(temperature=1.0)
+    ids = [prompts()[0]] * 16
+    out = m.generator(N_NEW, s, seed=0)(ids, batch_size=8)
+    repeats = [i for i in range(8) if out[i] == out[i + 8]]
+    assert not repeats, f"completions {repeats} equal those 8 prompts later"
+    assert len({tuple(c) for c in out}) == 16
+    assert m.generator(N_NEW, s, seed=0)(ids, batch_size=8) == out
+    assert m.generator(N_NEW, s, seed=0)(ids, batch_size=16) == out
+
+
 def test_top_k_and_top_p_cut_the_distribution():
     keys = jax.random.split(jax.random.key(0), 4)
     logits = np.log(np.array([[0.5, 0.3, 0.15, 0.05]] * 512, np.float32))
@@ -153,10 +169,56 @@ def test_chat_template_renders_as_transformers(hf_dirs):
     assert chat[0] == 1 and plain[0] == 1 and len(chat) > len(plain)  # one BOS each
 
 
+def test_chat_uses_the_runs_template(workdir, hf_dirs, tmp_path):
+    """A run trained with data.chat_template (a file) is prompted with that template, as
+    its training data was rendered, not with its tokenizer's own; a template file gone
+    since training is one error naming the override that points at a copy."""
+    directory, _ = hf_dirs["gqa_llama3"]  # its tokenizer's 200 ids fit the tiny model
+    template = tmp_path / "custom.jinja"
+    # Only characters of the test tokenizer's alphabet, so no token is <unk>.
+    template.write_text("{% for m in messages %}{{ m['role'] }} says {{ m['content'] }}, "
+                        "{% endfor %}{% if add_generation_prompt %}the reply {% endif %}")
+    run = tmp_path / "run"
+    shutil.copytree(workdir, run)
+    config = json.loads((run / "config.json").read_text())
+    config["data"].update(source="chat", tokenizer=str(directory / "tokenizer.json"),
+                          chat_template=str(template), files="chats/train*.jsonl")
+    (run / "config.json").write_text(json.dumps(config))
+    tok = Tokenizer.from_file(str(directory / "tokenizer.json"))
+    custom = tok.encode("user says hello fox, the reply ", add_special_tokens=False).ids
+    own = tok.encode("<s><|user|>hello fox<|assistant|>", add_special_tokens=False).ids
+    assert 0 not in custom and custom != own  # no <unk>: the renderings differ visibly
+    m = load(workdir=str(run), devices=jax.devices()[:1])
+    assert m.encode(["hello fox"], chat=True) == [custom]
+    moved = tmp_path / "moved.jinja"
+    template.rename(moved)
+    with pytest.raises(ConfigError, match=r"--chat: the run's data.chat_template=.*custom.jinja"
+                                          r".* --config.data.chat_template="):
+        m.encode(["hello fox"], chat=True)
+    m = load(workdir=str(run), overrides={"data.chat_template": str(moved)},
+             devices=jax.devices()[:1])
+    assert m.encode(["hello fox"], chat=True) == [custom]
+
+
 def run_generate(*args):
     return subprocess.run([sys.executable, "-m", "ndjax.generate", *args], cwd=ROOT,
                           capture_output=True, text=True, env={**os.environ, "PYTHONPATH": ROOT},
                           timeout=300)
+
+
+def test_help_is_short():
+    """--help lists every flag in a screenful; --config is a line or two, not the ~80
+    lines of the default config it would otherwise print as its default."""
+    result = run_generate("--help")
+    assert "Traceback" not in result.stderr, result.stderr[-2000:]
+    out = result.stdout
+    assert len(out.splitlines()) < 60, out
+    for name in ("workdir", "hf_dir", "step", "prompt", "prompts_file", "[no]chat",
+                 "max_new_tokens", "max_len", "temperature", "top_p", "top_k", "seed",
+                 "batch_size", "[no]json", "config"):
+        assert f"\n  --{name}: " in out, (name, out)
+    config_help = out.split("\n  --config: ")[1].split("\n  --")[0]
+    assert len(config_help.splitlines()) <= 3 and "checkpoint:" not in out, config_help
 
 
 def test_cli_from_hf_dir(hf_dirs, tmp_path):
