@@ -26,7 +26,7 @@ def _source(directory):
         vocab_size=264, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
         num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=256,
         rms_norm_eps=1e-3, rope_theta=20_000.0, rope_scaling=dict(rope_type="llama3", **SCALING),
-        bos_token_id=257, eos_token_id=256)).save_pretrained(directory)
+        bos_token_id=1, eos_token_id=2)).save_pretrained(directory)
 
 
 def _config(init_from, steps):
@@ -35,13 +35,16 @@ def _config(init_from, steps):
                   "rope_theta"):
         c.model[field] = None
     c.model.init_from = str(init_from)
+    c.data.source = "builtin"  # bytes: the run's tokenizer is the byte tokenizer
     return c
 
 
 def test_generate_export_and_resume_after_the_source_is_gone(tmp_path, cpu_devices):
     source, run = tmp_path / "source", tmp_path / "run"
     _source(source)
-    train(_config(source, steps=2), str(run), cpu_devices, verbose=False)
+    first = _config(source, steps=2)
+    first.export.hf_dir = str(tmp_path / "hf_at_end")
+    train(first, str(run), cpu_devices, verbose=False)
 
     saved = json.loads((run / "config.json").read_text())["model"]
     assert saved["init_from"] == str(source)  # where it started, for the record
@@ -63,9 +66,13 @@ def test_generate_export_and_resume_after_the_source_is_gone(tmp_path, cpu_devic
     exported = json.loads((out / "config.json").read_text())
     assert exported["rms_norm_eps"] == 1e-3
     assert exported["rope_scaling"]["factor"] == 4.0
-    assert exported["bos_token_id"] == 257  # from the source's config.json, kept in the run
+    # The ids of the tokenizer the run trained with (bytes: end 256, begin 257), not the
+    # source's 1 and 2, which the byte-level model never saw as such.
+    assert (exported["bos_token_id"], exported["eos_token_id"]) == (257, 256)
     loaded = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
     assert loaded.config.rms_norm_eps == 1e-3
+    # train.py's own export at the end wrote the same config.json.
+    assert json.loads((tmp_path / "hf_at_end" / "config.json").read_text()) == exported
 
     # Resume with the very command the run started with: the model comes from the
     # workdir, the weights from its checkpoint at step 2.
