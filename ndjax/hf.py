@@ -309,7 +309,7 @@ def override_dims(model: ml_collections.ConfigDict, preset_dims: dict, ckpt: Che
                   ) -> dict:
     """The checkpoint's dims, with a warning naming each config field they override."""
     fields = ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "head_dim",
-              "rope_theta", "tie_embeddings")
+              "rope_theta", "rms_norm_eps", "tie_embeddings")
     set_ = {f: getattr(model, f) for f in fields if getattr(model, f) is not None}
     asked = [(f"model.{f}={v!r}", f, v) for f, v in set_.items()]
     # A preset other than the default was chosen on purpose: say so if it is ignored.
