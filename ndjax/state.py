@@ -45,21 +45,122 @@ def _cast_floats(tree: Any, dtype: Any) -> Any:
     return jax.tree.map(cast, tree)
 
 
+# train.opt_state_dtype=bfloat16 keeps Adam's first moment to this many bits below
+# bfloat16's 8 significant ones, in the low bits of the second moment's float32 word
+# (``pack_moments``).
+MU_EXTRA_BITS = 5
+
+
+def _bits(x: jax.Array) -> jax.Array:
+    return jax.lax.bitcast_convert_type(x.astype(jnp.float32), jnp.uint32)
+
+
+def _float(bits: jax.Array) -> jax.Array:
+    return jax.lax.bitcast_convert_type(bits, jnp.float32)
+
+
+def _round_off(x: jax.Array, n: int) -> jax.Array:
+    """The float32 bits of ``x`` rounded to nearest (ties to even) at bit ``n``, the n
+    low bits zero. A carry into the exponent is the correct rounding up; NaN is kept
+    as it is, since its carry could reach the sign bit and make a number of it."""
+    bits = _bits(x)
+    half_less_one, keep = jnp.uint32((1 << (n - 1)) - 1), jnp.uint32(0xFFFFFFFF << n & 0xFFFFFFFF)
+    rounded = (bits + half_less_one + ((bits >> n) & 1)) & keep
+    return jnp.where(jnp.isnan(x), bits, rounded)
+
+
+def pack_moments(mu: jax.Array, nu: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """float32 Adam moments -> (mu: bfloat16, nu: float32 word), 6 bytes per parameter.
+
+    bfloat16 alone cannot hold an exponential average whose step is smaller than half
+    its ulp, 2^-9 to 2^-8 of the value: ``nu`` moves by (1 - b2) of the gap to g^2 per
+    step, 0.1% at b2 = 0.999, and stalls for good (a gradient that falls 10x leaves it
+    at 9x float32's, the update at a third); ``mu`` (b1 = 0.9) stalls within 2-4% of a
+    steady gradient. Deterministic, so a resumed run stays bitwise (stochastic
+    rounding's noise would accumulate too: the update off by 4.5% rms at b2 = 0.999):
+
+    * ``mu`` is rounded to 8 + MU_EXTRA_BITS significant bits; its top 16 bits are the
+      bfloat16 (a tool reading it alone sees ``mu`` to within one bfloat16 ulp), the
+      next MU_EXTRA_BITS go in the low bits of ``nu``'s word;
+    * ``nu`` (>= 0) is rounded to 24 - MU_EXTRA_BITS significant bits, the rest of
+      that float32 word (read as a float, ``nu`` to within 2^-18 of itself).
+
+    An average stored to p significant bits strays from float32's by at most
+    2^-p / (1 - b) of itself at steady state: 0.12% for ``mu`` at b1 = 0.9 and 0.19%
+    for ``nu`` at b2 = 0.999, so the update (mu / sqrt(nu)) by at most ~0.2%; while
+    an average decays, the bound grows with the steps it decays for (0.54% of the
+    update while ``nu`` falls 30x over 4,000 steps; 0.11% measured: tests/test_dtypes.py).
+    """
+    low = 16 - MU_EXTRA_BITS
+    mu_bits = _round_off(mu, low)
+    hi = jax.lax.bitcast_convert_type((mu_bits >> 16).astype(jnp.uint16), jnp.bfloat16)
+    extra = (mu_bits >> low) & jnp.uint32((1 << MU_EXTRA_BITS) - 1)
+    return hi, _float(_round_off(nu, MU_EXTRA_BITS) | extra)
+
+
+def unpack_moments(hi: jax.Array, word: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """``pack_moments``' (mu: bfloat16, nu: float32 word) -> float32 (mu, nu). Moments
+    stored plainly (a checkpoint of bfloat16 or float32 moments, converted on
+    restore) read as themselves: nu to within 2^-18, mu to within one bfloat16 ulp
+    (its bfloat16 plus what nu's low bits add)."""
+    mask = jnp.uint32((1 << MU_EXTRA_BITS) - 1)
+    word_bits = _bits(word)
+    # The bfloat16's bits as they are (a float conversion could flush subnormals).
+    top = jax.lax.bitcast_convert_type(hi, jnp.uint16).astype(jnp.uint32) << 16
+    mu = top | ((word_bits & mask) << (16 - MU_EXTRA_BITS))
+    return _float(mu), _float(word_bits & ~mask)
+
+
+def _is_adam(x: Any) -> bool:
+    return isinstance(x, optax.ScaleByAdamState)
+
+
+def _store(state: Any, dtype: Any) -> Any:
+    """float32 optimizer state -> as stored: Adam's moments packed (``pack_moments``)
+    when ``dtype`` is bfloat16, other floating-point arrays cast to ``dtype``."""
+    def one(x):
+        if not (_is_adam(x) and jnp.dtype(dtype) == jnp.bfloat16):
+            return _cast_floats(x, dtype)
+        mu = jax.tree.map(lambda m, v: pack_moments(m, v)[0], x.mu, x.nu)
+        nu = jax.tree.map(lambda m, v: pack_moments(m, v)[1], x.mu, x.nu)
+        return x._replace(mu=mu, nu=nu)
+    return jax.tree.map(one, state, is_leaf=_is_adam)
+
+
+def read_moments(stored: optax.ScaleByAdamState) -> optax.ScaleByAdamState:
+    """A ``ScaleByAdamState`` as ``store_moments_as`` stores it -> its float32 moments."""
+    if all(m.dtype == jnp.float32 for m in jax.tree.leaves(stored.mu)):
+        return _cast_floats(stored, jnp.float32)
+    mu = jax.tree.map(lambda h, w: unpack_moments(h, w)[0], stored.mu, stored.nu)
+    nu = jax.tree.map(lambda h, w: unpack_moments(h, w)[1], stored.mu, stored.nu)
+    return stored._replace(mu=mu, nu=nu)
+
+
+def _load(state: Any) -> Any:
+    def one(x):
+        return read_moments(x) if _is_adam(x) else _cast_floats(x, jnp.float32)
+    return jax.tree.map(one, state, is_leaf=_is_adam)
+
+
 def store_moments_as(inner: optax.GradientTransformation, dtype: Any
                      ) -> optax.GradientTransformation:
     """``inner`` (e.g. scale_by_adam) with its floating-point state stored in ``dtype``.
 
-    The update upcasts the stored state to float32, runs ``inner`` in float32 and
-    rounds the new state back: only storage is narrow, never the arithmetic. The
-    state keeps ``inner``'s tree structure (and so its checkpoint paths, and the
+    The update reads the stored state as float32, runs ``inner`` in float32 and
+    stores the new state: only storage is narrow, never the arithmetic. In
+    bfloat16, Adam's two moments are stored together in 6 bytes per parameter, the
+    first moment as a bfloat16 and the second as a float32 word that also holds
+    the first's next bits (``pack_moments``): plain bfloat16 moments stop following
+    the gradient once its changes are below half an ulp. The state keeps
+    ``inner``'s tree structure (and so its checkpoint paths, and the
     parameter-shaped subtrees that ``optax.tree_map_params`` looks for).
     """
     def init(params):
-        return _cast_floats(inner.init(params), dtype)
+        return _store(inner.init(params), dtype)
 
     def update(updates, state, params=None):
-        updates, state = inner.update(updates, _cast_floats(state, jnp.float32), params)
-        return updates, _cast_floats(state, dtype)
+        updates, state = inner.update(updates, _load(state), params)
+        return updates, _store(state, dtype)
 
     return optax.GradientTransformation(init, update)
 

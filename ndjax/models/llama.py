@@ -151,7 +151,7 @@ def _param(rngs: nnx.Rngs, shape: tuple[int, ...], names: tuple[str, ...], std: 
     return nnx.Param(value, logical_axes=names)
 
 
-def _use(var: nnx.Param, dtype, n_kv_heads: int | None = None
+def _use(var: nnx.Param, dtype, n_kv_heads: int | None = None, param_dtype: Any = None
          ) -> tuple[jax.Array, jax.Array, ParamUse]:
     """(the parameter gathered to its compute layout and cast to ``dtype``, its stored
     value, how the one is made from the other: ``rules.ParamUse``), the arguments
@@ -161,6 +161,14 @@ def _use(var: nnx.Param, dtype, n_kv_heads: int | None = None
     than kv heads (``Rules.kv_repeat``), the weight is stored replicated along its
     kv heads and each head is repeated at use, so that every tensor shard gets the
     one its query heads use.
+
+    ``param_dtype``: the dtype the parameter is stored in (``model.param_dtype``).
+    Under ``train.grad_accum`` the step hands the model float32 copies of bfloat16
+    parameters, so that each micro-batch's gradient comes back in float32 (the
+    gradient of a value has its dtype) and is summed unrounded; the copy is
+    narrowed back, exactly, before it is gathered, so the all-gather still moves
+    bfloat16 bytes when the compute dtype is float32 (``gather`` gathers in the
+    narrower of the value's and the compute dtype).
     """
     value = var[...]
     names = var.get_metadata()["logical_axes"]
@@ -169,7 +177,8 @@ def _use(var: nnx.Param, dtype, n_kv_heads: int | None = None
     if len(names) == value.ndim + 1 and names[0] == "layers":
         names = names[1:]
     use = param_use(names, dtype, n_kv_heads)
-    return checkpoint_name(gather(value, use), "gathered_weight"), value, use
+    as_stored = value if param_dtype is None else value.astype(param_dtype)
+    return checkpoint_name(gather(as_stored, use), "gathered_weight"), value, use
 
 
 def _weight(var: nnx.Param, dtype, n_kv_heads: int | None = None) -> jax.Array:
@@ -320,10 +329,10 @@ class Attention(nnx.Module):
 
     def qkv(self, x, cos, sin):
         """Queries, keys and values of ``x``, rotated (the KV-cache decode reuses it)."""
-        dt, n_kv = self.dtype, self.cfg.n_kv_heads
-        q = project("bsd,dhk->bshk", x, *_use(self.wq, dt))
-        k = project("bsd,dhk->bshk", x, *_use(self.wk, dt, n_kv))
-        v = project("bsd,dhk->bshk", x, *_use(self.wv, dt, n_kv))
+        dt, n_kv, pd = self.dtype, self.cfg.n_kv_heads, self.cfg.param_dtype
+        q = project("bsd,dhk->bshk", x, *_use(self.wq, dt, param_dtype=pd))
+        k = project("bsd,dhk->bshk", x, *_use(self.wk, dt, n_kv, pd))
+        v = project("bsd,dhk->bshk", x, *_use(self.wv, dt, n_kv, pd))
         q = checkpoint_name(constrain(q, HEADS), "q_proj")
         k = checkpoint_name(constrain(k, KV_HEADS), "k_proj")
         v = checkpoint_name(constrain(v, KV_HEADS), "v_proj")
@@ -332,7 +341,8 @@ class Attention(nnx.Module):
     def output(self, out):
         """The attention's output (b, s, heads, head_dim) projected back to the model dim."""
         out = checkpoint_name(constrain(out, HEADS), "attn_out")
-        return project("bshk,hkd->bsd", out, *_use(self.wo, self.dtype))
+        return project("bshk,hkd->bsd", out,
+                       *_use(self.wo, self.dtype, param_dtype=self.cfg.param_dtype))
 
 
 class MLP(nnx.Module):
@@ -342,16 +352,17 @@ class MLP(nnx.Module):
         self.w_up = _param(rngs, (d, f), ("embed", "mlp"), std, cfg.param_dtype)
         self.w_down = _param(rngs, (f, d), ("mlp", "embed"), std, cfg.param_dtype)
         self.dtype = cfg.dtype
+        self.param_dtype = cfg.param_dtype
 
     def __call__(self, x):
-        dt = self.dtype
+        dt, pd = self.dtype, self.param_dtype
         names = ("act_batch", "act_seq", "act_mlp")
-        gate = checkpoint_name(constrain(project("bsd,df->bsf", x, *_use(self.w_gate, dt)),
-                                         names), "mlp_gate")
-        up = checkpoint_name(constrain(project("bsd,df->bsf", x, *_use(self.w_up, dt)), names),
-                             "mlp_up")
+        gate = checkpoint_name(constrain(project(
+            "bsd,df->bsf", x, *_use(self.w_gate, dt, param_dtype=pd)), names), "mlp_gate")
+        up = checkpoint_name(constrain(project(
+            "bsd,df->bsf", x, *_use(self.w_up, dt, param_dtype=pd)), names), "mlp_up")
         h = jax.nn.silu(gate) * up
-        return project("bsf,fd->bsd", h, *_use(self.w_down, dt))
+        return project("bsf,fd->bsd", h, *_use(self.w_down, dt, param_dtype=pd))
 
 
 RESIDUAL = ("act_batch", "act_res_seq", "act_embed")
@@ -411,7 +422,7 @@ class Llama(nnx.Module):
         its own, unrounded.
         """
         cfg = self.cfg
-        embed = _use(self.embed, cfg.dtype)
+        embed = _use(self.embed, cfg.dtype, param_dtype=cfg.param_dtype)
         x = constrain(embed_lookup(embed[0], tokens, *embed[1:]), RESIDUAL)
 
         cos, sin = rope_tables(cfg, positions)
@@ -440,7 +451,7 @@ class Llama(nnx.Module):
         x = constrain(self.final_norm(x), HIDDEN)
         if cfg.tie_embeddings:
             return x, Weight(*embed).T
-        return x, Weight(*_use(self.lm_head, cfg.dtype))
+        return x, Weight(*_use(self.lm_head, cfg.dtype, param_dtype=cfg.param_dtype))
 
     def __call__(self, tokens: jax.Array, positions: jax.Array,
                  segment_ids: jax.Array) -> jax.Array:
