@@ -152,6 +152,8 @@ class Checked:
     # Bytes per device of the step's inputs (parameters, optimizer state, batch),
     # from their shardings: what the compiled step's arguments will be.
     arguments: int = 0
+    # What the layout's remat reruns in the backward pass, FLOPs of one step, all devices.
+    recompute_flops: float = 0.0
 
 
 def check(config: ml_collections.ConfigDict, layout: Layout, devices: Sequence[jax.Device],
@@ -180,8 +182,10 @@ def check(config: ml_collections.ConfigDict, layout: Layout, devices: Sequence[j
     tokens = t.batch_size * t.seq_len
     signature = (layout.remat, layout.grad_accum, cfg.model.attn_impl,
                  program_signature(exp.rules, exp.mesh))
+    rerun = sum(roofline.recomputed_forward_flops(exp.model_cfg, t.seq_len,
+                                                  layout.remat).values())
     return Checked(layout, cfg, attention, flops_per_token(exp.model_cfg, t.seq_len) * tokens,
-                   tokens, signature, argument_bytes(exp))
+                   tokens, signature, argument_bytes(exp), recompute_flops=rerun * tokens)
 
 
 def argument_bytes(exp: Any) -> int:
@@ -495,7 +499,8 @@ def _fill(cand: Candidate, r: dict, c: Checked, hardware: roofline.Hardware,
     cand.rematerializations = r.get("rematerializations", [])
     cand.link = roofline.traffic(r["collectives"], devices_per_node)
     cand.estimate = roofline.estimate(hardware, cand.link, c.model_flops, c.tokens,
-                                      math.prod(c.layout.degrees), c.layout.remat)
+                                      math.prod(c.layout.degrees), c.layout.remat,
+                                      c.recompute_flops)
     cand.status = "ranked" if cand.memory <= budget else "over"
 
 
@@ -516,7 +521,8 @@ def _at_least(cand: Candidate, c: Checked, hardware: roofline.Hardware) -> float
     more remat (or accumulation) adds compute and never removes a collective, so the
     communication measured there and the compute of ``c``'s remat bound it below."""
     return roofline.estimate(hardware, cand.link, c.model_flops, c.tokens,
-                             math.prod(c.layout.degrees), c.layout.remat).serial_s
+                             math.prod(c.layout.degrees), c.layout.remat,
+                             c.recompute_flops).serial_s
 
 
 def _remedy(config: ml_collections.ConfigDict, over: list[Candidate],
@@ -602,7 +608,7 @@ def make_plan(config: ml_collections.ConfigDict, n: int, hardware: roofline.Hard
 
     # What no layout changes is checked once: a bad field there is the user's error.
     base = Layout(n, 1, 1, 1, remat=config.model.remat, grad_accum=config.train.grad_accum)
-    model, _ = check_fields(target_config(config, base))
+    _, model, _ = check_fields(target_config(config, base))
     budget = hardware.memory_bytes * mem_fraction
     progress(compiler.describe())
     candidates, checked, aliases = _check_all(config, n, hardware, devices, presets)

@@ -17,10 +17,14 @@ that, a collective-permute its block once. Latency per message, the NCCL
 protocol, kernel launch gaps and how well XLA overlaps are all left out: the
 figure ranks layouts against each other and is not a promise of a step time.
 
-The recompute factor prices ``model.remat``: ``full`` reruns each layer's
-forward pass in the backward pass, 8 instead of 6 FLOPs per parameter and token
-(4/3); the other policies recompute only elementwise work and norms, counted
-as 1.
+The recompute factor prices ``model.remat`` by the forward matmuls each policy
+runs a second time in the backward pass (``recomputed_forward_flops``; what each
+saves is ``ndjax.models.llama.REMAT_POLICIES``): ``none`` reruns none, ``save_proj``
+the attention's output projection, ``save_attn`` every projection but the MLP's
+down, ``full`` those and attention itself. The down projection is never rerun:
+its output feeds only the layer's output, which the backward pass does not read.
+Given the model's own figure (``estimate``'s ``recompute_flops``) that is priced;
+otherwise the policy's share of Llama 3 8B's step at 4096 tokens (``recompute_factor``).
 
 Hardware figures are per GPU, from the vendors' data sheets: dense (no
 sparsity) bf16 tensor-core peak; HBM capacity; NVLink bandwidth in one
@@ -32,6 +36,8 @@ adapter per GPU = 50 (25) GB/s.
 from __future__ import annotations
 
 import dataclasses
+import functools
+from typing import Any
 
 GB = 1e9
 
@@ -93,7 +99,50 @@ HARDWARE: dict[str, Hardware] = {
                           device_name="NVIDIA B200")),
 }
 
-RECOMPUTE = {"full": 4.0 / 3.0}
+# The forward matmuls of a decoder layer that each remat policy runs again in the
+# backward pass, because it does not save their output (REMAT_POLICIES' names):
+# o's output (attn_block_out) rebuilds the residual stream that mlp_norm's backward
+# reads; gate and up (mlp_gate, mlp_up) are the down projection's input; q, k, v
+# (q_proj, k_proj, v_proj) attention's; and attention (attn_out, attn_lse) the
+# output projection's input. Tested against the traced train step
+# (tests/test_flops.py).
+RERUN = {
+    "none": (),
+    "save_proj": ("o",),
+    "save_attn": ("q", "k", "v", "o", "gate", "up"),
+    "full": ("q", "k", "v", "o", "gate", "up", "attention"),
+}
+
+
+def recomputed_forward_flops(cfg: Any, seq_len: int, remat: str) -> dict[str, float]:
+    """FLOPs per token that ``model.remat=remat`` runs again in the backward pass, by
+    matmul (over all layers; a multiply-add is 2). ``cfg``: a ``LlamaConfig``.
+
+    Attention is priced as ``ndjax.flops`` counts it, QK^T and PV over the causal
+    half of the keys; how much of it a kernel really reruns is the kernel's (the
+    dense kernel reruns PV under full, and its QK^T under every policy, none too)."""
+    d, hd, layers = cfg.dim, cfg.hd, cfg.n_layers
+    per_layer = {"q": 2 * d * cfg.n_heads * hd, "k": 2 * d * cfg.n_kv_heads * hd,
+                 "v": 2 * d * cfg.n_kv_heads * hd, "o": 2 * cfg.n_heads * hd * d,
+                 "gate": 2 * d * cfg.ffn_dim, "up": 2 * d * cfg.ffn_dim,
+                 "attention": 2 * cfg.n_heads * hd * (seq_len + 1)}
+    return {part: float(layers * per_layer[part]) for part in RERUN[remat]}
+
+
+@functools.cache
+def recompute_factor(remat: str) -> float:
+    """(model FLOPs + what ``remat`` reruns) / model FLOPs, Llama 3 8B at 4096 tokens:
+    the price of a policy when the model's own figure is not given. Across the Llama 3
+    shapes the rerun matmuls are about the same share of a layer's (0.72-0.73 of its
+    weights under save_attn), so the factor carries over roughly."""
+    # Imported here: the model pulls in jax and flax, and this module is the light
+    # table of hardware figures that gpu_target imports.
+    from ndjax.flops import flops_per_token
+    from ndjax.models.llama import config_from_preset
+
+    cfg, seq = config_from_preset("llama3_8b"), 4096
+    return 1.0 + sum(recomputed_forward_flops(cfg, seq, remat).values()) / flops_per_token(
+        cfg, seq)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -165,9 +214,13 @@ class Estimate:
 
 
 def estimate(hw: Hardware, link: Link, model_flops: float, tokens: int, devices: int,
-             remat: str) -> Estimate:
-    """``model_flops``: training FLOPs of one step over all devices (ndjax.flops)."""
-    compute = model_flops * RECOMPUTE.get(remat, 1.0) / devices / (hw.peak_tflops * 1e12)
+             remat: str, recompute_flops: float | None = None) -> Estimate:
+    """``model_flops``: training FLOPs of one step over all devices (ndjax.flops);
+    ``recompute_flops``: what ``remat`` reruns in that step, all devices
+    (``recomputed_forward_flops`` x tokens), else priced by ``recompute_factor``."""
+    if recompute_flops is None:
+        recompute_flops = model_flops * (recompute_factor(remat) - 1.0)
+    compute = (model_flops + recompute_flops) / devices / (hw.peak_tflops * 1e12)
     return Estimate(compute_s=compute, inside_s=link.inside_bytes / (hw.nvlink_gbs * GB),
                     across_s=link.across_bytes / (hw.network_gbs * GB), tokens=tokens,
                     model_flops=model_flops, devices=devices, peak_tflops=hw.peak_tflops)

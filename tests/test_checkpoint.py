@@ -216,7 +216,10 @@ def test_bf16_resume_is_bitwise_exact(tmp_path):
     reference = losses_by_step(train(config, str(tmp_path / "ref"), verbose=False))
     ref_ckpt = Checkpointer(str(tmp_path / "ref"), config.checkpoint)
     saved = ref_ckpt.manager.item_metadata(4)["state"]
-    assert {m.dtype for m in jax.tree.leaves(saved) if m.shape} == {jnp.dtype(jnp.bfloat16)}
+    # bfloat16 parameters and mu; nu a float32 word that also holds mu's next bits
+    # (ndjax.state.pack_moments).
+    assert {m.dtype for m in jax.tree.leaves(saved) if m.shape} == {jnp.dtype(jnp.bfloat16),
+                                                                   jnp.dtype(jnp.float32)}
 
     # The run as it was after step 4 (a fresh Experiment restores it).
     workdir = tmp_path / "resumed"

@@ -158,7 +158,8 @@ def test_traffic_splits_by_the_nodes_a_group_spans():
     assert link.inside == {"all-gather": 200.0} and link.across == {"all-reduce": 30.0}
     e = roofline.estimate(H100, link, model_flops=4 * 989e12, tokens=1000, devices=4,
                           remat="full")
-    assert e.compute_s == pytest.approx(4 / 3)
+    # remat=full priced at what it reruns in Llama 3 8B (no model figure given).
+    assert e.compute_s == pytest.approx(roofline.recompute_factor("full"))
     assert e.inside_s == pytest.approx(200 / 450e9)
     assert e.across_s == pytest.approx(30 / 50e9)
     assert e.serial_s == pytest.approx(e.compute_s + e.communication_s)
