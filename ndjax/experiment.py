@@ -35,7 +35,7 @@ from ndjax.errors import ConfigError
 from ndjax.mesh import ParallelDims, build_mesh, cross_process_axes
 from ndjax.models import llama
 from ndjax.ops import attention as attention_ops
-from ndjax.precision import Precision
+from ndjax.precision import DTYPES, Precision
 from ndjax.train_step import Batch, StepOptions, eval_step, train_step
 
 # Which config field sets the size of each logical parameter axis (for errors).
@@ -92,7 +92,7 @@ def model_config(model: ModelSettings, checkpoint: hf.Checkpoint | None = None,
             f"model: head_dim={head_dim} (model.dim={dims['dim']} / model.n_heads="
             f"{dims['n_heads']} unless model.head_dim is set) must be a whole, even number "
             "for rotary embeddings. Set model.head_dim or change model.dim.")
-    precision = Precision.of(model.dtype, model.param_dtype, "float32", platform)
+    precision = Precision.of(model.dtype, model.param_dtype, "float32", platform)  # no moments
     scan_layers = model.scan_layers
     if scan_layers is None:
         scan_layers = llama.default_scan_layers(dims["n_layers"], platform)
@@ -139,6 +139,7 @@ class Experiment:
     optimizer: optax.GradientTransformation
     state_sharding: state_lib.TrainState
     batch_sharding: NamedSharding
+    precision: Precision  # the run's dtypes, in one place
     # The attention kernel that runs (model_cfg.attn_impl is its name) and why.
     attention: attention_ops.Choice | None = None
     # Host-side order of the sequence that the kernel needs (ring attention's
@@ -195,13 +196,15 @@ class Experiment:
             param_sharding, param_shapes, param_names)
 
         schedule = state_lib.make_schedule(t)
-        optimizer = state_lib.make_optimizer(t, param_names, schedule)
+        precision = Precision(params=model_cfg.param_dtype, compute=model_cfg.dtype,
+                              moments=DTYPES[t.opt_state_dtype])
+        optimizer = state_lib.make_optimizer(t, param_names, schedule, precision.moments)
         replicated = NamedSharding(mesh, PartitionSpec())
         state_sharding = state_lib.state_shardings(optimizer, param_shapes, param_shardings,
                                                    replicated)
         batch_sharding = rules.sharding(("act_batch", "act_seq"))
         return cls(config, settings, dims, mesh, rules, model_cfg, graphdef, param_shapes,
-                   param_names, schedule, optimizer, state_sharding, batch_sharding,
+                   param_names, schedule, optimizer, state_sharding, batch_sharding, precision,
                    attention=chosen, seq_permutation=seq_permutation, checkpoint=checkpoint)
 
     @property
@@ -231,7 +234,8 @@ class Experiment:
         t = self.settings.train
         return StepOptions(skip_nonfinite=t.on_nan == "skip",
                            nan_at_step=int(self.settings.debug.nan_at_step),
-                           loss_chunk=t.loss_chunk, grad_accum=t.grad_accum)
+                           loss_chunk=t.loss_chunk, grad_accum=t.grad_accum,
+                           grad_dtype=self.precision.grad_accum)
 
     # ----- state ---------------------------------------------------------------
 

@@ -6,12 +6,10 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import ml_collections
 import optax
 from flax import struct
 
-# train.opt_state_dtype: the dtype AdamW's moments are stored in (computed in float32).
-OPT_STATE_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+from ndjax.config import TrainSettings
 
 
 @struct.dataclass
@@ -21,7 +19,7 @@ class TrainState:
     opt_state: Any
 
 
-def make_schedule(train: ml_collections.ConfigDict) -> optax.Schedule:
+def make_schedule(train: TrainSettings) -> optax.Schedule:
     warmup = max(int(train.warmup_steps), 0)
     if train.schedule == "constant":
         if warmup == 0:
@@ -182,17 +180,16 @@ def in_float32(inner: optax.GradientTransformation) -> optax.GradientTransformat
     return optax.GradientTransformation(inner.init, update)
 
 
-def make_optimizer(train: ml_collections.ConfigDict, param_names: dict,
-                   schedule: optax.Schedule) -> optax.GradientTransformation:
-    """AdamW, moments stored in ``train.opt_state_dtype``; no weight decay on norm
-    scales (found by their logical names)."""
+def make_optimizer(train: TrainSettings, param_names: dict, schedule: optax.Schedule,
+                   moments: Any = jnp.float32) -> optax.GradientTransformation:
+    """AdamW, moments stored in ``moments`` (``Precision.moments``, from
+    train.opt_state_dtype); no weight decay on norm scales (found by their logical names)."""
     decay_mask = jax.tree.map(lambda names: "norm" not in names, param_names,
                               is_leaf=lambda x: isinstance(x, tuple))
     parts = []
     if train.clip_norm and train.clip_norm > 0:
         parts.append(optax.clip_by_global_norm(train.clip_norm))
     # optax.adamw's own chain, with its moments' storage dtype set (same state tree).
-    moments = OPT_STATE_DTYPES[train.opt_state_dtype]
     parts.append(optax.chain(
         store_moments_as(optax.scale_by_adam(b1=train.b1, b2=train.b2, eps=train.eps), moments),
         optax.add_decayed_weights(train.weight_decay, decay_mask),

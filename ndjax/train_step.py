@@ -40,6 +40,9 @@ class StepOptions:
     nan_at_step: int = -1         # debug: poison the loss at this logged step (1-based)
     loss_chunk: int = 1024        # sequence positions per chunk of the LM head + loss
     grad_accum: int = 1           # micro-batches per step (lax.scan inside the step)
+    # What gradients are summed in (Precision.grad_accum): float32 whatever the
+    # parameters' dtype, so grad_accum slices give the whole batch's update.
+    grad_dtype: Any = jnp.float32
 
 
 BATCH_NAMES = ("act_batch", "act_seq")
@@ -79,7 +82,7 @@ def loss_and_grads(features: FeaturesFn, options: StepOptions, params: Any, batc
         total, _ = loss_sum(features, p, b, options.loss_chunk)
         return total / denom
 
-    to_f32 = lambda g: jax.tree.map(lambda a: a.astype(jnp.float32), g)  # noqa: E731
+    to_f32 = lambda g: jax.tree.map(lambda a: a.astype(options.grad_dtype), g)  # noqa: E731
     if options.grad_accum == 1:
         loss, grads = jax.value_and_grad(scaled_loss)(params, batch)
         return loss, tokens, to_f32(grads)
@@ -99,7 +102,7 @@ def loss_and_grads(features: FeaturesFn, options: StepOptions, params: Any, batc
         acc = place(jax.tree.map(jnp.add, acc, grads))
         return (loss + part, acc), None
 
-    zeros = place(jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params))
+    zeros = place(jax.tree.map(lambda p: jnp.zeros(p.shape, options.grad_dtype), params))
     (loss, grads), _ = jax.lax.scan(body, (jnp.zeros((), jnp.float32), zeros),
                                     micro_batches(batch, options.grad_accum))
     return loss, tokens, grads
