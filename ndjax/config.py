@@ -72,6 +72,11 @@ def _sources() -> Sequence[str]:
     return loader.SOURCES
 
 
+def _export_dtypes() -> Sequence[str]:
+    from ndjax import hf
+    return tuple(hf.EXPORT_DTYPES)
+
+
 _DIMS = dict(ge=1, hint=" (or unset: the preset's)")
 
 
@@ -280,7 +285,7 @@ class ExportSettings:
     # (AutoModelForCausalLM.from_pretrained); None: no export.
     hf_dir: str | None = setting(None)
     # of the exported weights
-    dtype: str = setting("bfloat16", choices=("bfloat16", "float16", "float32"))
+    dtype: str = setting("bfloat16", choices=_export_dtypes)
     # Largest weight file, bytes (int) or "5GB" / "500MB" / "2GiB"; bigger models are split
     # into files with an index, as transformers does. The host holds one file while writing.
     max_shard_size: Any = setting("5GB")
