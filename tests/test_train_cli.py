@@ -157,3 +157,26 @@ def test_nan_stop_exits_non_zero_with_one_line(tmp_path):
     stops = [line for line in result.stderr.splitlines() if line.startswith("train.py: stopped")]
     assert len(stops) == 1 and "at step 2 (last good step 1)" in stops[0]
     assert "Traceback" not in result.stderr
+
+
+def test_default_experiment_config_fits_the_readme_sampling_example():
+    """configs/llama_fsdp_tp.py (train.py's default) parses, and its rows hold the README's
+    `python -m ndjax.generate --prompt='def main(' --max_new_tokens=64` (max_len is the run's
+    train.seq_len). Its model stays the preset's, so that the README's
+    `--config.model.preset=llama3_8b` and model.init_from runs of this config get their own
+    dims, not a demo's."""
+    import importlib.util
+
+    from ndjax.config import ModelSettings, Settings
+
+    spec = importlib.util.spec_from_file_location(
+        "llama_fsdp_tp", os.path.join(ROOT, "configs", "llama_fsdp_tp.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    settings = Settings.parse(module.get_config())
+    assert settings.train.seq_len >= len(b"def main(") + 64
+    assert settings.train.batch_size % (settings.mesh.fsdp * settings.mesh.replica) == 0
+    dims = ("preset", "vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim",
+            "head_dim", "rope_theta", "rope_scaling", "tie_embeddings")
+    assert {f: getattr(settings.model, f) for f in dims} == \
+        {f: getattr(ModelSettings(), f) for f in dims}
