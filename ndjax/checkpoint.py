@@ -19,10 +19,10 @@ from collections.abc import Iterator
 from typing import Any
 
 import jax
-import ml_collections
 import orbax.checkpoint as ocp
 
 from ndjax import distributed
+from ndjax.config import CheckpointSettings
 from ndjax.errors import ConfigError
 from ndjax.state import TrainState
 
@@ -33,7 +33,7 @@ def _key_str(path: tuple) -> str:
 
 
 class Checkpointer:
-    def __init__(self, workdir: str, cfg: ml_collections.ConfigDict, read_only: bool = False):
+    def __init__(self, workdir: str, cfg: CheckpointSettings, read_only: bool = False):
         """``read_only``: for tools that read a run (export, generate), possibly while it
         trains: nothing is created or deleted, not even an interrupted save's temporary
         directory, which the run itself may still be writing."""
@@ -157,7 +157,7 @@ def requested_step(resume: str, steps: list[int], directory: str) -> int | None:
     return int(resume)
 
 
-def check_resume(workdir: str, cfg: Any) -> None:
+def check_resume(workdir: str, cfg: CheckpointSettings) -> None:
     """Refuses a ``checkpoint.resume`` step that is not there before a checkpoint manager
     exists (creating one makes directories and starts cleanup threads). Orbax names a
     complete save by its bare step number, an interrupted one with a suffix."""
@@ -167,7 +167,7 @@ def check_resume(workdir: str, cfg: Any) -> None:
 
 
 @contextlib.contextmanager
-def saved_step(workdir: str, config: ml_collections.ConfigDict, step: int | None = None
+def saved_step(workdir: str, config: CheckpointSettings, step: int | None = None
                ) -> Iterator[tuple[Checkpointer, int]]:
     """The checkpoints of a train.py ``workdir`` (``config``: its checkpoint group) and
     the step to read: ``step``, or the newest if None. A one-line ConfigError naming

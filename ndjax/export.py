@@ -37,7 +37,7 @@ def export_checkpoint(workdir: str, out: str, step: int | None = None,
     if dtype is not None:
         config.export.dtype = dtype
     exp = Experiment.from_config(config, devices)  # checks out and dtype too
-    with saved_step(workdir, config.checkpoint, step) as (checkpointer, step):
+    with saved_step(workdir, exp.settings.checkpoint, step) as (checkpointer, step):
         state, _ = checkpointer.restore(step, exp.abstract_state)
     # The run's tokenizer: its ids and files describe what the weights were trained on.
     hf.export(state.params, exp.model_cfg, out, config.export.dtype,

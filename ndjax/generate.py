@@ -168,7 +168,7 @@ def source_config(workdir: str | None, hf_dir: str | None) -> ml_collections.Con
 
 def _restore(workdir: str, config: ml_collections.ConfigDict, exp: Experiment,
              step: int | None) -> Any:
-    with saved_step(workdir, config.checkpoint, step) as (checkpointer, step):
+    with saved_step(workdir, exp.settings.checkpoint, step) as (checkpointer, step):
         return checkpointer.restore_params(step, exp.abstract_state)
 
 

@@ -39,13 +39,12 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import ml_collections
 import numpy as np
 import safetensors.numpy
 from jax.experimental import multihost_utils
 from safetensors import SafetensorError, safe_open
 
-from ndjax.config import default_config
+from ndjax.config import ExportSettings, ModelSettings, Settings, default_config
 from ndjax.data.tokenizers import HFTokenizer, Tokenizer, load_tokenizer
 from ndjax.errors import ConfigError
 from ndjax.models import llama
@@ -305,7 +304,7 @@ def open_checkpoint(directory: str) -> Checkpoint:
     return Checkpoint(directory, config, dims, tensors)
 
 
-def override_dims(model: ml_collections.ConfigDict, preset_dims: dict, ckpt: Checkpoint
+def override_dims(model: ModelSettings, preset_dims: dict, ckpt: Checkpoint
                   ) -> dict:
     """The checkpoint's dims, with a warning naming each config field they override."""
     fields = ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "head_dim",
@@ -325,7 +324,7 @@ def override_dims(model: ml_collections.ConfigDict, preset_dims: dict, ckpt: Che
     return dict(ckpt.dims)
 
 
-def check_tokenizer(config: ml_collections.ConfigDict, ckpt: Checkpoint) -> None:
+def check_tokenizer(config: Settings, ckpt: Checkpoint) -> None:
     """Warns when text would be tokenized with bytes while the checkpoint has its own tokenizer."""
     path = os.path.join(ckpt.directory, "tokenizer.json")
     d = config.data
@@ -422,7 +421,7 @@ def shard_size(value: Any) -> int:
     return size
 
 
-def check_export(export: ml_collections.ConfigDict) -> None:
+def check_export(export: ExportSettings) -> None:
     """Up-front checks of the export fields, so a run never fails at its end."""
     # (export.dtype's choices and the size's form: ndjax.config, checked before this.)
     out = export.hf_dir
