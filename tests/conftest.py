@@ -6,6 +6,16 @@ import tempfile
 import jax
 import pytest
 
+# The 8 simulated devices meet in a rendezvous at every collective, and XLA aborts the
+# process (no Python error) when one device's thread has not arrived within 40 s
+# (--xla_cpu_collective_call_terminate_timeout_seconds). On CI's 2 cores, beside the
+# other test worker and the train.py processes tests start, a starved step crossed
+# that line once ("Fatal Python error: Aborted" inside a step). Tests wait longer;
+# train.py subprocesses inherit it.
+os.environ["XLA_FLAGS"] = " ".join(
+    [os.environ.get("XLA_FLAGS", ""), "--xla_cpu_collective_call_terminate_timeout_seconds=600"]
+).strip()
+
 # CPU devices even where jax's CUDA plugin is installed (the gpu-compile extra): its
 # GPUs are compile-only targets (tests/test_gpu_compile.py), never the backend.
 jax.config.update("jax_platforms", "cpu")
