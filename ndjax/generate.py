@@ -137,7 +137,7 @@ def load(workdir: str | None = None, hf_dir: str | None = None, step: int | None
     if workdir:
         source = workdir_lib.source_dir(workdir)  # model.init_from's files, kept by the run
         tokenizer, eos = _run_tokenizer(config, source)
-        return Model(exp, _restore(workdir, config, exp, step), tokenizer, eos,
+        return Model(exp, _restore(workdir, exp, step), tokenizer, eos,
                      max_len=int(config.train.seq_len), max_len_what="the run's train.seq_len",
                      bos_in_prompts=False, tokenizer_dir=_tokenizer_dir(config, source),
                      chat_template=template, chat_template_what=template_what)
@@ -166,8 +166,7 @@ def source_config(workdir: str | None, hf_dir: str | None) -> ml_collections.Con
     return config
 
 
-def _restore(workdir: str, config: ml_collections.ConfigDict, exp: Experiment,
-             step: int | None) -> Any:
+def _restore(workdir: str, exp: Experiment, step: int | None) -> Any:
     with saved_step(workdir, exp.settings.checkpoint, step) as (checkpointer, step):
         return checkpointer.restore_params(step, exp.abstract_state)
 

@@ -159,5 +159,6 @@ def _resolved(config: ml_collections.ConfigDict) -> bool:
 
 
 def resolved_model_fields() -> tuple[str, ...]:
-    return ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "head_dim",
-            "rope_theta", "rope_scaling", "rms_norm_eps", "tie_embeddings")
+    """What ``resolved_model`` writes: the dims a config may set, and the rope scaling."""
+    from ndjax.experiment import MODEL_DIMS
+    return (*MODEL_DIMS, "rope_scaling")
