@@ -58,6 +58,28 @@ PALLAS_SMEM = 200 * 1024
 
 
 @dataclasses.dataclass(frozen=True)
+class AttentionSpec:
+    """What one layer's attention computes, beyond causal grouped-query attention
+    within packed documents. A kernel honours every field or refuses the spec with
+    a one-line ConfigError before anything compiles (``Kernel.check``).
+
+    ``window``: a query at position p sees keys at p - window < k <= p (Hugging
+    Face's ``sliding_window``, Mistral's and Gemma's local layers); None: every
+    earlier key. ``softcap``: scores become ``softcap * tanh(scores / softcap)``
+    before the softmax (Gemma 2's ``attn_logit_softcapping``). ``scale``: the
+    scores' factor; None: 1 / sqrt(head_dim) (Gemma 3 sets
+    ``query_pre_attn_scalar ** -0.5``)."""
+
+    causal: bool = True
+    window: int | None = None
+    softcap: float | None = None
+    scale: float | None = None
+
+    def scale_for(self, head_dim: int) -> float:
+        return self.scale if self.scale is not None else 1 / math.sqrt(head_dim)
+
+
+@dataclasses.dataclass(frozen=True)
 class Site:
     """Where attention runs, as far as a kernel's choice depends on it; all known
     before compiling."""
