@@ -98,9 +98,80 @@ CHATML_GENERATION_TEMPLATE = (
     "'<|im_end|>' }}{% endgeneration %}{% else %}{{ message['content'] + '<|im_end|>' }}"
     "{% endif %}{{ '\n' }}{% endfor %}{% if add_generation_prompt %}"
     "{{ '<|im_start|>assistant\n' }}{% endif %}")
+# ChatML as Qwen 2.5 Instruct writes it (written here from the format): Qwen's own default
+# system prompt when the chat has none, tool results as user turns in <tool_response> tags,
+# the assistant's tool calls as <tool_call> JSON after its text.
+QWEN2_5_SYSTEM = "You are Qwen, created by Alibaba Cloud. You are a helpful assistant."
+QWEN2_5_TEMPLATE = (
+    "{%- if messages[0]['role'] == 'system' %}\n"
+    "    {{- '<|im_start|>system\\n' + messages[0]['content'] + '<|im_end|>\\n' }}\n"
+    "{%- else %}\n"
+    "    {{- '<|im_start|>system\\n" + QWEN2_5_SYSTEM + "<|im_end|>\\n' }}\n"
+    "{%- endif %}\n"
+    "{%- for message in messages %}\n"
+    "    {%- if message.role == 'user' or (message.role == 'system' and not loop.first) "
+    "or (message.role == 'assistant' and not message.tool_calls) %}\n"
+    "        {{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' }}\n"
+    "    {%- elif message.role == 'assistant' %}\n"
+    "        {{- '<|im_start|>' + message.role }}\n"
+    "        {%- if message.content %}\n"
+    "            {{- '\\n' + message.content }}\n"
+    "        {%- endif %}\n"
+    "        {%- for call in message.tool_calls %}\n"
+    "            {%- if call.function is defined %}{%- set call = call.function %}{%- endif %}\n"
+    "            {{- '\\n<tool_call>\\n{\"name\": \"' + call.name + '\", \"arguments\": ' }}\n"
+    "            {{- call.arguments | tojson }}\n"
+    "            {{- '}\\n</tool_call>' }}\n"
+    "        {%- endfor %}\n"
+    "        {{- '<|im_end|>\\n' }}\n"
+    "    {%- elif message.role == 'tool' %}\n"
+    "        {%- if loop.index0 == 0 or messages[loop.index0 - 1].role != 'tool' %}\n"
+    "            {{- '<|im_start|>user' }}\n"
+    "        {%- endif %}\n"
+    "        {{- '\\n<tool_response>\\n' + message.content + '\\n</tool_response>' }}\n"
+    "        {%- if loop.last or messages[loop.index0 + 1].role != 'tool' %}\n"
+    "            {{- '<|im_end|>\\n' }}\n"
+    "        {%- endif %}\n"
+    "    {%- endif %}\n"
+    "{%- endfor %}\n"
+    "{%- if add_generation_prompt %}\n"
+    "    {{- '<|im_start|>assistant\\n' }}\n"
+    "{%- endif %}\n")
+# Gemma 3 (written here from the format): BOS, the system prompt folded into the first user
+# turn, the assistant called "model", every message trimmed, roles that must alternate.
+GEMMA_SPECIAL = ["<bos>", "<eos>", "<start_of_turn>", "<end_of_turn>"]
+GEMMA3_TEMPLATE = (
+    "{{ bos_token }}\n"
+    "{%- if messages[0]['role'] == 'system' -%}\n"
+    "    {%- set first_user_prefix = messages[0]['content'] + '\\n\\n' -%}\n"
+    "    {%- set loop_messages = messages[1:] -%}\n"
+    "{%- else -%}\n"
+    "    {%- set first_user_prefix = '' -%}\n"
+    "    {%- set loop_messages = messages -%}\n"
+    "{%- endif -%}\n"
+    "{%- for message in loop_messages -%}\n"
+    "    {%- if (message['role'] == 'user') != (loop.index0 % 2 == 0) -%}\n"
+    "        {{ raise_exception('Conversation roles must alternate "
+    "user/assistant/user/assistant/...') }}\n"
+    "    {%- endif -%}\n"
+    "    {%- if message['role'] == 'assistant' -%}\n"
+    "        {%- set role = 'model' -%}\n"
+    "    {%- else -%}\n"
+    "        {%- set role = message['role'] -%}\n"
+    "    {%- endif -%}\n"
+    "    {{ '<start_of_turn>' + role + '\\n' + (first_user_prefix if loop.first else '') }}\n"
+    "    {{- message['content'] | trim -}}\n"
+    "    {{ '<end_of_turn>\\n' }}\n"
+    "{%- endfor -%}\n"
+    "{%- if add_generation_prompt -%}\n"
+    "    {{ '<start_of_turn>model\\n' }}\n"
+    "{%- endif -%}\n")
+# name: (template, bos_token, eos_token)
 CHAT_TEMPLATES = {"llama3": (LLAMA3_TEMPLATE, "<|begin_of_text|>", "<|eot_id|>"),
                   "chatml": (CHATML_TEMPLATE, None, "<|im_end|>"),
-                  "chatml_generation": (CHATML_GENERATION_TEMPLATE, None, "<|im_end|>")}
+                  "chatml_generation": (CHATML_GENERATION_TEMPLATE, None, "<|im_end|>"),
+                  "qwen2_5": (QWEN2_5_TEMPLATE, None, "<|im_end|>"),
+                  "gemma3": (GEMMA3_TEMPLATE, "<bos>", "<eos>")}
 
 
 def conversations(n: int = 24, seed: int = 0) -> list[list[dict]]:
@@ -120,16 +191,19 @@ def conversations(n: int = 24, seed: int = 0) -> list[list[dict]]:
 
 
 def write_chat_tokenizer(folder: Path, template: str = "llama3", vocab_size: int = 360) -> Path:
-    """A byte-level BPE tokenizer.json with Llama 3 and ChatML special tokens, trained on
-    the chat texts, and a tokenizer_config.json with the named chat template ("" or
-    None: none). Returns the tokenizer.json path."""
+    """A byte-level BPE tokenizer.json with Llama 3 and ChatML special tokens (and Gemma's
+    for a Gemma template), trained on the chat texts, and a tokenizer_config.json with the
+    named chat template ("" or None: none). Returns the tokenizer.json path."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     folder.mkdir(parents=True, exist_ok=True)
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=CHAT_SPECIAL,
+    # Gemma's tokens only where a Gemma template uses them: the other tokenizers keep the
+    # vocabulary (and the ids) they had.
+    special = CHAT_SPECIAL + (GEMMA_SPECIAL if (template or "").startswith("gemma") else [])
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=special,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
                                   show_progress=False)
     texts = [m["content"] for c in conversations(64) for m in c] + ["user assistant system"]

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 from data_files import (
     CHATML_GENERATION_TEMPLATE,
+    QWEN2_5_SYSTEM,
     conversations,
     data_config,
     write_chat_jsonl,
@@ -27,7 +28,9 @@ from ndjax.experiment import Experiment
 VOCAB = 384
 SEQ = 112  # most test conversations fit a row of SEQ + 1 tokens, some do not
 ROW = SEQ + 1
-END = {"llama3": "<|eot_id|>", "chatml": "<|im_end|>", "chatml_generation": "<|im_end|>"}
+END = {"llama3": "<|eot_id|>", "chatml": "<|im_end|>", "chatml_generation": "<|im_end|>",
+       "qwen2_5": "<|im_end|>", "gemma3": "<end_of_turn>"}
+TRIMS = ("llama3", "gemma3")  # templates that strip each message's content
 
 
 @pytest.fixture(scope="module")
@@ -55,26 +58,92 @@ def hf_ids(hf, messages, **kwargs):
     return list(out["input_ids"]) if not isinstance(out, list) else out
 
 
-@pytest.mark.parametrize("name", sorted(END))
-def test_ids_equal_transformers_and_mask_is_the_replies(tokenizers, name):
+def hf_tokenizer(path):
     from transformers import AutoTokenizer
 
+    return AutoTokenizer.from_pretrained(str(path).rsplit("/", 1)[0])
+
+
+def replies_masked(name, messages):
+    """What the mask must cover: each reply as the template writes it (some trim it), and
+    its end-of-turn token."""
+    replies = [m["content"] for m in messages if m["role"] == "assistant"]
+    return [(r.strip() if name in TRIMS else r) + END[name] for r in replies]
+
+
+@pytest.mark.parametrize("name", sorted(END))
+def test_ids_equal_transformers_and_mask_is_the_replies(tokenizers, name):
     path = tokenizers[name]
-    hf = AutoTokenizer.from_pretrained(str(path).rsplit("/", 1)[0])
-    chats = conversations(24)
+    hf = hf_tokenizer(path)
+    chats = conversations(24)  # multi-turn ones, some with a system message
     tok = HFTokenizer(path)
+    template = load_chat_template(path)
     for messages, (ids, mask) in zip(chats, encode(path, chats)):
         assert [int(i) for i in ids] == hf_ids(hf, messages)
-        # Exactly the replies (Llama 3 trims them) and their end-of-turn token: no
-        # header, no newline after <|im_end|>, nothing of the system or user turns.
-        replies = [m["content"] for m in messages if m["role"] == "assistant"]
-        if name == "llama3":
-            replies = [r.strip() for r in replies]
-        assert runs(tok, ids, mask) == [r + END[name] for r in replies]
+        # Exactly the replies and their end-of-turn token: no header, no newline after
+        # <|im_end|> or <end_of_turn>, nothing of the system or user turns.
+        assert runs(tok, ids, mask) == replies_masked(name, messages)
+        # The prompt before the last reply, as generation sees it.
+        prompt = template.render(messages[:-1], add_generation_prompt=True)
+        assert tok.encode(prompt) == hf_ids(hf, messages[:-1], add_generation_prompt=True)
         if name == "chatml_generation":  # transformers' own mask of {% generation %} blocks
             out = hf.apply_chat_template(messages, tokenize=True, return_dict=True,
                                          return_assistant_tokens_mask=True)
             assert list(mask) == list(out["assistant_masks"])
+
+
+@pytest.mark.parametrize("name", ["llama3", "chatml", "qwen2_5"])
+def test_a_conversation_may_open_with_the_assistant(tokenizers, name):
+    # Nothing precedes the first reply, and templates cannot render "no messages" as they
+    # render the first one: Qwen's reads messages[0] (refused: the record was an error),
+    # Llama 3's writes its BOS with the first message (not a prefix: an error too).
+    path = tokenizers[name]
+    tok = HFTokenizer(path)
+    chats = [[{"role": "assistant", "content": "hello, how can i help?"},
+              {"role": "user", "content": "alpha beta?"},
+              {"role": "assistant", "content": "gamma delta. "}],
+             [{"role": "system", "content": "be brief"},
+              {"role": "assistant", "content": "hello."}]]
+    hf = hf_tokenizer(path)
+    for messages, (ids, mask) in zip(chats, encode(path, chats)):
+        assert [int(i) for i in ids] == hf_ids(hf, messages)
+        assert runs(tok, ids, mask) == replies_masked(name, messages)
+
+
+def test_qwen2_5_tool_calls_are_learned_and_tool_results_are_not(tokenizers):
+    path = tokenizers["qwen2_5"]
+    call = {"type": "function", "function": {"name": "weather", "arguments": {"city": "Zürich"}}}
+    messages = [{"role": "user", "content": "weather in zürich?"},
+                {"role": "assistant", "content": "", "tool_calls": [call]},
+                {"role": "tool", "content": "sunny"}, {"role": "tool", "content": "12 C"},
+                {"role": "assistant", "content": "sunny, 12 C."}]
+    (ids, mask), = encode(path, [messages])
+    assert [int(i) for i in ids] == hf_ids(hf_tokenizer(path), messages)
+    assert runs(HFTokenizer(path), ids, mask) == [
+        '<tool_call>\n{"name": "weather", "arguments": {"city": "Zürich"}}\n</tool_call>'
+        "<|im_end|>", "sunny, 12 C.<|im_end|>"]
+
+
+def test_qwen2_5_and_gemma3_templates_write_their_formats(tokenizers):
+    # The test templates are the format the models were tuned on (transformers renders the
+    # same text, above): Qwen's default system prompt, Gemma's BOS, its system prompt in the
+    # first user turn and its "model" role.
+    chat = [{"role": "user", "content": "hi?"}, {"role": "assistant", "content": " yes. "},
+            {"role": "user", "content": "and?"}, {"role": "assistant", "content": "no."}]
+    system = [{"role": "system", "content": "be brief"}]
+    qwen = load_chat_template(tokenizers["qwen2_5"])
+    gemma = load_chat_template(tokenizers["gemma3"])
+    turns = ("<|im_start|>user\nhi?<|im_end|>\n<|im_start|>assistant\n yes. <|im_end|>\n"
+             "<|im_start|>user\nand?<|im_end|>\n<|im_start|>assistant\nno.<|im_end|>\n")
+    assert qwen.render(chat) == f"<|im_start|>system\n{QWEN2_5_SYSTEM}<|im_end|>\n" + turns
+    assert qwen.render(system + chat) == "<|im_start|>system\nbe brief<|im_end|>\n" + turns
+    assert qwen.render(chat[:1], True).endswith("hi?<|im_end|>\n<|im_start|>assistant\n")
+    assert gemma.render(system + chat) == (
+        "<bos><start_of_turn>user\nbe brief\n\nhi?<end_of_turn>\n"
+        "<start_of_turn>model\nyes.<end_of_turn>\n<start_of_turn>user\nand?<end_of_turn>\n"
+        "<start_of_turn>model\nno.<end_of_turn>\n")
+    assert gemma.render(chat[:1], True) == ("<bos><start_of_turn>user\nhi?<end_of_turn>\n"
+                                            "<start_of_turn>model\n")
 
 
 def test_prefix_rule_equals_generation_blocks(tokenizers, tmp_path):
@@ -119,9 +188,12 @@ def chat_config(tmp_path, tokenizer_path, chats, **data):
 
 
 @pytest.mark.parametrize("packing", [True, False])
-def test_rows_hold_whole_conversations_with_their_masks(tokenizers, tmp_path, packing):
-    path = tokenizers["chatml"]
-    chats = conversations(40)
+@pytest.mark.parametrize("name", ["chatml", "qwen2_5", "gemma3"])
+def test_rows_hold_whole_conversations_with_their_masks(tokenizers, tmp_path, name, packing):
+    path = tokenizers[name]
+    # One surely too long (Gemma's terse turns fit every other one in a row).
+    chats = conversations(40) + [[{"role": "user", "content": "alpha " * 120},
+                                  {"role": "assistant", "content": "beta."}]]
     encoded = encode(path, chats)
     config = chat_config(tmp_path, path, chats, packing=packing)
     with make_loader(config, VOCAB, prefetch=0) as loader:

@@ -11,7 +11,7 @@ Each conversation is rendered with the tokenizer's chat template
 (``chat_template``) and tokenized whole, without special tokens added, so the
 ids equal transformers' ``apply_chat_template(messages, tokenize=True)``.
 
-Which tokens are the assistant's (mask 1) is found without markers in the text:
+Which tokens are the assistant's (mask 1) is found without markers in the conversation:
 
 - A template with ``{% generation %}`` blocks says so itself: the text rendered
   inside them (transformers' ``return_assistant_tokens_mask`` convention).
@@ -19,12 +19,21 @@ Which tokens are the assistant's (mask 1) is found without markers in the text:
   rendering of ``messages[:i]`` with ``add_generation_prompt=True`` (everything up
   to and including the assistant's header) and the rendering of
   ``messages[:i+1]`` (the turn complete): the reply and its end-of-turn token
-  (``<|eot_id|>``, ``<|im_end|>``, ``</s>``). Whitespace the template writes after
-  a special token that ends the span (ChatML's newline after ``<|im_end|>``)
-  belongs to the next turn's scaffolding and is left out. Both renderings must
+  (``<|eot_id|>``, ``<|im_end|>``, ``<end_of_turn>``, ``</s>``). Whitespace the
+  template writes after a special token that ends the span (ChatML's newline after
+  ``<|im_end|>``, Gemma's after ``<end_of_turn>``) belongs to the next turn's
+  scaffolding and is left out. Both renderings must
   be prefixes of the whole conversation's; a template that rewrites earlier
   turns (e.g. drops their reasoning) is an error that asks for
   ``{% generation %}`` blocks.
+
+  A conversation that opens with the assistant has no earlier messages to
+  render, and templates do not render "no messages" as the start of a
+  conversation (Qwen 2.5's reads ``messages[0]``, Llama 3's writes its BOS with the
+  first message, ChatML's default system prompt comes with the first message).
+  There, the text before the reply is what the template writes before a
+  placeholder reply (``_PLACEHOLDER``) given as the first message, which must
+  also be a prefix of the whole rendering.
 
 A token is the assistant's when its character span (the tokenizer's offsets)
 overlaps an assistant span, transformers' rule. Everything else (system, user
@@ -43,6 +52,10 @@ from ndjax.data.tokenizers import HFTokenizer
 from ndjax.errors import ConfigError
 
 ROLES = ("system", "user", "assistant", "tool")
+# The content of a conversation's first message, when it is the assistant's, in the
+# rendering that finds where that reply begins (letters only: trimmed, split or escaped,
+# it stays itself).
+_PLACEHOLDER = "ndjaxPlaceholderReplyQx7"
 OVERLONG = ("drop", "truncate")
 
 
@@ -116,9 +129,9 @@ def assistant_spans(template: ChatTemplate, messages: list[dict], special: Seque
     for i, m in enumerate(messages):
         if m["role"] != "assistant":
             continue
-        before = template.render(messages[:i], add_generation_prompt=True)
+        before = _before_reply(template, messages, i)
         upto = full if i == len(messages) - 1 else template.render(messages[:i + 1])
-        if not (full.startswith(upto) and upto.startswith(before)):
+        if before is None or not (full.startswith(upto) and upto.startswith(before)):
             raise ConfigError(
                 f"{template.origin}: rendering the conversation up to its assistant message {i} "
                 "is not a prefix of rendering all of it (the template rewrites earlier turns), "
@@ -131,6 +144,16 @@ def assistant_spans(template: ChatTemplate, messages: list[dict], special: Seque
             end = start + len(kept)
         spans.append((start, end))
     return full, spans
+
+
+def _before_reply(template: ChatTemplate, messages: list[dict], i: int) -> str | None:
+    """The rendering up to and including assistant message ``i``'s header (see the module
+    docstring); None if the template drops the placeholder reply of a first message."""
+    if i > 0:
+        return template.render(messages[:i], add_generation_prompt=True)
+    probe = template.render([{**messages[0], "content": _PLACEHOLDER}])
+    at = probe.find(_PLACEHOLDER)
+    return probe[:at] if at >= 0 else None
 
 
 def token_mask(offsets: np.ndarray, spans: Iterable[tuple[int, int]]) -> np.ndarray:
