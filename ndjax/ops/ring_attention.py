@@ -166,9 +166,19 @@ def _token_index(owner, layout: str, context: int, piece: int) -> jax.Array:
     return jnp.concatenate([owner * piece + t, (2 * context - 1 - owner) * piece + t])
 
 
-def _mask(q_idx, q_seg, k_idx, k_seg) -> jax.Array:
-    """(b, q, t): causal in the unpermuted sequence and within one document."""
-    return (q_idx[:, None] >= k_idx[None, :])[None] & (q_seg[:, :, None] == k_seg[:, None, :])
+def scale_scores(s: jax.Array, scale: float | None, head_dim: int) -> jax.Array:
+    """Scores times ``scale``; None: divided by sqrt(head_dim), the very operation
+    ndjax's kernels ran before a scale could be set (the same bits)."""
+    return s / math.sqrt(head_dim) if scale is None else s * scale
+
+
+def allowed(q_idx, q_seg, k_idx, k_seg, window: int | None = None) -> jax.Array:
+    """(b, q, t): causal in the unpermuted sequence, within ``window`` (q - k < window)
+    and within one document."""
+    seen = q_idx[:, None] >= k_idx[None, :]
+    if window is not None:
+        seen &= q_idx[:, None] - k_idx[None, :] < window
+    return seen[None] & (q_seg[:, :, None] == k_seg[:, None, :])
 
 
 def _tiles(tile: int, k, v, k_idx, k_seg):
@@ -178,51 +188,195 @@ def _tiles(tile: int, k, v, k_idx, k_seg):
     return split(k), split(v), k_idx.reshape(n, tile), split(k_seg)
 
 
-def _block_forward(carry, q, q_idx, q_seg, k, v, k_idx, k_seg, tile: int):
-    """Online-softmax update of (o, m, den) for queries ``q`` against one key block."""
-    sqrt_d = math.sqrt(q.shape[-1])
+def _online_update(carry, q, q_idx, q_seg, kt, vt, it, st, window, scale):
+    """Online-softmax update of (o, m, den) for queries ``q`` against one key tile."""
+    o, m, den = carry        # (b, kv, g, q, d), (b, kv, g, q), (b, kv, g, q), float32
+    s = jnp.einsum("bqkgd,btkd->bkgqt", q, kt, preferred_element_type=jnp.float32)
+    s = scale_scores(s, scale, q.shape[-1])
+    s = jnp.where(allowed(q_idx, q_seg, it, st, window)[:, None, None], s, -jnp.inf)
+    m_new = jnp.maximum(m, s.max(-1))
+    # A row with no allowed key so far keeps m = -inf; shift by 0 instead so
+    # that exp() gives 0, not NaN.
+    m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+    p = jnp.exp(s - m_safe[..., None])
+    rescale = jnp.exp(m - m_safe)
+    den = den * rescale + p.sum(-1)
+    o = o * rescale[..., None] + jnp.einsum("bkgqt,btkd->bkgqd", p.astype(vt.dtype), vt,
+                                            preferred_element_type=jnp.float32)
+    return o, m_new, den
+
+
+def _tile_backward(dq, q, do, lse, delta, q_idx, q_seg, kt, vt, it, st, window, scale):
+    """FlashAttention-2 backward of queries ``q`` against one key tile: (dq, dk, dv)."""
+    d = q.shape[-1]
+    s = scale_scores(jnp.einsum("bqkgd,btkd->bkgqt", q, kt, preferred_element_type=jnp.float32),
+                     scale, d)
+    mask = allowed(q_idx, q_seg, it, st, window)[:, None, None]
+    p = jnp.where(mask, jnp.exp(s - lse[..., None]), 0.0)   # the forward's probabilities
+    dv = jnp.einsum("bkgqt,bqkgd->btkd", p.astype(do.dtype), do,
+                    preferred_element_type=jnp.float32)
+    dp = jnp.einsum("bqkgd,btkd->bkgqt", do, vt, preferred_element_type=jnp.float32)
+    ds = scale_scores(p * (dp - delta[..., None]), scale, d)
+    dq = dq + jnp.einsum("bkgqt,btkd->bqkgd", ds.astype(kt.dtype), kt,
+                         preferred_element_type=jnp.float32)
+    dk = jnp.einsum("bkgqt,bqkgd->btkd", ds.astype(q.dtype), q,
+                    preferred_element_type=jnp.float32)
+    return dq, dk, dv
+
+
+def _block_forward(carry, q, q_idx, q_seg, k, v, k_idx, k_seg, tile: int,
+                   window: int | None = None, scale: float | None = None):
+    """Online-softmax update of (o, m, den) for queries ``q`` against one key block:
+    (the updated carry, key tiles x query tiles computed)."""
+    if window is not None:
+        return _window_block_forward(carry, q, q_idx, q_seg, k, v, k_idx, k_seg, tile,
+                                     window, scale)
 
     def step(carry, xs):
-        o, m, den = carry        # (b, kv, g, q, d), (b, kv, g, q), (b, kv, g, q), float32
-        kt, vt, it, st = xs
-        s = jnp.einsum("bqkgd,btkd->bkgqt", q, kt, preferred_element_type=jnp.float32) / sqrt_d
-        s = jnp.where(_mask(q_idx, q_seg, it, st)[:, None, None], s, -jnp.inf)
-        m_new = jnp.maximum(m, s.max(-1))
-        # A row with no allowed key so far keeps m = -inf; shift by 0 instead so
-        # that exp() gives 0, not NaN.
-        m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-        p = jnp.exp(s - m_safe[..., None])
-        scale = jnp.exp(m - m_safe)
-        den = den * scale + p.sum(-1)
-        o = o * scale[..., None] + jnp.einsum("bkgqt,btkd->bkgqd", p.astype(vt.dtype), vt,
-                                              preferred_element_type=jnp.float32)
-        return (o, m_new, den), None
+        return _online_update(carry, q, q_idx, q_seg, *xs, None, scale), None
 
-    return lax.scan(step, carry, _tiles(tile, k, v, k_idx, k_seg))[0]
+    n = k.shape[1] // tile
+    return lax.scan(step, carry, _tiles(tile, k, v, k_idx, k_seg))[0], n * n
 
 
-def _block_backward(dq, q, do, lse, delta, q_idx, q_seg, k, v, k_idx, k_seg, tile: int):
+def _block_backward(dq, q, do, lse, delta, q_idx, q_seg, k, v, k_idx, k_seg, tile: int,
+                    window: int | None = None, scale: float | None = None):
     """FlashAttention-2 backward of one block: dq accumulated, (dk, dv) of the block."""
-    sqrt_d = math.sqrt(q.shape[-1])
+    if window is not None:
+        return _window_block_backward(dq, q, do, lse, delta, q_idx, q_seg, k, v, k_idx, k_seg,
+                                      tile, window, scale)
 
     def step(dq, xs):
-        kt, vt, it, st = xs
-        s = jnp.einsum("bqkgd,btkd->bkgqt", q, kt, preferred_element_type=jnp.float32) / sqrt_d
-        mask = _mask(q_idx, q_seg, it, st)[:, None, None]
-        p = jnp.where(mask, jnp.exp(s - lse[..., None]), 0.0)   # the forward's probabilities
-        dv = jnp.einsum("bkgqt,bqkgd->btkd", p.astype(do.dtype), do,
-                        preferred_element_type=jnp.float32)
-        dp = jnp.einsum("bqkgd,btkd->bkgqt", do, vt, preferred_element_type=jnp.float32)
-        ds = p * (dp - delta[..., None]) / sqrt_d
-        dq = dq + jnp.einsum("bkgqt,btkd->bqkgd", ds.astype(kt.dtype), kt,
-                             preferred_element_type=jnp.float32)
-        dk = jnp.einsum("bkgqt,bqkgd->btkd", ds.astype(q.dtype), q,
-                        preferred_element_type=jnp.float32)
+        dq, dk, dv = _tile_backward(dq, q, do, lse, delta, q_idx, q_seg, *xs, None, scale)
         return dq, (dk, dv)
 
     dq, (dk, dv) = lax.scan(step, dq, _tiles(tile, k, v, k_idx, k_seg))
     join = lambda x: x.swapaxes(0, 1).reshape(k.shape[0], -1, *x.shape[3:])  # noqa: E731
     return dq, join(dk), join(dv)
+
+
+# ----- sliding windows: query tiles, and only the key tiles their window reaches ---------------
+#
+# With a window, a (query piece, key piece) block is cut into query tiles too (the key
+# tile's length). Pieces are contiguous chunks of the unpermuted sequence whose
+# lengths the tile divides, so a query tile's last token and the key tile holding it
+# (its "diagonal" tile) line up, and the key tiles its window reaches are the
+# ``_reach`` tiles ending there, clipped to the block. Only those are visited, each
+# in a ``lax.cond`` that skips the clipped ones: per query tile at most ``_reach``
+# tiles, so the work is O(seq x (window + tile)), not O(seq^2). A block whose keys all
+# lie beyond every query's window is skipped whole.
+
+
+def _reach(window: int, tile: int) -> int:
+    """Key tiles a query tile's window touches: its diagonal tile and the ones before
+    that hold keys within ``window`` of its first query."""
+    return -(-(window - 1) // tile) + 1
+
+
+def _split(x: jax.Array, tile: int, axis: int) -> jax.Array:
+    """``x`` cut into tiles along ``axis``, the tiles on a new leading axis."""
+    shape = x.shape
+    return jnp.moveaxis(x.reshape(*shape[:axis], shape[axis] // tile, tile,
+                                  *shape[axis + 1:]), axis, 0)
+
+
+def _join(x: jax.Array, axis: int) -> jax.Array:
+    """Inverse of ``_split``."""
+    x = jnp.moveaxis(x, 0, axis)
+    return x.reshape(*x.shape[:axis], -1, *x.shape[axis + 2:])
+
+
+def _in_window(q_idx, k_idx, window: int) -> jax.Array:
+    """Whether any key of a block is within the window of any of its queries (both
+    pieces contiguous; the schedule never pairs queries with later keys)."""
+    return q_idx[0] - k_idx[-1] < window
+
+
+def _key_tiles(q_idx, k_idx, n: int, tile: int, window: int):
+    """For query tile ``a`` of a block: (first key tile its window reaches, last one),
+    both inside the block's n tiles; first > last where it reaches none."""
+    diag0 = (q_idx[0] - k_idx[0]) // tile  # key tile of query tile 0's tokens (may be >= n)
+
+    def bounds(a):
+        diag = diag0 + a
+        return jnp.maximum(diag - _reach(window, tile) + 1, 0), jnp.minimum(diag, n - 1)
+
+    return bounds
+
+
+def _window_block_forward(carry, q, q_idx, q_seg, k, v, k_idx, k_seg, tile, window, scale):
+    n = q.shape[1] // tile
+    bounds = _key_tiles(q_idx, k_idx, n, tile, window)
+    take = lambda x, j, axis: lax.dynamic_slice_in_dim(x, j * tile, tile, axis)  # noqa: E731
+
+    def query_tile(count, xs):
+        a, qt, it, st, *stats = xs
+        lo, hi = bounds(a)
+
+        def key_tile(acc, step):
+            stats, count = acc
+            j = jnp.minimum(lo + step, n - 1)
+            kt = (take(k, j, 1), take(v, j, 1), take(k_idx, j, 0), take(k_seg, j, 1))
+            stats = lax.cond(lo + step <= hi,
+                             lambda s: _online_update(s, qt, it, st, *kt, window, scale),
+                             lambda s: s, stats)
+            return (stats, count + (lo + step <= hi)), None
+
+        steps = jnp.arange(min(n, _reach(window, tile)))
+        (stats, count), _ = lax.scan(key_tile, (tuple(stats), count), steps)
+        return count, stats
+
+    def compute(carry):
+        o, m, den = carry
+        xs = (jnp.arange(n), _split(q, tile, 1), _split(q_idx, tile, 0), _split(q_seg, tile, 1),
+              _split(o, tile, 3), _split(m, tile, 3), _split(den, tile, 3))
+        count, stats = lax.scan(query_tile, jnp.zeros_like(q_idx[0]), xs)
+        return tuple(_join(x, 3) for x in stats), count
+
+    return lax.cond(_in_window(q_idx, k_idx, window), compute,
+                    lambda carry: (carry, jnp.zeros_like(q_idx[0])), carry)
+
+
+def _window_block_backward(dq, q, do, lse, delta, q_idx, q_seg, k, v, k_idx, k_seg, tile,
+                           window, scale):
+    n = q.shape[1] // tile
+    bounds = _key_tiles(q_idx, k_idx, n, tile, window)
+    take = lambda x, j, axis: lax.dynamic_slice_in_dim(x, j * tile, tile, axis)  # noqa: E731
+
+    def query_tile(dkv, xs):
+        a, qt, dot, lset, dt, it, st, dqt = xs
+        lo, hi = bounds(a)
+
+        def key_tile(acc, step):
+            dqt, dkv = acc
+            j = jnp.minimum(lo + step, n - 1)
+            kt = (take(k, j, 1), take(v, j, 1), take(k_idx, j, 0), take(k_seg, j, 1))
+            zeros = jnp.zeros_like(kt[0], jnp.float32)
+            dqt, dk, dv = lax.cond(
+                lo + step <= hi,
+                lambda dqt: _tile_backward(dqt, qt, dot, lset, dt, it, st, *kt, window, scale),
+                lambda dqt: (dqt, zeros, zeros), dqt)
+            # Only the tile's own slice of dK/dV is touched: a skipped tile adds zeros.
+            dkv = lax.dynamic_update_slice_in_dim(dkv, take(dkv, j, 2) + jnp.stack([dk, dv]),
+                                                  j * tile, 2)
+            return (dqt, dkv), None
+
+        steps = jnp.arange(min(n, _reach(window, tile)))
+        (dqt, dkv), _ = lax.scan(key_tile, (dqt, dkv), steps)
+        return dkv, dqt
+
+    def compute(dq):
+        xs = (jnp.arange(n), _split(q, tile, 1), _split(do, tile, 1), _split(lse, tile, 3),
+              _split(delta, tile, 3), _split(q_idx, tile, 0), _split(q_seg, tile, 1),
+              _split(dq, tile, 1))
+        dkv, dq = lax.scan(query_tile, jnp.zeros_like(jnp.stack([k, v]), jnp.float32), xs)
+        return _join(dq, 1), dkv[0], dkv[1]
+
+    def skip(dq):
+        zeros = jnp.zeros_like(k, jnp.float32)
+        return dq, zeros, zeros
+
+    return lax.cond(_in_window(q_idx, k_idx, window), compute, skip, dq)
 
 
 class _Shard:
@@ -295,8 +449,9 @@ class _Shard:
         return carry
 
 
-def _forward_local(q, k, v, seg, *, axis: str, context: int, layout: str, tile: int):
-    """One shard's forward: (out, lse, number of blocks computed)."""
+def _forward_local(q, k, v, seg, *, axis: str, context: int, layout: str, tile: int,
+                   window: int | None, scale: float | None):
+    """One shard's forward: (out, lse, [blocks computed, query x key tiles computed])."""
     b, n, h, d = q.shape
     kv = k.shape[2]
     sh = _Shard(axis, context, layout, tile, n)
@@ -306,29 +461,33 @@ def _forward_local(q, k, v, seg, *, axis: str, context: int, layout: str, tile: 
     init = {"o": sh.varying(jnp.zeros((*stats, d), jnp.float32)),
             "m": sh.varying(jnp.full(stats, -jnp.inf, jnp.float32)),
             "den": sh.varying(jnp.zeros(stats, jnp.float32)),
-            "blocks": sh.varying(jnp.zeros((), jnp.int32))}
+            "blocks": sh.varying(jnp.zeros((), jnp.int32)),
+            "tiles": sh.varying(jnp.zeros((), jnp.int32))}
 
     def compute(blocks, carry, block, k_idx):
         k, v, k_seg = block
 
         def one(carry, a, c):
             stats = tuple(sh.get(carry[x], a, 3) for x in ("o", "m", "den"))
-            stats = _block_forward(stats, sh.get(q5, a, 1), sh.get(q_idx, a, 0),
-                                   sh.get(seg, a, 1), sh.get(k, c, 1), sh.get(v, c, 1),
-                                   sh.get(k_idx, c, 0), sh.get(k_seg, c, 1), sh.tile)
+            stats, tiles = _block_forward(stats, sh.get(q5, a, 1), sh.get(q_idx, a, 0),
+                                          sh.get(seg, a, 1), sh.get(k, c, 1), sh.get(v, c, 1),
+                                          sh.get(k_idx, c, 0), sh.get(k_seg, c, 1), sh.tile,
+                                          window, scale)
+            # A block counts where it computed a tile (a window may skip it whole).
             return {**{x: sh.put(carry[x], y, a, 3) for x, y in zip(("o", "m", "den"), stats)},
-                    "blocks": carry["blocks"] + 1}
+                    "blocks": carry["blocks"] + jnp.minimum(tiles, 1),
+                    "tiles": carry["tiles"] + tiles}
 
         return sh.blocks(one, blocks, carry)
 
     carry = sh.ring(compute, init, (k, v, seg))
     out = (carry["o"] / carry["den"][..., None]).transpose(0, 3, 1, 2, 4).reshape(b, n, h, d)
     lse = carry["m"] + jnp.log(carry["den"])
-    return out.astype(q.dtype), lse, carry["blocks"].reshape(1)
+    return out.astype(q.dtype), lse, jnp.stack([carry["blocks"], carry["tiles"]])
 
 
 def _backward_local(q, k, v, seg, out, lse, dout, *, axis: str, context: int, layout: str,
-                    tile: int):
+                    tile: int, window: int | None, scale: float | None):
     """One shard's backward: (dq, dk, dv) of its own queries, keys and values.
 
     Keys and values travel stacked as one array here (and dK, dV likewise): one
@@ -356,7 +515,8 @@ def _backward_local(q, k, v, seg, out, lse, dout, *, axis: str, context: int, la
             dq_a, dk, dv = _block_backward(
                 sh.get(dq, a, 1), sh.get(q5, a, 1), sh.get(do5, a, 1), sh.get(lse, a, 3),
                 sh.get(delta, a, 3), sh.get(q_idx, a, 0), sh.get(seg, a, 1), sh.get(k, c, 1),
-                sh.get(v, c, 1), sh.get(k_idx, c, 0), sh.get(k_seg, c, 1), sh.tile)
+                sh.get(v, c, 1), sh.get(k_idx, c, 0), sh.get(k_seg, c, 1), sh.tile, window,
+                scale)
             dkv_c = sh.get(dkv, c, 2) + jnp.stack([dk, dv])
             return {"dq": sh.put(dq, dq_a, a, 1), "dkv": sh.put(dkv, dkv_c, c, 2)}
 
@@ -372,15 +532,20 @@ def _backward_local(q, k, v, seg, out, lse, dout, *, axis: str, context: int, la
 
 
 @functools.cache
-def _build(mesh: Mesh | None, axis: str, layout: str, kv_tile: int, seq_len: int):
-    """(attention with its custom VJP, forward that also returns blocks per shard)."""
+def _build(mesh: Mesh | None, axis: str, layout: str, kv_tile: int, seq_len: int,
+           window: int | None = None, scale: float | None = None):
+    """(attention with its custom VJP, forward that also returns its work per shard)."""
     _check_layout(layout)
+    if window is not None and window < 1:
+        raise ValueError(f"window={window}: a query sees at least itself (window >= 1)")
+    if window is not None and window >= seq_len:
+        window = None  # every earlier key is within it: the plain causal kernel
     context = 1 if mesh is None else mesh.shape[axis]
     if seq_len % (context * PIECES[layout]):
         raise ValueError(f"sequence length {seq_len} is not divisible by {PIECES[layout]} x "
                          f"{context} context shards (layout {layout!r})")
     tile = tile_len(piece_len(layout, seq_len, context), kv_tile)
-    kw = dict(axis=axis, context=context, layout=layout, tile=tile)
+    kw = dict(axis=axis, context=context, layout=layout, tile=tile, window=window, scale=scale)
     forward = functools.partial(_forward_local, **kw)
     backward = functools.partial(_backward_local, **kw)
     if context > 1:
@@ -410,28 +575,48 @@ def _build(mesh: Mesh | None, axis: str, layout: str, kv_tile: int, seq_len: int
 
 def ring_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array, *,
                    mesh: Mesh | None, axis: str = "context", layout: str = "zigzag",
-                   kv_tile: int = 512) -> jax.Array:
+                   kv_tile: int = 512, window: int | None = None,
+                   scale: float | None = None) -> jax.Array:
     """Causal grouped-query attention over packed documents, sequence split over ``axis``.
 
-    Same contract as ``ndjax.models.llama.dot_product_attention`` on the
-    *unpermuted* sequence; with ``layout='zigzag'`` the inputs' sequence axis
-    must be in zigzag order (``zigzag_permutation``) and so is the output.
-    q: (b, s, h, d); k, v: (b, s, kv, d); segment_ids: (b, s). ``mesh=None`` or
-    a context axis of size 1 runs the same tiled kernel on one shard, without
-    collectives.
+    Same contract as ``ndjax.ops.attention.dense`` on the *unpermuted* sequence; with
+    ``layout='zigzag'`` the inputs' sequence axis must be in zigzag order
+    (``zigzag_permutation``) and so is the output. q: (b, s, h, d); k, v: (b, s, kv, d);
+    segment_ids: (b, s). ``mesh=None`` or a context axis of size 1 runs the same tiled
+    kernel on one shard, without collectives. ``window``: a query at p sees keys
+    p - window < k <= p only (``AttentionSpec.window``); ``scale``: the scores' factor,
+    None: 1 / sqrt(d).
     """
-    attend, _ = _build(mesh, axis, layout, kv_tile, q.shape[1])
+    attend, _ = _build(mesh, axis, layout, kv_tile, q.shape[1], window, scale)
     return attend(q, k, v, segment_ids)
+
+
+def _work(q, k, v, segment_ids, mesh, axis, layout, kv_tile, window, scale):
+    """Forward only: (output, (context, 2) of [blocks, tiles] computed by each shard)."""
+    _, forward = _build(mesh, axis, layout, kv_tile, q.shape[1], window, scale)
+    out, _, counts = forward(q, k, v, segment_ids)
+    return out, counts.reshape(-1, 2)
 
 
 def ring_attention_blocks(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array, *,
                           mesh: Mesh | None, axis: str = "context", layout: str = "zigzag",
-                          kv_tile: int = 512) -> tuple[jax.Array, jax.Array]:
+                          kv_tile: int = 512, window: int | None = None,
+                          scale: float | None = None) -> tuple[jax.Array, jax.Array]:
     """Forward only: (output, blocks computed by each context shard, shape (context,)).
 
     A block is one query piece against one key piece (``piece_len``): counted as
     the kernel runs, so the figure measures what the schedule really skipped.
     """
-    _, forward = _build(mesh, axis, layout, kv_tile, q.shape[1])
-    out, _, blocks = forward(q, k, v, segment_ids)
-    return out, blocks
+    out, counts = _work(q, k, v, segment_ids, mesh, axis, layout, kv_tile, window, scale)
+    return out, counts[:, 0]
+
+
+def ring_attention_tiles(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array, *,
+                         mesh: Mesh | None, axis: str = "context", layout: str = "zigzag",
+                         kv_tile: int = 512, window: int | None = None,
+                         scale: float | None = None) -> tuple[jax.Array, jax.Array]:
+    """Forward only: (output, (query tile, key tile) pairs computed by each context
+    shard, shape (context,)), counted as the kernel runs. Without a window a block is
+    (piece / tile)^2 of them; with one, only those that reach into the window."""
+    out, counts = _work(q, k, v, segment_ids, mesh, axis, layout, kv_tile, window, scale)
+    return out, counts[:, 1]
