@@ -45,10 +45,12 @@ def _output_and_grads(fn, q, k, v, seg, dout):
     return (out, *vjp(dout))
 
 
-def _assert_matches_dense(fn, heads, kv_heads, s=64, d=16):
+def _assert_matches_dense(fn, heads, kv_heads, s=64, d=16, spec=None):
+    spec = spec or attn.AttentionSpec()
     args = _inputs(2, s, heads, kv_heads, d)
     got = jax.jit(lambda *a: _output_and_grads(fn, *a))(*args)
-    want = jax.jit(lambda *a: _output_and_grads(attn.dense, *a))(*args)
+    want = jax.jit(lambda *a: _output_and_grads(
+        lambda q, k, v, seg: attn.dense(q, k, v, seg, spec), *a))(*args)
     for name, g, w in zip(("out", "dq", "dk", "dv"), got, want):
         np.testing.assert_allclose(g, w, atol=ATOL, err_msg=name)
 
@@ -74,17 +76,19 @@ def test_pallas_matches_dense(heads, kv_heads):
                           kv_heads)
 
 
-def _cudnn_semantics(q, k, v, lengths, offsets, *, scale):
+def _cudnn_semantics(q, k, v, lengths, offsets, *, scale, window):
     """What jax's cuDNN attention computes for packed rows (PADDING_CAUSAL with
     sequence offsets), written plainly: each (offset, length) is a sequence, causal
-    inside it. Tokens outside every sequence get no output (zeros)."""
+    inside it, a token at pos seeing (pos - sliding_window_length, pos] of it (jax's
+    docstring; cuDNN's diagonal band with left bound = the window). Tokens outside
+    every sequence get no output (zeros)."""
     s = q.shape[1]
     t = jnp.arange(s)
     starts, lengths = offsets[:, :-1, None], lengths[:, :, None]
     inside = (starts >= 0) & (t >= starts) & (t < starts + lengths)   # (b, runs, s)
     run = jnp.where(inside.any(1), jnp.argmax(inside, axis=1) + 1, 0)
-    assert scale == pytest.approx(q.shape[-1] ** -0.5)
-    return attn.dense(q, k, v, run) * inside.any(1)[:, :, None, None]
+    spec = attn.AttentionSpec(window=window, scale=scale)
+    return attn.dense(q, k, v, run, spec) * inside.any(1)[:, :, None, None]
 
 
 # The cudnn kernel's bound on documents per row (model.attn_max_docs): room for
@@ -170,6 +174,168 @@ def test_explicit_kernel_checks(impl, site, match):
     with pytest.raises(ConfigError, match=match) as e:
         attn.choose(impl, _site(**site))
     assert "\n" not in str(e.value)
+
+
+# ----- per-layer specs: sliding windows, soft caps, scales ----------------------------------
+
+Spec = attn.AttentionSpec
+# Windows shorter than the 64-token test rows, none a divisor of the kernels' 8-token
+# tiles and blocks: within one tile (5), across two (12), across three, with a scale.
+WINDOWS = [Spec(window=5), Spec(window=12), Spec(window=20, scale=0.2)]
+KERNEL_CFG = types.SimpleNamespace(attn_kv_tile=8, attn_max_docs=12)
+
+
+def _numpy_attention(q, k, v, seg, spec):
+    """``spec``'s attention written plainly, one query at a time in float64: the keys
+    of the query's document at p - window < k <= p (Hugging Face's sliding_window),
+    scores times the scale, soft-capped, softmax."""
+    q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
+    seg = np.asarray(seg)
+    b, s, h, d = q.shape
+    group = h // k.shape[2]
+    out = np.zeros_like(q)
+    keys = np.arange(s)
+    for i, p in np.ndindex(b, s):
+        seen = (keys <= p) & (seg[i] == seg[i, p])
+        if spec.window is not None:
+            seen &= keys > p - spec.window
+        # Query head j reads kv head j // group, as the kernels group them.
+        scores = np.einsum("thd,hd->ht", k[i, seen].repeat(group, axis=1), q[i, p])
+        scores = scores * spec.scale_for(d)
+        if spec.softcap is not None:
+            scores = spec.softcap * np.tanh(scores / spec.softcap)
+        w = np.exp(scores - scores.max(-1, keepdims=True))
+        out[i, p] = np.einsum("ht,thd->hd", w / w.sum(-1, keepdims=True),
+                              v[i, seen].repeat(group, axis=1))
+    return out
+
+
+@pytest.mark.parametrize("spec", [Spec(), Spec(window=1), Spec(window=12),
+                                  Spec(window=5, softcap=2.0, scale=0.5)], ids=str)
+def test_dense_computes_the_spec(spec):
+    """dense, the reference every kernel is held to, against the spec written plainly."""
+    q, k, v, seg, _ = _inputs(2, 64, 4, 2, 16)
+    got = jax.jit(lambda *a: attn.dense(*a, spec))(q, k, v, seg)
+    np.testing.assert_allclose(got, _numpy_attention(q, k, v, seg, spec), atol=ATOL)
+
+
+@pytest.mark.parametrize("impl, spec", [
+    *((impl, spec) for impl in ("tiled", "cudnn") for spec in [*WINDOWS, Spec(scale=0.3)]),
+    # blocked: window 5 takes its chunks; its query blocks in the soft cap's test below.
+    ("blocked", WINDOWS[0]),
+], ids=str)
+def test_kernels_compute_the_spec_like_dense(impl, spec, monkeypatch):
+    """Outputs and gradients on packed rows; cudnn through its stated semantics
+    (``_cudnn_semantics``): ndjax's side, the window and scale it passes."""
+    monkeypatch.setattr(attn, "_cudnn_packed", _cudnn_semantics)
+    _assert_matches_dense(lambda q, k, v, seg: attn.KERNELS[impl](q, k, v, seg, KERNEL_CFG, spec),
+                          4, 2, spec=spec)
+
+
+def test_blocked_query_blocks_compute_the_spec_like_dense():
+    """6 query blocks of 10 tokens, each from the first key its window reaches, with a
+    soft cap and a scale."""
+    spec = Spec(window=12, softcap=3.0, scale=0.3)
+    assert attn._chunks_work(60, 12) > attn._blocks_work(60, 6, 12)  # not the chunks
+    _assert_matches_dense(lambda q, k, v, seg: attn.blocked(q, k, v, seg, 6, spec), 4, 2, s=60,
+                          spec=spec)
+
+
+@pytest.mark.parametrize("window", [1, 7])  # 60 tokens: 60 chunks; 9, the last padded
+def test_window_chunks_match_dense(window):
+    """blocked's O(seq x window) form, whatever the chunks' padding."""
+    spec = Spec(window=window, softcap=3.0)
+    _assert_matches_dense(lambda q, k, v, seg: attn.window_chunks(q, k, v, seg, window, spec),
+                          4, 2, s=60, spec=spec)
+
+
+def test_blocked_takes_the_chunks_where_they_do_less_work():
+    assert attn._chunks_work(64, 5) < attn._blocks_work(64, 8, 5)      # chunks
+    assert attn._chunks_work(64, 12) > attn._blocks_work(64, 8, 12)    # query blocks
+    assert attn._chunks_work(4096, 64) == 2 * 4096 * 64   # O(seq x window)
+
+
+def test_windowed_blocked_memory_is_linear_in_the_sequence():
+    """Forward and backward's compiled temporaries, window 16: 4x the tokens may cost at
+    most 5x (the scores of blocked without a window grow 16x)."""
+    spec = Spec(window=16)
+
+    def temp(s):
+        q = jax.ShapeDtypeStruct((1, s, 2, 8), jnp.float32)
+        kv = jax.ShapeDtypeStruct((1, s, 1, 8), jnp.float32)
+        seg = jax.ShapeDtypeStruct((1, s), jnp.int32)
+        step = jax.jit(lambda q, k, v, seg, dout: _output_and_grads(
+            lambda *a: attn.blocked(*a, attn.query_blocks(s), spec), q, k, v, seg, dout))
+        return step.lower(q, kv, kv, seg, q).compile().memory_analysis().temp_size_in_bytes
+
+    small, large = temp(1024), temp(4096)
+    assert large <= 5 * small, (small, large)
+    assert large < 4096 * 4096 * 2 * 4 / 16, large  # a 16th of one (seq x seq) score matrix
+
+
+def test_pallas_computes_the_scale():
+    spec = Spec(scale=0.3)
+    _assert_matches_dense(lambda *a: attn.pallas_attention(*a, interpret=True, scale=0.3),
+                          4, 2, spec=spec)
+
+
+CPU = dict(platform="cpu", compute_capability=None, dtype=jnp.float32)
+
+
+@pytest.mark.parametrize("impl, site, spec, match", [
+    ("pallas", {}, Spec(window=4096),
+     r"^model.attn_impl='pallas' has no sliding window, and the model's attention sets "
+     r"window=4096 \(AttentionSpec\). Use model.attn_impl='auto', 'dense', 'blocked', 'tiled' "
+     r"or 'cudnn'\.$"),
+    ("pallas", {}, Spec(softcap=50.0), r"has no logit soft cap, .* sets softcap=50.0 .*"
+                                       r"Use model.attn_impl='auto', 'dense' or 'blocked'\.$"),
+    ("tiled", CPU, Spec(window=8, softcap=50.0), r"^model.attn_impl='tiled' has no logit soft "
+                                                 r"cap, .* softcap=50.0"),
+    ("ring", dict(context=4), Spec(softcap=50.0),
+     r"^model.attn_impl='ring' has no logit soft cap, .* Use mesh.context=1 and "
+     r"model.attn_impl='auto', 'dense' or 'blocked'\.$"),
+    ("cudnn", {}, Spec(softcap=30.0), r"^model.attn_impl='cudnn' has no logit soft cap"),
+    ("dense", {}, Spec(causal=False), r"computes causal attention, .* causal=False"),
+    ("blocked", CPU, Spec(window=0), r"window=0 .* Use window >= 1"),
+])
+def test_kernels_refuse_specs_they_do_not_compute(impl, site, spec, match):
+    with pytest.raises(ConfigError, match=match) as e:
+        attn.choose(impl, _site(**site, specs=(Spec(), spec)))
+    assert "\n" not in str(e.value)
+
+
+def test_auto_takes_only_kernels_that_compute_every_spec():
+    windowed = (Spec(), Spec(window=1024))
+    capped = (Spec(window=1024, softcap=50.0), Spec(softcap=50.0))
+    assert attn.choose("auto", _site(specs=windowed)).name == "cudnn"
+    f32 = attn.choose("auto", _site(dtype=jnp.float32, specs=windowed))
+    assert f32.name == "tiled" and "pallas: " in f32.why and "sliding window" in f32.why, f32
+    assert attn.choose("auto", _site(specs=capped)).name == "blocked"   # tiled refused too
+    assert attn.choose("auto", _site(**CPU, seq_len=2048, specs=windowed)).name == "tiled"
+    assert attn.choose("auto", _site(**CPU, seq_len=2048, specs=capped)).name == "blocked"
+    assert attn.choose("auto", _site(context=4, specs=windowed)).name == "ring"
+    with pytest.raises(ConfigError, match="Use mesh.context=1 and"):
+        attn.choose("auto", _site(context=4, specs=capped))
+
+
+def test_site_takes_the_models_specs():
+    cfg = types.SimpleNamespace(n_heads=4, n_kv_heads=2, hd=16, dtype="float32",
+                                cp_layout="zigzag", attn_kv_tile=8)
+    assert attn.Site.of(cfg, 64, None).specs == (Spec(),)
+    cfg.attention_specs = [Spec(window=8), Spec()]
+    assert attn.Site.of(cfg, 64, None).specs == (Spec(window=8), Spec())
+
+
+def test_attention_refuses_a_layer_spec_its_kernel_does_not_compute():
+    """A layer's spec that the kernel's choice never saw (not in cfg.attention_specs)
+    is refused when traced, never run without the cap."""
+    cfg = types.SimpleNamespace(attn_impl="auto", n_heads=4, n_kv_heads=2, hd=16,
+                                dtype="float32", cp_layout="zigzag", attn_kv_tile=8)
+    q, k, v, seg, _ = _inputs(1, 2048, 4, 2, 16)
+    with pytest.raises(ConfigError, match="'tiled' has no logit soft cap"):
+        jax.eval_shape(lambda *a: attn.attention(*a, cfg, Spec(softcap=5.0)), q, k, v, seg)
+    cfg.attention_specs = (Spec(softcap=5.0),)  # now auto knows: blocked
+    jax.eval_shape(lambda *a: attn.attention(*a, cfg, Spec(softcap=5.0)), q, k, v, seg)
 
 
 def test_start_up_line_says_kernel_and_why():

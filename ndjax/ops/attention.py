@@ -96,6 +96,8 @@ class Site:
     compute_capability: str | None = None  # of the first GPU, e.g. "9.0"
     rows: int = 0          # rows attention runs on at once (a micro-batch), 0: unknown
     devices: int = 1       # of the mesh
+    # The distinct specs of the model's layers: a kernel runs only if it honours all.
+    specs: tuple[AttentionSpec, ...] = (AttentionSpec(),)
 
     @classmethod
     def of(cls, cfg: Any, seq_len: int, rules: Rules | None, rows: int = 0) -> Site:
@@ -107,7 +109,8 @@ class Site:
                    context=ring.context_shards(rules), platform=platforms.of(devices),
                    layout=cfg.cp_layout, kv_tile=cfg.attn_kv_tile,
                    compute_capability=platforms.compute_capability(devices), rows=rows,
-                   devices=len(devices) if rules is not None else 1)
+                   devices=len(devices) if rules is not None else 1,
+                   specs=tuple(getattr(cfg, "attention_specs", (AttentionSpec(),))))
 
 
 def _at_least(capability: str | None, target: tuple[int, int]) -> bool:
@@ -128,12 +131,57 @@ def _field(name: str) -> str:
 # ----- the kernels ---------------------------------------------------------------------------
 
 
+# An AttentionSpec field, in words, for a kernel that refuses it.
+_FEATURES = {"window": "sliding window", "softcap": "logit soft cap", "scale": "score scale"}
+
+
 class Kernel:
     name = ""
     what = ""  # a few words for the start-up line
+    # The AttentionSpec fields this kernel computes when they are set; check refuses
+    # a model whose layers set any other.
+    honours: tuple[str, ...] = tuple(_FEATURES)
 
     def check(self, site: Site) -> None:
-        """Raises ConfigError (one line: field, values, fix) where it cannot run."""
+        """Raises ConfigError (one line: field, values, fix) where it cannot run: the
+        kernel's own limits there (``check_site``), or a spec of the model's layers
+        that it does not compute exactly (``check_spec``)."""
+        self.check_site(site)
+        for spec in site.specs:
+            self.check_spec(spec)
+
+    def check_site(self, site: Site) -> None:
+        """Raises ConfigError where the platform, mesh or shapes rule the kernel out."""
+
+    def check_spec(self, spec: AttentionSpec) -> None:
+        """Raises ConfigError unless the kernel computes ``spec`` exactly."""
+        if not spec.causal:
+            raise ConfigError(
+                f"{_field(self.name)} computes causal attention, and the model's attention "
+                "has causal=False (AttentionSpec). Every ndjax kernel is causal: use a "
+                "decoder-only model.")
+        if spec.window is not None and spec.window < 1:
+            raise ConfigError(
+                f"The model's attention has window={spec.window} (AttentionSpec), and a "
+                "query sees the keys p - window < k <= p, itself at least. Use window >= 1, "
+                "or None for no window.")
+        if spec.softcap is not None and spec.softcap <= 0:
+            raise ConfigError(
+                f"The model's attention has softcap={spec.softcap} (AttentionSpec), and "
+                "scores are capped as softcap * tanh(scores / softcap). Use softcap > 0, "
+                "or None for no cap.")
+        for field, feature in _FEATURES.items():
+            value = getattr(spec, field)
+            if value is not None and field not in self.honours:
+                raise ConfigError(
+                    f"{_field(self.name)} has no {feature}, and the model's attention sets "
+                    f"{field}={value!r} (AttentionSpec). {self._instead(field)}")
+
+    def _instead(self, field: str) -> str:
+        """The fix for a refused spec field: the one-shard kernels that compute it."""
+        names = [repr(n) for n, k in KERNELS.items() if field in k.honours and n != "ring"]
+        use = f"model.attn_impl={', '.join([repr('auto'), *names[:-1]])} or {names[-1]}"
+        return f"Use mesh.context=1 and {use}." if self.name == "ring" else f"Use {use}."
 
     def permutation(self, site: Site) -> np.ndarray | None:
         return None
@@ -143,7 +191,7 @@ class Kernel:
         are beyond what the compiled kernel makes room for."""
 
     def __call__(self, q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array,
-                 cfg: Any) -> jax.Array:
+                 cfg: Any, spec: AttentionSpec = AttentionSpec()) -> jax.Array:
         raise NotImplementedError
 
 
@@ -154,9 +202,17 @@ def _one_shard(name: str, site: Site) -> None:
             f"mesh.context={site.context}. Use model.attn_impl='ring' (or 'auto').")
 
 
-def masked_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
+def _window(spec: AttentionSpec, seq_len: int) -> int | None:
+    """The spec's window where it hides keys in a row of ``seq_len`` tokens, else None."""
+    return spec.window if spec.window is not None and spec.window < seq_len else None
+
+
+def masked_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, *,
+                     scale: float | None = None, softcap: float | None = None) -> jax.Array:
     """Grouped-query attention of q (b, s, h, d) over k, v (b, t, kv, d) where ``mask``
-    (b, s, t) allows, with the whole (s x t) score matrix; softmax in float32."""
+    (b, s, t) allows, with the whole (s x t) score matrix; softmax in float32.
+    ``scale``: the scores' factor (None: 1 / sqrt(d)); ``softcap``: scores become
+    softcap * tanh(scores / softcap)."""
     b, s, h, d = q.shape
     kv = k.shape[2]
     q = q.reshape(b, s, kv, h // kv, d)
@@ -168,26 +224,34 @@ def masked_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) 
     scores_order = "bksgt" if platforms.current() == "cpu" else "bkgst"
     scores = jnp.einsum(f"bskgd,btkd->{scores_order}", q, k, preferred_element_type=jnp.float32)
     key_mask = mask[:, None, :, None] if scores_order == "bksgt" else mask[:, None, None]
-    scores = jnp.where(key_mask, scores / math.sqrt(d), jnp.finfo(jnp.float32).min)
+    scores = ring.scale_scores(scores, scale, d)
+    if softcap is not None:
+        scores = softcap * jnp.tanh(scores / softcap)
+    scores = jnp.where(key_mask, scores, jnp.finfo(jnp.float32).min)
     # Named so that remat=none keeps it (ndjax.models.llama.REMAT_POLICIES).
     probs = checkpoint_name(jax.nn.softmax(scores, axis=-1).astype(v.dtype), "attn_probs")
     out = jnp.einsum(f"{scores_order},btkd->bskgd", probs, v)
     return out.reshape(b, s, h, d)
 
 
-def dense(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array) -> jax.Array:
-    """The reference: causal within each document, the whole score matrix."""
+def _spec_attention(q, k, v, mask, spec: AttentionSpec) -> jax.Array:
+    return masked_attention(q, k, v, mask, scale=spec.scale, softcap=spec.softcap)
+
+
+def dense(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array,
+          spec: AttentionSpec = AttentionSpec()) -> jax.Array:
+    """The reference: causal within each document (and ``spec``'s window), the whole
+    score matrix."""
     idx = jnp.arange(q.shape[1])
-    mask = (idx[:, None] >= idx[None, :])[None] & (
-        segment_ids[:, :, None] == segment_ids[:, None, :])
-    return masked_attention(q, k, v, mask)
+    mask = ring.allowed(idx, segment_ids, idx, segment_ids, _window(spec, q.shape[1]))
+    return _spec_attention(q, k, v, mask, spec)
 
 
 class Dense(Kernel):
     name, what = "dense", "the whole score matrix, O(seq^2) memory"
 
-    def __call__(self, q, k, v, segment_ids, cfg):
-        return dense(q, k, v, segment_ids)
+    def __call__(self, q, k, v, segment_ids, cfg, spec=AttentionSpec()):
+        return dense(q, k, v, segment_ids, spec)
 
 
 def query_blocks(seq_len: int) -> int:
@@ -196,32 +260,89 @@ def query_blocks(seq_len: int) -> int:
     return _largest_divisor(seq_len, MAX_QUERY_BLOCKS)
 
 
+def _first_key(start: int, window: int | None) -> int:
+    """The first key any query from ``start`` on can see."""
+    return 0 if window is None else max(0, start - window + 1)
+
+
+def _blocks_work(seq_len: int, blocks: int, window: int | None) -> int:
+    """Scores ``blocked``'s query blocks compute."""
+    size = seq_len // blocks
+    return sum(size * ((i + 1) * size - _first_key(i * size, window)) for i in range(blocks))
+
+
+def _chunks_work(seq_len: int, window: int) -> int:
+    """Scores ``window_chunks`` computes: chunks of ``window`` queries x 2 chunks of keys."""
+    return -(-seq_len // window) * window * 2 * window
+
+
 def blocked(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array,
-            blocks: int) -> jax.Array:
+            blocks: int, spec: AttentionSpec = AttentionSpec()) -> jax.Array:
     """``dense``'s function, as ``blocks`` query blocks, block i against the keys up to
     its own last query. The score blocks above the diagonal, every entry masked by
     causality, are never computed: (blocks + 1) / (2 blocks) of dense's work and
-    memory. Each query row still takes one softmax over the same allowed keys."""
+    memory. Each query row still takes one softmax over the same allowed keys.
+
+    With a window, a block starts at the first key its first query sees; where chunks
+    of the window's length do less work (``window_chunks``: O(seq x window), however
+    long the row) they run instead."""
     seq = q.shape[1]
+    window = _window(spec, seq)
+    if window is not None and _chunks_work(seq, window) < _blocks_work(seq, blocks, window):
+        return window_chunks(q, k, v, segment_ids, window, spec)
     size = seq // blocks
     idx = jnp.arange(seq)
     outs = []
     for i in range(blocks):
-        rows, end = slice(i * size, (i + 1) * size), (i + 1) * size
-        mask = (idx[rows, None] >= idx[None, :end])[None] & (
-            segment_ids[:, rows, None] == segment_ids[:, None, :end])
-        outs.append(masked_attention(q[:, rows], k[:, :end], v[:, :end], mask))
+        rows, keys = slice(i * size, (i + 1) * size), slice(_first_key(i * size, window),
+                                                            (i + 1) * size)
+        mask = ring.allowed(idx[rows], segment_ids[:, rows], idx[keys], segment_ids[:, keys],
+                            window)
+        outs.append(_spec_attention(q[:, rows], k[:, keys], v[:, keys], mask, spec))
     return jnp.concatenate(outs, axis=1)
+
+
+def window_chunks(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array,
+                  window: int, spec: AttentionSpec) -> jax.Array:
+    """``dense``'s function with a window shorter than the row: the row cut into chunks
+    of ``window`` queries (the last padded), each against the keys of its own and the
+    previous chunk, which hold every key its queries can see (p - window < k <= p).
+    All chunks at once, as a batch: work and memory O(seq x window)."""
+    b, s, h, d = q.shape
+    n = -(-s // window)
+    pad = n * window - s
+
+    def chunked(x, before: int):  # (b, s, ...) -> (b, n + before, window, ...)
+        x = jnp.pad(x, [(0, 0), (before * window, pad)] + [(0, 0)] * (x.ndim - 2))
+        return x.reshape(b, n + before, window, *x.shape[2:])
+
+    def two(x):  # chunk i's keys: padded chunks i - 1 and i, (b * n, 2 window, ...)
+        x = chunked(x, 1)
+        x = jnp.concatenate([x[:, :-1], x[:, 1:]], axis=2)
+        return x.reshape(b * n, 2 * window, *x.shape[3:])
+
+    q_idx = jnp.arange(n * window).reshape(n, window)
+    k_idx = jnp.arange(-window, n * window).reshape(n + 1, window)
+    k_idx = jnp.concatenate([k_idx[:-1], k_idx[1:]], axis=1)
+    seen = ((q_idx[:, :, None] >= k_idx[:, None, :]) & (q_idx[:, :, None] - k_idx[:, None, :]
+                                                        < window)
+            & (k_idx[:, None, :] >= 0) & (k_idx[:, None, :] < s))  # padding is no key
+    same = chunked(segment_ids, 0)[:, :, :, None] == two(segment_ids).reshape(
+        b, n, 1, 2 * window)
+    mask = (seen[None] & same).reshape(b * n, window, 2 * window)
+    out = _spec_attention(chunked(q, 0).reshape(b * n, window, h, d), two(k), two(v), mask,
+                          spec)
+    return out.reshape(b, n * window, h, d)[:, :s]
 
 
 class Blocked(Kernel):
     name, what = "blocked", "dense over causal query blocks, the masked blocks skipped"
 
-    def check(self, site):
+    def check_site(self, site):
         _one_shard(self.name, site)
 
-    def __call__(self, q, k, v, segment_ids, cfg):
-        return blocked(q, k, v, segment_ids, query_blocks(q.shape[1]))
+    def __call__(self, q, k, v, segment_ids, cfg, spec=AttentionSpec()):
+        return blocked(q, k, v, segment_ids, query_blocks(q.shape[1]), spec)
 
 
 class Tiled(Kernel):
@@ -230,8 +351,9 @@ class Tiled(Kernel):
     all masked, is skipped rather than computed."""
 
     name, what = "tiled", "online softmax over key tiles, memory linear in seq"
+    honours = ("window", "scale")
 
-    def check(self, site):
+    def check_site(self, site):
         _one_shard(self.name, site)
         if site.seq_len % 2:
             raise ConfigError(
@@ -246,16 +368,18 @@ class Tiled(Kernel):
                 f"{site.seq_len} ({half} tokens, {_field(self.name)}). Use a divisor, e.g. "
                 f"model.attn_kv_tile={fit}.")
 
-    def __call__(self, q, k, v, segment_ids, cfg):
+    def __call__(self, q, k, v, segment_ids, cfg, spec=AttentionSpec()):
         # zigzag on one shard is the identity order: no permutation of the batch.
         return ring.ring_attention(q, k, v, segment_ids, mesh=None, layout="zigzag",
-                                   kv_tile=cfg.attn_kv_tile)
+                                   kv_tile=cfg.attn_kv_tile, window=spec.window,
+                                   scale=spec.scale)
 
 
 class Ring(Kernel):
     name, what = "ring", "ring attention over the context axis"
+    honours = ("window", "scale")
 
-    def check(self, site):
+    def check_site(self, site):
         seq_len, context, layout = site.seq_len, site.context, site.layout
         pieces = ring.PIECES[layout]
         ways = pieces * context
@@ -279,11 +403,12 @@ class Ring(Kernel):
     def permutation(self, site):
         return ring.layout_permutation(site.layout, site.seq_len, site.context)
 
-    def __call__(self, q, k, v, segment_ids, cfg):
+    def __call__(self, q, k, v, segment_ids, cfg, spec=AttentionSpec()):
         rules = active()
         mesh = rules.mesh if ring.context_shards(rules) > 1 else None
         return ring.ring_attention(q, k, v, segment_ids, mesh=mesh, layout=cfg.cp_layout,
-                                   kv_tile=cfg.attn_kv_tile)
+                                   kv_tile=cfg.attn_kv_tile, window=spec.window,
+                                   scale=spec.scale)
 
 
 def _gpu_only(name: str, site: Site, hint: str) -> None:
@@ -322,20 +447,25 @@ def runs_per_row(segment_ids: np.ndarray) -> np.ndarray:
     return (segment_ids[:, 1:] != segment_ids[:, :-1]).sum(axis=1) + 1
 
 
-def _cudnn_packed(q, k, v, lengths, offsets, *, scale: float):
+def _cudnn_packed(q, k, v, lengths, offsets, *, scale: float, window: int | None):
     # jax's own cuDNN entry point with sequence offsets: the public
     # jax.nn.dot_product_attention takes lengths but not packed documents.
     from jax._src.cudnn import fused_attention_stablehlo as cudnn
 
+    # sliding_window_length=w: a token at pos sees (pos - w, pos] of its own sequence
+    # (cuDNN's diagonal band, left bound w), HF's sliding_window exactly. Positions
+    # count from the sequence's offset in queries and keys alike, so the distance
+    # between a query and a key is the same as in the packed row.
     return cudnn.dot_product_attention(
         q, k, v, None, None, lengths, lengths, offsets, offsets, scale=scale,
-        mask_type=cudnn.MaskType.PADDING_CAUSAL)
+        mask_type=cudnn.MaskType.PADDING_CAUSAL, sliding_window_length=window)
 
 
 class Cudnn(Kernel):
     name, what = "cudnn", "cuDNN flash attention, packed rows as ragged sequences"
+    honours = ("window", "scale")
 
-    def check(self, site):
+    def check_site(self, site):
         _gpu_only(self.name, site, "Use model.attn_impl='auto' (tiled or dense on CPU).")
         _one_shard(self.name, site)
         dtype = jnp.dtype(site.dtype)
@@ -374,9 +504,10 @@ class Cudnn(Kernel):
                 f"max_docs x seq_len softmax statistics per head and layer), or use "
                 f"model.attn_impl='pallas' or 'tiled'.")
 
-    def __call__(self, q, k, v, segment_ids, cfg):
+    def __call__(self, q, k, v, segment_ids, cfg, spec=AttentionSpec()):
         lengths, offsets = segment_runs(segment_ids, min(cfg.attn_max_docs, q.shape[1]))
-        return _cudnn_packed(q, k, v, lengths, offsets, scale=1 / math.sqrt(q.shape[-1]))
+        return _cudnn_packed(q, k, v, lengths, offsets, scale=spec.scale_for(q.shape[-1]),
+                             window=_window(spec, q.shape[1]))
 
 
 def pallas_block_sizes(seq_len: int, head_dim: int, dtype: Any) -> Any:
@@ -397,46 +528,47 @@ def pallas_block_sizes(seq_len: int, head_dim: int, dtype: Any) -> Any:
 
 
 def pallas_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array, *,
-                     interpret: bool = False) -> jax.Array:
+                     interpret: bool = False, scale: float | None = None) -> jax.Array:
     """jax's Pallas flash-attention kernel for GPUs (Triton), causal, with segment
-    ids; ``interpret=True`` runs it on CPU (slowly: for tests)."""
+    ids; ``interpret=True`` runs it on CPU (slowly: for tests). ``scale``: the
+    scores' factor (None: 1 / sqrt(d))."""
     sizes = pallas_block_sizes(q.shape[1], q.shape[-1], q.dtype)
-    return _pallas_gqa(q, k, v, segment_ids.astype(jnp.int32), sizes, interpret)
+    scale = 1 / math.sqrt(q.shape[-1]) if scale is None else scale
+    return _pallas_gqa(q, k, v, segment_ids.astype(jnp.int32), sizes, interpret, scale)
 
 
 # The kernel wants one key/value head per query head, so the kv heads are repeated
 # for it; its own VJP would keep the repeated k and v (group x theirs) for the
 # backward pass. This one keeps k and v as they are and repeats them again there.
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
-def _pallas_gqa(q, k, v, segment_ids, sizes, interpret):
-    return _pallas_gqa_forward(q, k, v, segment_ids, sizes, interpret)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
+def _pallas_gqa(q, k, v, segment_ids, sizes, interpret, scale):
+    return _pallas_gqa_forward(q, k, v, segment_ids, sizes, interpret, scale)[0]
 
 
 def _repeat_kv(x: jax.Array, heads: int) -> jax.Array:
     return jnp.repeat(x, heads // x.shape[2], axis=2)
 
 
-def _pallas_options(q: jax.Array, sizes: Any, interpret: bool) -> dict[str, Any]:
-    return dict(sm_scale=1 / math.sqrt(q.shape[-1]), causal=True, block_sizes=sizes,
-                interpret=interpret)
+def _pallas_options(sizes: Any, interpret: bool, scale: float) -> dict[str, Any]:
+    return dict(sm_scale=scale, causal=True, block_sizes=sizes, interpret=interpret)
 
 
-def _pallas_gqa_forward(q, k, v, segment_ids, sizes, interpret):
+def _pallas_gqa_forward(q, k, v, segment_ids, sizes, interpret, scale):
     from jax.experimental.pallas.ops.gpu import attention as pallas_gpu
 
     h = q.shape[2]
     out, lse = pallas_gpu.mha(q, _repeat_kv(k, h), _repeat_kv(v, h), segment_ids,
-                              return_residuals=True, **_pallas_options(q, sizes, interpret))
+                              return_residuals=True, **_pallas_options(sizes, interpret, scale))
     return out, (q, k, v, segment_ids, out, lse)
 
 
-def _pallas_gqa_backward(sizes, interpret, res, d_out):
+def _pallas_gqa_backward(sizes, interpret, scale, res, d_out):
     from jax.experimental.pallas.ops.gpu import attention as pallas_gpu
 
     q, k, v, segment_ids, out, lse = res
     b, s, h, d = q.shape
     kv = k.shape[2]
-    o = _pallas_options(q, sizes, interpret)
+    o = _pallas_options(sizes, interpret, scale)
     dq, dk, dv, _ = pallas_gpu._mha_backward(
         o["sm_scale"], o["causal"], o["block_sizes"], "triton", None, 2, None, interpret,
         False, False, (q, _repeat_kv(k, h), _repeat_kv(v, h), segment_ids, out, lse), d_out)
@@ -451,8 +583,9 @@ _pallas_gqa.defvjp(_pallas_gqa_forward, _pallas_gqa_backward)
 
 class Pallas(Kernel):
     name, what = "pallas", "Pallas (Triton) flash attention with segment ids"
+    honours = ("scale",)  # jax's Pallas mha has neither a window nor a soft cap
 
-    def check(self, site):
+    def check_site(self, site):
         _gpu_only(self.name, site, "Use model.attn_impl='auto' (tiled or dense on CPU).")
         _one_shard(self.name, site)
         sizes = pallas_block_sizes(site.seq_len, site.head_dim, site.dtype)
@@ -462,8 +595,9 @@ class Pallas(Kernel):
                 f"{site.head_dim}, and train.seq_len={site.seq_len} is not a multiple. Use a "
                 f"multiple of {sizes.block_q}, or model.attn_impl='tiled'.")
 
-    def __call__(self, q, k, v, segment_ids, cfg):
-        run = functools.partial(pallas_attention, interpret=platforms.current() != "gpu")
+    def __call__(self, q, k, v, segment_ids, cfg, spec=AttentionSpec()):
+        run = functools.partial(pallas_attention, interpret=platforms.current() != "gpu",
+                                scale=spec.scale)
         return _per_shard(run, q, k, v, segment_ids)
 
 
@@ -547,11 +681,14 @@ def _chosen_at_trace(impl: str, site: Site) -> str:
 
 
 def attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array,
-              cfg: Any) -> jax.Array:
+              cfg: Any, spec: AttentionSpec = AttentionSpec()) -> jax.Array:
     """Attention with ``cfg.attn_impl``: a kernel name (``Experiment`` resolves
     ``auto`` up front), or ``auto``, chosen here from the shapes and active rules
-    (a model built outside an Experiment, e.g. in tests)."""
+    (a model built outside an Experiment, e.g. in tests). ``spec``: the layer's; a
+    kernel chosen without it in ``cfg.attention_specs`` that cannot compute it is
+    refused here (ConfigError), never run without it."""
     name = cfg.attn_impl
     if name == "auto":
         name = _chosen_at_trace(name, Site.of(cfg, q.shape[1], active(), q.shape[0]))
-    return KERNELS[name](q, k, v, segment_ids, cfg)
+    KERNELS[name].check_spec(spec)
+    return KERNELS[name](q, k, v, segment_ids, cfg, spec)
