@@ -13,6 +13,7 @@ import pytest
 
 from ndjax.mesh import ParallelDims, build_mesh
 from ndjax.ops import ring_attention as ra
+from ndjax.ops.attention import AttentionSpec
 from ndjax.ops.attention import dense as dot_product_attention
 
 # (context, layout, seq_len, n_heads, n_kv_heads, kv_tile, packed documents). Together:
@@ -112,3 +113,84 @@ def test_memory_is_tiled_not_quadratic():
     # Score tiles are (s/2 x 128) per head here; the rest is O(s). A quarter of
     # one score matrix is a loose bound that quadratic memory could not meet.
     assert ring < scores / 4, (ring, scores)
+
+
+# ----- sliding windows ---------------------------------------------------------------------
+
+# (context, layout, seq_len, heads, kv heads, kv_tile, window, scale): windows within
+# one piece (3, 7) and across several (12, 20), none a divisor of the tile; packed rows.
+WINDOW_CASES = [
+    (2, "zigzag", 48, 4, 2, 4, 7, None),       # pieces of 12
+    (2, "contiguous", 48, 4, 1, 8, 20, 0.3),   # pieces of 24
+    (4, "zigzag", 64, 4, 2, 4, 12, None),      # pieces of 8: the window spans 2 shards
+    (4, "contiguous", 64, 4, 4, 8, 3, 0.2),    # pieces of 16
+]
+
+
+def _tiles_needed(seq_len, tile, window):
+    """(query tile, key tile) pairs of the unpermuted sequence with some query and key
+    at 0 <= q - k < window: the least any kernel that skips by tiles can compute."""
+    first = np.arange(seq_len // tile) * tile
+    q_lo, k_lo = first[:, None], first[None, :]
+    return int(((k_lo <= q_lo + tile - 1) & (q_lo - (k_lo + tile - 1) < window)).sum())
+
+
+def _blocks_needed(layout, context, seq_len, window):
+    """Per shard, the (query piece, key piece) blocks with a key in some query's window."""
+    piece = ra.piece_len(layout, seq_len, context)
+    chunks = ([[i, 2 * context - 1 - i] for i in range(context)] if layout == "zigzag"
+              else [[i] for i in range(context)])
+    all_chunks = range(seq_len // piece)
+    return [sum(k <= q and q * piece - (k * piece + piece - 1) < window
+                for q in mine for k in all_chunks) for mine in chunks]
+
+
+@pytest.mark.parametrize("context, layout, seq_len, heads, kv_heads, tile, window, scale",
+                         WINDOW_CASES)
+def test_windowed_ring_matches_dense(context, layout, seq_len, heads, kv_heads, tile, window,
+                                     scale):
+    """Outputs and gradients equal dense's with the same window and scale; the kernel
+    computes exactly the tiles and blocks that reach into the window, no others."""
+    spec = AttentionSpec(window=window, scale=scale)
+    q, k, v, seg, dout = random_inputs(seq_len, heads, kv_heads, packed=True)
+    ref_out, ref_grads = jax.jit(output_and_grads, static_argnums=0)(
+        lambda *a: dot_product_attention(*a, spec), q, k, v, seg, dout)
+
+    mesh = build_mesh(ParallelDims(fsdp=8 // context, context=context)) if context > 1 else None
+    kw = dict(mesh=mesh, layout=layout, kv_tile=tile, window=window, scale=scale)
+
+    @jax.jit
+    def ring(q, k, v, seg, dout):
+        out, grads = output_and_grads(lambda *a: ra.ring_attention(*a, **kw), q, k, v, seg, dout)
+        return out, grads, *ra.ring_attention_work(q, k, v, seg, **kw)[1:]
+
+    perm = ra.layout_permutation(layout, seq_len, context)
+    perm = np.arange(seq_len) if perm is None else perm
+    out, grads, blocks, tiles = ring(*(x[:, perm] for x in (q, k, v, seg, dout)))
+    undo = np.argsort(perm)
+    np.testing.assert_allclose(np.asarray(out)[:, undo], ref_out, rtol=0, atol=1e-5)
+    for name, g, ref in zip("qkv", grads, ref_grads):
+        np.testing.assert_allclose(np.asarray(g)[:, undo], ref, rtol=0, atol=1e-5, err_msg=name)
+    assert int(np.sum(tiles)) == _tiles_needed(seq_len, tile, window)
+    assert np.asarray(blocks).tolist() == _blocks_needed(layout, context, seq_len, window)
+
+
+def test_windowed_work_is_linear_in_the_sequence():
+    """Tiles computed, counted as the kernel runs (the tiled kernel: one shard, 4-token
+    tiles, window 10): twice the tokens, twice the tiles but for the first few. Without
+    a window it computes (s/2/4)^2 x 3 tile pairs: 4x as many at twice the tokens."""
+    def tiles(seq_len):
+        q, k, v, seg, _ = random_inputs(seq_len, 2, 1, packed=True, b=1, d=4)
+        work = jax.jit(lambda *a: ra.ring_attention_work(*a, mesh=None, kv_tile=4, window=10))
+        return int(work(q, k, v, seg)[2].sum())
+
+    short, long = tiles(64), tiles(128)
+    assert (short, long) == (_tiles_needed(64, 4, 10), _tiles_needed(128, 4, 10)) == (58, 122)
+    assert long - short == 16 * 4  # 16 more query tiles, 4 key tiles each
+
+
+def test_a_window_as_long_as_the_sequence_is_the_causal_kernel():
+    q, k, v, seg, _ = random_inputs(24, 4, 2, packed=True)
+    kw = dict(mesh=None, kv_tile=4)
+    np.testing.assert_array_equal(ra.ring_attention(q, k, v, seg, **kw, window=24),
+                                  ra.ring_attention(q, k, v, seg, **kw))

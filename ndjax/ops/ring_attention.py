@@ -591,32 +591,28 @@ def ring_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Ar
     return attend(q, k, v, segment_ids)
 
 
-def _work(q, k, v, segment_ids, mesh, axis, layout, kv_tile, window, scale):
-    """Forward only: (output, (context, 2) of [blocks, tiles] computed by each shard)."""
+def ring_attention_work(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array, *,
+                        mesh: Mesh | None, axis: str = "context", layout: str = "zigzag",
+                        kv_tile: int = 512, window: int | None = None,
+                        scale: float | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Forward only: (output, blocks and (query tile, key tile) pairs computed by each
+    context shard, both shape (context,)), counted as the kernel runs, so the figures
+    measure what it really skipped. A block is one query piece against one key piece
+    (``piece_len``), (piece / tile)^2 tile pairs; with a window only the blocks and
+    tiles that reach into it are computed."""
     _, forward = _build(mesh, axis, layout, kv_tile, q.shape[1], window, scale)
     out, _, counts = forward(q, k, v, segment_ids)
-    return out, counts.reshape(-1, 2)
+    counts = counts.reshape(-1, 2)
+    return out, counts[:, 0], counts[:, 1]
 
 
 def ring_attention_blocks(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array, *,
                           mesh: Mesh | None, axis: str = "context", layout: str = "zigzag",
                           kv_tile: int = 512, window: int | None = None,
                           scale: float | None = None) -> tuple[jax.Array, jax.Array]:
-    """Forward only: (output, blocks computed by each context shard, shape (context,)).
-
-    A block is one query piece against one key piece (``piece_len``): counted as
-    the kernel runs, so the figure measures what the schedule really skipped.
-    """
-    out, counts = _work(q, k, v, segment_ids, mesh, axis, layout, kv_tile, window, scale)
-    return out, counts[:, 0]
-
-
-def ring_attention_tiles(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array, *,
-                         mesh: Mesh | None, axis: str = "context", layout: str = "zigzag",
-                         kv_tile: int = 512, window: int | None = None,
-                         scale: float | None = None) -> tuple[jax.Array, jax.Array]:
-    """Forward only: (output, (query tile, key tile) pairs computed by each context
-    shard, shape (context,)), counted as the kernel runs. Without a window a block is
-    (piece / tile)^2 of them; with one, only those that reach into the window."""
-    out, counts = _work(q, k, v, segment_ids, mesh, axis, layout, kv_tile, window, scale)
-    return out, counts[:, 1]
+    """Forward only: (output, blocks computed by each context shard, shape (context,));
+    see ``ring_attention_work``."""
+    out, blocks, _ = ring_attention_work(q, k, v, segment_ids, mesh=mesh, axis=axis,
+                                         layout=layout, kv_tile=kv_tile, window=window,
+                                         scale=scale)
+    return out, blocks
