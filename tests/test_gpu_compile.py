@@ -62,6 +62,11 @@ def test_compile_without_the_extra_is_one_line():
 
 def _layer_grad_temp(kernel, seq, heads=32, kv=8, d=128, dtype=jnp.bfloat16):
     """Temp bytes of one attention layer's gradient (batch 1), compiled for an H100."""
+    return _layer_grad(kernel, seq, heads, kv, d, dtype).memory_analysis().temp_size_in_bytes
+
+
+def _layer_grad(kernel, seq, heads=32, kv=8, d=128, dtype=jnp.bfloat16):
+    """One attention layer's gradient (batch 1), compiled for an H100."""
     devices = gpu_target.devices(H100, 1)
     replicated = NamedSharding(Mesh(np.array(devices), ("x",)), PartitionSpec())
     q = jax.ShapeDtypeStruct((1, seq, heads, d), dtype, sharding=replicated)
@@ -72,9 +77,7 @@ def _layer_grad_temp(kernel, seq, heads=32, kv=8, d=128, dtype=jnp.bfloat16):
         return kernel(q, k, v, seg).astype(jnp.float32).sum()
 
     with gpu_target.compiling_for(devices):
-        compiled = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(q, k, k, seg).lower() \
-            .compile()
-    return compiled.memory_analysis().temp_size_in_bytes
+        return jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(q, k, k, seg).lower().compile()
 
 
 CFG = types.SimpleNamespace(attn_max_docs=64, attn_kv_tile=512)
@@ -93,6 +96,20 @@ def test_cudnn_layer_memory_is_linear_and_near_plain_causal_cudnn():
     short, long = (_layer_grad_temp(packed, s) for s in (4096, 16384))
     assert long / short <= 4.5, (short / MiB, long / MiB)
     assert long <= 2 * _layer_grad_temp(plain, 16384), long / MiB
+
+
+@needs_extra
+def test_cudnn_compiles_a_sliding_window_and_scale():
+    """The layer's window reaches cuDNN's forward and backward as sliding_window_length
+    (a token sees (pos - w, pos], HF's window), packed rows still PADDING_CAUSAL."""
+    spec = attn.AttentionSpec(window=256, scale=0.1)
+    text = _layer_grad(lambda q, k, v, seg: attn.KERNELS["cudnn"](q, k, v, seg, CFG, spec),
+                       1024, heads=8, kv=2).as_text()
+    calls = [line for line in text.splitlines() if "__cudnn$fmha" in line]
+    assert len(calls) == 2, calls  # forward, backward
+    for call in calls:
+        assert all(f in call for f in ('"sliding_window_length": 256', '"fmha_scale": 0.1',
+                                       '"mask_type": "PADDING_CAUSAL"')), call[-600:]
 
 
 @needs_extra
