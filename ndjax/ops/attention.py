@@ -5,20 +5,40 @@ packed documents: a token attends to itself and earlier tokens with its own
 segment id. Shapes: q (b, s, h, d); k, v (b, s, kv, d), h a multiple of kv;
 segment_ids (b, s). Each is tested against ``dense`` (tests/test_attention.py).
 
+A layer may ask for more (``AttentionSpec``): a sliding window (Hugging Face's
+``sliding_window``: a query at p sees keys p - window < k <= p of its document), a
+soft cap on the scores, another score scale. What each kernel computes exactly:
+
+=========  ======  ========  =====  ===================================================
+kernel     window  soft cap  scale  with a window
+=========  ======  ========  =====  ===================================================
+dense      yes     yes       yes    the whole score matrix, masked
+blocked    yes     yes       yes    chunks of the window's length, O(seq x window)
+tiled      yes     no        yes    only the key tiles in reach, O(seq x (window+tile))
+ring       yes     no        yes    the same per block; blocks out of reach skipped
+cudnn      yes     no        yes    cuDNN's sliding_window_length
+pallas     no      no        yes    (jax's Pallas kernel has no window)
+=========  ======  ========  =====  ===================================================
+
 A kernel brings what the rest of ndjax needs to know about it, so that neither
 ``Experiment`` nor the model knows any kernel's internals:
 
-* ``check(site)``: a ConfigError, before anything compiles, where it cannot run;
+* ``check(site)``: a one-line ConfigError, before anything compiles, where it
+  cannot run: the platform, mesh or shapes (``check_site``), or a spec of the
+  model's layers (``Site.specs``) it does not compute (``check_spec``: the fields
+  it ``honours``), with the kernels that do;
 * ``permutation(site)``: the host-side order of the sequence it needs (ring
   attention's zigzag layout), applied to every batch by ``Experiment.device_batch``;
-* ``__call__(q, k, v, segment_ids, cfg)``: the attention itself, traced inside
-  the model under the active rule table.
+* ``__call__(q, k, v, segment_ids, cfg, spec)``: the attention itself, with the
+  layer's spec, traced inside the model under the active rule table.
 
 ``auto`` (``choose``) takes, in order: ``ring`` when the rules split the sequence
 over ``mesh.context``; on a GPU the first fused kernel whose check passes,
 ``cudnn`` then ``pallas``; else by the tokens per row: ``dense`` up to
 ``DENSE_MAX_SEQ``, ``blocked`` (dense without the causally masked blocks) up to
-``BLOCKED_MAX_SEQ``, and ``tiled`` above, whose memory is linear in the sequence.
+``BLOCKED_MAX_SEQ``, and ``tiled`` above, whose memory is linear in the sequence
+(``blocked`` where tiled's check fails, e.g. for a soft cap). Every choice has
+passed its check, the model's specs included.
 """
 
 from __future__ import annotations

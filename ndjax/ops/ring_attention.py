@@ -1,4 +1,5 @@
-"""Ring attention over the ``context`` mesh axis: causal, load-balanced, packed documents.
+"""Ring attention over the ``context`` mesh axis: causal, load-balanced, packed documents,
+optionally within a sliding window and with a score scale.
 
 Each context shard keeps its queries. Key/value blocks (kv heads only: grouped-query
 attention is not expanded before the ring) travel around the ring with
@@ -31,6 +32,16 @@ skips a later shard's block. The mask inside a block is built from global
 token indices (from the layout and the owner's index) and segment ids (which
 travel with the keys), so it is exactly the dense mask: causal by index in the
 unpermuted sequence, never across documents. Positions are not needed.
+
+Windows (``window``: a query at p sees keys p - window < k <= p): a block is also
+cut into query tiles, and each query tile visits only the key tiles its window
+reaches, at most ``_reach(window, tile)`` of them, each under a ``lax.cond`` that
+skips tiles past the block's edge; a block whose keys all lie beyond every
+query's window (a ring step's, or zigzag's far own block) is skipped whole. Work
+is then O(seq x (window + tile)) and memory stays O(local_len x tile); the ring
+still makes every hop (the blocks travel on). ``ring_attention_work`` counts the
+blocks and tile pairs each shard computed. Without a window the kernel runs the
+same operations as before windows existed.
 
 Backward: a ``jax.custom_vjp`` that runs the ring a second time, as
 FlashAttention-2 and the ring-flash-attention reference do. The forward saves
