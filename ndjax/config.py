@@ -47,14 +47,14 @@ def setting(default: Any, **spec: Any) -> Any:
     return dataclasses.field(default=default, metadata={"spec": Spec(**spec)})
 
 
-def _presets() -> Sequence[str]:
-    from ndjax.models import llama
-    return sorted(llama.PRESETS)
+def _families() -> Sequence[str]:
+    from ndjax.models import registry
+    return tuple(registry.families())
 
 
 def _remat() -> Sequence[str]:
-    from ndjax.models import llama
-    return tuple(llama.REMAT_POLICIES)
+    from ndjax.models import decoder
+    return tuple(decoder.REMAT_POLICIES)
 
 
 def _attn_impls() -> Sequence[str]:
@@ -78,11 +78,18 @@ def _export_dtypes() -> Sequence[str]:
 
 
 _DIMS = dict(ge=1, hint=" (or unset: the preset's)")
+# The model fields a config (or model.init_from's config.json) may set over the preset.
+MODEL_DIMS = ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "head_dim",
+              "rope_theta", "rms_norm_eps", "tie_embeddings")
 
 
 @dataclasses.dataclass(frozen=True)
 class ModelSettings:
-    preset: str = setting("tiny", choices=_presets)
+    # The decoder family (ndjax.models.registry); model.init_from's config.json says
+    # its own, by model_type.
+    family: str = setting("llama", choices=_families)
+    # A preset of the family (every family has "tiny", for tests and demos).
+    preset: str = setting("tiny")
     # Dims left at None come from the preset (or model.init_from's config.json).
     vocab_size: int | None = setting(None, **_DIMS)
     dim: int | None = setting(None, **_DIMS)
@@ -92,19 +99,30 @@ class ModelSettings:
     ffn_dim: int | None = setting(None, **_DIMS)
     head_dim: int | None = setting(None, **_DIMS)
     rope_theta: float | None = setting(None, gt=0)
-    # Llama 3 frequency scaling: {factor, low_freq_factor, high_freq_factor,
-    # original_max_position_embeddings}; {}: none; None: the preset's. A run saves the model it
+    # Rotary frequency scaling: {rope_type: llama3 (default) | linear, factor,
+    # low_freq_factor, high_freq_factor, original_max_position_embeddings} (linear reads
+    # only factor); {}: none; None: the preset's. A run saves the model it
     # trained in full (ndjax.workdir), so its workdir needs no model.init_from.
     rope_scaling: dict | None = setting(None)
     rms_norm_eps: float | None = setting(None, gt=0)
     tie_embeddings: bool | None = setting(None)
+    # Options some families have (unset: the family's preset's). Set on a family that
+    # lacks them, they are refused (ndjax.models.registry.check_options).
+    qkv_bias: bool | None = setting(None)
+    qk_norm: bool | None = setting(None)
+    # Keys a local layer's query sees, itself included; 0: no window.
+    sliding_window: int | None = setting(None, ge=0)
+    # With a window, every n-th layer global (Gemma 3: 6); unset: every layer local.
+    sliding_window_pattern: int | None = setting(None, ge=1)
+    query_pre_attn_scalar: float | None = setting(None, gt=0)
+    local_rope_theta: float | None = setting(None, gt=0)
     # compute dtype: auto = bfloat16 on GPU/TPU, float32 on CPU
     dtype: str = setting("auto", choices=("auto", "float32", "bfloat16", "float16"))
     # dtype parameters are stored in (no float16: its range needs loss scaling)
     param_dtype: str = setting("float32", choices=("float32", "bfloat16"))
     # The decoder layers: True = one scanned block (compile time flat in depth),
     # False = unrolled; unset = unrolled on CPU up to 8 layers, else scanned
-    # (ndjax.models.llama.default_scan_layers says why).
+    # (ndjax.models.decoder.default_scan_layers says why).
     scan_layers: bool | None = setting(None)
     remat: str = setting("none", choices=_remat)
     # Attention: auto = ring over mesh.context, cuDNN or Pallas on a GPU, else by
@@ -120,18 +138,37 @@ class ModelSettings:
     # softmax statistics for max_docs x seq_len per head and layer (a row's padding
     # counts as one document). A batch with more stops the run, naming this field.
     attn_max_docs: int = setting(64, ge=1)
-    # A local Hugging Face Llama directory (config.json + safetensors): its
-    # config.json sets the dims above and its weights the initial parameters.
+    # A local Hugging Face directory of a supported family (config.json +
+    # safetensors): its config.json sets the family and dims above, its weights the
+    # initial parameters.
     init_from: str | None = setting(None)
+
+    @property
+    def resolved(self) -> bool:
+        """Whether the model is set in full (a run's saved config.json sets it:
+        ``ndjax.workdir.resolved_model``), so that no preset is read."""
+        return all(getattr(self, f) is not None for f in MODEL_DIMS) and \
+            self.rope_scaling is not None
 
     def check(self) -> None:
         if self.rope_scaling is not None:
-            from ndjax.models.llama import RopeScaling
+            from ndjax.models.layers import ROPE_TYPES, RopeScaling
             known = {f.name for f in dataclasses.fields(RopeScaling)}
             unknown = sorted(set(self.rope_scaling) - known)
             if unknown:
                 raise ConfigError(f"model.rope_scaling={self.rope_scaling!r}: unknown keys "
                                   f"{unknown}; it takes {sorted(known)}.")
+            kind = self.rope_scaling.get("rope_type", "llama3")
+            if self.rope_scaling and kind not in ROPE_TYPES:
+                raise ConfigError(f"model.rope_scaling: rope_type={kind!r}; choose one of "
+                                  f"{ROPE_TYPES}.")
+        from ndjax.models import registry
+        family = registry.get(self.family)
+        if self.init_from is None:  # else config.json says the family and its presets
+            if not self.resolved:
+                registry.preset_dims(family, self.preset)
+            registry.check_options(family, {f: getattr(self, f)
+                                            for f in registry.OPTION_FIELDS})
 
 
 @dataclasses.dataclass(frozen=True)

@@ -29,11 +29,13 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from ndjax import compiler, distributed, gpu_target, hf, platforms
 from ndjax import rules as rules_lib
 from ndjax import state as state_lib
-from ndjax.config import ModelSettings, Settings, TrainSettings
+from ndjax.config import MODEL_DIMS, ModelSettings, Settings, TrainSettings
 from ndjax.data import BATCH_FIELDS, loader
 from ndjax.errors import ConfigError
 from ndjax.mesh import ParallelDims, build_mesh, cross_process_axes
-from ndjax.models import llama
+from ndjax.models import decoder, registry
+from ndjax.models.decoder import DecoderConfig
+from ndjax.models.layers import RopeScaling
 from ndjax.ops import attention as attention_ops
 from ndjax.precision import DTYPES, Precision
 from ndjax.train_step import Batch, StepOptions, eval_step, train_step
@@ -44,10 +46,6 @@ FIELD_OF_AXIS = {
     "kv_heads": "model.n_kv_heads", "head_dim": "model.head_dim", "mlp": "model.ffn_dim",
     "layers": "model.n_layers", "norm": "model.dim",
 }
-# The model fields a config (or model.init_from's config.json) may set over the preset.
-MODEL_DIMS = ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "head_dim",
-              "rope_theta", "rms_norm_eps", "tie_embeddings")
-
 
 def slow_axes_warning(mesh: Mesh, host_of: Callable[[jax.Device], str]) -> str | None:
     """Tensor parallelism all-reduces activations inside every layer: between
@@ -63,21 +61,32 @@ def slow_axes_warning(mesh: Mesh, host_of: Callable[[jax.Device], str]) -> str |
             "replica.")
 
 
-def model_config(model: ModelSettings, checkpoint: hf.Checkpoint | None = None,
-                 platform: str | None = None) -> llama.LlamaConfig:
-    """The model's dims: the preset, overridden by any field set in the config, all
-    overridden (with a warning) by the checkpoint's config.json if there is one.
-    ``platform`` (default: jax's backend) decides what ``auto`` fields become."""
-    platform = platform or jax.default_backend()
-    dims = dict(llama.PRESETS[model.preset])
+def config_dims(model: ModelSettings) -> dict:
+    """DecoderConfig fields from the config: the family's fixed options, its preset,
+    then every field the config sets."""
+    family = registry.get(model.family)
+    dims = ({**family.fixed, "family": family.name} if model.resolved
+            else registry.preset_dims(family, model.preset))
+    options = {f: getattr(model, f) for f in registry.OPTION_FIELDS}
+    registry.check_options(family, options)
     for field in MODEL_DIMS:
         if getattr(model, field) is not None:
             dims[field] = getattr(model, field)
+    for field, value in options.items():
+        if value is not None:
+            dims[field] = value or None if field == "sliding_window" else value
     if model.rope_scaling is not None:  # {}: none, over a preset's
-        dims["rope_scaling"] = (llama.RopeScaling(**model.rope_scaling) if model.rope_scaling
-                                else None)
-    if checkpoint is not None:
-        dims = hf.override_dims(model, llama.PRESETS[model.preset], checkpoint)
+        dims["rope_scaling"] = RopeScaling(**model.rope_scaling) if model.rope_scaling else None
+    return dims
+
+
+def model_config(model: ModelSettings, checkpoint: hf.Checkpoint | None = None,
+                 platform: str | None = None) -> DecoderConfig:
+    """The model: the family's preset, overridden by any field set in the config, all
+    overridden (with a warning) by the checkpoint's config.json if there is one.
+    ``platform`` (default: jax's backend) decides what ``auto`` fields become."""
+    platform = platform or jax.default_backend()
+    dims = config_dims(model) if checkpoint is None else hf.override_dims(model, checkpoint)
     for field in ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim"):
         if dims[field] < 1:
             raise ConfigError(f"model.{field}={dims[field]} must be >= 1.")
@@ -95,16 +104,16 @@ def model_config(model: ModelSettings, checkpoint: hf.Checkpoint | None = None,
     precision = Precision.of(model.dtype, model.param_dtype, "float32", platform)  # no moments
     scan_layers = model.scan_layers
     if scan_layers is None:
-        scan_layers = llama.default_scan_layers(dims["n_layers"], platform)
-    return llama.LlamaConfig(**dims, dtype=precision.compute, param_dtype=precision.params,
-                             scan_layers=bool(scan_layers),
-                             remat=model.remat, attn_impl=model.attn_impl,
-                             cp_layout=model.cp_layout, attn_kv_tile=model.attn_kv_tile,
-                             attn_max_docs=model.attn_max_docs)
+        scan_layers = decoder.default_scan_layers(dims["n_layers"], platform)
+    return DecoderConfig(**dims, dtype=precision.compute, param_dtype=precision.params,
+                         scan_layers=bool(scan_layers),
+                         remat=model.remat, attn_impl=model.attn_impl,
+                         cp_layout=model.cp_layout, attn_kv_tile=model.attn_kv_tile,
+                         attn_max_docs=model.attn_max_docs)
 
 
 def check_fields(config: ml_collections.ConfigDict | Settings, platform: str | None = None
-                 ) -> tuple[Settings, llama.LlamaConfig, hf.Checkpoint | None]:
+                 ) -> tuple[Settings, DecoderConfig, hf.Checkpoint | None]:
     """The checks that do not depend on the mesh: every field's type and range
     (``Settings.parse``), the export and data fields, and the checkpoint of
     ``model.init_from``. Returns the typed settings, the model's dims and that
@@ -131,7 +140,7 @@ class Experiment:
     dims: ParallelDims
     mesh: Mesh
     rules: rules_lib.Rules
-    model_cfg: llama.LlamaConfig
+    model_cfg: DecoderConfig
     graphdef: Any
     param_shapes: Any     # nested dict of ShapeDtypeStruct
     param_names: Any      # nested dict of logical-name tuples
@@ -171,10 +180,10 @@ class Experiment:
         model_cfg = dataclasses.replace(model_cfg, attn_impl=chosen.name)
         seq_permutation = attention_ops.KERNELS[chosen.name].permutation(site)
 
-        abstract = nnx.eval_shape(lambda: llama.Llama(model_cfg, nnx.Rngs(0)))
+        abstract = nnx.eval_shape(lambda: decoder.Decoder(model_cfg, nnx.Rngs(0)))
         graphdef, abstract_state = nnx.split(abstract)
         param_shapes = nnx.to_pure_dict(abstract_state)
-        param_names = llama.logical_axes(abstract_state)
+        param_names = decoder.logical_axes(abstract_state)
 
         _check_kv_heads(model_cfg, rules, mesh, init_from)
 
@@ -240,7 +249,7 @@ class Experiment:
     # ----- state ---------------------------------------------------------------
 
     def _init(self, seed: jax.Array) -> state_lib.TrainState:
-        model = llama.Llama(self.model_cfg, nnx.Rngs(params=jax.random.key(seed)))
+        model = decoder.Decoder(self.model_cfg, nnx.Rngs(params=jax.random.key(seed)))
         params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
         return state_lib.TrainState(step=state_lib.zero_step(), params=params,
                                     opt_state=self.optimizer.init(params))
@@ -365,7 +374,7 @@ class Experiment:
         return {k: field(batch[k]) for k in BATCH_FIELDS}
 
 
-def _check_kv_heads(model_cfg: llama.LlamaConfig, rules: rules_lib.Rules, mesh: Mesh,
+def _check_kv_heads(model_cfg: DecoderConfig, rules: rules_lib.Rules, mesh: Mesh,
                     init_from: str | None) -> None:
     """The kv heads split over their mesh axes, or those axes are a multiple of them
     (each kv head then replicated on the shards that share it); anything else is

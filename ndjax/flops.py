@@ -13,14 +13,18 @@ The attention term: per layer and head, QK^T and PV are each 2 * head_dim
 FLOPs per (query, key) pair; under the causal mask a query sees on average
 (seq_len + 1) / 2 keys; x3 for training gives 6 * head_dim * (seq_len + 1).
 Packed documents attend to fewer keys than that; we count the causal row, as
-is usual, so MFU is comparable across data sets.
+is usual, so MFU is comparable across data sets. A layer with a sliding window
+(Mistral, Gemma 3's local layers) counts the keys inside its window instead of
+(seq_len + 1) / 2. Each family states its figure (``registry.Family.flops_per_token``;
+the four families share ``decoder.train_flops_per_token``).
 
 MFU = achieved model FLOP/s per device / peak dense bf16 FLOP/s of that device.
 """
 
 from __future__ import annotations
 
-from ndjax.models.llama import LlamaConfig
+from ndjax.models import registry
+from ndjax.models.decoder import DecoderConfig
 
 # Dense (no sparsity) bf16 tensor-core peaks, TFLOP/s, from the vendors' data
 # sheets. First match wins, so more specific names come first.
@@ -36,13 +40,9 @@ PEAK_TFLOPS: tuple[tuple[str, float], ...] = (
 )
 
 
-def flops_per_token(cfg: LlamaConfig, seq_len: int) -> float:
-    """Training FLOPs per token (see the module docstring for the formula)."""
-    d, hd = cfg.dim, cfg.hd
-    matmul = cfg.n_layers * (d * hd * (2 * cfg.n_heads + 2 * cfg.n_kv_heads) + 3 * d * cfg.ffn_dim)
-    head = d * cfg.vocab_size
-    attention = cfg.n_layers * cfg.n_heads * hd * (seq_len + 1)
-    return 6.0 * (matmul + head + attention)
+def flops_per_token(cfg: DecoderConfig, seq_len: int) -> float:
+    """Training FLOPs per token of ``cfg``'s family (see the module docstring)."""
+    return registry.of(cfg).flops_per_token(cfg, seq_len)
 
 
 def peak_tflops(device_kind: str, override: float | None = None) -> float | None:

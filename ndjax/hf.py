@@ -1,8 +1,10 @@
-"""Hugging Face Llama checkpoints in and out, through the ``safetensors`` library.
+"""Hugging Face checkpoints of every family in and out, through the ``safetensors`` library.
 
 Import: ``open_checkpoint`` checks a local directory (``config.json`` plus one
-or more ``.safetensors`` files) before anything compiles: the model's dims from
-``config.json``, every tensor's dtype and shape from the file headers.
+or more ``.safetensors`` files) before anything compiles: the family from
+``config.json``'s ``model_type`` (``ndjax.models.registry``), the model from the
+family's reading of ``config.json``, every tensor's dtype and shape from the file
+headers against the family's parameter names.
 ``load_params`` then builds every parameter directly in its target sharding,
 each device's shard read lazily (``safe_open(...).get_slice(name)[index]``:
 only that shard's bytes, a chunk at a time), so the host holds about one shard.
@@ -44,10 +46,11 @@ import safetensors.numpy
 from jax.experimental import multihost_utils
 from safetensors import SafetensorError, safe_open
 
-from ndjax.config import ExportSettings, ModelSettings, Settings, default_config
+from ndjax.config import MODEL_DIMS, ExportSettings, ModelSettings, Settings, default_config
 from ndjax.data.tokenizers import HFTokenizer, Tokenizer, load_tokenizer
 from ndjax.errors import ConfigError
-from ndjax.models import llama
+from ndjax.models import decoder, registry
+from ndjax.models.decoder import DecoderConfig
 
 _DTYPES = {"F32": np.dtype(np.float32), "F16": np.dtype(np.float16),
            "BF16": np.dtype(jnp.bfloat16)}
@@ -70,26 +73,23 @@ _MODEL_FILES = re.compile(r"generation_config[\w.-]*")
 # Left in old checkpoints by transformers < 4.31; recomputed from config.json.
 _IGNORED = re.compile(r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq")
 
-# ndjax path -> (Hugging Face name, split). ``split`` = None: same layout. Else
-# the HF weight is a Linear's (out, in) matrix and the ndjax parameter is its
-# transpose with in = shape[:split] and out = shape[split:] (heads x head_dim
-# flattened into one axis: rotate-half RoPE makes this a pure reshape).
-_TOP = {("embed",): ("model.embed_tokens.weight", None),
-        ("final_norm", "scale"): ("model.norm.weight", None),
-        ("lm_head",): ("lm_head.weight", 1)}
-_LAYER = {("attn", "wq"): ("self_attn.q_proj.weight", 1),
-          ("attn", "wk"): ("self_attn.k_proj.weight", 1),
-          ("attn", "wv"): ("self_attn.v_proj.weight", 1),
-          ("attn", "wo"): ("self_attn.o_proj.weight", 2),
-          ("attn_norm", "scale"): ("input_layernorm.weight", None),
-          ("mlp_norm", "scale"): ("post_attention_layernorm.weight", None),
-          ("mlp", "w_gate"): ("mlp.gate_proj.weight", 1),
-          ("mlp", "w_up"): ("mlp.up_proj.weight", 1),
-          ("mlp", "w_down"): ("mlp.down_proj.weight", 1)}
+def _hf_shape(shape: tuple[int, ...], split: int | str | None) -> tuple[int, ...]:
+    """The Hugging Face tensor's shape of an ndjax parameter (``Family.hf_names``'
+    ``split``)."""
+    if split is None:
+        return shape
+    if split == registry.FLAT:
+        return (math.prod(shape),)
+    return (math.prod(shape[split:]), math.prod(shape[:split]))
 
 
-def _hf_shape(shape: tuple[int, ...], split: int | None) -> tuple[int, ...]:
-    return shape if split is None else (math.prod(shape[split:]), math.prod(shape[:split]))
+def _groups(ndim: int, split: int | str | None) -> list[list[int]]:
+    """The ndjax axes each Hugging Face axis holds, flattened, in order."""
+    if split is None:
+        return [[a] for a in range(ndim)]
+    if split == registry.FLAT:
+        return [list(range(ndim))]
+    return [list(range(split, ndim)), list(range(split))]
 
 
 # ----- safetensors files --------------------------------------------------------
@@ -133,8 +133,7 @@ def _fill(out: np.ndarray, tensor: Any, shape: tuple[int, ...], split: int | Non
     (which the rule presets never shard; a custom table may) are read whole and
     cut on the host.
     """
-    groups = ([[a] for a in range(len(shape))] if split is None
-              else [list(range(split, len(shape))), list(range(split))])
+    groups = _groups(len(shape), split)
     spans = [range(n)[i] for n, i in zip(shape, index)]
     inner = [math.prod(shape[a] for a in g[1:]) for g in groups]
     lead = groups[0][0]  # the ndjax axis that the file's rows step through
@@ -159,85 +158,38 @@ def _fill(out: np.ndarray, tensor: Any, shape: tuple[int, ...], split: int | Non
 
 @dataclasses.dataclass
 class Checkpoint:
-    """A checked local Hugging Face Llama directory."""
+    """A checked local Hugging Face directory of a supported family."""
 
     directory: str
     config: dict          # config.json as read
-    dims: dict            # llama.LlamaConfig fields from config.json
+    dims: dict            # DecoderConfig fields from config.json, the family's included
     tensors: dict[str, _Entry]  # Hugging Face tensor name -> its file and shape
 
 
-def _field(where: str, key: str, fix: str = "") -> ConfigError:
-    return ConfigError(f"model.init_from={where!r}: config.json {key}. {fix}".strip())
-
-
-def _rope(c: dict, where: str) -> tuple[float, llama.RopeScaling | None]:
-    # transformers 5 writes rope_parameters (theta inside); 4.x writes rope_theta and
-    # rope_scaling at the top level. Like transformers 5, prefer rope_scaling.
-    params = c.get("rope_scaling") or c.get("rope_parameters") or {}
-    theta = float(params.get("rope_theta", c.get("rope_theta", 10_000.0)))
-    kind = params.get("rope_type", params.get("type", "default"))
-    if params.get("partial_rotary_factor", 1.0) != 1.0:
-        raise _field(where, f"partial_rotary_factor={params['partial_rotary_factor']}",
-                     "ndjax rotates the whole head; only 1.0 is supported.")
-    if kind == "default":
-        return theta, None
-    if kind != "llama3":
-        raise _field(where, f"rope type {kind!r} is not supported",
-                     "ndjax implements default and llama3 rotary embeddings.")
-    missing = [k for k in ("factor", "low_freq_factor", "high_freq_factor") if k not in params]
-    if missing:
-        raise _field(where, f"llama3 rope scaling lacks {missing}", "Add them to config.json.")
-    original = params.get("original_max_position_embeddings",
-                          c.get("max_position_embeddings", 2048))
-    return theta, llama.RopeScaling(
-        factor=float(params["factor"]), low_freq_factor=float(params["low_freq_factor"]),
-        high_freq_factor=float(params["high_freq_factor"]),
-        original_max_position_embeddings=int(original))
-
-
-def _dims(c: dict, where: str) -> dict:
-    """LlamaConfig fields from config.json, with transformers' defaults for absent ones."""
-    archs = c.get("architectures") or ["LlamaForCausalLM"]
-    if c.get("model_type", "llama") != "llama" or "LlamaForCausalLM" not in archs:
-        raise _field(where, f"describes model_type={c.get('model_type')!r}, architectures="
-                     f"{archs}", "ndjax imports LlamaForCausalLM checkpoints only.")
-    for key, want in (("hidden_act", "silu"), ("attention_bias", False), ("mlp_bias", False)):
-        if c.get(key, want) != want:
-            raise _field(where, f"{key}={c[key]!r}", f"ndjax's Llama has {key}={want!r}.")
-    ints = {}
-    for key in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
-                "intermediate_size"):
-        if not isinstance(c.get(key), int) or c[key] < 1:
-            raise _field(where, f"{key}={c.get(key)!r} must be a positive int",
-                         "Fix config.json.")
-        ints[key] = c[key]
-    heads = ints["num_attention_heads"]
-    theta, scaling = _rope(c, where)
-    return dict(vocab_size=ints["vocab_size"], dim=ints["hidden_size"],
-                n_layers=ints["num_hidden_layers"], n_heads=heads,
-                n_kv_heads=c.get("num_key_value_heads") or heads,
-                ffn_dim=ints["intermediate_size"],
-                head_dim=c.get("head_dim") or ints["hidden_size"] // heads, rope_theta=theta,
-                rope_scaling=scaling, rms_norm_eps=float(c.get("rms_norm_eps", 1e-6)),
-                tie_embeddings=bool(c.get("tie_word_embeddings", False)))
-
-
-def _expected_shapes(d: dict) -> dict[str, tuple[int, ...]]:
-    """Every HF tensor a LlamaForCausalLM with these dims has, with its shape."""
-    v, dim, hd, f = d["vocab_size"], d["dim"], d["head_dim"], d["ffn_dim"]
-    q, kv = d["n_heads"] * hd, d["n_kv_heads"] * hd
-    out = {"model.embed_tokens.weight": (v, dim), "model.norm.weight": (dim,)}
-    if not d["tie_embeddings"]:
-        out["lm_head.weight"] = (v, dim)
-    per_layer = {"self_attn.q_proj.weight": (q, dim), "self_attn.k_proj.weight": (kv, dim),
-                 "self_attn.v_proj.weight": (kv, dim), "self_attn.o_proj.weight": (dim, q),
-                 "input_layernorm.weight": (dim,), "post_attention_layernorm.weight": (dim,),
-                 "mlp.gate_proj.weight": (f, dim), "mlp.up_proj.weight": (f, dim),
-                 "mlp.down_proj.weight": (dim, f)}
-    for i in range(d["n_layers"]):
-        out.update({f"model.layers.{i}.{k}": s for k, s in per_layer.items()})
+def _expected_shapes(dims: dict) -> dict[str, tuple[int, ...]]:
+    """Every Hugging Face tensor the family's model with these dims has, with its
+    shape: the family's names for the parameters of the model it builds."""
+    cfg = DecoderConfig(**dims)
+    top, layer = registry.of(cfg).hf_names(cfg)
+    shapes = _param_shapes(cfg)
+    out = {name: _hf_shape(_at(shapes, path).shape, split) for path, (name, split) in top.items()}
+    for path, (name, split) in layer.items():
+        shape = _at(shapes["layers"], path).shape[1:]
+        out.update({f"model.layers.{i}.{name}": _hf_shape(shape, split)
+                    for i in range(cfg.n_layers)})
     return out
+
+
+def _param_shapes(cfg: DecoderConfig) -> Any:
+    from flax import nnx
+    model = nnx.eval_shape(lambda: decoder.Decoder(cfg, nnx.Rngs(0)))
+    return nnx.to_pure_dict(nnx.state(model, nnx.Param))
+
+
+def _at(tree: Any, path: tuple[str, ...]) -> Any:
+    for key in path:
+        tree = tree[key]
+    return tree
 
 
 def _weight_files(directory: str) -> list[str]:
@@ -278,7 +230,8 @@ def open_checkpoint(directory: str) -> Checkpoint:
             config = json.load(f)
     except ValueError as e:
         raise ConfigError(f"model.init_from={directory!r}: config.json is not JSON ({e}).") from e
-    dims = _dims(config, directory)
+    family = registry.for_config_json(config, directory)
+    dims = {**family.fixed, **family.read_hf(config, directory), "family": family.name}
     tensors: dict[str, _Entry] = {}
     for path in _weight_files(directory):
         tensors.update(_read_header(path))
@@ -289,7 +242,8 @@ def open_checkpoint(directory: str) -> Checkpoint:
     if missing or extra:
         raise ConfigError(
             f"model.init_from={directory!r}: the weights do not match config.json (e.g. "
-            f"num_hidden_layers={dims['n_layers']}, tie_word_embeddings="
+            f"model_type={config.get('model_type')!r}, num_hidden_layers={dims['n_layers']}, "
+            "tie_word_embeddings="
             f"{dims['tie_embeddings']}): missing {missing[:4]}, unexpected {extra[:4]}. Use the "
             "config.json that was saved with these weights.")
     for name, shape in expected.items():
@@ -304,19 +258,22 @@ def open_checkpoint(directory: str) -> Checkpoint:
     return Checkpoint(directory, config, dims, tensors)
 
 
-def override_dims(model: ModelSettings, preset_dims: dict, ckpt: Checkpoint
-                  ) -> dict:
-    """The checkpoint's dims, with a warning naming each config field they override."""
-    fields = ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "head_dim",
-              "rope_theta", "rms_norm_eps", "tie_embeddings")
-    set_ = {f: getattr(model, f) for f in fields if getattr(model, f) is not None}
+def override_dims(model: ModelSettings, ckpt: Checkpoint) -> dict:
+    """The checkpoint's model, with a warning naming each config field it overrides."""
+    fields = ("family", *MODEL_DIMS, *registry.OPTION_FIELDS)
+    defaults = default_config().model
+    set_ = {f: getattr(model, f) for f in fields
+            if getattr(model, f) is not None and getattr(model, f) != defaults[f]}
     asked = [(f"model.{f}={v!r}", f, v) for f, v in set_.items()]
     # A preset other than the default was chosen on purpose: say so if it is ignored.
-    if model.preset != default_config().model.preset:
-        asked += [(f"{f}={preset_dims[f]!r} of model.preset={model.preset!r}", f, preset_dims[f])
-                  for f in fields if f not in set_ and f in preset_dims]
-    changed = [f"{label} -> {ckpt.dims[f]!r}" for label, f, value in asked
-               if value != ckpt.dims[f]]
+    family = registry.families().get(model.family)
+    preset = family.presets.get(model.preset) if family else None
+    if model.preset != defaults.preset and preset:
+        asked += [(f"{f}={preset[f]!r} of model.preset={model.preset!r}", f, preset[f])
+                  for f in fields if f not in set_ and f in preset]
+    changed = [f"{label} -> {ckpt.dims.get(f)!r}" for label, f, value in asked
+               if value != ckpt.dims.get(f, value if f == "sliding_window" and not value
+                                         else None)]
     if changed:
         warnings.warn(f"model.init_from={ckpt.directory!r}: config.json overrides "
                       f"{', '.join(changed)}. Drop those fields: the checkpoint sets the model.",
@@ -373,6 +330,8 @@ def load_params(ckpt: Checkpoint, shapes: Any, shardings: Any) -> Any:
     layers in that shard. Values are converted to the parameters' dtype
     (``shapes``), rounding to nearest even.
     """
+    cfg = DecoderConfig(**ckpt.dims)
+    top, per_layer = registry.of(cfg).hf_names(cfg)
     with contextlib.ExitStack() as stack:
         files = {path: stack.enter_context(safe_open(path, framework="numpy"))
                  for path in sorted({e.path for e in ckpt.tensors.values()})}
@@ -385,14 +344,14 @@ def load_params(ckpt: Checkpoint, shapes: Any, shardings: Any) -> Any:
             keys = tuple(str(k.key) for k in path)
             shard = sharding.shard_shape(shape.shape)
             if keys[0] != "layers":
-                name, split = _TOP[keys]
+                name, split = top[keys]
 
                 def read_top(index):
                     out = np.empty(shard, dtype)
                     _fill(out, tensor(name), shape.shape, split, index)
                     return out
                 return _put(shape.shape, sharding, read_top)
-            hf_name, split = _LAYER[keys[1:]]
+            hf_name, split = per_layer[keys[1:]]
 
             def read(index):
                 layers = range(shape.shape[0])[index[0]]
@@ -460,30 +419,18 @@ def with_token_ids(config: dict, tokenizer: Tokenizer) -> dict:
     return out
 
 
-def hf_config(cfg: llama.LlamaConfig, dtype: str, source: dict | None = None,
+def hf_config(cfg: DecoderConfig, dtype: str, source: dict | None = None,
               max_position_embeddings: int | None = None,
               tokenizer: Tokenizer | None = None) -> dict:
-    """config.json for ``cfg``; fields ndjax does not model from ``source``, token ids
-    from ``tokenizer`` (the run's) where given, else from ``source``."""
+    """config.json for ``cfg`` (its family writes the fields it models); other fields
+    from ``source``, token ids from ``tokenizer`` (the run's) where given, else from
+    ``source``."""
+    from ndjax.models.hf_config import default_positions
     out = {k: v for k, v in (source or {}).items() if k not in (
         "rope_scaling", "rope_parameters", "rope_theta", "torch_dtype", "dtype",
         "transformers_version", "auto_map", "quantization_config", "_name_or_path")}
-    rope: dict[str, Any] = {"rope_type": "default", "rope_theta": cfg.rope_theta}
-    if cfg.rope_scaling is not None:
-        rope.update(rope_type="llama3", **dataclasses.asdict(cfg.rope_scaling))
-    default_positions = (int(cfg.rope_scaling.original_max_position_embeddings
-                             * cfg.rope_scaling.factor) if cfg.rope_scaling else 8192)
-    out.update(
-        architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=cfg.vocab_size,
-        hidden_size=cfg.dim, intermediate_size=cfg.ffn_dim, num_hidden_layers=cfg.n_layers,
-        num_attention_heads=cfg.n_heads, num_key_value_heads=cfg.n_kv_heads, head_dim=cfg.hd,
-        hidden_act="silu", rms_norm_eps=cfg.rms_norm_eps, tie_word_embeddings=cfg.tie_embeddings,
-        attention_bias=False, mlp_bias=False,
-        # Both spellings: transformers 5 reads rope_parameters, 4.x rope_theta + rope_scaling.
-        rope_theta=cfg.rope_theta, rope_parameters=rope,
-        rope_scaling=None if cfg.rope_scaling is None else dict(rope),
-        dtype=dtype, torch_dtype=dtype)
-    out.setdefault("max_position_embeddings", max_position_embeddings or default_positions)
+    out.update(registry.of(cfg).hf_config(cfg), dtype=dtype, torch_dtype=dtype)
+    out.setdefault("max_position_embeddings", max_position_embeddings or default_positions(cfg))
     if tokenizer is not None:
         out = with_token_ids(out, tokenizer)
     # transformers' LlamaConfig defaults.
@@ -499,21 +446,24 @@ def _host(x: jax.Array) -> np.ndarray:
     return np.asarray(multihost_utils.process_allgather(x, tiled=True))
 
 
-def _tensors(params: Any) -> Iterator[tuple[str, tuple[int, ...], Any]]:
+def _tensors(params: Any, cfg: DecoderConfig) -> Iterator[tuple[str, tuple[int, ...], Any]]:
     """(HF name, HF shape, () -> host array in HF layout), in HF's order."""
     def entry(name, x, split, layer=None):
         shape = x.shape if layer is None else x.shape[1:]
 
         def get():
             a = _host(x if layer is None else x[layer])  # one layer on the host at a time
-            return a if split is None else a.reshape(_hf_shape(shape, split)[::-1]).T
+            if split is None or split == registry.FLAT:
+                return a.reshape(_hf_shape(shape, split))
+            return a.reshape(_hf_shape(shape, split)[::-1]).T
         return name, _hf_shape(shape, split), get
 
+    top, per_layer = registry.of(cfg).hf_names(cfg)
     yield entry("model.embed_tokens.weight", params["embed"], None)
     layers = params["layers"]
-    for i in range(layers["attn"]["wq"].shape[0]):
-        for (group, leaf), (name, split) in _LAYER.items():
-            yield entry(f"model.layers.{i}.{name}", layers[group][leaf], split, i)
+    for i in range(cfg.n_layers):
+        for path, (name, split) in per_layer.items():
+            yield entry(f"model.layers.{i}.{name}", _at(layers, path), split, i)
     yield entry("model.norm.weight", params["final_norm"]["scale"], None)
     if "lm_head" in params:
         yield entry("lm_head.weight", params["lm_head"], 1)
@@ -558,10 +508,10 @@ def _write_file(path: str | None, tensors: list, dtype: np.dtype) -> None:
             os.close(fd)
 
 
-def export(params: Any, cfg: llama.LlamaConfig, out_dir: str, dtype: str = "bfloat16", *,
+def export(params: Any, cfg: DecoderConfig, out_dir: str, dtype: str = "bfloat16", *,
            source: Checkpoint | None = None, max_position_embeddings: int | None = None,
            shard_bytes: int = SHARD_BYTES, tokenizer: Tokenizer | None = None) -> None:
-    """Writes ``params`` as a Hugging Face LlamaForCausalLM directory, atomically.
+    """Writes ``params`` as a Hugging Face directory of ``cfg``'s family, atomically.
 
     All processes must call this (the gathers are collective); process 0 writes.
     Which tensors go in which file of at most ``shard_bytes`` is planned from the
@@ -576,7 +526,7 @@ def export(params: Any, cfg: llama.LlamaConfig, out_dir: str, dtype: str = "bflo
     files of ``source`` are copied along.
     """
     np_dtype = _DTYPES[EXPORT_DTYPES[dtype]]
-    tensors = list(_tensors(params))
+    tensors = list(_tensors(params, cfg))
     plan = _plan(tensors, np_dtype.itemsize, shard_bytes)
     writer = jax.process_index() == 0
     out_dir = os.path.abspath(out_dir)

@@ -132,7 +132,7 @@ def target_config(config: ml_collections.ConfigDict, layout: Layout,
     c.train.grad_accum = layout.grad_accum
     if c.model.dtype == "auto":
         c.model.dtype = "bfloat16"
-    if c.model.scan_layers is None:  # what a GPU runs (llama.default_scan_layers)
+    if c.model.scan_layers is None:  # what a GPU runs (decoder.default_scan_layers)
         c.model.scan_layers = True
     if attn_impl is not None:
         c.model.attn_impl = attn_impl
@@ -425,7 +425,7 @@ class Plan:
     budget: float                # bytes per device a step may use
     candidates: list[Candidate]
     aliases: int                 # layouts that are another's program (Candidate.aliases)
-    model: Any                   # ndjax.models.llama.LlamaConfig, in the target's dtypes
+    model: Any                   # ndjax.models.decoder.DecoderConfig, in the target's dtypes
     measured_by: str = "cpu"     # the compiler: "cpu", or the GPU kind compiled for
 
     def by_status(self, status: str) -> list[Candidate]:

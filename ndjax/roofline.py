@@ -19,7 +19,7 @@ figure ranks layouts against each other and is not a promise of a step time.
 
 The recompute factor prices ``model.remat`` by the forward matmuls each policy
 runs a second time in the backward pass (``recomputed_forward_flops``; what each
-saves is ``ndjax.models.llama.REMAT_POLICIES``): ``none`` reruns none, ``save_proj``
+saves is ``ndjax.models.decoder.REMAT_POLICIES``): ``none`` reruns none, ``save_proj``
 the attention's output projection, ``save_attn`` every projection but the MLP's
 down, ``full`` those and attention itself. The down projection is never rerun:
 its output feeds only the layer's output, which the backward pass does not read.
@@ -116,7 +116,7 @@ RERUN = {
 
 def recomputed_forward_flops(cfg: Any, seq_len: int, remat: str) -> dict[str, float]:
     """FLOPs per token that ``model.remat=remat`` runs again in the backward pass, by
-    matmul (over all layers; a multiply-add is 2). ``cfg``: a ``LlamaConfig``.
+    matmul (over all layers; a multiply-add is 2). ``cfg``: a ``DecoderConfig``.
 
     Attention is priced as ``ndjax.flops`` counts it, QK^T and PV over the causal
     half of the keys; how much of it a kernel really reruns is the kernel's (the
@@ -138,9 +138,9 @@ def recompute_factor(remat: str) -> float:
     # Imported here: the model pulls in jax and flax, and this module is the light
     # table of hardware figures that gpu_target imports.
     from ndjax.flops import flops_per_token
-    from ndjax.models.llama import config_from_preset
+    from ndjax.models.registry import config_from_preset
 
-    cfg, seq = config_from_preset("llama3_8b"), 4096
+    cfg, seq = config_from_preset("llama", "llama3_8b"), 4096
     return 1.0 + sum(recomputed_forward_flops(cfg, seq, remat).values()) / flops_per_token(
         cfg, seq)
 

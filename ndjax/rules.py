@@ -230,7 +230,7 @@ def constrain(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
 class ParamUse:
     """How a parameter goes from its storage layout to its point of use, and how its
     gradient comes back: static (hashable), for the custom VJPs of the ops that use
-    weights (``llama.project``, ``llama.embed_lookup``, the LM head in
+    weights (``layers.project``, ``layers.embed_lookup``, the LM head in
     ``ops.cross_entropy``).
 
     Forward (``gather``): cast to ``dtype`` while still sharded (``storage``), so

@@ -35,7 +35,8 @@ from jax.sharding import NamedSharding
 
 from ndjax import rules as rules_lib
 from ndjax.errors import ConfigError
-from ndjax.models import decode, llama
+from ndjax.models import registry
+from ndjax.models.decoder import DecoderConfig
 
 MIN_PROMPT_SLOTS = 8
 
@@ -106,7 +107,7 @@ class Generator:
     """Generates from token-id prompts with the parameters ``params`` (placed in any
     sharding of ``rules.mesh``; weights are gathered at use as in training)."""
 
-    def __init__(self, graphdef: Any, params: Any, cfg: llama.LlamaConfig,
+    def __init__(self, graphdef: Any, params: Any, cfg: DecoderConfig,
                  rules: rules_lib.Rules, *, max_new_tokens: int, max_len: int,
                  sampling: Sampling | None = None, eos_ids: Sequence[int] = (), pad_id: int = 0,
                  seed: int = 0, max_len_what: str = "the model's context"):
@@ -134,8 +135,8 @@ class Generator:
     def _prefill(self, params, tokens, pad, key, start=0):
         model = nnx.merge(self.graphdef, params)
         b, slots = tokens.shape
-        cache = decode.init_cache(self.cfg, b, slots + self.max_new, pad)
-        logits, cache = decode.forward(model, tokens, 0, cache)
+        cache = registry.of(self.cfg).decode.init_cache(self.cfg, b, slots + self.max_new, pad)
+        logits, cache = registry.of(self.cfg).decode.forward(model, tokens, 0, cache)
         keys = step_keys(row_keys(key, start, b), 0)
         return sample(logits, keys, self.sampling), cache
 
@@ -158,7 +159,8 @@ class Generator:
         def step(carry):
             i, out, done, cache = carry
             last = jax.lax.dynamic_slice_in_dim(out, i - 1, 1, axis=1)
-            logits, cache = decode.forward(model, last, prompt_slots + i - 1, cache)
+            logits, cache = registry.of(self.cfg).decode.forward(model, last,
+                                                                 prompt_slots + i - 1, cache)
             token = sample(logits, step_keys(keys, i), self.sampling)
             token = jnp.where(done, self.pad_id, token)
             out = jax.lax.dynamic_update_slice_in_dim(out, token[:, None], i, axis=1)

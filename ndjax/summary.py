@@ -10,7 +10,7 @@ import jax
 import numpy as np
 
 from ndjax.experiment import Experiment
-from ndjax.models import llama
+from ndjax.models import decoder
 from ndjax.report import format_bytes
 
 
@@ -35,8 +35,10 @@ def startup(exp: Experiment, workdir: str, resume_step: int | None) -> list[str]
     return [
         f"devices: {exp.mesh.devices.size} x {', '.join(kinds)} in {jax.process_count()} "
         f"process(es); mesh {exp.dims}; rules {rules}",
-        f"model: {c.model.preset}{source}, {_size(llama.num_params(cfg))} parameters "
-        f"({_size(llama.num_params(cfg, embeddings=False))} without embeddings); "
+        f"model: {cfg.family} "
+        f"{'(resolved)' if c.model.resolved and not c.model.init_from else c.model.preset}"
+        f"{source}, {_size(decoder.num_params(cfg))} parameters "
+        f"({_size(decoder.num_params(cfg, embeddings=False))} without embeddings); "
         f"compute {np.dtype(cfg.dtype).name}, parameters {np.dtype(cfg.param_dtype).name}, "
         f"moments {t.opt_state_dtype}; remat {cfg.remat}; layers "
         f"{'scanned' if cfg.scan_layers else 'unrolled'}",

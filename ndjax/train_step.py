@@ -73,7 +73,7 @@ def loss_and_grads(features: FeaturesFn, options: StepOptions, params: Any, batc
     differentiated with respect to float32 copies of the parameters, so that the
     gradient of a bfloat16 parameter reaches the sum unrounded (a gradient has its
     value's dtype); the model narrows the copies back exactly before it uses them
-    (``llama._use``), so the forward pass and its all-gathers are unchanged.
+    (``layers.use_param``), so the forward pass and its all-gathers are unchanged.
     """
     tokens = jnp.sum(batch["loss_mask"].astype(jnp.float32))
     denom = jnp.maximum(tokens, 1.0)

@@ -2,9 +2,9 @@
 exporting it or generating from it needs nothing else.
 
 train.py writes, before the first step:
-- ``config.json``: the config as run, with the model resolved in full (every dim,
-  ``rope_scaling``, ``rms_norm_eps``), whether it came from a preset or from
-  ``model.init_from``'s config.json;
+- ``config.json``: the config as run, with the model resolved in full (its family, every
+  dim, ``rope_scaling``, ``rms_norm_eps``, the family's options), whether it came from
+  a preset or from ``model.init_from``'s config.json;
 - ``run/tokenizer/``: the tokenizer files of ``data.tokenizer`` (tokenizer.json and
   the files transformers keeps beside it);
 - ``run/chat_template.jinja``: ``data.chat_template``'s file, where one was set;
@@ -41,16 +41,25 @@ _SOURCE_FILES = re.compile(r"config\.json|generation_config\.json|"
 
 
 def resolved_model(model_cfg: Any) -> dict[str, Any]:
-    """The model fields that define ``model_cfg`` (a LlamaConfig) in full. rope_scaling
-    {} means none (None would mean the preset's)."""
+    """The model fields that define ``model_cfg`` (a ``DecoderConfig``) in full: the
+    family, every dim, and the options the family has. rope_scaling {} means none and
+    sliding_window 0 no window (None would mean the preset's)."""
+    from ndjax.models import registry
     scaling = model_cfg.rope_scaling
-    return dict(vocab_size=model_cfg.vocab_size, dim=model_cfg.dim, n_layers=model_cfg.n_layers,
-                n_heads=model_cfg.n_heads, n_kv_heads=model_cfg.n_kv_heads,
-                ffn_dim=model_cfg.ffn_dim, head_dim=model_cfg.hd,
-                rope_theta=float(model_cfg.rope_theta),
-                rope_scaling={} if scaling is None else dataclasses.asdict(scaling),
-                rms_norm_eps=float(model_cfg.rms_norm_eps),
-                tie_embeddings=bool(model_cfg.tie_embeddings))
+    out = dict(family=model_cfg.family, vocab_size=model_cfg.vocab_size, dim=model_cfg.dim,
+               n_layers=model_cfg.n_layers, n_heads=model_cfg.n_heads,
+               n_kv_heads=model_cfg.n_kv_heads, ffn_dim=model_cfg.ffn_dim,
+               head_dim=model_cfg.hd, rope_theta=float(model_cfg.rope_theta),
+               rope_scaling={} if scaling is None else dataclasses.asdict(scaling),
+               rms_norm_eps=float(model_cfg.rms_norm_eps),
+               tie_embeddings=bool(model_cfg.tie_embeddings))
+    family = registry.of(model_cfg)
+    for field in registry.OPTION_FIELDS:
+        value = getattr(model_cfg, field)
+        if field == "sliding_window":
+            value = value or 0
+        out[field] = value if field in family.options or field in family.fixed else None
+    return out
 
 
 def _copy_files(src_dir: str, dst_dir: str, pattern: re.Pattern) -> None:
@@ -155,10 +164,13 @@ def for_resume(config: ml_collections.ConfigDict, workdir: str) -> ml_collection
 
 def _resolved(config: ml_collections.ConfigDict) -> bool:
     """Whether a saved config holds its model in full."""
-    return all(config.model[f] is not None for f in resolved_model_fields())
+    from ndjax.config import MODEL_DIMS
+    return all(config.model[f] is not None for f in (*MODEL_DIMS, "rope_scaling"))
 
 
 def resolved_model_fields() -> tuple[str, ...]:
-    """What ``resolved_model`` writes: the dims a config may set, and the rope scaling."""
-    from ndjax.experiment import MODEL_DIMS
-    return (*MODEL_DIMS, "rope_scaling")
+    """What ``resolved_model`` writes: the dims a config may set, the rope scaling, the
+    family and its options."""
+    from ndjax.config import MODEL_DIMS
+    from ndjax.models.registry import OPTION_FIELDS
+    return (*MODEL_DIMS, "rope_scaling", "family", *OPTION_FIELDS)

@@ -166,7 +166,7 @@ def test_cpu_vs_torch_tiny():
 
 def test_cpu_step_variants_tiny():
     """Each variant runs what it names; unset, a small model on CPU runs its layers
-    unrolled with blocked attention at 256 tokens (llama.default_scan_layers,
+    unrolled with blocked attention at 256 tokens (decoder.default_scan_layers,
     attention.choose)."""
     lines = run_tiny("cpu_step_variants.py").stdout.splitlines()
     rows = table_rows(lines, "scanned, dense", "defaults (scan_layers unset, attn_impl auto)",

@@ -10,12 +10,13 @@ from ndjax import roofline
 from ndjax import rules as rules_lib
 from ndjax.experiment import Experiment
 from ndjax.flops import flops_per_token, peak_tflops
-from ndjax.models.llama import LlamaConfig, config_from_preset
+from ndjax.models.decoder import DecoderConfig
+from ndjax.models.registry import config_from_preset
 from ndjax.train_step import train_step
 
 
 def test_flops_per_token_by_hand():
-    cfg = LlamaConfig(vocab_size=100, dim=8, n_layers=2, n_heads=2, n_kv_heads=1, ffn_dim=16)
+    cfg = DecoderConfig(vocab_size=100, dim=8, n_layers=2, n_heads=2, n_kv_heads=1, ffn_dim=16)
     seq = 5
     # Per layer: q 8x8=64, k 8x4=32, v 32, o 64, gate/up/down 3x8x16=384 -> 576.
     matmul_params = 2 * 576
@@ -39,7 +40,7 @@ def test_peak_override():
     assert peak_tflops("cpu", override=1.5) == 1.5
 
 
-# The forward einsums of the block's weights (ndjax.models.llama.project), by the
+# The forward einsums of the block's weights (ndjax.models.layers.project), by the
 # matmuls of the roofline's breakdown they are: a dot of the train step named by one
 # of these (not under a transpose) is a weight's forward matmul, run once in the
 # forward pass plus once for each recomputation.
@@ -47,7 +48,7 @@ WEIGHT_FORWARD = {"bsd,dhk->bshk": ("q", "k", "v"), "bshk,hkd->bsd": ("o",),
                   "bsd,df->bsf": ("gate", "up"), "bsf,fd->bsd": ("down",)}
 
 
-def _step_dot_flops(remat: str) -> tuple[dict[str, int], LlamaConfig, int, int]:
+def _step_dot_flops(remat: str) -> tuple[dict[str, int], DecoderConfig, int, int]:
     """(FLOPs of every dot_general of the traced train step, by the einsum that made it
     (weight forward matmuls) or "other" (backward matmuls, the loss, attention); the
     model; seq_len; tokens per step)."""
@@ -108,7 +109,7 @@ def test_estimate_prices_each_remat_policy():
     most of full's compute); it was priced as rerunning nothing."""
     link = roofline.Link({}, {})
     h100 = roofline.HARDWARE["h100"]
-    cfg = config_from_preset("llama3_8b")
+    cfg = config_from_preset("llama", "llama3_8b")
     model_flops = flops_per_token(cfg, 4096) * 4096
 
     def compute_s(remat, **kw):

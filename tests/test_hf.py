@@ -38,6 +38,7 @@ from ndjax.errors import ConfigError
 from ndjax.experiment import Experiment
 from ndjax.export import export_checkpoint
 from ndjax.loop import train
+from ndjax.models import registry
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BASE = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -187,9 +188,11 @@ def test_sharded_safetensors_input(tmp_path):
                                rtol=0, atol=1e-4)
 
 
-def expected_params(model, shapes):
-    """The ndjax parameters a transformers model's weights make (hf's name/layout map)."""
+def expected_params(model, shapes, cfg):
+    """The ndjax parameters a transformers model's weights make (the family's
+    name/layout map)."""
     weights = {k: v.float().numpy() for k, v in model.state_dict().items()}
+    top, per_layer = registry.of(cfg).hf_names(cfg)
 
     def layout(name, shape, split):
         return weights[name] if split is None else weights[name].T.reshape(shape)
@@ -197,9 +200,9 @@ def expected_params(model, shapes):
     def one(path, shape):
         keys = tuple(str(k.key) for k in path)
         if keys[0] != "layers":
-            name, split = hf._TOP[keys]
+            name, split = top[keys]
             return layout(name, shape.shape, split)
-        name, split = hf._LAYER[keys[1:]]
+        name, split = per_layer[keys[1:]]
         return np.stack([layout(f"model.layers.{i}.{name}", shape.shape[1:], split)
                          for i in range(shape.shape[0])])
     return jax.tree_util.tree_map_with_path(one, shapes)
@@ -218,7 +221,7 @@ def test_bf16_shards_from_several_files(tmp_path, mesh, rules):
         assert exp.state_sharding.params["layers"]["attn"]["wq"].spec == jax.P(
             "fsdp", None, None, "tensor")
     params = load(exp)
-    expected = expected_params(model, exp.param_shapes)
+    expected = expected_params(model, exp.param_shapes, exp.model_cfg)
     for (path, got), want, sharding in zip(jax.tree_util.tree_leaves_with_path(params),
                                            jax.tree.leaves(expected),
                                            jax.tree.leaves(exp.state_sharding.params)):
@@ -588,10 +591,10 @@ BAD = {
     "layers vs config.json": (lambda d: edit_config(d, num_hidden_layers=1), {},
                               r"do not match config.json .*num_hidden_layers=1.*unexpected "
                               r"\['model.layers.1."),
-    "not llama": (lambda d: edit_config(d, model_type="mistral",
-                                        architectures=["MistralForCausalLM"]), {},
-                  r"model_type='mistral', architectures=\['MistralForCausalLM'\].*"
-                  r"LlamaForCausalLM checkpoints only"),
+    "unsupported family": (lambda d: edit_config(d, model_type="mixtral",
+                                                 architectures=["MixtralForCausalLM"]), {},
+                           r"model_type='mixtral' \(architectures \['MixtralForCausalLM'\]\), "
+                           r"which ndjax does not implement; it reads the model_types"),
     "unsupported rope": (lambda d: edit_config(d, rope_parameters=dict(
         rope_type="yarn", factor=4.0, rope_theta=1e4)), {}, r"rope type 'yarn' is not supported"),
     "mesh cannot divide": (lambda d: None, dict(intermediate_size=129),

@@ -10,23 +10,24 @@ import pytest
 from conftest import TINY_MODEL
 from flax import nnx
 
-from ndjax.models import llama
+from ndjax.models import decoder, registry
+from ndjax.models.layers import Rope, RopeScaling, rope_frequencies
 from ndjax.ops import attention as attention_ops
 
 
 @functools.cache
 def make(**overrides):
     """(config, jitted forward) of a freshly initialised model."""
-    cfg = llama.LlamaConfig(**{**TINY_MODEL, **overrides})
-    graphdef, params = nnx.split(llama.Llama(cfg, nnx.Rngs(params=jax.random.key(0))))
+    cfg = decoder.DecoderConfig(**{**TINY_MODEL, **overrides})
+    graphdef, params = nnx.split(decoder.Decoder(cfg, nnx.Rngs(params=jax.random.key(0))))
     forward = jax.jit(lambda p, *args: nnx.merge(graphdef, p)(*args))
     return cfg, lambda *args: forward(params, *args)
 
 
 @functools.cache
 def make_split(**overrides):
-    cfg = llama.LlamaConfig(**{**TINY_MODEL, **overrides})
-    return nnx.split(llama.Llama(cfg, nnx.Rngs(params=jax.random.key(0))))
+    cfg = decoder.DecoderConfig(**{**TINY_MODEL, **overrides})
+    return nnx.split(decoder.Decoder(cfg, nnx.Rngs(params=jax.random.key(0))))
 
 
 def inputs(b=2, s=24, vocab=256, seed=0):
@@ -68,8 +69,8 @@ def test_attention_matches_naive(heads, kv_heads):
 
 
 def test_llama3_rope_scaling_matches_formula():
-    cfg = llama.LlamaConfig(**{**TINY_MODEL, "rope_theta": 500_000.0},
-                            rope_scaling=llama.RopeScaling(factor=8.0))
+    cfg = decoder.DecoderConfig(**{**TINY_MODEL, "rope_theta": 500_000.0},
+                            rope_scaling=RopeScaling(factor=8.0))
     inv = 1.0 / 500_000.0 ** (np.arange(0, cfg.hd, 2) / cfg.hd)
     expected = []
     for f in inv:  # Meta's reference loop, one frequency at a time
@@ -81,7 +82,8 @@ def test_llama3_rope_scaling_matches_formula():
         else:
             smooth = (8192 / wavelen - 1.0) / (4.0 - 1.0)
             expected.append((1 - smooth) * f / 8.0 + smooth * f)
-    np.testing.assert_allclose(llama.rope_frequencies(cfg), expected, rtol=1e-6)
+    np.testing.assert_allclose(rope_frequencies(Rope(cfg.rope_theta, cfg.rope_scaling), cfg.hd),
+                               expected, rtol=1e-6)
 
 
 def test_documents_do_not_see_each_other():
@@ -149,14 +151,14 @@ def test_tied_embeddings_have_no_lm_head():
     cfg, model = make(tie_embeddings=True)
     params = nnx.to_pure_dict(make_split(tie_embeddings=True)[1])
     assert "lm_head" not in params
-    assert sum(x.size for x in jax.tree.leaves(params)) == llama.num_params(cfg)
+    assert sum(x.size for x in jax.tree.leaves(params)) == decoder.num_params(cfg)
     assert model(*inputs()).shape == (2, 24, 256)
 
 
 def test_param_count_formula_matches_the_model():
     cfg, _ = make()
     params = nnx.to_pure_dict(make_split()[1])
-    assert sum(x.size for x in jax.tree.leaves(params)) == llama.num_params(cfg)
+    assert sum(x.size for x in jax.tree.leaves(params)) == decoder.num_params(cfg)
 
 
 @pytest.mark.parametrize("preset, published", [
@@ -165,11 +167,11 @@ def test_param_count_formula_matches_the_model():
     ("llama3_70b", 70_553_706_496),   # Llama 3.1 70B
 ])
 def test_presets_have_the_published_sizes(preset, published):
-    assert llama.num_params(llama.config_from_preset(preset)) == published
+    assert decoder.num_params(registry.config_from_preset("llama", preset)) == published
 
 
 def test_tiny_preset_is_about_ten_million():
-    assert 5e6 < llama.num_params(llama.config_from_preset("tiny")) < 15e6
+    assert 5e6 < decoder.num_params(registry.config_from_preset("llama", "tiny")) < 15e6
 
 
 def test_bfloat16_compute_stays_close_to_float32():

@@ -1,0 +1,463 @@
+"""The decoder every family builds: embeddings, a stack of blocks, a final norm and
+an LM head, speaking only logical axis names.
+
+A family (``ndjax.models.registry``) chooses the block's options in its
+``DecoderConfig``: q/k/v biases (Qwen 2.5), per-head q/k norms (Qwen 3, Gemma 3),
+Gemma's ``(1 + w)`` norms, norms after attention and the MLP, scaled embeddings,
+the MLP's activation, the attention's scale and sliding window, and which layers
+are local (windowed, with their own rotary base) or global
+(``sliding_window_pattern``).
+
+The stack is one block with stacked parameters (leading ``layers`` axis) run by
+``lax.scan``, so compile time does not grow with depth. Layers of different types
+(Gemma 3: five local, one global) are scanned in groups of the pattern's period,
+each layer of a group with its own static attention spec, so that a kernel can
+skip what a window excludes; layers past the last whole period run after the
+scan. ``scan_layers=False`` runs the same stacked parameters in a Python loop.
+
+Weights are stored in ``param_dtype`` (float32 by default) and cast to the
+compute dtype at use. Layouts follow Hugging Face's conventions (rotate-half
+RoPE, q/k/v/o per head) so that checkpoints convert by reshapes only.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
+
+from ndjax.models.layers import (
+    ACTIVATION_FNS,
+    RMSNorm,
+    Rope,
+    RopeScaling,
+    add_bias,
+    apply_rope,
+    embed_lookup,
+    init_param,
+    project,
+    rope_tables,
+    use_param,
+)
+from ndjax.ops.attention import HEADS, KV_HEADS, AttentionSpec, attention
+from ndjax.ops.layer_scan import scan_full_remat
+from ndjax.rules import Weight, constrain
+
+FULL, SLIDING = "full_attention", "sliding_attention"
+LAYER_TYPES = (FULL, SLIDING)
+
+
+@dataclasses.dataclass(frozen=True)
+class DecoderConfig:
+    vocab_size: int
+    dim: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    ffn_dim: int
+    head_dim: int | None = None  # defaults to dim // n_heads
+    rope_theta: float = 500_000.0
+    rope_scaling: RopeScaling | None = None
+    rms_norm_eps: float = 1e-5
+    tie_embeddings: bool = False
+    # The family's block (ndjax.models.registry.Family.fixed and .options say which
+    # a family has and which a config may change).
+    family: str = "llama"
+    qkv_bias: bool = False          # biases on q, k, v (Qwen 2.5)
+    qk_norm: bool = False           # RMSNorm over each head of q and k before RoPE
+    norm_plus_one: bool = False     # norms scale by (1 + w) (Gemma)
+    post_norms: bool = False        # norms on the attention's and MLP's outputs too
+    activation: str = "silu"        # of the gated MLP: a key of layers.ACTIVATION_FNS
+    embed_scale: bool = False       # embeddings times sqrt(dim) (Gemma)
+    query_pre_attn_scalar: float | None = None  # scores scaled by its -1/2; None: head_dim's
+    sliding_window: int | None = None  # keys a local layer's query sees, itself included
+    # With a window: every n-th layer is global (Gemma 3: 6); None: every layer local.
+    sliding_window_pattern: int | None = None
+    local_rope_theta: float | None = None  # local layers' base, unscaled; None: as global
+    attn_softcap: float | None = None
+    init_std: float = 0.02
+    dtype: Any = jnp.float32      # compute dtype
+    param_dtype: Any = jnp.float32  # storage dtype of the parameters
+    scan_layers: bool = True
+    remat: str = "none"           # see REMAT_POLICIES
+    attn_impl: str = "auto"       # a kernel of ndjax.ops.attention.KERNELS, or auto
+    cp_layout: str = "zigzag"     # ring attention's sequence layout: zigzag | contiguous
+    attn_kv_tile: int = 512       # ring attention's key tile: memory O(local_len x tile)
+    attn_max_docs: int = 64       # documents per row the cudnn kernel makes room for
+
+    @property
+    def hd(self) -> int:
+        return self.head_dim or self.dim // self.n_heads
+
+    @property
+    def types(self) -> tuple[str, ...]:
+        """Each layer's type, full_attention or sliding_attention."""
+        if not self.sliding_window:
+            return (FULL,) * self.n_layers
+        every = self.sliding_window_pattern
+        return tuple(FULL if every and (i + 1) % every == 0 else SLIDING
+                     for i in range(self.n_layers))
+
+    def spec(self, layer_type: str) -> AttentionSpec:
+        scale = (None if self.query_pre_attn_scalar is None
+                 else self.query_pre_attn_scalar ** -0.5)
+        window = self.sliding_window if layer_type == SLIDING else None
+        return AttentionSpec(window=window, softcap=self.attn_softcap, scale=scale)
+
+    @property
+    def attention_specs(self) -> tuple[AttentionSpec, ...]:
+        """The distinct attention specs of the layers (what a kernel must honour)."""
+        return tuple(dict.fromkeys(self.spec(t) for t in self.types))
+
+    def rope(self, layer_type: str) -> Rope:
+        if layer_type == SLIDING and self.local_rope_theta is not None:
+            return Rope(self.local_rope_theta)
+        return Rope(self.rope_theta, self.rope_scaling)
+
+    @property
+    def period(self) -> int:
+        """The shortest repeating pattern of ``types``; the scan runs groups of it."""
+        types = self.types
+        return next(p for p in range(1, len(types) + 1)
+                    if all(t == types[i % p] for i, t in enumerate(types)))
+
+# What each remat policy saves for the backward pass; everything else in a layer
+# is recomputed. Policies say what to save, never what to refuse, so nothing is
+# kept by accident: the weights a layer gathers for compute (FSDP) and their
+# compute-dtype casts are not activations, appear in no list, and are gathered
+# again in the backward pass instead of being kept for all layers at once (a
+# full unsharded copy of the model per device). ``checkpoint_name`` tags below
+# mark the candidates.
+ACTIVATIONS = ("attn_norm", "q_proj", "k_proj", "v_proj", "attn_out", "attn_lse",
+               "attn_block_out", "mlp_norm", "mlp_gate", "mlp_up", "mlp_out")
+_save = jax.checkpoint_policies.save_only_these_names
+
+# model.scan_layers unset: up to this many layers run unrolled on a CPU.
+CPU_UNROLL_MAX_LAYERS = 8
+
+
+def default_scan_layers(n_layers: int, platform: str) -> bool:
+    """Whether the layers are scanned when ``model.scan_layers`` is unset.
+
+    Scanned everywhere but on a CPU with at most ``CPU_UNROLL_MAX_LAYERS`` layers.
+    There, the scan's own work is a tenth of the step: it zero-fills the stacked
+    residuals it saves for the backward pass, writes and reads them one layer at a
+    time, and runs each layer's independent matmuls with less overlap;
+    ``bench/cpu_vs_torch.py``'s model trains ~13% faster unrolled. Unrolled, the
+    compile time grows with depth, but up to 8 layers it stays within that of the
+    scan (``bench/compile_time.py``). Large models, and any step compiled for a
+    GPU, keep the scan: its memory is the one to plan with.
+    """
+    return platform != "cpu" or n_layers > CPU_UNROLL_MAX_LAYERS
+
+
+REMAT_POLICIES = {
+    # No rematerialisation of matmuls: every named activation is saved (the
+    # dense kernel's attention probabilities too); only cheap elementwise work
+    # (RoPE, SwiGLU) is redone from them. Names, not "every dot": a dot inside
+    # the tiled attention kernel's loop would be saved for every tile, O(seq^2).
+    "none": _save(*ACTIVATIONS, "attn_probs"),
+    # Only each layer's input is kept (the scan carry); the whole layer is
+    # recomputed in the backward pass.
+    "full": jax.checkpoint_policies.nothing_saveable,
+    # Save the projections (the expensive matmuls), recompute norms, RoPE,
+    # softmax and the SwiGLU elementwise work.
+    "save_proj": _save("q_proj", "k_proj", "v_proj", "attn_out", "attn_lse", "mlp_gate",
+                       "mlp_up", "mlp_out"),
+    # Save only the attention output: about half of "save_proj"'s memory,
+    # recomputes the QKV and MLP matmuls.
+    "save_attn": _save("attn_out", "attn_lse"),
+}
+
+
+
+class Attention(nnx.Module):
+    def __init__(self, cfg: DecoderConfig, rngs: nnx.Rngs):
+        d, hd, std = cfg.dim, cfg.hd, cfg.init_std
+        pd = cfg.param_dtype
+        self.wq = init_param(rngs, (d, cfg.n_heads, hd), ("embed", "q_heads", "head_dim"), std,
+                             pd)
+        self.wk = init_param(rngs, (d, cfg.n_kv_heads, hd), ("embed", "kv_heads", "head_dim"),
+                             std, pd)
+        self.wv = init_param(rngs, (d, cfg.n_kv_heads, hd), ("embed", "kv_heads", "head_dim"),
+                             std, pd)
+        self.wo = init_param(rngs, (cfg.n_heads, hd, d), ("q_heads", "head_dim", "embed"), std,
+                             pd)
+        if cfg.qkv_bias:
+            self.bq = nnx.Param(jnp.zeros((cfg.n_heads, hd), pd),
+                                logical_axes=("q_heads", "head_dim"))
+            self.bk = nnx.Param(jnp.zeros((cfg.n_kv_heads, hd), pd),
+                                logical_axes=("kv_heads", "head_dim"))
+            self.bv = nnx.Param(jnp.zeros((cfg.n_kv_heads, hd), pd),
+                                logical_axes=("kv_heads", "head_dim"))
+        if cfg.qk_norm:
+            norm = dict(plus_one=cfg.norm_plus_one, names=("head_dim",))
+            self.q_norm = RMSNorm(hd, cfg.rms_norm_eps, pd, **norm)
+            self.k_norm = RMSNorm(hd, cfg.rms_norm_eps, pd, **norm)
+        self.dtype = cfg.dtype
+        self.cfg = cfg
+
+    def __call__(self, x, cos, sin, segment_ids, spec: AttentionSpec):
+        q, k, v = self.qkv(x, cos, sin)
+        return self.output(attention(q, k, v, segment_ids, self.cfg, spec))
+
+    def _project(self, x, name: str, n_kv: int | None):
+        cfg = self.cfg
+        out = project("bsd,dhk->bshk", x,
+                      *use_param(getattr(self, "w" + name), cfg.dtype, n_kv, cfg.param_dtype))
+        if cfg.qkv_bias:
+            out = add_bias(out, *use_param(getattr(self, "b" + name), cfg.dtype, n_kv,
+                                           cfg.param_dtype))
+        return out
+
+    def qkv(self, x, cos, sin):
+        """Queries, keys and values of ``x``, normed and rotated (the KV-cache decode
+        reuses it)."""
+        n_kv = self.cfg.n_kv_heads
+        q = checkpoint_name(constrain(self._project(x, "q", None), HEADS), "q_proj")
+        k = checkpoint_name(constrain(self._project(x, "k", n_kv), KV_HEADS), "k_proj")
+        v = checkpoint_name(constrain(self._project(x, "v", n_kv), KV_HEADS), "v_proj")
+        if self.cfg.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+    def output(self, out):
+        """The attention's output (b, s, heads, head_dim) projected back to the model dim."""
+        out = checkpoint_name(constrain(out, HEADS), "attn_out")
+        return project("bshk,hkd->bsd", out,
+                       *use_param(self.wo, self.dtype, param_dtype=self.cfg.param_dtype))
+
+
+class MLP(nnx.Module):
+    def __init__(self, cfg: DecoderConfig, rngs: nnx.Rngs):
+        d, f, std = cfg.dim, cfg.ffn_dim, cfg.init_std
+        self.w_gate = init_param(rngs, (d, f), ("embed", "mlp"), std, cfg.param_dtype)
+        self.w_up = init_param(rngs, (d, f), ("embed", "mlp"), std, cfg.param_dtype)
+        self.w_down = init_param(rngs, (f, d), ("mlp", "embed"), std, cfg.param_dtype)
+        self.dtype = cfg.dtype
+        self.param_dtype = cfg.param_dtype
+        self.activation = cfg.activation
+
+    def __call__(self, x):
+        dt, pd = self.dtype, self.param_dtype
+        names = ("act_batch", "act_seq", "act_mlp")
+        gate = checkpoint_name(constrain(project(
+            "bsd,df->bsf", x, *use_param(self.w_gate, dt, param_dtype=pd)), names), "mlp_gate")
+        up = checkpoint_name(constrain(project(
+            "bsd,df->bsf", x, *use_param(self.w_up, dt, param_dtype=pd)), names), "mlp_up")
+        h = ACTIVATION_FNS[self.activation](gate) * up
+        return project("bsf,fd->bsd", h, *use_param(self.w_down, dt, param_dtype=pd))
+
+
+RESIDUAL = ("act_batch", "act_res_seq", "act_embed")
+HIDDEN = ("act_batch", "act_seq", "act_embed")
+
+
+class Block(nnx.Module):
+    def __init__(self, cfg: DecoderConfig, rngs: nnx.Rngs):
+        norm = dict(plus_one=cfg.norm_plus_one)
+        eps, pd = cfg.rms_norm_eps, cfg.param_dtype
+        self.attn_norm = RMSNorm(cfg.dim, eps, pd, **norm)
+        self.attn = Attention(cfg, rngs)
+        self.mlp_norm = RMSNorm(cfg.dim, eps, pd, **norm)
+        self.mlp = MLP(cfg, rngs)
+        if cfg.post_norms:
+            self.post_attn_norm = RMSNorm(cfg.dim, eps, pd, **norm)
+            self.post_mlp_norm = RMSNorm(cfg.dim, eps, pd, **norm)
+        self.post_norms = cfg.post_norms
+
+    def __call__(self, x, cos, sin, segment_ids, spec: AttentionSpec):
+        return self.around(x, lambda h: self.attn(h, cos, sin, segment_ids, spec))
+
+    def around(self, x, attend):
+        """The block with ``attend`` (normed input -> attention's projected output) as
+        its attention: the KV-cache decode passes one that reads and writes the cache."""
+        h = checkpoint_name(constrain(self.attn_norm(x), HIDDEN), "attn_norm")
+        attn = attend(h)
+        if self.post_norms:
+            attn = self.post_attn_norm(attn)
+        x = constrain(x + checkpoint_name(attn, "attn_block_out"), RESIDUAL)
+        h = checkpoint_name(constrain(self.mlp_norm(x), HIDDEN), "mlp_norm")
+        out = self.mlp(h)
+        if self.post_norms:
+            out = self.post_mlp_norm(out)
+        return constrain(x + checkpoint_name(out, "mlp_out"), RESIDUAL)
+
+
+def _layer_slice(stacked: Any, start: int, stop: int, group: int | None = None) -> Any:
+    """Layers ``start .. stop-1`` of the stacked parameters; ``group``: reshaped to
+    (groups, group, ...) for the scan over whole periods."""
+    def cut(a):
+        a = a[start:stop]
+        return a if group is None else a.reshape(a.shape[0] // group, group, *a.shape[1:])
+    return jax.tree.map(cut, stacked)
+
+
+class Decoder(nnx.Module):
+    def __init__(self, cfg: DecoderConfig, rngs: nnx.Rngs):
+        if cfg.remat not in REMAT_POLICIES:
+            raise ValueError(f"model.remat={cfg.remat!r}: choose one of {sorted(REMAT_POLICIES)}")
+        self.cfg = cfg
+        self.embed = init_param(rngs, (cfg.vocab_size, cfg.dim), ("vocab", "embed"),
+                                cfg.init_std, cfg.param_dtype)
+
+        @nnx.vmap(in_axes=0, out_axes=0,
+                  transform_metadata={nnx.PARTITION_NAME: "layers", "logical_axes": "layers"})
+        def stacked(key):
+            return Block(cfg, nnx.Rngs(params=key))
+
+        self.layers = stacked(jax.random.split(rngs.params(), cfg.n_layers))
+        self.final_norm = RMSNorm(cfg.dim, cfg.rms_norm_eps, cfg.param_dtype,
+                                  plus_one=cfg.norm_plus_one)
+        if not cfg.tie_embeddings:
+            self.lm_head = init_param(rngs, (cfg.dim, cfg.vocab_size), ("embed", "vocab"),
+                                      cfg.init_std, cfg.param_dtype)
+
+    def embed_tokens(self, tokens: jax.Array) -> tuple[jax.Array, tuple]:
+        """(the embeddings of ``tokens`` in the compute dtype, scaled where the family
+        scales them, as the residual stream; the table's ``use_param`` triple)."""
+        cfg = self.cfg
+        embed = use_param(self.embed, cfg.dtype, param_dtype=cfg.param_dtype)
+        x = embed_lookup(embed[0], tokens, *embed[1:])
+        if cfg.embed_scale:
+            # Hugging Face rounds the factor to the weights' dtype first.
+            x = x * jnp.asarray(math.sqrt(cfg.dim), cfg.dtype)
+        return constrain(x, RESIDUAL), embed
+
+    def rope_tables(self, positions: jax.Array) -> dict[str, tuple[jax.Array, jax.Array]]:
+        """cos and sin per layer type the model has."""
+        cfg = self.cfg
+        return {t: rope_tables(cfg.rope(t), cfg.hd, positions) for t in dict.fromkeys(cfg.types)}
+
+    def features(self, tokens: jax.Array, positions: jax.Array, segment_ids: jax.Array
+                 ) -> tuple[jax.Array, Weight]:
+        """tokens, positions, segment_ids: (b, s) int32 -> (final hidden states (b, s, dim)
+        in the compute dtype, LM head (dim, vocab): a ``rules.Weight``, gathered to its
+        compute layout and as stored).
+
+        The loss applies the head chunk by chunk (``ndjax.ops.cross_entropy``) so that
+        the whole batch's logits never exist at once, and gives the head's gradient to
+        the stored head, summed in float32. Tied embeddings are gathered once, for the
+        lookup and the head; each of the two gradients reaches the storage layout on
+        its own, unrounded.
+        """
+        cfg = self.cfg
+        x, embed = self.embed_tokens(tokens)
+        tables = self.rope_tables(positions)
+        graphdef, stacked = nnx.split(self.layers)
+        policy = REMAT_POLICIES[cfg.remat]
+
+        def group(pattern: tuple[str, ...], inner: bool):
+            """(h, parameters of len(pattern) layers, consts) -> h: the layers of one
+            period, each with its type's static attention spec and rotary tables.
+            ``inner``: the parameters have a leading axis over the pattern."""
+            def block(h, params, consts, layer_type):
+                tables, seg = consts
+                return nnx.merge(graphdef, params)(h, *tables[layer_type], seg,
+                                                   cfg.spec(layer_type))
+            if cfg.remat == "full" and len(pattern) > 1:
+                # Recompute one layer at a time in the backward pass, not the period.
+                block = jax.checkpoint(block, policy=policy, static_argnums=(3,))
+
+            def run(h, params, consts):
+                for j, layer_type in enumerate(pattern):
+                    p = jax.tree.map(lambda a, j=j: a[j], params) if inner else params
+                    h = block(h, p, consts, layer_type)
+                return h
+            return run
+
+        def scanned(run, x, params):
+            if cfg.remat == "full":
+                return scan_full_remat(run, x, params, (tables, segment_ids))
+            # The segment ids ride in the scan's carry, not as a constant of the body:
+            # jax hoists work that depends only on a scan's constants out of the loop,
+            # and for the tiled attention kernel that work is every key tile's mask,
+            # stacked: O(seq^2) memory (tests/test_attention.py).
+            body = jax.checkpoint(
+                lambda carry, p: ((run(carry[0], p, (tables, carry[1])), carry[1]), None),
+                policy=policy, prevent_cse=False)
+            return jax.lax.scan(body, (x, segment_ids), params)[0][0]
+
+        types, period, n = cfg.types, cfg.period, cfg.n_layers
+        if cfg.scan_layers:
+            whole = n // period * period
+            if whole:
+                x = scanned(group(types[:period], period > 1), x,
+                            _layer_slice(stacked, 0, whole, period if period > 1 else None))
+            if whole < n:  # the layers after the last whole period, as one group
+                rest = n - whole
+                x = scanned(group(types[whole:], rest > 1), x,
+                            _layer_slice(stacked, whole, n, rest if rest > 1 else None))
+        else:
+            for i in range(n):
+                body = jax.checkpoint(group((types[i],), False), policy=policy,
+                                      prevent_cse=True)
+                x = body(x, jax.tree.map(lambda a, i=i: a[i], stacked), (tables, segment_ids))
+
+        x = constrain(self.final_norm(x), HIDDEN)
+        if cfg.tie_embeddings:
+            return x, Weight(*embed).T
+        return x, Weight(*use_param(self.lm_head, cfg.dtype, param_dtype=cfg.param_dtype))
+
+    def __call__(self, tokens: jax.Array, positions: jax.Array,
+                 segment_ids: jax.Array) -> jax.Array:
+        """tokens, positions, segment_ids: (b, s) int32 -> logits (b, s, vocab) float32.
+
+        For inspection and conversion tests; training never builds all the logits.
+        """
+        x, head = self.features(tokens, positions, segment_ids)
+        logits = jnp.einsum("bsd,dv->bsv", x, head.gathered,
+                            preferred_element_type=jnp.float32)
+        return constrain(logits, ("act_batch", "act_seq", "act_vocab"))
+
+
+def logical_axes(state: nnx.State) -> dict:
+    """Nested dict of logical axis names (tuples), mirroring the parameter dict."""
+    out: dict = {}
+    for path, var in nnx.to_flat_state(state):
+        node = out
+        for key in path[:-1]:
+            node = node.setdefault(key, {})
+        node[path[-1]] = tuple(var.get_metadata()["logical_axes"])
+    return out
+
+
+def num_params(cfg: DecoderConfig, *, embeddings: bool = True) -> int:
+    d, f, hd = cfg.dim, cfg.ffn_dim, cfg.hd
+    heads = cfg.n_heads + 2 * cfg.n_kv_heads
+    per_layer = d * hd * (cfg.n_heads + heads) + 3 * d * f + (4 if cfg.post_norms else 2) * d
+    per_layer += heads * hd * cfg.qkv_bias + 2 * hd * cfg.qk_norm
+    n = cfg.n_layers * per_layer + d
+    if embeddings:
+        n += cfg.vocab_size * d * (1 if cfg.tie_embeddings else 2)
+    return n
+
+
+def keys_per_query(seq_len: int, window: int | None) -> float:
+    """Keys a query attends to on average in a causal row of ``seq_len`` tokens,
+    within ``window`` keys of itself (None: all earlier ones)."""
+    if window is None or window >= seq_len:
+        return (seq_len + 1) / 2
+    return (window * (window + 1) / 2 + (seq_len - window) * window) / seq_len
+
+
+def train_flops_per_token(cfg: DecoderConfig, seq_len: int) -> float:
+    """Training FLOPs per token, forward and backward (3 x forward), a multiply-add
+    counted as 2:
+
+        6 * (matmul weights of the blocks + dim * vocab)
+      + 12 * n_heads * head_dim * sum over layers of keys_per_query(seq_len, window)
+
+    (QK^T and PV are each 2 * head_dim FLOPs per query-key pair.) The causal row is
+    counted, not the packed documents' shorter ones, as is usual, so that MFU is
+    comparable across data sets; a local layer counts the keys in its window.
+    """
+    d, hd = cfg.dim, cfg.hd
+    matmul = cfg.n_layers * (d * hd * (2 * cfg.n_heads + 2 * cfg.n_kv_heads) + 3 * d * cfg.ffn_dim)
+    keys = sum(keys_per_query(seq_len, cfg.spec(t).window) for t in cfg.types)
+    return 6.0 * (matmul + d * cfg.vocab_size) + 12.0 * cfg.n_heads * hd * keys

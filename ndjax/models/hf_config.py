@@ -1,0 +1,133 @@
+"""Reading and writing the fields of a Hugging Face ``config.json`` that the decoder
+families share (dims, norms, rotary embeddings, sliding windows); each family's
+module adds and checks its own."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from ndjax.errors import ConfigError
+from ndjax.models.decoder import FULL, SLIDING, DecoderConfig
+from ndjax.models.layers import ROPE_TYPES, RopeScaling
+
+
+def config_error(where: str, key: str, fix: str = "") -> ConfigError:
+    """One line naming the checkpoint, the config.json field and the fix."""
+    return ConfigError(f"model.init_from={where!r}: config.json {key}. {fix}".strip())
+
+
+def require(c: dict, where: str, family: str, **wanted: Any) -> None:
+    """Refuses a config.json whose fields differ from what the family implements."""
+    for key, want in wanted.items():
+        if c.get(key, want) != want:
+            raise config_error(where, f"{key}={c[key]!r}", f"ndjax's {family} has {key}={want!r}.")
+
+
+def read_rope(params: dict, c: dict, where: str) -> tuple[float, RopeScaling | None]:
+    """(theta, scaling) of one set of rope parameters (transformers 5's rope_parameters,
+    or 4.x's rope_scaling with rope_theta at the top level)."""
+    theta = float(params.get("rope_theta", c.get("rope_theta", 10_000.0)))
+    kind = params.get("rope_type", params.get("type", "default"))
+    if params.get("partial_rotary_factor", 1.0) != 1.0:
+        raise config_error(where, f"partial_rotary_factor={params['partial_rotary_factor']}",
+                           "ndjax rotates the whole head; only 1.0 is supported.")
+    if kind == "default":
+        return theta, None
+    if kind not in ROPE_TYPES:
+        raise config_error(where, f"rope type {kind!r} is not supported",
+                           f"ndjax implements default and {' and '.join(ROPE_TYPES)} rotary "
+                           "embeddings.")
+    if "factor" not in params:
+        raise config_error(where, f"{kind} rope scaling lacks its factor", "Add it.")
+    if kind == "linear":
+        return theta, RopeScaling(factor=float(params["factor"]), rope_type="linear")
+    missing = [k for k in ("low_freq_factor", "high_freq_factor") if k not in params]
+    if missing:
+        raise config_error(where, f"llama3 rope scaling lacks {missing}",
+                           "Add them to config.json.")
+    original = params.get("original_max_position_embeddings",
+                          c.get("max_position_embeddings", 2048))
+    return theta, RopeScaling(
+        factor=float(params["factor"]), low_freq_factor=float(params["low_freq_factor"]),
+        high_freq_factor=float(params["high_freq_factor"]),
+        original_max_position_embeddings=int(original))
+
+
+def rope_parameters(c: dict) -> dict:
+    # Like transformers 5, prefer a 4.x rope_scaling where both are present.
+    return c.get("rope_scaling") or c.get("rope_parameters") or {}
+
+
+def read_dims(c: dict, where: str) -> dict:
+    """The DecoderConfig fields every family's config.json has, with transformers'
+    defaults for absent ones (rotary embeddings: the global layers')."""
+    ints = {}
+    for key in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+                "intermediate_size"):
+        if not isinstance(c.get(key), int) or c[key] < 1:
+            raise config_error(where, f"{key}={c.get(key)!r} must be a positive int",
+                               "Fix config.json.")
+        ints[key] = c[key]
+    heads = ints["num_attention_heads"]
+    params = rope_parameters(c)
+    if FULL in params:  # per layer type (Gemma 3)
+        params = params[FULL]
+    theta, scaling = read_rope(params, c, where)
+    return dict(vocab_size=ints["vocab_size"], dim=ints["hidden_size"],
+                n_layers=ints["num_hidden_layers"], n_heads=heads,
+                n_kv_heads=c.get("num_key_value_heads") or heads,
+                ffn_dim=ints["intermediate_size"],
+                head_dim=c.get("head_dim") or ints["hidden_size"] // heads, rope_theta=theta,
+                rope_scaling=scaling, rms_norm_eps=float(c.get("rms_norm_eps", 1e-6)),
+                tie_embeddings=bool(c.get("tie_word_embeddings", False)))
+
+
+def read_window(c: dict, where: str, n_layers: int) -> dict:
+    """sliding_window and sliding_window_pattern from config.json's ``sliding_window``
+    and ``layer_types`` (absent: every layer local when there is a window)."""
+    window = c.get("sliding_window")
+    types = c.get("layer_types")
+    if types is not None and SLIDING not in types:
+        window = None
+    if not window:
+        return dict(sliding_window=None, sliding_window_pattern=None)
+    if types is None or FULL not in types:
+        return dict(sliding_window=int(window), sliding_window_pattern=None)
+    every = list(types).index(FULL) + 1
+    if list(types) != [FULL if (i + 1) % every == 0 else SLIDING for i in range(n_layers)]:
+        raise config_error(where, f"layer_types={types!r}",
+                           "ndjax's windowed layers repeat a pattern: every n-th layer global.")
+    return dict(sliding_window=int(window), sliding_window_pattern=every)
+
+
+def write_rope(theta: float, scaling: RopeScaling | None) -> dict:
+    rope: dict[str, Any] = {"rope_type": "default", "rope_theta": theta}
+    if scaling is not None and scaling.rope_type == "linear":
+        rope.update(rope_type="linear", factor=scaling.factor)
+    elif scaling is not None:
+        rope.update(dataclasses.asdict(scaling))
+    return rope
+
+
+def write_dims(cfg: DecoderConfig) -> dict:
+    """config.json's shared fields for ``cfg`` (rotary: transformers 5's rope_parameters
+    and 4.x's rope_theta / rope_scaling, both)."""
+    rope = write_rope(cfg.rope_theta, cfg.rope_scaling)
+    out = dict(vocab_size=cfg.vocab_size, hidden_size=cfg.dim, intermediate_size=cfg.ffn_dim,
+               num_hidden_layers=cfg.n_layers, num_attention_heads=cfg.n_heads,
+               num_key_value_heads=cfg.n_kv_heads, head_dim=cfg.hd,
+               rms_norm_eps=cfg.rms_norm_eps, tie_word_embeddings=cfg.tie_embeddings,
+               rope_theta=cfg.rope_theta, rope_parameters=rope,
+               rope_scaling=None if cfg.rope_scaling is None else dict(rope))
+    if cfg.sliding_window:
+        out.update(sliding_window=cfg.sliding_window, layer_types=list(cfg.types))
+    return out
+
+
+def default_positions(cfg: DecoderConfig) -> int:
+    """max_position_embeddings when neither the source nor the run says."""
+    s = cfg.rope_scaling
+    if s is not None and s.rope_type == "llama3":
+        return int(s.original_max_position_embeddings * s.factor)
+    return 8192

@@ -1,0 +1,155 @@
+"""Model families by name (``model.family``) and by Hugging Face ``model_type``.
+
+A family is one module under ``ndjax/models/`` that registers a ``Family``: its
+presets, the decoder options it fixes and those a config may change, how it reads
+and writes a Hugging Face ``config.json``, its parameter names there, its FLOPs
+per token and its KV-cache decode. The rest of ndjax asks this registry and never
+names a family; adding one is a module here and its name in ``FAMILY_MODULES``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import types
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from ndjax.errors import ConfigError
+from ndjax.models import decoder
+from ndjax.models.decoder import DecoderConfig
+
+# The modules that register the families (imported on first use).
+FAMILY_MODULES = ("llama", "mistral", "qwen", "gemma")
+
+# DecoderConfig fields beyond the dims that some families have, as config fields
+# (ndjax.config.ModelSettings): set on a family that lacks them, they are refused.
+OPTION_FIELDS = ("qkv_bias", "qk_norm", "sliding_window", "sliding_window_pattern",
+                 "query_pre_attn_scalar", "local_rope_theta")
+_WHAT = {"qkv_bias": "q/k/v biases", "qk_norm": "q/k norms", "sliding_window": "sliding window",
+         "sliding_window_pattern": "pattern of local and global layers",
+         "query_pre_attn_scalar": "query scalar", "local_rope_theta": "local rotary base"}
+
+# ndjax layer paths of the norms -> Hugging Face names, without ".weight".
+STANDARD_NORMS = {"attn_norm": "input_layernorm", "mlp_norm": "post_attention_layernorm"}
+FLAT = "flat"  # an HF tensor that is the ndjax parameter flattened (biases)
+
+
+@dataclasses.dataclass(frozen=True)
+class Family:
+    name: str
+    description: str                 # a few words for the README table and errors
+    model_types: tuple[str, ...]     # Hugging Face model_type values it reads
+    architecture: str                # the class its exports name
+    presets: Mapping[str, Mapping[str, Any]]  # every family has a "tiny" one for tests
+    read_hf: Callable[[dict, str], dict]  # (config.json, where) -> DecoderConfig fields
+    write_hf: Callable[[DecoderConfig], dict]  # -> the family's own config.json fields
+    fixed: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    options: tuple[str, ...] = ()    # OPTION_FIELDS a config may change
+    norm_names: Mapping[str, str] = dataclasses.field(default_factory=lambda: STANDARD_NORMS)
+
+    def flops_per_token(self, cfg: DecoderConfig, seq_len: int) -> float:
+        return decoder.train_flops_per_token(cfg, seq_len)
+
+    @property
+    def decode(self) -> types.ModuleType:
+        """The KV-cache decode (``init_cache``, ``forward``)."""
+        from ndjax.models import decode
+        return decode
+
+    def hf_names(self, cfg: DecoderConfig) -> tuple[dict, dict]:
+        """(top-level, per-layer) maps: ndjax parameter path -> (Hugging Face name,
+        split). ``split`` None: the same layout; FLAT: the HF tensor is the parameter
+        flattened; an int: the HF weight is a Linear's (out, in) matrix and the ndjax
+        parameter its transpose with in = shape[:split], out = shape[split:]."""
+        top = {("embed",): ("model.embed_tokens.weight", None),
+               ("final_norm", "scale"): ("model.norm.weight", None)}
+        if not cfg.tie_embeddings:
+            top[("lm_head",)] = ("lm_head.weight", 1)
+        layer = {("attn", "wq"): ("self_attn.q_proj.weight", 1),
+                 ("attn", "wk"): ("self_attn.k_proj.weight", 1),
+                 ("attn", "wv"): ("self_attn.v_proj.weight", 1),
+                 ("attn", "wo"): ("self_attn.o_proj.weight", 2),
+                 ("mlp", "w_gate"): ("mlp.gate_proj.weight", 1),
+                 ("mlp", "w_up"): ("mlp.up_proj.weight", 1),
+                 ("mlp", "w_down"): ("mlp.down_proj.weight", 1)}
+        for path, name in self.norm_names.items():
+            if cfg.post_norms or not path.startswith("post_"):
+                layer[(path, "scale")] = (f"{name}.weight", None)
+        if cfg.qkv_bias:
+            layer.update({("attn", f"b{x}"): (f"self_attn.{x}_proj.bias", FLAT) for x in "qkv"})
+        if cfg.qk_norm:
+            layer.update({("attn", f"{x}_norm", "scale"): (f"self_attn.{x}_norm.weight", None)
+                          for x in "qk"})
+        return top, layer
+
+    def hf_config(self, cfg: DecoderConfig) -> dict:
+        return dict(self.write_hf(cfg), architectures=[self.architecture],
+                    model_type=self.model_types[0])
+
+
+_FAMILIES: dict[str, Family] = {}
+
+
+def register(family: Family) -> Family:
+    _FAMILIES[family.name] = family
+    return family
+
+
+def families() -> dict[str, Family]:
+    """Every family, by name, in FAMILY_MODULES' order."""
+    for module in FAMILY_MODULES:
+        importlib.import_module(f"ndjax.models.{module}")
+    return dict(_FAMILIES)
+
+
+def get(name: str) -> Family:
+    known = families()
+    if name not in known:
+        raise ConfigError(f"model.family={name!r}: choose one of {sorted(known)}.")
+    return known[name]
+
+
+def of(cfg: DecoderConfig) -> Family:
+    return get(cfg.family)
+
+
+def for_config_json(c: dict, where: str) -> Family:
+    """The family of a Hugging Face config.json, by its model_type."""
+    model_type = c.get("model_type")
+    for family in families().values():
+        if model_type in family.model_types:
+            return family
+    supported = sorted(t for f in families().values() for t in f.model_types)
+    raise ConfigError(
+        f"model.init_from={where!r}: config.json has model_type={model_type!r} "
+        f"(architectures {c.get('architectures')}), which ndjax does not implement; it "
+        f"reads the model_types {supported}.")
+
+
+def preset_dims(family: Family, preset: str) -> dict:
+    if preset not in family.presets:
+        raise ConfigError(f"model.preset={preset!r}: choose one of {sorted(family.presets)} "
+                          f"(the presets of model.family={family.name!r}).")
+    return {**family.fixed, **family.presets[preset], "family": family.name}
+
+
+def check_options(family: Family, values: Mapping[str, Any]) -> None:
+    """Refuses an OPTION_FIELDS value the family cannot have (None: unset)."""
+    defaults = {f.name: f.default for f in dataclasses.fields(DecoderConfig)}
+    for field, value in values.items():
+        if value is None or field in family.options:
+            continue
+        if family.fixed.get(field, defaults[field]) in (value, None if value == 0 else value):
+            continue  # what the family has anyway
+        having = sorted(f.name for f in families().values()
+                        if field in f.options or f.fixed.get(field))
+        raise ConfigError(
+            f"model.{field}={value!r}: model.family={family.name!r} has no {_WHAT[field]} to "
+            f"change (its is {family.fixed.get(field, defaults[field])!r}). Unset it, or use a "
+            f"family that has one: {having}.")
+
+
+def config_from_preset(family: str, preset: str, **overrides: Any) -> DecoderConfig:
+    """The DecoderConfig of a preset (tests, benchmarks, the planner's references)."""
+    return DecoderConfig(**{**preset_dims(get(family), preset), **overrides})

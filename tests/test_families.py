@@ -1,0 +1,190 @@
+"""Every model family against transformers, and on every layout against one device.
+
+One parametrised suite: a family is a registry entry plus a tiny transformers config
+here. Tolerances as tests/test_hf.py (logits max abs difference <= 1e-4 in float32,
+on logits with a spread of ~1; weights passing through import -> export come back
+bit-identical) and tests/test_layouts.py (helpers.assert_same_training).
+"""
+
+import json
+
+import jax
+import numpy as np
+import pytest
+import torch
+from conftest import tiny_config
+from helpers import assert_same_training
+from test_hf import BASE, FSDP_TP, B, S, config_for, hf_logits, load, ndjax_logits
+from transformers import (
+    AutoModelForCausalLM,
+    Gemma3ForCausalLM,
+    Gemma3TextConfig,
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
+
+from ndjax import hf
+from ndjax import rules as rules_lib
+from ndjax.errors import ConfigError
+from ndjax.experiment import Experiment
+from ndjax.models import registry
+
+WINDOW = 8  # < S, and < each packed document below
+GEMMA_TYPES = ["sliding_attention", "full_attention"] * 2 + ["sliding_attention"]
+# family -> (config class, model class, config fields): random tiny models that use
+# every option of the family (Gemma: 5 layers alternating, so one scanned period of
+# 2 and a layer after it; a query scalar that is not head_dim).
+FAMILIES = {
+    "llama": (LlamaConfig, LlamaForCausalLM, dict(tie_word_embeddings=True)),
+    "mistral": (MistralConfig, MistralForCausalLM, dict(sliding_window=WINDOW)),
+    "qwen2": (Qwen2Config, Qwen2ForCausalLM, dict(tie_word_embeddings=True)),
+    "qwen3": (Qwen3Config, Qwen3ForCausalLM, dict(head_dim=16)),
+    "gemma3": (Gemma3TextConfig, Gemma3ForCausalLM, dict(
+        head_dim=16, num_hidden_layers=5, layer_types=GEMMA_TYPES, sliding_window=WINDOW,
+        query_pre_attn_scalar=12, rope_parameters={
+            "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1e6},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}})),
+}
+
+
+def make_family_hf(directory, family, seed=0):
+    """A random model of ``family`` saved to ``directory``; returns it (float32)."""
+    config_cls, model_cls, fields = FAMILIES[family]
+    torch.manual_seed(seed)
+    config = config_cls(**{**BASE, **fields})
+    model = model_cls(config).eval()
+    with torch.no_grad():  # norms start at 1 (Gemma: 0) and biases at 0: make them count
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.uniform_(-0.5, 0.5) if family == "gemma3" else p.uniform_(0.5, 1.5)
+            elif name.endswith("bias"):
+                p.normal_(0.0, 0.5)
+    model.save_pretrained(directory)
+    return model
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    cache = {}
+
+    def get(family):
+        if family not in cache:
+            directory = tmp_path_factory.mktemp(family)
+            cache[family] = (directory, make_family_hf(directory, family))
+        return cache[family]
+    return get
+
+
+def tokens(vocab, seed=1):
+    return np.random.default_rng(seed).integers(0, vocab, (B, S)).astype(np.int32)
+
+
+@pytest.mark.parametrize("mesh", ["one_device", "fsdp_tp"])
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_logits_match_transformers(saved, family, mesh):
+    directory, model = saved(family)
+    devices = jax.devices()[:1] if mesh == "one_device" else None
+    exp = Experiment.from_config(config_for(directory, None if devices else FSDP_TP),
+                                 devices)
+    assert exp.model_cfg.family == family
+    toks = tokens(model.config.vocab_size)
+    ref = hf_logits(model, toks)
+    assert ref.std() > 0.5
+    np.testing.assert_allclose(ndjax_logits(exp, load(exp), toks), ref, rtol=0, atol=1e-4)
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_packed_rows_equal_each_document_alone(saved, family):
+    """Two documents in one row (segment ids, positions restarting), each longer than
+    the window: each one's logits equal transformers' on that document alone."""
+    directory, model = saved(family)
+    exp = Experiment.from_config(config_for(directory), jax.devices()[:1])
+    toks = tokens(model.config.vocab_size, seed=2)
+    cut = 19
+    positions = np.concatenate([np.arange(cut), np.arange(S - cut)]).astype(np.int32)
+    segments = np.concatenate([np.ones(cut), np.full(S - cut, 2)]).astype(np.int32)
+    with rules_lib.use(exp.rules):
+        out = np.asarray(jax.jit(exp.apply)(load(exp), toks, np.broadcast_to(positions, toks.shape),
+                                            np.broadcast_to(segments, toks.shape)))
+    np.testing.assert_allclose(out[:, :cut], hf_logits(model, toks[:, :cut]), rtol=0, atol=1e-4)
+    np.testing.assert_allclose(out[:, cut:], hf_logits(model, toks[:, cut:]), rtol=0, atol=1e-4)
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_export_loads_in_transformers_with_identical_weights(saved, family, tmp_path):
+    directory, model = saved(family)
+    exp = Experiment.from_config(config_for(directory), jax.devices()[:1])
+    out = tmp_path / "export"
+    hf.export(load(exp), exp.model_cfg, str(out), "float32", source=exp.checkpoint)
+    config = json.loads((out / "config.json").read_text())
+    assert config["model_type"] == model.config.model_type
+    back = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+    assert type(back) is type(model)
+    want = model.state_dict()
+    got = back.state_dict()
+    assert set(got) == set(want)
+    for name, value in want.items():
+        assert torch.equal(got[name], value), name
+    toks = tokens(model.config.vocab_size)
+    np.testing.assert_array_equal(hf_logits(back, toks), hf_logits(model, toks))
+
+
+# Layouts against one device (3 AdamW steps, f32), on the tiny config of each family
+# with its options switched on.
+FAMILY_MODELS = {
+    "mistral": dict(family="mistral", sliding_window=WINDOW),
+    "qwen2": dict(family="qwen2"),
+    "qwen3": dict(family="qwen3", head_dim=16),
+    "gemma3": dict(family="gemma3", n_layers=3, head_dim=16, sliding_window=WINDOW,
+                   sliding_window_pattern=2, query_pre_attn_scalar=12.0),
+}
+
+
+@pytest.mark.parametrize("family", sorted(FAMILY_MODELS))
+def test_layout_matches_single_device(family):
+    """fsdp x context x tensor in one layout: parameters over fsdp x context, ring
+    attention over context (with the family's window), and tensor wider than the one
+    kv head (replicated on both shards whose query heads use it). tests/test_layouts.py
+    runs each of those on its own for Llama; here every family meets them all."""
+    model = {**FAMILY_MODELS[family], "n_kv_heads": 1}
+    exp = Experiment.from_config(tiny_config(mesh=dict(fsdp=2, context=2, tensor=2),
+                                             model=model))
+    assert exp.attention.name == "ring"
+    assert exp.rules.kv_repeat(1) == 2
+    assert_same_training(exp, model)
+
+
+def test_an_unsupported_model_type_names_the_families(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(
+        {"model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"]}))
+    with pytest.raises(ConfigError) as e:
+        hf.open_checkpoint(str(tmp_path))
+    message = str(e.value)
+    assert "model_type='qwen3_moe'" in message and "\n" not in message
+    for model_type in ("llama", "mistral", "qwen2", "qwen3", "gemma3_text"):
+        assert f"'{model_type}'" in message
+
+
+@pytest.mark.parametrize("family, field, value, says", [
+    ("llama", "qk_norm", True, "model.qk_norm=True: model.family='llama' has no q/k norms"),
+    ("qwen2", "sliding_window", 64, "model.sliding_window=64: model.family='qwen2' has no "
+                                    "sliding window"),
+    ("qwen3", "qk_norm", False, "model.qk_norm=False: model.family='qwen3' has no q/k norms to "
+                                "change"),
+])
+def test_an_option_the_family_lacks_is_refused(family, field, value, says):
+    config = tiny_config(model={"family": family, field: value})
+    with pytest.raises(ConfigError) as e:
+        Experiment.from_config(config, jax.devices()[:1])
+    assert str(e.value).startswith(says) and "\n" not in str(e.value)
+
+
+def test_every_family_has_a_tiny_preset_and_real_sizes():
+    for name, family in registry.families().items():
+        assert "tiny" in family.presets and len(family.presets) > 1, name
