@@ -6,6 +6,7 @@ on logits with a spread of ~1; weights passing through import -> export come bac
 bit-identical) and tests/test_layouts.py (helpers.assert_same_training).
 """
 
+import importlib.util
 import json
 
 import jax
@@ -33,6 +34,7 @@ from ndjax import hf
 from ndjax import rules as rules_lib
 from ndjax.errors import ConfigError
 from ndjax.experiment import Experiment
+from ndjax.generate import load as load_generator
 from ndjax.models import registry
 
 WINDOW = 8  # < S, and < each packed document below
@@ -188,3 +190,31 @@ def test_an_option_the_family_lacks_is_refused(family, field, value, says):
 def test_every_family_has_a_tiny_preset_and_real_sizes():
     for name, family in registry.families().items():
         assert "tiny" in family.presets and len(family.presets) > 1, name
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_greedy_generation_matches_transformers(saved, family, tmp_path):
+    """``python -m ndjax.generate --hf_dir``'s model (a KV cache, left-padded prompts of
+    several lengths, local layers' windows over the cache) gives transformers' greedy
+    tokens, each prompt generated alone there."""
+    from test_generate import N_NEW, hf_greedy, prompts, write_tokenizer
+
+    directory, model = saved(family)
+    if not (directory / "tokenizer.json").exists():
+        write_tokenizer(directory)
+    m = load_generator(hf_dir=str(directory), devices=jax.devices()[:1])
+    ids = prompts()
+    eos = m.eos_ids[0]
+    assert m.generator(N_NEW)(ids) == hf_greedy(model, ids, eos=eos)
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_each_family_config_builds(family):
+    """configs/<family>_fsdp_tp.py (the README's command per family) checks and builds."""
+    if family == "llama":
+        pytest.skip("configs/llama_fsdp_tp.py is the default experiment, run by test_train_cli")
+    spec = importlib.util.spec_from_file_location(family, f"configs/{family}_fsdp_tp.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    exp = Experiment.from_config(module.get_config())
+    assert exp.model_cfg.family == family and exp.mesh.shape["tensor"] == 2

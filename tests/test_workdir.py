@@ -49,7 +49,7 @@ def test_generate_export_and_resume_after_the_source_is_gone(tmp_path, cpu_devic
     saved = json.loads((run / "config.json").read_text())["model"]
     assert saved["init_from"] == str(source)  # where it started, for the record
     assert saved["rms_norm_eps"] == 1e-3 and saved["rope_theta"] == 20_000.0
-    assert saved["rope_scaling"] == SCALING
+    assert saved["rope_scaling"] == {**SCALING, "rope_type": "llama3"}
     assert (saved["vocab_size"], saved["dim"], saved["n_kv_heads"]) == (264, 64, 4)
     assert (run / SOURCE / "config.json").is_file()
     assert not list((run / SOURCE).glob("*.safetensors"))  # weights come from checkpoints

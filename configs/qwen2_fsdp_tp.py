@@ -1,0 +1,21 @@
+"""FSDP x tensor parallelism on 4 x 2 devices: the tiny Qwen 2.5 (q/k/v biases, tied embeddings).
+
+    python train.py --config=configs/qwen2_fsdp_tp.py
+    python -m ndjax.plan --config=configs/qwen2_fsdp_tp.py --devices=64 \\
+        --config.model.preset=qwen2_5_7b
+    python train.py --config=configs/qwen2_fsdp_tp.py --config.model.init_from=DIR
+
+DIR: a transformers-saved directory of the family (its config.json sets the model).
+"""
+
+from ndjax.config import default_config
+
+
+def get_config():
+    c = default_config()
+    c.model.family = "qwen2"
+    c.mesh.fsdp = 4
+    c.mesh.tensor = 2
+    c.rules = "default"
+    c.train.seq_len = 128
+    return c
