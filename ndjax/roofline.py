@@ -119,14 +119,20 @@ def recomputed_forward_flops(cfg: Any, seq_len: int, remat: str) -> dict[str, fl
     matmul (over all layers; a multiply-add is 2). ``cfg``: a ``DecoderConfig``.
 
     Attention is priced as ``ndjax.flops`` counts it, QK^T and PV over the causal
-    half of the keys; how much of it a kernel really reruns is the kernel's (the
-    dense kernel reruns PV under full, and its QK^T under every policy, none too)."""
+    half of the keys (a local layer's: those in its window); how much of it a kernel
+    really reruns is the kernel's (the dense kernel reruns PV under full, and its
+    QK^T under every policy, none too)."""
+    from ndjax.models.decoder import keys_per_query
+
     d, hd, layers = cfg.dim, cfg.hd, cfg.n_layers
     per_layer = {"q": 2 * d * cfg.n_heads * hd, "k": 2 * d * cfg.n_kv_heads * hd,
                  "v": 2 * d * cfg.n_kv_heads * hd, "o": 2 * cfg.n_heads * hd * d,
-                 "gate": 2 * d * cfg.ffn_dim, "up": 2 * d * cfg.ffn_dim,
-                 "attention": 2 * cfg.n_heads * hd * (seq_len + 1)}
-    return {part: float(layers * per_layer[part]) for part in RERUN[remat]}
+                 "gate": 2 * d * cfg.ffn_dim, "up": 2 * d * cfg.ffn_dim}
+    out = {part: float(layers * per_layer[part]) for part in RERUN[remat] if part in per_layer}
+    if "attention" in RERUN[remat]:
+        out["attention"] = float(sum(4 * cfg.n_heads * hd * keys_per_query(
+            seq_len, cfg.spec(t).window) for t in cfg.types))
+    return out
 
 
 @functools.cache

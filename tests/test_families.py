@@ -15,7 +15,17 @@ import pytest
 import torch
 from conftest import tiny_config
 from helpers import assert_same_training
-from test_hf import BASE, FSDP_TP, B, S, config_for, hf_logits, load, ndjax_logits
+from test_hf import (
+    BASE,
+    FSDP_TP,
+    B,
+    S,
+    config_for,
+    expected_params,
+    hf_logits,
+    load,
+    ndjax_logits,
+)
 from transformers import (
     AutoModelForCausalLM,
     Gemma3ForCausalLM,
@@ -55,8 +65,9 @@ FAMILIES = {
 }
 
 
-def make_family_hf(directory, family, seed=0):
-    """A random model of ``family`` saved to ``directory``; returns it (float32)."""
+def make_family_hf(directory, family, seed=0, dtype=torch.float32, max_shard_size=None):
+    """A random model of ``family`` saved to ``directory`` (in ``dtype``, in files of
+    at most ``max_shard_size``); returns it (float32)."""
     config_cls, model_cls, fields = FAMILIES[family]
     torch.manual_seed(seed)
     config = config_cls(**{**BASE, **fields})
@@ -67,8 +78,9 @@ def make_family_hf(directory, family, seed=0):
                 p.uniform_(-0.5, 0.5) if family == "gemma3" else p.uniform_(0.5, 1.5)
             elif name.endswith("bias"):
                 p.normal_(0.0, 0.5)
-    model.save_pretrained(directory)
-    return model
+    kwargs = {} if max_shard_size is None else dict(max_shard_size=max_shard_size)
+    model.to(dtype).save_pretrained(directory, **kwargs)
+    return model.float()
 
 
 @pytest.fixture(scope="module")
@@ -135,6 +147,23 @@ def test_export_loads_in_transformers_with_identical_weights(saved, family, tmp_
         assert torch.equal(got[name], value), name
     toks = tokens(model.config.vocab_size)
     np.testing.assert_array_equal(hf_logits(back, toks), hf_logits(model, toks))
+
+
+@pytest.mark.parametrize("family", ["qwen2", "gemma3"])
+def test_bf16_shards_from_several_files(tmp_path, family):
+    """Each device's shard (fsdp x tensor), read from a bfloat16 checkpoint split over
+    files, holds exactly the checkpoint's values: the biases (flattened in the HF file)
+    and Gemma's four norms and q/k norms too."""
+    model = make_family_hf(tmp_path, family, dtype=torch.bfloat16, max_shard_size="40KB")
+    assert len([p for p in tmp_path.iterdir() if p.suffix == ".safetensors"]) > 3
+    exp = Experiment.from_config(config_for(tmp_path, FSDP_TP))
+    expected = expected_params(model, exp.param_shapes, exp.model_cfg)
+    params = load(exp)
+    for (path, got), want, sharding in zip(jax.tree_util.tree_leaves_with_path(params),
+                                           jax.tree.leaves(expected),
+                                           jax.tree.leaves(exp.state_sharding.params)):
+        assert got.sharding == sharding and got.dtype == np.float32, path
+        np.testing.assert_array_equal(np.asarray(got), want, err_msg=str(path))
 
 
 # Layouts against one device (3 AdamW steps, f32), on the tiny config of each family

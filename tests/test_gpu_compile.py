@@ -159,6 +159,22 @@ def test_train_step_memory_against_the_sequence(impl, mesh):
 
 
 @needs_extra
+def test_a_gemma_like_step_compiles_with_windowed_and_global_layers_for_a_gpu():
+    """The train step of a model with local and global layers (Gemma 3's layout: here
+    every 2nd layer global, one scanned period of 2; a query scalar), compiled
+    for H100s with cuDNN: the local layers' calls carry their window, the global
+    one's none, all with the query scalar's scale."""
+    model = dict(family="gemma3", n_layers=2, head_dim=64, sliding_window=256,
+                 sliding_window_pattern=2, query_pre_attn_scalar=100.0)
+    exp, compiled = _step_temp("auto", 1024, model=model)
+    assert exp.attention.name == "cudnn"
+    calls = [line for line in compiled.as_text().splitlines() if "__cudnn$fmha" in line]
+    windowed = [c for c in calls if '"sliding_window_length": 256' in c]
+    assert calls and 0 < len(windowed) < len(calls), len(calls)
+    assert all('"fmha_scale": 0.1' in c for c in calls)
+
+
+@needs_extra
 @pytest.mark.parametrize("dtype, want", [("bfloat16", "cudnn"), ("float32", "pallas")])
 def test_auto_on_a_gpu_picks_a_kernel_that_compiles(dtype, want):
     exp, compiled = _step_temp("auto", 1024, model=dict(dtype=dtype))

@@ -1,0 +1,95 @@
+"""Each model family's real-size preset, compiled by XLA's GPU compiler for 8 H100s
+(``python -m ndjax.compile``'s figures), and a sliding window's memory at 32k tokens
+next to the same model attending globally.
+
+    PYTHONPATH=. python bench/families.py           # ~10 compiles, a few minutes on 2 cores
+    PYTHONPATH=. python bench/families.py --tiny    # the tiny presets, a smoke run
+
+Every row: fsdp=4 x tensor=2 (``configs/<family>_fsdp_tp.py``), bfloat16, the
+attention kernel ``auto`` picks on the GPU. Memory per device: arguments (the
+sharded parameters, optimizer state and batch) and temporaries (activations and
+everything else the step allocates), as the compile plans them (no cuBLAS/cuDNN
+workspaces: README, "Compiling for GPUs you don't have").
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import platform
+
+GiB = 2**30
+
+# (family, preset, batch, seq, remat, extra model fields, label)
+FAMILY_CASES = [
+    ("llama", "llama3_8b", 8, 4096, "full", {}, ""),
+    ("mistral", "mistral_7b_v0_1", 8, 4096, "full", {}, "window 4096 (= seq: no effect)"),
+    ("qwen2", "qwen2_5_7b", 8, 4096, "full", {}, ""),
+    ("qwen3", "qwen3_8b", 8, 4096, "full", {}, ""),
+    ("gemma3", "gemma3_12b", 8, 4096, "full", {}, "5 local (window 1024) : 1 global"),
+]
+# A window's memory at 32k tokens: the preset, and the same model with every layer global.
+WINDOW_CASES = [
+    ("mistral", "mistral_7b_v0_1", 4, 32768, "full", {}, "window 4096"),
+    ("mistral", "mistral_7b_v0_1", 4, 32768, "full", {"sliding_window": 0}, "global"),
+    ("gemma3", "gemma3_12b", 4, 32768, "full", {}, "5 local (window 1024) : 1 global"),
+    ("gemma3", "gemma3_12b", 4, 32768, "full", {"sliding_window": 0}, "global"),
+]
+TINY = [(family, "tiny", 8, 256, "full", {}, "") for family in
+        ("llama", "mistral", "qwen2", "qwen3", "gemma3")]
+
+
+def row(case, hardware: str) -> str:
+    from ndjax.compile import compile_for
+    from ndjax.config import default_config
+
+    family, preset, batch, seq, remat, extra, label = case
+    c = default_config()
+    c.mesh.update(dict(fsdp=4, tensor=2))
+    c.model.update(dict(family=family, preset=preset, remat=remat, **extra))
+    c.train.update(dict(batch_size=batch, seq_len=seq))
+    c.data.source = "synthetic"
+    r = compile_for(c, hardware, 8)
+    total = r["argument_bytes"] + r["temp_bytes"]
+    return (f"| {family} | {preset} | {label or '-'} | {batch} x {seq} | {remat} | "
+            f"{r['attention']} | {r['argument_bytes'] / GiB:.1f} | {r['temp_bytes'] / GiB:.1f} | "
+            f"{total / GiB:.1f} | {r['compile_s']:.0f} |")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tiny", action="store_true", help="the tiny presets, a smoke run")
+    parser.add_argument("--hardware", default="h100")
+    args = parser.parse_args()
+    os.environ["JAX_PLATFORMS"] = "cpu"
+    from ndjax.console import native_stderr
+
+    with native_stderr():
+        import jax
+        jax.config.update("jax_num_cpu_devices", 8)
+        jax.devices()
+    from ndjax import gpu_target, roofline
+
+    gpu_target.require()
+    print(f"`PYTHONPATH=. python bench/families.py{' --tiny' if args.tiny else ''}` on "
+          f"{platform.processor() or platform.machine()} ({os.cpu_count()} cores, no GPU), "
+          f"jax {jax.__version__}, {datetime.date.today().isoformat()}; compiled for 8 x "
+          f"{roofline.HARDWARE[args.hardware].name}, fsdp=4 x tensor=2, bfloat16")
+    print()
+    header = ("| family | preset | layers | batch x seq | remat | attention | arguments GiB | "
+              "temporaries GiB | total GiB | compile s |\n"
+              "|:--|:--|:--|--:|:--|:--|--:|--:|--:|--:|")
+    groups = [("", TINY)] if args.tiny else [("Each family's real size", FAMILY_CASES),
+                                             ("A sliding window at 32k tokens", WINDOW_CASES)]
+    for title, cases in groups:
+        if title:
+            print(f"{title}:\n")
+        print(header)
+        for case in cases:
+            print(row(case, args.hardware), flush=True)
+        print()
+
+
+if __name__ == "__main__":
+    main()
