@@ -9,7 +9,10 @@ Every row: fsdp=4 x tensor=2 (``configs/<family>_fsdp_tp.py``), bfloat16, the
 attention kernel ``auto`` picks on the GPU. Memory per device: arguments (the
 sharded parameters, optimizer state and batch) and temporaries (activations and
 everything else the step allocates), as the compile plans them (no cuBLAS/cuDNN
-workspaces: README, "Compiling for GPUs you don't have").
+workspaces: README, "Compiling for GPUs you don't have"); and the step's model
+FLOPs (``ndjax.flops``: a local layer counts the keys in its window), which is
+where a window saves with a flash kernel, whose memory is linear in the sequence
+with or without one.
 """
 
 from __future__ import annotations
@@ -42,7 +45,9 @@ TINY = [(family, "tiny", 8, 256, "full", {}, "") for family in
 
 def row(case, hardware: str) -> str:
     from ndjax.compile import compile_for
-    from ndjax.config import default_config
+    from ndjax.config import Settings, default_config
+    from ndjax.experiment import model_config
+    from ndjax.flops import flops_per_token
 
     family, preset, batch, seq, remat, extra, label = case
     c = default_config()
@@ -52,9 +57,11 @@ def row(case, hardware: str) -> str:
     c.data.source = "synthetic"
     r = compile_for(c, hardware, 8)
     total = r["argument_bytes"] + r["temp_bytes"]
+    cfg = model_config(Settings.parse(c).model, platform="gpu")
+    tflops = flops_per_token(cfg, seq) * batch * seq / 1e12
     return (f"| {family} | {preset} | {label or '-'} | {batch} x {seq} | {remat} | "
             f"{r['attention']} | {r['argument_bytes'] / GiB:.1f} | {r['temp_bytes'] / GiB:.1f} | "
-            f"{total / GiB:.1f} | {r['compile_s']:.0f} |")
+            f"{total / GiB:.1f} | {tflops:,.0f} | {r['compile_s']:.0f} |")
 
 
 def main() -> None:
@@ -78,8 +85,8 @@ def main() -> None:
           f"{roofline.HARDWARE[args.hardware].name}, fsdp=4 x tensor=2, bfloat16")
     print()
     header = ("| family | preset | layers | batch x seq | remat | attention | arguments GiB | "
-              "temporaries GiB | total GiB | compile s |\n"
-              "|:--|:--|:--|--:|:--|:--|--:|--:|--:|--:|")
+              "temporaries GiB | total GiB | model TFLOP per step | compile s |\n"
+              "|:--|:--|:--|--:|:--|:--|--:|--:|--:|--:|--:|")
     groups = [("", TINY)] if args.tiny else [("Each family's real size", FAMILY_CASES),
                                              ("A sliding window at 32k tokens", WINDOW_CASES)]
     for title, cases in groups:

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import tiny_config
-from helpers import assert_same_training
+from helpers import GRAD_RTOL, _reference, assert_same_training, first_step_grads, run_steps
 from test_hf import (
     BASE,
     FSDP_TP,
@@ -247,3 +247,19 @@ def test_each_family_config_builds(family):
     spec.loader.exec_module(module)
     exp = Experiment.from_config(module.get_config())
     assert exp.model_cfg.family == family and exp.mesh.shape["tensor"] == 2
+
+
+@pytest.mark.parametrize("variant", [dict(remat="full"), dict(scan_layers=False)])
+def test_local_and_global_layers_train_alike_however_run(variant):
+    """Gemma's mixed layers (one scanned period of 2, then a layer after it) give the
+    same losses and first-step gradients under full remat (each layer of a period
+    recomputed on its own) and unrolled as scanned without remat."""
+    model = dict(FAMILY_MODELS["gemma3"], remat="none")
+    ref_init, ref_losses, _, ref_grads = _reference(model)
+    exp = Experiment.from_config(tiny_config(model={**model, **variant}), jax.devices()[:1])
+    losses, _ = run_steps(exp, ref_init)
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    for (path, g), want in zip(jax.tree_util.tree_leaves_with_path(
+            first_step_grads(exp, ref_init)), jax.tree.leaves(ref_grads)):
+        np.testing.assert_allclose(g, want, rtol=0, atol=GRAD_RTOL * np.abs(want).max(),
+                                   err_msg=jax.tree_util.keystr(path))

@@ -71,7 +71,8 @@ CASES = {
     "odd head dim": (dict(mesh=dict(fsdp=8), model=dict(dim=72, n_heads=8)),
                      r"head_dim=9 .* must be a whole, even number"),
     "unknown preset": (dict(mesh=dict(fsdp=8), model=dict(preset="llama9")),
-                       r"model.preset='llama9': choose one of \('llama3_1b', "),
+                       r"model.preset='llama9': choose one of \['llama3_1b', .*'tiny'\] "
+                       r"\(the presets of model.family='llama'\)"),
     "unknown rules": (dict(mesh=dict(fsdp=8), rules="fastest"), r"rules='fastest' is not a preset"),
     "bad remat": (dict(mesh=dict(fsdp=8), model=dict(remat="some")), r"model.remat='some'"),
     "bad dtype": (dict(mesh=dict(fsdp=8), model=dict(dtype="fp8")), r"model.dtype='fp8'"),

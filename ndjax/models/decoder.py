@@ -352,28 +352,32 @@ class Decoder(nnx.Module):
         graphdef, stacked = nnx.split(self.layers)
         policy = REMAT_POLICIES[cfg.remat]
 
-        def group(pattern: tuple[str, ...], inner: bool):
-            """(h, parameters of len(pattern) layers, consts) -> h: the layers of one
-            period, each with its type's static attention spec and rotary tables.
-            ``inner``: the parameters have a leading axis over the pattern."""
-            def block(h, params, consts, layer_type):
+        def block(layer_type: str):
+            """(h, one layer's parameters, consts) -> h, with the type's static attention
+            spec and rotary tables."""
+            def run(h, params, consts):
                 tables, seg = consts
                 return nnx.merge(graphdef, params)(h, *tables[layer_type], seg,
                                                    cfg.spec(layer_type))
-            if cfg.remat == "full" and len(pattern) > 1:
-                # Recompute one layer at a time in the backward pass, not the period.
-                block = jax.checkpoint(block, policy=policy, static_argnums=(3,))
+            return run
 
+        def group(pattern: tuple[str, ...], inner: bool):
+            """(h, parameters of len(pattern) layers, consts) -> h: the layers of one
+            period. ``inner``: the parameters have a leading axis over the pattern."""
             def run(h, params, consts):
                 for j, layer_type in enumerate(pattern):
                     p = jax.tree.map(lambda a, j=j: a[j], params) if inner else params
-                    h = block(h, p, consts, layer_type)
+                    h = block(layer_type)(h, p, consts)
                 return h
             return run
 
-        def scanned(run, x, params):
+        def scanned(pattern, x, params):
             if cfg.remat == "full":
-                return scan_full_remat(run, x, params, (tables, segment_ids))
+                # Each layer's input kept, each layer recomputed on its own.
+                layers = tuple(block(t) for t in pattern)
+                return scan_full_remat(layers if len(pattern) > 1 else layers[0], x, params,
+                                       (tables, segment_ids))
+            run = group(pattern, len(pattern) > 1)
             # The segment ids ride in the scan's carry, not as a constant of the body:
             # jax hoists work that depends only on a scan's constants out of the loop,
             # and for the tiled attention kernel that work is every key tile's mask,
@@ -387,16 +391,15 @@ class Decoder(nnx.Module):
         if cfg.scan_layers:
             whole = n // period * period
             if whole:
-                x = scanned(group(types[:period], period > 1), x,
+                x = scanned(types[:period], x,
                             _layer_slice(stacked, 0, whole, period if period > 1 else None))
             if whole < n:  # the layers after the last whole period, as one group
                 rest = n - whole
-                x = scanned(group(types[whole:], rest > 1), x,
+                x = scanned(types[whole:], x,
                             _layer_slice(stacked, whole, n, rest if rest > 1 else None))
         else:
             for i in range(n):
-                body = jax.checkpoint(group((types[i],), False), policy=policy,
-                                      prevent_cse=True)
+                body = jax.checkpoint(block(types[i]), policy=policy, prevent_cse=True)
                 x = body(x, jax.tree.map(lambda a, i=i: a[i], stacked), (tables, segment_ids))
 
         x = constrain(self.final_norm(x), HIDDEN)

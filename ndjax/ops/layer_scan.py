@@ -39,28 +39,51 @@ def _zero_cotangent(x: jax.Array) -> Any:
     return np.zeros(x.shape, jax.dtypes.float0)
 
 
-def scan_full_remat(layer: Layer, h: jax.Array, params: Any, consts: tuple) -> jax.Array:
+def scan_full_remat(layer: Layer | tuple[Layer, ...], h: jax.Array, params: Any,
+                    consts: tuple) -> jax.Array:
     """``h`` through every layer of the stacked ``params`` (leading axis: layers).
+
+    ``layer`` may be a tuple of P layers (a period of different layers: Gemma 3's five
+    local ones and a global one); then ``params`` is (groups, P, ...) and each scan step
+    runs the P layers in turn. Each layer's input is saved, and the backward pass
+    recomputes one layer at a time: every layer's forward runs once more, whatever P.
 
     ``consts`` (RoPE tables, segment ids) are the same for every layer and get no
     gradient. ``layer`` must not close over traced values.
     """
+    layers = layer if isinstance(layer, tuple) else (layer,)
+    inner = isinstance(layer, tuple)
+
+    def at(p, j):
+        return jax.tree.map(lambda a: a[j], p) if inner else p
+
+    def run_group(c, p, keep):
+        saved = []
+        for j, f in enumerate(layers):
+            saved.append(_to_bits(c))
+            c = f(c, at(p, j), consts)
+        return c, (jnp.stack(saved) if inner else saved[0]) if keep else None
+
     @jax.custom_vjp
     def run(h, params, consts):
-        return jax.lax.scan(lambda c, p: (layer(c, p, consts), None), h, params)[0]
+        return jax.lax.scan(lambda c, p: run_group(c, p, False), h, params)[0]
 
     def forward(h, params, consts):
-        out, inputs = jax.lax.scan(lambda c, p: (layer(c, p, consts), _to_bits(c)), h, params)
+        out, inputs = jax.lax.scan(lambda c, p: run_group(c, p, True), h, params)
         return out, (inputs, params, consts)
 
     def backward(saved, g):
         inputs, params, consts = saved
 
-        def step(g, layer_inputs):
-            bits, p = layer_inputs
-            _, vjp = jax.vjp(lambda x, q: layer(x, q, consts), _from_bits(bits, h.dtype), p)
-            g_h, g_p = vjp(g)
-            return g_h, g_p
+        def step(g, group_inputs):
+            bits, p = group_inputs
+            grads = [None] * len(layers)
+            for j in reversed(range(len(layers))):
+                x = _from_bits(bits[j] if inner else bits, h.dtype)
+                _, vjp = jax.vjp(lambda x, q, f=layers[j]: f(x, q, consts), x, at(p, j))
+                g, grads[j] = vjp(g)
+            g_p = jax.tree.map(lambda *gs: jnp.stack(gs), *grads) if inner else grads[0]
+            return g, g_p
 
         g_h, g_params = jax.lax.scan(step, g, (inputs, params), reverse=True)
         return g_h, g_params, jax.tree.map(_zero_cotangent, consts)
