@@ -80,6 +80,11 @@ def scan_full_remat(layer: Layer | tuple[Layer, ...], h: jax.Array, params: Any,
             grads = [None] * len(layers)
             for j in reversed(range(len(layers))):
                 x = _from_bits(bits[j] if inner else bits, h.dtype)
+                if inner:
+                    # The recomputations depend on no gradient: without the barrier XLA
+                    # may run them ahead and keep several layers' activations at once
+                    # (Gemma 3 12B at 32k tokens: 41.2 -> 38.6 GiB of temporaries).
+                    x, g = jax.lax.optimization_barrier((x, g))
                 _, vjp = jax.vjp(lambda x, q, f=layers[j]: f(x, q, consts), x, at(p, j))
                 g, grads[j] = vjp(g)
             g_p = jax.tree.map(lambda *gs: jnp.stack(gs), *grads) if inner else grads[0]
