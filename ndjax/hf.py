@@ -271,9 +271,10 @@ def override_dims(model: ModelSettings, ckpt: Checkpoint) -> dict:
     if model.preset != defaults.preset and preset:
         asked += [(f"{f}={preset[f]!r} of model.preset={model.preset!r}", f, preset[f])
                   for f in fields if f not in set_ and f in preset]
+    def same(f: str, value: Any) -> bool:  # sliding_window 0 in a config means none
+        return (value or None if f == "sliding_window" else value) == ckpt.dims.get(f)
     changed = [f"{label} -> {ckpt.dims.get(f)!r}" for label, f, value in asked
-               if value != ckpt.dims.get(f, value if f == "sliding_window" and not value
-                                         else None)]
+               if not same(f, value)]
     if changed:
         warnings.warn(f"model.init_from={ckpt.directory!r}: config.json overrides "
                       f"{', '.join(changed)}. Drop those fields: the checkpoint sets the model.",

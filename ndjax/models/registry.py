@@ -146,8 +146,8 @@ def check_options(family: Family, values: Mapping[str, Any]) -> None:
                         if field in f.options or f.fixed.get(field))
         raise ConfigError(
             f"model.{field}={value!r}: model.family={family.name!r} has no {_WHAT[field]} to "
-            f"change (its is {family.fixed.get(field, defaults[field])!r}). Unset it, or use a "
-            f"family that has one: {having}.")
+            f"change (it always has {field}={family.fixed.get(field, defaults[field])!r}). "
+            f"Unset it, or use a family that has one: {having}.")
 
 
 def config_from_preset(family: str, preset: str, **overrides: Any) -> DecoderConfig:
