@@ -6,15 +6,25 @@ import tempfile
 import jax
 import pytest
 
+from ndjax import gpu_target
+
 # The 8 simulated devices meet in a rendezvous at every collective, and XLA aborts the
 # process (no Python error) when one device's thread has not arrived within 40 s
 # (--xla_cpu_collective_call_terminate_timeout_seconds). On CI's 2 cores, beside the
 # other test worker and the train.py processes tests start, a starved step crossed
 # that line once ("Fatal Python error: Aborted" inside a step). Tests wait longer;
 # train.py subprocesses inherit it.
-os.environ["XLA_FLAGS"] = " ".join(
-    [os.environ.get("XLA_FLAGS", ""), "--xla_cpu_collective_call_terminate_timeout_seconds=600"]
-).strip()
+_FLAGS = [os.environ.get("XLA_FLAGS", ""),
+          "--xla_cpu_collective_call_terminate_timeout_seconds=600"]
+# The tests' models are tiny, so compiling is most of a test's time, and most of that
+# is LLVM optimising CPU code: the suite turns LLVM's optimisations off, as the
+# planner does (ndjax.planner.MEASURE_OPTIONS). The HLO and its buffers are the same
+# (test_plan.py compares them with the default levels), in half the time on CI's 2
+# cores. Not where XLA's GPU compiler is installed: the GPU compiles
+# (tests/test_gpu_compile.py, CI's second run of leg 1) are what train.py gets.
+if gpu_target.missing():
+    _FLAGS += ["--xla_backend_optimization_level=0", "--xla_llvm_disable_expensive_passes=true"]
+os.environ["XLA_FLAGS"] = " ".join(_FLAGS).strip()
 
 # CPU devices even where jax's CUDA plugin is installed (the gpu-compile extra): its
 # GPUs are compile-only targets (tests/test_gpu_compile.py), never the backend.

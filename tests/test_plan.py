@@ -46,13 +46,16 @@ def test_equivalent_layouts_share_one_program():
 
 def test_planned_memory_equals_the_compiled_train_step():
     """The planner compiles without LLVM's optimisations; the buffers must be the
-    ones of the step train.py compiles and runs."""
+    ones of the step train.py compiles and runs, with XLA's default optimisation
+    levels (which the suite's XLA_FLAGS turn off, tests/conftest.py)."""
     config = tiny_config(model={"dtype": "bfloat16"}, train={"seq_len": 64})
     layout = planner.Layout(1, 4, 1, 2, remat="none")
     checked = planner.check(config, layout, jax.devices(), H100)
     assert checked.config.model.attn_impl == "tiled"  # cuDNN on an H100, tiled here
     planned = planner.measure(checked.config.to_json(sort_keys=True), 8)
-    m = Experiment.from_config(checked.config).compiled_step.memory_analysis()
+    defaults = {"xla_backend_optimization_level": 3, "xla_llvm_disable_expensive_passes": False}
+    exp = Experiment.from_config(checked.config)
+    m = exp.lower_step().compile(compiler_options=defaults).memory_analysis()
     assert planned["arguments"] == m.argument_size_in_bytes
     assert planned["temporaries"] == m.temp_size_in_bytes
     kinds = {c["kind"] for c in planned["collectives"]}
