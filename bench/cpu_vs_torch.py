@@ -115,9 +115,10 @@ def ndjax_worker(args) -> None:
     serve_experiment(Experiment.from_config(c, jax.devices()[:devices]), args.warmup)
 
 
-def serve_experiment(exp, warmup: int) -> None:
+def serve_experiment(exp, warmup: int, extra: dict | None = None) -> None:
     """Compiles ``exp``'s step, warms it up on one fixed batch of random tokens, says
-    READY (with the compile time and what runs), then times steps for the driver."""
+    READY (with the compile time, what runs and ``extra``), then times steps for the
+    driver."""
     import numpy as np
 
     start = time.perf_counter()
@@ -140,7 +141,8 @@ def serve_experiment(exp, warmup: int) -> None:
 
     run(warmup)
     print("READY " + json.dumps(dict(compile_s=compile_s, attention=exp.model_cfg.attn_impl,
-                                     scan_layers=exp.model_cfg.scan_layers)), flush=True)
+                                     scan_layers=exp.model_cfg.scan_layers, **(extra or {}))),
+          flush=True)
     serve(run)
 
 

@@ -126,7 +126,7 @@ def compile_for(config: Any, hardware: str, n: int, per_node: int = 8,
     found = collective_records(hlo, exp.mesh, devices)
     return dict(hardware=hardware, gpu=hw.name, devices=n, devices_per_node=per_node,
                 step=step, mesh={a: int(s) for a, s in exp.mesh.shape.items()},
-                attention="kv-cache" if step == "decode" else exp.attention.name,
+                attention="kv-cache" if step == "decode" else exp.attention.label,
                 attention_why=("the KV-cache attention of ndjax.models.decode"
                                if step == "decode" else exp.attention.describe()),
                 programs={k: dict(argument_bytes=int(v.argument_size_in_bytes),

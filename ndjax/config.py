@@ -62,6 +62,11 @@ def _attn_impls() -> Sequence[str]:
     return attention.IMPLS
 
 
+def _cp_impls() -> Sequence[str]:
+    from ndjax.ops import attention
+    return attention.CP_IMPLS
+
+
 def _cp_layouts() -> Sequence[str]:
     from ndjax.ops import ring_attention
     return ring_attention.LAYOUTS
@@ -132,6 +137,11 @@ class ModelSettings:
     # Ring attention's layout (zigzag balances the causal work over the context
     # shards, contiguous does not).
     cp_layout: str = setting("zigzag", choices=_cp_layouts)
+    # How context shards meet: ring (key/value blocks pass around the context axis)
+    # or all_to_all (sequence shards become head shards around a one-shard kernel,
+    # model.attn_impl); auto: all_to_all where the heads split and a fused kernel runs
+    # (GPUs), else ring (ndjax.ops.attention.choose says why).
+    cp_impl: str = setting("auto", choices=_cp_impls)
     # The tiled and ring key tile (memory O(local_len x tile)).
     attn_kv_tile: int = setting(512, ge=1)
     # The most documents one row may hold where the kernel needs a bound: cudnn keeps

@@ -108,7 +108,8 @@ def model_config(model: ModelSettings, checkpoint: hf.Checkpoint | None = None,
     return DecoderConfig(**dims, dtype=precision.compute, param_dtype=precision.params,
                          scan_layers=bool(scan_layers),
                          remat=model.remat, attn_impl=model.attn_impl,
-                         cp_layout=model.cp_layout, attn_kv_tile=model.attn_kv_tile,
+                         cp_layout=model.cp_layout, cp_impl=model.cp_impl,
+                         attn_kv_tile=model.attn_kv_tile,
                          attn_max_docs=model.attn_max_docs)
 
 
@@ -177,7 +178,8 @@ class Experiment:
         # sees one micro-batch's rows at once (_check_batch: they divide evenly).
         site = attention_ops.Site.of(model_cfg, t.seq_len, rules, t.batch_size // t.grad_accum)
         chosen = attention_ops.choose(model_cfg.attn_impl, site)
-        model_cfg = dataclasses.replace(model_cfg, attn_impl=chosen.name)
+        model_cfg = dataclasses.replace(model_cfg, attn_impl=chosen.name,
+                                        cp_impl=chosen.cp or "ring")
         seq_permutation = attention_ops.KERNELS[chosen.name].permutation(site)
 
         abstract = nnx.eval_shape(lambda: decoder.Decoder(model_cfg, nnx.Rngs(0)))

@@ -170,17 +170,23 @@ def check(config: ml_collections.ConfigDict, layout: Layout, devices: Sequence[j
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         exp = Experiment.from_config(cfg, devices)
+    # What a GPU runs: the config's own choices (the CPU experiment above resolved
+    # auto for a CPU), cuDNN or Pallas compiled as their CPU stand-in here.
     site = dataclasses.replace(
         attention_ops.Site.of(exp.model_cfg, cfg.train.seq_len, exp.rules,
                               cfg.train.batch_size // cfg.train.grad_accum),
-        platform="gpu", compute_capability=hardware.compute_capability)
-    on_gpu = attention_ops.choose(impl, site).name
+        platform="gpu", compute_capability=hardware.compute_capability,
+        cp_impl=config.model.cp_impl)
+    choice = attention_ops.choose(impl, site)
+    on_gpu = choice.name
     stand_in = on_gpu if on_target else FUSED_STAND_IN.get(on_gpu, on_gpu)
     cfg.model.attn_impl = stand_in
-    attention = on_gpu if stand_in == on_gpu else f"{on_gpu} (compiled as {stand_in})"
+    if choice.cp:
+        cfg.model.cp_impl = choice.cp
+    attention = choice.label if stand_in == on_gpu else f"{choice.label} (compiled as {stand_in})"
     t = cfg.train
     tokens = t.batch_size * t.seq_len
-    signature = (layout.remat, layout.grad_accum, cfg.model.attn_impl,
+    signature = (layout.remat, layout.grad_accum, cfg.model.attn_impl, cfg.model.cp_impl,
                  program_signature(exp.rules, exp.mesh))
     rerun = sum(roofline.recomputed_forward_flops(exp.model_cfg, t.seq_len,
                                                   layout.remat).values())

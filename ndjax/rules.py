@@ -212,6 +212,18 @@ def use(rules: Rules) -> Iterator[Rules]:
         _ACTIVE.reset(token)
 
 
+@contextlib.contextmanager
+def suspended() -> Iterator[None]:
+    """No active table inside: for code that runs on one device's shards (the body of
+    a ``jax.shard_map``), where logical constraints and per-shard wrappers must not
+    apply again."""
+    token = _ACTIVE.set(None)
+    try:
+        yield
+    finally:
+        _ACTIVE.reset(token)
+
+
 def constrain(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
     """Sharding constraint on an activation, by logical names.
 

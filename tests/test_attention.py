@@ -137,7 +137,16 @@ def test_auto_choices():
     f32 = attn.choose("auto", _site(dtype=jnp.float32))
     assert f32.name == "pallas" and "needs bfloat16 or float16" in f32.why, f32
     assert attn.choose("auto", _site(compute_capability="8.0")).name == "pallas"
-    assert attn.choose("auto", _site(context=4)).name == "ring"
+    # Under context parallelism on a GPU: cuDNN inside all-to-all where the heads split
+    # (32 over 4 shards), else the ring (32 heads on 8 tensor shards: 4, over 8), or
+    # where asked.
+    a2a = attn.choose("auto", _site(context=4))
+    assert (a2a.name, a2a.cp) == ("cudnn", "all_to_all") and "over the whole" in a2a.why, a2a
+    ring = attn.choose("auto", _site(context=8, head_shards=8))
+    assert (ring.name, ring.cp) == ("ring", "ring") and "all_to_all refused" in ring.why, ring
+    assert attn.choose("auto", _site(context=4, cp_impl="ring")).name == "ring"
+    cpu_cp = attn.choose("auto", _site(context=4, platform="cpu", compute_capability=None))
+    assert cpu_cp.name == "ring" and "no fused kernel" in cpu_cp.why, cpu_cp
     # One row per micro-batch on several GPUs: jax's cuDNN sharding rule fails to
     # verify (tests/test_gpu_compile.py compiles both cases).
     assert attn.choose("auto", _site(rows=1, devices=2)).name == "pallas"
@@ -161,15 +170,23 @@ def test_auto_choices():
     ("cudnn", dict(head_dim=100), r"head_dim that is a multiple of 8 and at most 256 .* 100"),
     ("cudnn", dict(dtype=jnp.float32), r"needs bfloat16 or float16 compute"),
     ("cudnn", dict(compute_capability="8.0", head_dim=256), r"at most 128 on this GPU"),
-    ("cudnn", dict(context=2), r"runs on one context shard"),
+    ("cudnn", dict(context=2, cp_impl="ring"), r"runs on one context shard.*cp_impl='all_to_all'"),
     ("pallas", dict(seq_len=4000), r"blocks of 128 tokens at head_dim 64, and train.seq_len=4000"),
     ("pallas", dict(platform="cpu"), r"runs on NVIDIA GPUs, and this run's devices are cpu"),
-    ("dense", dict(context=2), None),
-    ("blocked", dict(context=2), r"runs on one context shard"),
+    ("dense", dict(context=2, cp_impl="ring"), None),
+    ("blocked", dict(context=2, cp_impl="ring"), r"runs on one context shard"),
+    # Under context parallelism a one-shard kernel runs inside all_to_all (cp_impl auto)
+    # where each device's heads split over the context shards.
+    ("cudnn", dict(context=2), None),
+    ("blocked", dict(context=2, platform="cpu"), None),
+    ("tiled", dict(context=8, head_shards=8), r"each device holds 4 \(model.n_heads=32 over 8"),
 ])
 def test_explicit_kernel_checks(impl, site, match):
     if match is None:
-        assert attn.choose(impl, _site(**site)).name == impl
+        choice = attn.choose(impl, _site(**site))
+        assert choice.name == impl
+        assert choice.cp == ("all_to_all" if site.get("cp_impl") != "ring" and
+                             site.get("context", 1) > 1 else None), choice
         return
     with pytest.raises(ConfigError, match=match) as e:
         attn.choose(impl, _site(**site))
@@ -294,7 +311,8 @@ CPU = dict(platform="cpu", compute_capability=None, dtype=jnp.float32)
     ("tiled", CPU, Spec(window=8, softcap=50.0), r"^model.attn_impl='tiled' has no logit soft "
                                                  r"cap, .* softcap=50.0"),
     ("ring", dict(context=4), Spec(softcap=50.0),
-     r"^model.attn_impl='ring' has no logit soft cap, .* Use mesh.context=1 and "
+     r"^model.attn_impl='ring' has no logit soft cap, .* Use model.cp_impl='all_to_all' "
+     r"\(or mesh.context=1\) and "
      r"model.attn_impl='auto', 'dense' or 'blocked'\.$"),
     ("cudnn", {}, Spec(softcap=30.0), r"^model.attn_impl='cudnn' has no logit soft cap"),
     ("dense", {}, Spec(causal=False), r"computes causal attention, .* causal=False"),
@@ -315,9 +333,14 @@ def test_auto_takes_only_kernels_that_compute_every_spec():
     assert attn.choose("auto", _site(specs=capped)).name == "blocked"   # tiled refused too
     assert attn.choose("auto", _site(**CPU, seq_len=2048, specs=windowed)).name == "tiled"
     assert attn.choose("auto", _site(**CPU, seq_len=2048, specs=capped)).name == "blocked"
-    assert attn.choose("auto", _site(context=4, specs=windowed)).name == "ring"
-    with pytest.raises(ConfigError, match="Use mesh.context=1 and"):
-        attn.choose("auto", _site(context=4, specs=capped))
+    # Context parallelism: cuDNN's window inside all-to-all; a soft cap, which neither a
+    # fused kernel nor the ring computes, in blocked inside all-to-all; the ring alone
+    # (heads that do not split) refuses it, naming the fix.
+    assert attn.choose("auto", _site(context=4, specs=windowed)).label == "all_to_all+cudnn"
+    assert attn.choose("auto", _site(**CPU, context=4, specs=windowed)).name == "ring"
+    assert attn.choose("auto", _site(context=4, specs=capped)).label == "all_to_all+blocked"
+    with pytest.raises(ConfigError, match=r"Use model.cp_impl='all_to_all' \(or mesh.context=1"):
+        attn.choose("auto", _site(context=4, cp_impl="ring", specs=capped))
 
 
 def test_site_takes_the_models_specs():

@@ -174,3 +174,19 @@ def test_cpu_step_variants_tiny():
     assert [r[1:3] for r in rows] == [["scanned", "dense"], ["unrolled", "blocked"],
                                       ["scanned", "tiled"], ["unrolled", "blocked"]], lines
     assert all(float(r[4]) > 0 for r in rows), rows
+
+
+def test_cp_algorithms_tiny():
+    """Ring and all-to-all on the same mesh, each sending what its algorithm sends:
+    collective-permutes for the ring, all-to-alls (and no permutes) for the other."""
+    lines = run_tiny("cp_algorithms.py").stdout.splitlines()
+    header = next(line for line in lines if line.startswith("| cp_impl |"))
+    columns = [c.strip() for c in header.strip("|").split("|")]
+    rows = {r[0]: dict(zip(columns, r)) for r in table_rows(lines, "ring", "all_to_all")}
+    assert list(rows) == ["ring", "all_to_all"], lines
+    assert rows["ring"]["attention"] == "ring", rows
+    assert rows["all_to_all"]["attention"] == "all_to_all+blocked", rows  # 256 tokens
+    assert float(rows["ring"]["collective-permute MiB"]) > 0, rows
+    assert float(rows["all_to_all"]["all-to-all MiB"]) > 0, rows
+    assert float(rows["all_to_all"]["collective-permute MiB"]) == 0, rows
+    assert all(float(r["tokens/s"].replace(",", "")) > 0 for r in rows.values()), rows

@@ -22,6 +22,7 @@ from helpers import (
 )
 from test_train_cli import ROOT, losses
 
+from ndjax.errors import ConfigError
 from ndjax.experiment import Experiment
 from ndjax.ops import ring_attention as ra
 
@@ -35,6 +36,17 @@ LAYOUTS = {
     # tiles shorter than a block (16 tokens per shard, tiles of 4).
     "replica_cp_tp_contiguous": (dict(replica=2, context=2, tensor=2),
                                  dict(cp_layout="contiguous", attn_kv_tile=4)),
+    # All-to-all: FSDP x context, the kernel over the whole sequence (dense at 32
+    # tokens) on half of each device's 8 heads.
+    "fsdp_cp_all_to_all": (dict(fsdp=4, context=2), dict(cp_impl="all_to_all")),
+    # Context x tensor: 4 query and 2 kv heads a device, 4 context shards, so each
+    # kv head is repeated twice for every slice to hold one; tiled's online softmax
+    # (its custom VJP) inside.
+    "cp_tp_all_to_all_tiled": (dict(context=4, tensor=2),
+                               dict(cp_impl="all_to_all", attn_impl="tiled", attn_kv_tile=4)),
+    # Every model axis at once, on chat rows (documents and padding), blocked inside.
+    "fsdp_cp_tp_all_to_all_chat": (dict(fsdp=2, context=2, tensor=2),
+                                   ("chat", dict(cp_impl="all_to_all", attn_impl="blocked"))),
 }
 
 
@@ -42,14 +54,49 @@ LAYOUTS = {
 def test_context_layout_matches_single_device(layout, tmp_path_factory):
     mesh, model = LAYOUTS[layout]
     overrides = None
-    if model == "chat":
-        model, overrides = {}, chat_overrides(tmp_path_factory.mktemp("chat"))
+    if model == "chat" or isinstance(model, tuple):
+        model = {} if model == "chat" else model[1]
+        overrides = chat_overrides(tmp_path_factory.mktemp("chat"))
     exp = Experiment.from_config(with_overrides(tiny_config(mesh=mesh, model=model), overrides))
-    assert exp.model_cfg.attn_impl == "ring", exp.attention
+    hlo = exp.compiled_step.as_text()
+    if model.get("cp_impl") == "all_to_all":
+        assert exp.model_cfg.cp_impl == "all_to_all", exp.attention
+        assert exp.model_cfg.attn_impl == model.get("attn_impl", "dense"), exp.attention
+        assert exp.seq_permutation is None  # the natural order: no zigzag
+        # Sequence shards became head shards and back, and no block went round a ring.
+        assert "all-to-all" in hlo and "collective-permute" not in hlo
+    else:
+        assert exp.model_cfg.attn_impl == "ring", exp.attention
+        # The step really ran the ring: its key/value blocks moved between devices.
+        assert "collective-permute" in hlo
     # The single-device reference runs dense attention on the unpermuted batch.
     assert_same_training(exp, model, overrides)
-    # The step really ran the ring: its key/value blocks moved between devices.
-    assert "collective-permute" in exp.compiled_step.as_text()
+
+
+def _choice(mesh, **model):
+    return Experiment.from_config(tiny_config(mesh=mesh, model=model)).attention
+
+
+def test_cp_impl_auto_says_why_and_all_to_all_checks_the_heads():
+    # On CPU, auto keeps the ring: all_to_all would run the same tiles, moving q and
+    # the output as well as k and v.
+    ring = _choice(dict(fsdp=4, context=2))
+    assert (ring.name, ring.cp) == ("ring", "ring") and "no fused kernel" in ring.why
+    # A one-shard kernel asked for by name runs inside all_to_all.
+    tiled = _choice(dict(fsdp=4, context=2), attn_impl="tiled")
+    assert (tiled.name, tiled.cp, tiled.label) == ("tiled", "all_to_all", "all_to_all+tiled")
+    # 2 heads a device cannot split over 4 context shards: all_to_all is refused in one
+    # line naming the fields; auto says why it took the ring instead.
+    few = dict(n_heads=2, n_kv_heads=1)
+    with pytest.raises(ConfigError, match=r"model.cp_impl='all_to_all' .* each device holds 2 "
+                                          r"\(model.n_heads=2 over 1 tensor shards\)"):
+        _choice(dict(fsdp=2, context=4), cp_impl="all_to_all", **few)
+    fallback = _choice(dict(fsdp=2, context=4), **few)
+    assert fallback.name == "ring" and "all_to_all refused" in fallback.why
+    with pytest.raises(ConfigError, match="model.attn_impl='ring' is the ring algorithm"):
+        _choice(dict(fsdp=4, context=2), cp_impl="all_to_all", attn_impl="ring")
+    with pytest.raises(ConfigError, match="runs on one context shard.*cp_impl='all_to_all'"):
+        _choice(dict(fsdp=4, context=2), cp_impl="ring", attn_impl="tiled")
 
 
 def test_zigzag_batch_is_permuted_on_the_host():
@@ -85,9 +132,12 @@ def test_train_py_context_configs_log_single_device_losses(tmp_path):
     # Both runs start at once; the single-device reference runs here meanwhile.
     runs = {"configs/llama_fsdp_cp.py": start_train("configs/llama_fsdp_cp.py", tmp_path / "cp"),
             # 16 devices: more than this test process has, hence a subprocess.
-            "configs/llama_4d.py": start_train("configs/llama_4d.py", tmp_path / "4d")}
+            "configs/llama_4d.py": start_train("configs/llama_4d.py", tmp_path / "4d"),
+            # The same 4D layout with all-to-all context parallelism.
+            "configs/llama_4d.py all_to_all": start_train(
+                "configs/llama_4d.py", tmp_path / "4d_a2a", "--config.model.cp_impl=all_to_all")}
     _, ref_losses, _ = reference({})
-    for (config, proc), workdir in zip(runs.items(), ("cp", "4d")):
+    for (config, proc), workdir in zip(runs.items(), ("cp", "4d", "4d_a2a")):
         _, stderr = proc.communicate(timeout=600)
         assert proc.returncode == 0, f"{config}: {stderr[-3000:]}"
         np.testing.assert_allclose(losses(tmp_path / workdir), ref_losses, rtol=1e-5,

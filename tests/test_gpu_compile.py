@@ -175,6 +175,25 @@ def test_a_gemma_like_step_compiles_with_windowed_and_global_layers_for_a_gpu():
 
 
 @needs_extra
+@pytest.mark.parametrize("mesh, dtype, want", [(dict(fsdp=2, context=2), "bfloat16", "cudnn"),
+                                               (dict(context=2, tensor=2), "float32", "pallas")])
+def test_all_to_all_runs_a_fused_kernel_under_context_parallelism(mesh, dtype, want):
+    """On GPUs, auto splits the sequence with all-to-all (model.cp_impl) so that a fused
+    kernel attends over the whole sequence for each device's heads: cuDNN's or
+    Triton's custom calls inside, all-to-alls around them, no ring; and its memory
+    stays linear in the sequence (context x tensor: 1 kv head a device, repeated)."""
+    temps = []
+    for seq in (2048, 8192):
+        exp, compiled = _step_temp("auto", seq, mesh, model=dict(dtype=dtype))
+        assert (exp.attention.cp, exp.attention.name) == ("all_to_all", want), exp.attention
+        text = compiled.as_text()
+        kernel = "__cudnn$fmha" if want == "cudnn" else "mha_forward"  # Pallas's kernel
+        assert kernel in text and "all-to-all" in text and "collective-permute" not in text
+        temps.append(compiled.memory_analysis().temp_size_in_bytes)
+    assert temps[1] / temps[0] <= 4.5, [t / MiB for t in temps]
+
+
+@needs_extra
 @pytest.mark.parametrize("dtype, want", [("bfloat16", "cudnn"), ("float32", "pallas")])
 def test_auto_on_a_gpu_picks_a_kernel_that_compiles(dtype, want):
     exp, compiled = _step_temp("auto", 1024, model=dict(dtype=dtype))

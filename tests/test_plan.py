@@ -134,10 +134,12 @@ def test_plan_rejects_with_reasons_and_fits_with_remat(tmp_path):
     assert sorted(c.layout.mesh for c in ranked) == ["context=2", "tensor=2"]
     assert all(c.layout.remat == "none" and c.estimate.serial_s > 0 for c in ranked)
     # One row on tensor=2: cuDNN's sharding rule fails there (ndjax.ops.attention.Cudnn),
-    # so an H100 runs Pallas.
-    assert {c.attention for c in ranked} == {"ring", "pallas (compiled as tiled)"}
-    ring = next(c for c in ranked if c.layout.context == 2)
-    assert ring.link.inside.get("collective-permute", 0) > 0
+    # so an H100 runs Pallas. On context=2 it runs cuDNN inside all-to-all (each device
+    # its heads, the whole sequence), which the plan compiles and prices.
+    assert {c.attention for c in ranked} == {"all_to_all+cudnn (compiled as tiled)",
+                                             "pallas (compiled as tiled)"}
+    a2a = next(c for c in ranked if c.layout.context == 2)
+    assert a2a.link.inside.get("all-to-all", 0) > 0
 
     # A budget just under what remat=none needs: the planner finds more remat.
     need = {c.layout.mesh: c.memory for c in ranked}

@@ -87,6 +87,7 @@ class DecoderConfig:
     remat: str = "none"           # see REMAT_POLICIES
     attn_impl: str = "auto"       # a kernel of ndjax.ops.attention.KERNELS, or auto
     cp_layout: str = "zigzag"     # ring attention's sequence layout: zigzag | contiguous
+    cp_impl: str = "auto"         # context parallelism: ring | all_to_all | auto
     attn_kv_tile: int = 512       # ring attention's key tile: memory O(local_len x tile)
     attn_max_docs: int = 64       # documents per row the cudnn kernel makes room for
 

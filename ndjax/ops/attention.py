@@ -56,6 +56,7 @@ from jax.sharding import PartitionSpec
 
 from ndjax import platforms
 from ndjax.errors import ConfigError
+from ndjax.ops import all_to_all_attention as a2a
 from ndjax.ops import ring_attention as ring
 from ndjax.rules import Rules, active
 
@@ -118,6 +119,21 @@ class Site:
     devices: int = 1       # of the mesh
     # The distinct specs of the model's layers: a kernel runs only if it honours all.
     specs: tuple[AttentionSpec, ...] = (AttentionSpec(),)
+    # How context shards meet (model.cp_impl): ring | all_to_all | auto.
+    cp_impl: str = "auto"
+    # Ways the rule table splits the query heads (tensor parallelism).
+    head_shards: int = 1
+
+    @property
+    def heads_per_shard(self) -> int:
+        return self.n_heads // max(1, self.head_shards)
+
+    def one_shard(self) -> Site:
+        """Where the kernel inside all-to-all attention runs: one device, the whole
+        sequence, its share of the heads."""
+        heads = max(1, self.heads_per_shard // self.context)
+        return dataclasses.replace(self, context=1, n_heads=heads,
+                                   n_kv_heads=min(self.n_kv_heads, heads), devices=1)
 
     @classmethod
     def of(cls, cfg: Any, seq_len: int, rules: Rules | None, rows: int = 0) -> Site:
@@ -130,7 +146,14 @@ class Site:
                    layout=cfg.cp_layout, kv_tile=cfg.attn_kv_tile,
                    compute_capability=platforms.compute_capability(devices), rows=rows,
                    devices=len(devices) if rules is not None else 1,
-                   specs=tuple(getattr(cfg, "attention_specs", (AttentionSpec(),))))
+                   specs=tuple(getattr(cfg, "attention_specs", (AttentionSpec(),))),
+                   cp_impl=getattr(cfg, "cp_impl", "auto"), head_shards=_head_shards(rules))
+
+
+def _head_shards(rules: Rules | None) -> int:
+    if rules is None:
+        return 1
+    return math.prod(rules.mesh.shape[a] for a in rules.axes_of("act_heads"))
 
 
 def _at_least(capability: str | None, target: tuple[int, int]) -> bool:
@@ -201,7 +224,9 @@ class Kernel:
         """The fix for a refused spec field: the one-shard kernels that compute it."""
         names = [repr(n) for n, k in KERNELS.items() if field in k.honours and n != "ring"]
         use = f"model.attn_impl={', '.join([repr('auto'), *names[:-1]])} or {names[-1]}"
-        return f"Use mesh.context=1 and {use}." if self.name == "ring" else f"Use {use}."
+        if self.name == "ring":
+            return f"Use model.cp_impl='all_to_all' (or mesh.context=1) and {use}."
+        return f"Use {use}."
 
     def permutation(self, site: Site) -> np.ndarray | None:
         return None
@@ -219,7 +244,9 @@ def _one_shard(name: str, site: Site) -> None:
     if site.context > 1:
         raise ConfigError(
             f"{_field(name)} runs on one context shard, but the rules split the sequence over "
-            f"mesh.context={site.context}. Use model.attn_impl='ring' (or 'auto').")
+            f"mesh.context={site.context}. Use model.cp_impl='all_to_all' (this kernel over "
+            "the whole sequence for a slice of the heads), or model.attn_impl='ring' (or "
+            "'auto').")
 
 
 def _window(spec: AttentionSpec, seq_len: int) -> int | None:
@@ -650,27 +677,32 @@ IMPLS = ("auto", *KERNELS)
 # ----- the choice ----------------------------------------------------------------------------
 
 
+CP_IMPLS = ("auto", "ring", "all_to_all")
+
+
 @dataclasses.dataclass(frozen=True)
 class Choice:
-    name: str      # a key of KERNELS
+    name: str      # a key of KERNELS: what computes the attention
     why: str       # one clause for the start-up line
+    # How context shards meet where the sequence is split: "ring" (then ``name`` is
+    # "ring") or "all_to_all" (``name`` runs on each device's slice of the heads).
+    cp: str | None = None
+
+    @property
+    def label(self) -> str:
+        return f"all_to_all+{self.name}" if self.cp == "all_to_all" else self.name
 
     def describe(self) -> str:
+        if self.cp == "all_to_all":
+            return (f"all_to_all (sequence shards to head shards and back, then "
+                    f"{self.name}: {KERNELS[self.name].what}; {self.why})")
         return f"{self.name} ({KERNELS[self.name].what}; {self.why})"
 
 
-def choose(impl: str, site: Site) -> Choice:
-    """The kernel that runs for ``model.attn_impl=impl``; ConfigError where an
-    explicit choice cannot run there."""
-    if impl not in IMPLS:
-        raise ConfigError(f"model.attn_impl={impl!r}: choose one of {IMPLS} (auto picks by "
-                          "mesh, device and sequence length).")
+def _choose_one_shard(impl: str, site: Site) -> Choice:
     if impl != "auto":
         KERNELS[impl].check(site)
         return Choice(impl, f"model.attn_impl={impl}")
-    if site.context > 1:
-        KERNELS["ring"].check(site)
-        return Choice("ring", f"the sequence is split over mesh.context={site.context}")
     refused = []
     if site.platform == "gpu":
         for name in ("cudnn", "pallas"):
@@ -695,20 +727,106 @@ def choose(impl: str, site: Site) -> Choice:
         return Choice("blocked", f"{why}; tiled refused: {e}")
 
 
+def _check_all_to_all(site: Site) -> None:
+    heads = site.heads_per_shard
+    if heads % site.context:
+        raise ConfigError(
+            f"model.cp_impl='all_to_all' gives each of mesh.context={site.context} shards a "
+            f"slice of the query heads, and each device holds {heads} (model.n_heads="
+            f"{site.n_heads} over {site.head_shards} tensor shards), which do not split "
+            f"{site.context} ways. Use a mesh.context dividing {heads}, fewer tensor shards, "
+            "or model.cp_impl='ring'.")
+
+
+def _all_to_all(impl: str, site: Site, why: str) -> Choice:
+    if impl == "ring":
+        raise ConfigError(
+            "model.attn_impl='ring' is the ring algorithm of context parallelism, and "
+            "model.cp_impl='all_to_all' is the other one. Use model.attn_impl='auto' or a "
+            "one-shard kernel (dense, blocked, tiled, cudnn, pallas) with all_to_all, or "
+            "model.cp_impl='ring'.")
+    _check_all_to_all(site)
+    inner = _choose_one_shard(impl, site.one_shard())
+    return Choice(inner.name, f"{why}; {inner.why} over the whole sequence", "all_to_all")
+
+
+def _choose_context(impl: str, site: Site) -> Choice:
+    """The sequence is split over mesh.context: ring attention, or all-to-all around a
+    one-shard kernel (``model.cp_impl``). auto: all-to-all where the heads split and
+    a fused kernel runs inside (GPUs), else ring, whose tiles are what all-to-all
+    would run here anyway, with fewer bytes moved (k and v, not q, k, v and the
+    output). A kernel named in ``model.attn_impl`` runs inside all-to-all; ``dense``
+    also runs unsplit (the partitioner gathering the sequence for it)."""
+    c, cp = site.context, site.cp_impl
+    split = f"the sequence is split over mesh.context={c}"
+    if cp == "all_to_all":
+        return _all_to_all(impl, site, f"{split}, model.cp_impl=all_to_all")
+    if impl in ("auto", "ring") and cp == "ring" or impl == "ring":
+        KERNELS["ring"].check(site)
+        return Choice("ring", f"{split}, model.{'cp' if cp == 'ring' else 'attn'}_impl=ring",
+                      "ring")
+    if cp == "ring":  # a one-shard kernel by name, and no all-to-all
+        KERNELS[impl].check(site)  # refuses, but for dense
+        return Choice(impl, f"model.attn_impl={impl}, the partitioner gathering the sequence")
+    try:
+        _check_all_to_all(site)
+        inner = _choose_one_shard(impl, site.one_shard())
+    except ConfigError as e:
+        if impl == "auto":
+            KERNELS["ring"].check(site)
+            return Choice("ring", f"{split}; all_to_all refused: {e}", "ring")
+        try:
+            KERNELS[impl].check(site)
+        except ConfigError:
+            raise e from None  # what keeps it from running inside all_to_all
+        return Choice(impl, f"model.attn_impl={impl}, the partitioner gathering the sequence "
+                            f"(all_to_all refused: {e})")
+    if impl == "auto" and inner.name not in ("cudnn", "pallas"):
+        try:
+            KERNELS["ring"].check(site)
+            return Choice("ring", f"{split}, auto: no fused kernel here for all_to_all to run",
+                          "ring")
+        except ConfigError as e:  # e.g. a soft cap: only the one-shard kernels have it
+            return Choice(inner.name, f"{split}, auto; ring refused ({e}); {inner.why} over "
+                                      "the whole sequence", "all_to_all")
+    return Choice(inner.name, f"{split}, {'auto; ' if impl == 'auto' else ''}{inner.why} "
+                              "over the whole sequence", "all_to_all")
+
+
+def choose(impl: str, site: Site) -> Choice:
+    """The kernel that runs for ``model.attn_impl=impl`` (and ``site.cp_impl``);
+    ConfigError where an explicit choice cannot run there."""
+    if impl not in IMPLS:
+        raise ConfigError(f"model.attn_impl={impl!r}: choose one of {IMPLS} (auto picks by "
+                          "mesh, device and sequence length).")
+    if site.cp_impl not in CP_IMPLS:
+        raise ConfigError(f"model.cp_impl={site.cp_impl!r}: choose one of {CP_IMPLS}.")
+    if site.context > 1:
+        return _choose_context(impl, site)
+    return _choose_one_shard(impl, site)
+
+
 @functools.cache
-def _chosen_at_trace(impl: str, site: Site) -> str:
-    return choose(impl, site).name
+def _chosen_at_trace(impl: str, site: Site) -> Choice:
+    return choose(impl, site)
 
 
 def attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array,
               cfg: Any, spec: AttentionSpec = AttentionSpec()) -> jax.Array:
     """Attention with ``cfg.attn_impl``: a kernel name (``Experiment`` resolves
-    ``auto`` up front), or ``auto``, chosen here from the shapes and active rules
-    (a model built outside an Experiment, e.g. in tests). ``spec``: the layer's; a
-    kernel chosen without it in ``cfg.attention_specs`` that cannot compute it is
-    refused here (ConfigError), never run without it."""
-    name = cfg.attn_impl
-    if name == "auto":
-        name = _chosen_at_trace(name, Site.of(cfg, q.shape[1], active(), q.shape[0]))
+    ``auto`` up front, and ``cfg.cp_impl`` to ring or all_to_all), or ``auto``,
+    chosen here from the shapes and active rules (a model built outside an
+    Experiment, e.g. in tests). ``spec``: the layer's; a kernel chosen without it in
+    ``cfg.attention_specs`` that cannot compute it is refused here (ConfigError),
+    never run without it."""
+    rules = active()
+    name, cp = cfg.attn_impl, getattr(cfg, "cp_impl", "auto")
+    if name == "auto" or cp == "auto":
+        choice = _chosen_at_trace(name, Site.of(cfg, q.shape[1], rules, q.shape[0]))
+        name, cp = choice.name, choice.cp
     KERNELS[name].check_spec(spec)
+    if cp == "all_to_all" and ring.context_shards(rules) > 1:
+        def kernel(q, k, v, segment_ids):
+            return KERNELS[name](q, k, v, segment_ids, cfg, spec)
+        return a2a.all_to_all_attention(kernel, q, k, v, segment_ids, rules, HEADS, KV_HEADS)
     return KERNELS[name](q, k, v, segment_ids, cfg, spec)
