@@ -138,8 +138,10 @@ def test_train_py_context_configs_log_single_device_losses(tmp_path):
                 "configs/llama_4d.py", tmp_path / "4d_a2a", "--config.model.cp_impl=all_to_all")}
     _, ref_losses, _ = reference({})
     for (config, proc), workdir in zip(runs.items(), ("cp", "4d", "4d_a2a")):
-        _, stderr = proc.communicate(timeout=600)
+        stdout, stderr = proc.communicate(timeout=600)
         assert proc.returncode == 0, f"{config}: {stderr[-3000:]}"
+        algorithm = "all_to_all (" if config.endswith("all_to_all") else "ring ("
+        assert f"attention: {algorithm}" in stdout, (config, stdout[-3000:])
         np.testing.assert_allclose(losses(tmp_path / workdir), ref_losses, rtol=1e-5,
                                    err_msg=config)
     config = (tmp_path / "4d" / "config.json").read_text()
