@@ -38,12 +38,15 @@ CASES = {
         r"train.seq_len=33 is not divisible by 2 = tensor\(2\)"),
     "context vs devices": (dict(mesh=dict(fsdp=-1, context=3)),
                            r"fixed sizes multiply to 3, which does not divide the 8 devices"),
-    "seq vs zigzag ring": (dict(mesh=dict(fsdp=4, context=2), train=dict(seq_len=34)),
+    # The ring's own checks (model.cp_impl=ring; under auto a layout the ring cannot
+    # run takes all-to-all instead, and the start-up line says why).
+    "seq vs zigzag ring": (dict(mesh=dict(fsdp=4, context=2), train=dict(seq_len=34),
+                                model=dict(cp_impl="ring")),
                            r"train.seq_len=34 is not divisible by 2 x mesh.context\(2\) = 4: "
                            r"model.cp_layout='zigzag' .* e.g. train.seq_len=36, or "
                            r"model.cp_layout='contiguous'"),
     "kv tile vs ring block": (dict(mesh=dict(fsdp=4, context=2), train=dict(seq_len=48),
-                                   model=dict(attn_kv_tile=8)),
+                                   model=dict(attn_kv_tile=8, cp_impl="ring")),
                               r"model.attn_kv_tile=8 does not divide ring attention's block of "
                               r"12 tokens .* e.g. model.attn_kv_tile=6"),
     "kv tile on one shard": (dict(mesh=dict(fsdp=8), model=dict(attn_impl="ring", attn_kv_tile=5)),
@@ -60,9 +63,15 @@ CASES = {
                      r"cpu. Use model.attn_impl='auto'"),
     "pallas on cpu": (dict(mesh=dict(fsdp=8), model=dict(attn_impl="pallas")),
                       r"model.attn_impl='pallas' runs on NVIDIA GPUs"),
-    "tiled over context": (dict(mesh=dict(fsdp=4, context=2), model=dict(attn_impl="tiled")),
+    "tiled over context": (dict(mesh=dict(fsdp=4, context=2),
+                                model=dict(attn_impl="tiled", cp_impl="ring")),
                            r"model.attn_impl='tiled' runs on one context shard, but the rules "
-                           r"split the sequence over mesh.context=2. Use model.attn_impl='ring'"),
+                           r"split the sequence over mesh.context=2. Use model.cp_impl="
+                           r"'all_to_all' .* or model.attn_impl='ring'"),
+    "all_to_all heads": (dict(mesh=dict(fsdp=2, context=4),
+                              model=dict(cp_impl="all_to_all", n_heads=2, n_kv_heads=1)),
+                         r"model.cp_impl='all_to_all' gives each of mesh.context=4 shards a "
+                         r"slice of the query heads, and each device holds 2"),
     "tiled tile": (dict(mesh=dict(fsdp=8), model=dict(attn_impl="tiled", attn_kv_tile=5)),
                    r"model.attn_kv_tile=5 does not divide half of train.seq_len=32 \(16 "
                    r"tokens, .* e.g. model.attn_kv_tile=4"),
