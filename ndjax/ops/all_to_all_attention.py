@@ -15,9 +15,10 @@ elements, against ring attention's ``2 kv s d`` per device for its key/value hop
 ((c - 1) / c of it). The segment ids are gathered whole (4 bytes a token).
 
 What it needs: the heads each device holds after tensor parallelism divide by the
-context degree (``check``). Where a device holds fewer kv heads than ``c`` (or a
-number ``c`` does not divide), each is repeated just enough (``kv_repeat``) for
-the query heads of every slice to find theirs, as tensor parallelism does.
+context degree (checked before compiling, ``ndjax.ops.attention``). Where a device
+holds fewer kv heads than ``c`` (or a number ``c`` does not divide), each is
+repeated just enough (``kv_repeat``) for the query heads of every slice to find
+theirs, as tensor parallelism does.
 
 The sequence must be in its natural order: each all-to-all concatenates the
 shards' chunks in shard order. It needs no balancing permutation (ring
@@ -43,10 +44,10 @@ AXIS = "context"
 
 
 def kv_repeat(kv_heads: int, heads: int, context: int) -> int:
-    """How many times each of a device's ``kv_heads`` is repeated so that every one of
-    ``context`` head slices holds whole groups: the least ``r`` with ``kv_heads * r``
-    divisible by ``context`` (which divides ``r``'s share of the query heads' group
-    whenever ``context`` divides ``heads``)."""
+    """How many times each of a device's ``kv_heads`` is repeated so that each of the
+    ``context`` head slices holds whole query groups: the least ``r`` with
+    ``kv_heads * r`` divisible by ``context``. Whenever ``context`` divides ``heads``,
+    ``r`` divides the group size ``heads / kv_heads``, so the groups stay whole."""
     r = context // math.gcd(kv_heads, context)
     if heads % context or (heads // kv_heads) % r:
         raise ValueError(f"all-to-all attention: {heads} query heads, {kv_heads} kv heads "
