@@ -103,8 +103,15 @@ def model_config(model: ModelSettings, checkpoint: hf.Checkpoint | None = None,
             "for rotary embeddings. Set model.head_dim or change model.dim.")
     precision = Precision.of(model.dtype, model.param_dtype, "float32", platform)  # no moments
     scan_layers = model.scan_layers
+    if model.remat == "offload" and scan_layers is False:
+        # XLA's host offloader moves the inputs the layer scan saves; unrolled layers'
+        # copies to the host were dropped (compiled for H100s: nothing offloaded).
+        raise ConfigError("model.remat='offload' keeps the inputs the layer scan saves in host "
+                          "memory, and model.scan_layers=False unrolls the layers. Unset "
+                          "model.scan_layers, or use model.remat='full'.")
     if scan_layers is None:
-        scan_layers = decoder.default_scan_layers(dims["n_layers"], platform)
+        scan_layers = (model.remat == "offload"
+                       or decoder.default_scan_layers(dims["n_layers"], platform))
     return DecoderConfig(**dims, dtype=precision.compute, param_dtype=precision.params,
                          scan_layers=bool(scan_layers),
                          remat=model.remat, attn_impl=model.attn_impl,

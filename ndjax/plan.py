@@ -141,6 +141,9 @@ def report(plan, config, top: int) -> str:  # noqa: ANN001 -- planner.Plan, Conf
             notes.append(f"  #{i}: {c.reason} (tried: {'; '.join(c.tried)})")
         if c.aliases:
             notes.append(f"  #{i}: the same program as {', '.join(c.aliases)}")
+        if c.host:
+            notes.append(f"  #{i}: {_gib(c.host)} GiB of layer inputs per device in host memory; "
+                         f"{_ms(e.host_s)} ms over PCIe per step (in comm ms)")
         for finding in c.rematerializations:
             notes.append(f"  #{i}: the partitioner could not reshard efficiently: {finding}")
     if ranked:
@@ -151,14 +154,14 @@ def report(plan, config, top: int) -> str:  # noqa: ANN001 -- planner.Plan, Conf
         lines.append("no layout fits; see below")
     if over:
         lines += ["", f"do not fit ({len(over)}):"]
-        lines += [f"  {c.layout.mesh} [{c.layout.rules}, remat {c.layout.remat}]: "
+        lines += [f"  {c.layout.mesh} [{c.layout.settings}, remat {c.layout.remat}]: "
                   f"{_gib(c.memory)} GiB; {c.reason}" for c in over]
     if failed:
         lines += ["", f"failed to compile ({len(failed)}):"]
-        lines += [f"  {c.layout.mesh} [{c.layout.rules}]: {c.reason}" for c in failed]
+        lines += [f"  {c.layout.mesh} [{c.layout.settings}]: {c.reason}" for c in failed]
     if rejected:
         lines += ["", f"rejected ({len(rejected)}):"]
-        lines += [f"  {c.layout.mesh} [{c.layout.rules}]: {c.reason}" for c in rejected]
+        lines += [f"  {c.layout.mesh} [{c.layout.settings}]: {c.reason}" for c in rejected]
     return "\n".join(lines)
 
 

@@ -66,6 +66,11 @@ from ndjax.rules import PRESETS
 
 CONFIG_RULES = "config"          # the config's own rule table (not a preset name)
 REMAT_LADDER = ("none", "save_proj", "full")
+# Where the GPU compiler measures, one rung more: the layer inputs in host memory
+# (a CPU compile keeps them in its one memory, so it would measure full's bytes).
+OFFLOAD = "offload"
+# Context parallelism's algorithms, each planned where the config leaves it to auto.
+CP_ALGORITHMS = ("ring", "all_to_all")
 FUSED_STAND_IN = {"cudnn": "tiled", "pallas": "tiled"}
 # The planner reads the compiled module's buffers and collectives, never runs it:
 # LLVM's optimisations of the CPU code change neither and take most of the time
@@ -82,6 +87,7 @@ class Layout:
     rules: str = "default"
     remat: str = "none"
     grad_accum: int = 1
+    cp_impl: str = "auto"        # model.cp_impl: how context shards meet (context > 1)
 
     @property
     def degrees(self) -> tuple[int, int, int, int]:
@@ -90,6 +96,11 @@ class Layout:
     @property
     def mesh(self) -> str:
         return " x ".join(f"{a}={s}" for a, s in zip(AXES, self.degrees) if s > 1) or "1 device"
+
+    @property
+    def settings(self) -> str:
+        """The rule table, and the CP algorithm where the sequence is split."""
+        return self.rules + (f", {self.cp_impl}" if self.context > 1 else "")
 
     def with_(self, **changes: Any) -> Layout:
         return dataclasses.replace(self, **changes)
@@ -110,14 +121,19 @@ def factorizations(n: int) -> list[tuple[int, int, int, int]]:
 
 def layouts(config: ml_collections.ConfigDict, n: int,
             presets: Sequence[str] | None = None) -> list[Layout]:
-    """Every candidate: degrees x rule tables, with the config's remat and grad_accum."""
+    """Every candidate: degrees x rule tables, with the config's remat and grad_accum;
+    with context > 1 and ``model.cp_impl=auto``, once per CP algorithm, side by side
+    (the ring and all-to-all trade memory, bytes and kernels by shape: let the
+    figures choose)."""
     if isinstance(config.rules, str):
         tables = list(presets) if presets else list(PRESETS)
     else:
         tables = [CONFIG_RULES]
+    cp = config.model.cp_impl
     return [Layout(*degrees, rules=rules, remat=config.model.remat,
-                   grad_accum=config.train.grad_accum)
-            for degrees in factorizations(n) for rules in tables]
+                   grad_accum=config.train.grad_accum, cp_impl=algorithm)
+            for degrees in factorizations(n) for rules in tables
+            for algorithm in (CP_ALGORITHMS if degrees[2] > 1 and cp == "auto" else (cp,))]
 
 
 def target_config(config: ml_collections.ConfigDict, layout: Layout,
@@ -129,6 +145,7 @@ def target_config(config: ml_collections.ConfigDict, layout: Layout,
     if layout.rules != CONFIG_RULES:
         c.rules = layout.rules
     c.model.remat = layout.remat
+    c.model.cp_impl = layout.cp_impl
     c.train.grad_accum = layout.grad_accum
     if c.model.dtype == "auto":
         c.model.dtype = "bfloat16"
@@ -176,7 +193,7 @@ def check(config: ml_collections.ConfigDict, layout: Layout, devices: Sequence[j
         attention_ops.Site.of(exp.model_cfg, cfg.train.seq_len, exp.rules,
                               cfg.train.batch_size // cfg.train.grad_accum),
         platform="gpu", compute_capability=hardware.compute_capability,
-        cp_impl=config.model.cp_impl)
+        cp_impl=layout.cp_impl)
     choice = attention_ops.choose(impl, site)
     on_gpu = choice.name
     stand_in = on_gpu if on_target else FUSED_STAND_IN.get(on_gpu, on_gpu)
@@ -274,6 +291,7 @@ def measure(config_json: str, n: int, target: str | None = None,
     m = compiled.memory_analysis()
     records = collective_records(compiled.as_text(), exp.mesh, devices)
     return dict(arguments=int(m.argument_size_in_bytes), temporaries=int(m.temp_size_in_bytes),
+                host=int(m.host_temp_size_in_bytes + m.host_argument_size_in_bytes),
                 compile_s=round(seconds, 2), collectives=records,
                 rematerializations=native.rematerializations)
 
@@ -385,6 +403,7 @@ class Candidate:
     attention: str = ""
     arguments: int = 0
     temporaries: int = 0
+    host: int = 0                # pinned host memory per device (model.remat=offload)
     compile_s: float = 0.0
     collectives: list[dict] = dataclasses.field(default_factory=list)
     estimate: roofline.Estimate | None = None
@@ -405,10 +424,12 @@ class Candidate:
         e, link = self.estimate, self.link
         out = dict(mesh=dict(zip(AXES, self.layout.degrees)), rules=self.layout.rules,
                    remat=self.layout.remat, grad_accum=self.layout.grad_accum,
+                   cp_impl=self.layout.cp_impl,
                    status=self.status, reason=self.reason, aliases=self.aliases)
         if self.status in ("ranked", "over"):
             out.update(attention=self.attention, arguments_bytes=self.arguments,
                        temporaries_bytes=self.temporaries, memory_bytes=self.memory,
+                       host_bytes=self.host,
                        compile_s=self.compile_s, tried=self.tried,
                        rematerializations=self.rematerializations)
         if e is not None and link is not None:
@@ -438,10 +459,13 @@ class Plan:
         return [c for c in self.candidates if c.status == status]
 
 
-def _remedies(layout: Layout, batch_per_device_rows: int) -> list[Layout]:
-    """What to try, in order, when only the activations do not fit."""
+def _remedies(layout: Layout, batch_per_device_rows: int, offload: bool = False
+              ) -> list[Layout]:
+    """What to try, in order, when only the activations do not fit; ``offload``: the
+    host-offload rung after ``full`` (measured by the GPU compiler only)."""
     out = []
-    ladder = REMAT_LADDER if layout.remat in REMAT_LADDER else (layout.remat, "full")
+    ladder = (*REMAT_LADDER, OFFLOAD) if offload else REMAT_LADDER
+    ladder = ladder if layout.remat in ladder else (layout.remat, "full")
     for remat in ladder[ladder.index(layout.remat) + 1:]:
         out.append(layout.with_(remat=remat))
     k = layout.grad_accum * 2
@@ -488,7 +512,7 @@ def _check_all(config: ml_collections.ConfigDict, n: int, hardware: roofline.Har
     for group in same.values():
         group.sort(key=lambda c: (c.layout.rules not in ("default", CONFIG_RULES),
                                   c.layout.replica))
-        group[0].aliases = [f"{c.layout.mesh} [{c.layout.rules}]" for c in group[1:]]
+        group[0].aliases = [f"{c.layout.mesh} [{c.layout.settings}]" for c in group[1:]]
         distinct.append(group[0])
     return distinct + rejected, checked, sum(len(g) - 1 for g in same.values())
 
@@ -501,13 +525,21 @@ def _fill(cand: Candidate, r: dict, c: Checked, hardware: roofline.Hardware,
         return
     cand.layout = c.layout
     cand.arguments, cand.temporaries = r["arguments"], r["temporaries"]
+    cand.host = r.get("host", 0)
     cand.compile_s, cand.collectives = r["compile_s"], r["collectives"]
     cand.rematerializations = r.get("rematerializations", [])
     cand.link = roofline.traffic(r["collectives"], devices_per_node)
     cand.estimate = roofline.estimate(hardware, cand.link, c.model_flops, c.tokens,
                                       math.prod(c.layout.degrees), c.layout.remat,
-                                      c.recompute_flops)
-    cand.status = "ranked" if cand.memory <= budget else "over"
+                                      c.recompute_flops, host_bytes=cand.host)
+    cand.status = "ranked" if _fits(r, hardware, budget) else "over"
+
+
+def _fits(r: dict, hardware: roofline.Hardware, budget: float) -> bool:
+    """Device memory within ``budget``, and host memory within the same share of the
+    node's memory per GPU."""
+    host_budget = hardware.host_memory_bytes * budget / hardware.memory_bytes
+    return r["arguments"] + r["temporaries"] <= budget and r.get("host", 0) <= host_budget
 
 
 def _label(layout: Layout) -> str:
@@ -528,7 +560,7 @@ def _at_least(cand: Candidate, c: Checked, hardware: roofline.Hardware) -> float
     communication measured there and the compute of ``c``'s remat bound it below."""
     return roofline.estimate(hardware, cand.link, c.model_flops, c.tokens,
                              math.prod(c.layout.degrees), c.layout.remat,
-                             c.recompute_flops).serial_s
+                             c.recompute_flops, host_bytes=cand.host).serial_s
 
 
 def _remedy(config: ml_collections.ConfigDict, over: list[Candidate],
@@ -544,7 +576,7 @@ def _remedy(config: ml_collections.ConfigDict, over: list[Candidate],
     for cand in over:
         t = checked[id(cand)].config.train
         rows = t.batch_size // (cand.layout.replica * cand.layout.fsdp) // t.grad_accum
-        queues[id(cand)] = _remedies(cand.layout, rows)
+        queues[id(cand)] = _remedies(cand.layout, rows, offload=compiler.target is not None)
         cand.least_memory = cand.memory
     given = {id(c): (c.layout, f"{_label(c.layout)}: {_gib(c.memory)}") for c in over}
     while queues:
@@ -574,7 +606,7 @@ def _remedy(config: ml_collections.ConfigDict, over: list[Candidate],
         results = compiler.measure_all([c.config for _, c in trying])
         for (cand, c), r in zip(trying, results):
             total = r["arguments"] + r["temporaries"] if "error" not in r else None
-            if total is not None and total <= budget:
+            if total is not None and _fits(r, hardware, budget):
                 _fill(cand, r, c, hardware, devices_per_node, budget)
                 cand.tried.insert(0, given[id(cand)][1])
                 cand.reason = _describe_fix(given[id(cand)][0], c.layout)

@@ -8,6 +8,8 @@ collective with its bytes, group and executions per step. The estimate is
     communication = sum over collectives of ring bytes sent per device / bandwidth
                     of the slowest link its group crosses (NVLink inside a node,
                     the network when the group spans nodes), x executions
+                    + (model.remat=offload) 2 x the layer inputs offloaded per device
+                    / PCIe bandwidth (out in the forward pass, back in the backward)
     step time     = compute + communication   (no overlap; an upper bound)
                     max(compute, communication) (perfect overlap; a lower bound)
 
@@ -30,7 +32,9 @@ Hardware figures are per GPU, from the vendors' data sheets: dense (no
 sparsity) bf16 tensor-core peak; HBM capacity; NVLink bandwidth in one
 direction (half the "bidirectional" figure NVIDIA quotes); the network as the
 DGX/HGX reference design gives it, one 400 Gb/s (A100: 200 Gb/s) InfiniBand
-adapter per GPU = 50 (25) GB/s.
+adapter per GPU = 50 (25) GB/s. For ``model.remat=offload``: the node's system
+memory per GPU (DGX A100 1 TB, H100/H200 2 TB, B200 4 TB, per 8 GPUs) and each
+GPU's PCIe link to it in one direction (PCIe 4 x16: 32 GB/s; PCIe 5 x16: 64).
 """
 
 from __future__ import annotations
@@ -68,10 +72,18 @@ class Hardware:
     compute_capability: str
     source: str
     chip: Chip
+    # The host side, for model.remat=offload: the node's system memory per GPU and
+    # each GPU's PCIe link to it, GB/s in one direction (the reference designs).
+    host_memory_gb: float = 256.0
+    pcie_gbs: float = 64.0
 
     @property
     def memory_bytes(self) -> float:
         return self.memory_gb * GB
+
+    @property
+    def host_memory_bytes(self) -> float:
+        return self.host_memory_gb * GB
 
 
 _HOPPER = dict(sms=132, fp32_per_sm=128, clock_ghz=1.98, l2_mb=50, smem_per_sm_kb=228,
@@ -82,21 +94,25 @@ HARDWARE: dict[str, Hardware] = {
                      "8x 200 Gb/s HDR InfiniBand",
                      Chip(sms=108, fp32_per_sm=64, clock_ghz=1.41, hbm_tbs=2.039, l2_mb=40,
                           smem_per_sm_kb=164, smem_per_block_optin_kb=163,
-                          device_name="NVIDIA A100-SXM4-80GB")),
+                          device_name="NVIDIA A100-SXM4-80GB"),
+                     host_memory_gb=128.0, pcie_gbs=32.0),  # 1 TB per node; PCIe 4
     "h100": Hardware("H100 SXM5 80GB", 989.0, 80.0, 450.0, 50.0, "9.0",
                      "NVIDIA H100 data sheet (989 TFLOPS bf16 dense, 900 GB/s NVLink 4); "
                      "DGX H100: 8x 400 Gb/s NDR InfiniBand",
-                     Chip(**_HOPPER, hbm_tbs=3.35, device_name="NVIDIA H100 80GB HBM3")),
+                     Chip(**_HOPPER, hbm_tbs=3.35, device_name="NVIDIA H100 80GB HBM3"),
+                     host_memory_gb=256.0, pcie_gbs=64.0),  # DGX H100: 2 TB; PCIe 5
     "h200": Hardware("H200 SXM 141GB", 989.0, 141.0, 450.0, 50.0, "9.0",
                      "NVIDIA H200 data sheet (989 TFLOPS bf16 dense, 141 GB HBM3e, 900 GB/s "
                      "NVLink); DGX H200: 8x 400 Gb/s InfiniBand",
-                     Chip(**_HOPPER, hbm_tbs=4.8, device_name="NVIDIA H200")),
+                     Chip(**_HOPPER, hbm_tbs=4.8, device_name="NVIDIA H200"),
+                     host_memory_gb=256.0, pcie_gbs=64.0),  # DGX H200: 2 TB; PCIe 5
     "b200": Hardware("B200 180GB", 2250.0, 180.0, 900.0, 50.0, "10.0",
                      "NVIDIA B200 (2.25 PFLOPS bf16 dense, 4.5 sparse; 1.8 TB/s NVLink 5); DGX "
                      "B200 data sheet (1,440 GB HBM3e per 8 GPUs; 8x 400 Gb/s InfiniBand)",
                      Chip(sms=148, fp32_per_sm=128, clock_ghz=1.965, hbm_tbs=8.0, l2_mb=126,
                           smem_per_sm_kb=228, smem_per_block_optin_kb=227,
-                          device_name="NVIDIA B200")),
+                          device_name="NVIDIA B200"),
+                     host_memory_gb=512.0, pcie_gbs=64.0),  # DGX B200: 4 TB; PCIe 5
 }
 
 # The forward matmuls of a decoder layer that each remat policy runs again in the
@@ -111,6 +127,7 @@ RERUN = {
     "save_proj": ("o",),
     "save_attn": ("q", "k", "v", "o", "gate", "up"),
     "full": ("q", "k", "v", "o", "gate", "up", "attention"),
+    "offload": ("q", "k", "v", "o", "gate", "up", "attention"),  # full's, inputs on the host
 }
 
 
@@ -198,10 +215,12 @@ class Estimate:
     model_flops: float         # per step, all devices (6N-style, no recompute)
     devices: int
     peak_tflops: float
+    # model.remat=offload: each device's layer inputs to the host and back over PCIe.
+    host_s: float = 0.0
 
     @property
     def communication_s(self) -> float:
-        return self.inside_s + self.across_s
+        return self.inside_s + self.across_s + self.host_s
 
     @property
     def serial_s(self) -> float:
@@ -220,13 +239,17 @@ class Estimate:
 
 
 def estimate(hw: Hardware, link: Link, model_flops: float, tokens: int, devices: int,
-             remat: str, recompute_flops: float | None = None) -> Estimate:
+             remat: str, recompute_flops: float | None = None,
+             host_bytes: float = 0.0) -> Estimate:
     """``model_flops``: training FLOPs of one step over all devices (ndjax.flops);
     ``recompute_flops``: what ``remat`` reruns in that step, all devices
-    (``recomputed_forward_flops`` x tokens), else priced by ``recompute_factor``."""
+    (``recomputed_forward_flops`` x tokens), else priced by ``recompute_factor``;
+    ``host_bytes``: what each device offloads to host memory (out in the forward
+    pass, back in the backward: twice over its PCIe link)."""
     if recompute_flops is None:
         recompute_flops = model_flops * (recompute_factor(remat) - 1.0)
     compute = (model_flops + recompute_flops) / devices / (hw.peak_tflops * 1e12)
     return Estimate(compute_s=compute, inside_s=link.inside_bytes / (hw.nvlink_gbs * GB),
                     across_s=link.across_bytes / (hw.network_gbs * GB), tokens=tokens,
-                    model_flops=model_flops, devices=devices, peak_tflops=hw.peak_tflops)
+                    model_flops=model_flops, devices=devices, peak_tflops=hw.peak_tflops,
+                    host_s=2 * host_bytes / (hw.pcie_gbs * GB))

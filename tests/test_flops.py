@@ -123,3 +123,8 @@ def test_estimate_prices_each_remat_policy():
         # The model's own figure, when given, is what is priced.
         assert compute_s(remat, recompute_flops=rerun) == pytest.approx(compute_s(remat))
     assert 1.15 < times[2] / times[0] < times[3] / times[0] < 4 / 3
+    # offload reruns what full does; its layer inputs cross PCIe twice (out and back).
+    assert compute_s("offload") == compute_s("full")
+    e = roofline.estimate(h100, link, model_flops, 4096, 8, "offload", host_bytes=32e9)
+    assert e.host_s == pytest.approx(2 * 32e9 / (h100.pcie_gbs * 1e9))
+    assert e.communication_s == pytest.approx(e.host_s)

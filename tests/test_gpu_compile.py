@@ -230,6 +230,25 @@ def test_pallas_runs_on_each_devices_rows_and_heads():
 
 
 @needs_extra
+def test_offload_keeps_each_layers_input_in_host_memory():
+    """remat=offload compiled for H100s: XLA's host offloader keeps the layer inputs the
+    scan saves in pinned host memory (S(5) in the HLO), exactly layers x the device's
+    rows x seq x dim bf16, and the device holds that much less but a layer or two in
+    flight. full, the same step otherwise, uses no host memory."""
+    layers, seq = 8, 2048
+    _, full = _step_temp("auto", seq, model=dict(remat="full", n_layers=layers))
+    _, off = _step_temp("auto", seq, model=dict(remat="offload", n_layers=layers))
+    f, m = full.memory_analysis(), off.memory_analysis()
+    per_layer = 1 * seq * SMALL["dim"] * 2  # batch 2 over fsdp=2: one row per device
+    assert m.host_temp_size_in_bytes == layers * per_layer
+    assert f.host_temp_size_in_bytes == 0 and "S(5)" not in full.as_text()
+    assert "S(5)" in off.as_text()
+    assert m.argument_size_in_bytes == f.argument_size_in_bytes
+    saved = f.temp_size_in_bytes - m.temp_size_in_bytes
+    assert layers * per_layer - 2 * per_layer <= saved <= layers * per_layer, saved
+
+
+@needs_extra
 def test_gpu_compiler_options_are_known_to_the_gpu_compiler():
     chosen = compiler.options("gpu", {})
     assert chosen

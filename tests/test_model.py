@@ -115,8 +115,8 @@ def test_scan_and_unrolled_agree():
 
 
 @functools.cache
-def loss_and_grads(remat):
-    graphdef, params = make_split(remat=remat)
+def loss_and_grads(remat, **overrides):
+    graphdef, params = make_split(remat=remat, **overrides)
     tokens, positions, seg = inputs()
 
     def loss(p):
@@ -126,12 +126,22 @@ def loss_and_grads(remat):
     return jax.jit(jax.value_and_grad(loss))(params)
 
 
-@pytest.mark.parametrize("remat", ["full", "save_proj", "save_attn"])
+@pytest.mark.parametrize("remat", ["full", "save_proj", "save_attn", "offload"])
 def test_remat_policies_give_identical_loss_and_grads(remat):
     ref_loss, ref_grads = loss_and_grads("none")
-    loss, grads = loss_and_grads(remat)
+    # offload runs the layer scan (its inputs are what goes to the host); on a CPU the
+    # host is the device's memory, so it must equal full to the bit.
+    loss, grads = loss_and_grads(remat, **({"scan_layers": True} if remat == "offload" else {}))
     np.testing.assert_allclose(loss, ref_loss, rtol=1e-6)
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-6), grads, ref_grads)
+    if remat == "offload":
+        full = loss_and_grads("full", scan_layers=True)
+        jax.tree.map(np.testing.assert_array_equal, (loss, grads), full)
+
+
+def test_offload_needs_the_layer_scan():
+    with pytest.raises(ValueError, match="offload.*needs scan_layers"):
+        make_split(remat="offload", scan_layers=False)
 
 
 def test_remat_full_saves_less_than_none():

@@ -75,6 +75,10 @@ CASES = {
     "tiled tile": (dict(mesh=dict(fsdp=8), model=dict(attn_impl="tiled", attn_kv_tile=5)),
                    r"model.attn_kv_tile=5 does not divide half of train.seq_len=32 \(16 "
                    r"tokens, .* e.g. model.attn_kv_tile=4"),
+    "offload unrolled": (dict(mesh=dict(fsdp=8), model=dict(remat="offload", scan_layers=False)),
+                         r"model.remat='offload' keeps the inputs the layer scan saves in host "
+                         r"memory, and model.scan_layers=False unrolls the layers. Unset "
+                         r"model.scan_layers, or use model.remat='full'."),
     "heads vs kv heads": (dict(mesh=dict(fsdp=8), model=dict(n_heads=8, n_kv_heads=3)),
                           r"model.n_heads=8 is not a multiple of model.n_kv_heads=3"),
     "odd head dim": (dict(mesh=dict(fsdp=8), model=dict(dim=72, n_heads=8)),

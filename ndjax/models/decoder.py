@@ -138,6 +138,9 @@ ACTIVATIONS = ("attn_norm", "q_proj", "k_proj", "v_proj", "attn_out", "attn_lse"
                "attn_block_out", "mlp_norm", "mlp_gate", "mlp_up", "mlp_out")
 _save = jax.checkpoint_policies.save_only_these_names
 
+# The policies that keep only each layer's input (ndjax.ops.layer_scan).
+FULL_REMAT = ("full", "offload")
+
 # model.scan_layers unset: up to this many layers run unrolled on a CPU.
 CPU_UNROLL_MAX_LAYERS = 8
 
@@ -166,6 +169,10 @@ REMAT_POLICIES = {
     # Only each layer's input is kept (the scan carry); the whole layer is
     # recomputed in the backward pass.
     "full": jax.checkpoint_policies.nothing_saveable,
+    # "full", with each layer's input kept in the host's pinned memory between the
+    # passes (ndjax.ops.layer_scan; scanned layers only): the device keeps one
+    # layer's activations.
+    "offload": jax.checkpoint_policies.nothing_saveable,
     # Save the projections (the expensive matmuls), recompute norms, RoPE,
     # softmax and the SwiGLU elementwise work.
     "save_proj": _save("q_proj", "k_proj", "v_proj", "attn_out", "attn_lse", "mlp_gate",
@@ -303,6 +310,8 @@ class Decoder(nnx.Module):
     def __init__(self, cfg: DecoderConfig, rngs: nnx.Rngs):
         if cfg.remat not in REMAT_POLICIES:
             raise ValueError(f"model.remat={cfg.remat!r}: choose one of {sorted(REMAT_POLICIES)}")
+        if cfg.remat == "offload" and not cfg.scan_layers:
+            raise ValueError("model.remat='offload' needs scan_layers (ndjax.ops.layer_scan)")
         self.cfg = cfg
         self.embed = init_param(rngs, (cfg.vocab_size, cfg.dim), ("vocab", "embed"),
                                 cfg.init_std, cfg.param_dtype)
@@ -373,11 +382,11 @@ class Decoder(nnx.Module):
             return run
 
         def scanned(pattern, x, params):
-            if cfg.remat == "full":
+            if cfg.remat in FULL_REMAT:
                 # Each layer's input kept, each layer recomputed on its own.
                 layers = tuple(block(t) for t in pattern)
                 return scan_full_remat(layers if len(pattern) > 1 else layers[0], x, params,
-                                       (tables, segment_ids))
+                                       (tables, segment_ids), offload=cfg.remat == "offload")
             run = group(pattern, len(pattern) > 1)
             # The segment ids ride in the scan's carry, not as a constant of the body:
             # jax hoists work that depends only on a scan's constants out of the loop,
