@@ -115,10 +115,10 @@ def test_plan_for_the_top_layouts_compiles_less_and_ranks_the_same(tmp_path):
     pruned = [c for c in best.candidates if c.cannot_rank]
     assert pruned, [c.reason for c in best.candidates]
     assert _compiles(some) < _compiles(every)
-    exhaustive = {c.layout.mesh: c for c in full.candidates}
+    exhaustive = {(c.layout.mesh, c.layout.settings): c for c in full.candidates}
     for c in pruned:
         assert c.status == "over" and "not retried with more remat" in c.reason
-        there = exhaustive[c.layout.mesh]  # what its remedies gave when compiled
+        there = exhaustive[c.layout.mesh, c.layout.settings]  # what its remedies gave
         assert there.status != "ranked" or there.estimate.serial_s > first.estimate.serial_s
 
 
@@ -131,28 +131,53 @@ def test_plan_rejects_with_reasons_and_fits_with_remat(tmp_path):
     assert sorted(c.layout.mesh for c in rejected) == ["fsdp=2", "replica=2"]
     assert all("train.batch_size=1 is not divisible by 2" in c.reason for c in rejected)
     ranked = roomy.by_status("ranked")
-    assert sorted(c.layout.mesh for c in ranked) == ["context=2", "tensor=2"]
+    assert sorted(c.layout.mesh for c in ranked) == ["context=2", "context=2", "tensor=2"]
     assert all(c.layout.remat == "none" and c.estimate.serial_s > 0 for c in ranked)
     # One row on tensor=2: cuDNN's sharding rule fails there (ndjax.ops.attention.Cudnn),
-    # so an H100 runs Pallas. On context=2 it runs cuDNN inside all-to-all (each device
-    # its heads, the whole sequence), which the plan compiles and prices.
-    assert {c.attention for c in ranked} == {"all_to_all+cudnn (compiled as tiled)",
-                                             "pallas (compiled as tiled)"}
-    a2a = next(c for c in ranked if c.layout.context == 2)
-    assert a2a.link.inside.get("all-to-all", 0) > 0
+    # so an H100 runs Pallas. context=2 is planned with both CP algorithms, side by
+    # side: the ring, and cuDNN inside all-to-all (each device its heads, the whole
+    # sequence), each compiled and priced with its own collectives.
+    assert sorted((c.layout.cp_impl, c.attention) for c in ranked) == [
+        ("all_to_all", "all_to_all+cudnn (compiled as tiled)"),
+        ("auto", "pallas (compiled as tiled)"), ("ring", "ring")]
+    by_cp = {c.layout.cp_impl: c.link.inside for c in ranked if c.layout.context == 2}
+    assert by_cp["all_to_all"].get("all-to-all", 0) > 0 and "collective-permute" not in by_cp[
+        "all_to_all"]
+    assert by_cp["ring"].get("collective-permute", 0) > 0 and "all-to-all" not in by_cp["ring"]
 
     # A budget just under what remat=none needs: the planner finds more remat.
-    need = {c.layout.mesh: c.memory for c in ranked}
+    need = {c.layout.settings + c.layout.mesh: c.memory for c in ranked}
     tight = dataclasses.replace(H100, memory_gb=(min(need.values()) - 1) / 1e9)
     messages.clear()
     plan = _plan(config, tight, tmp_path, messages)
-    assert any("(2 cached)" in m for m in messages)  # the first plan's compiles
+    assert any("(3 cached)" in m for m in messages)  # the first plan's compiles
     for c in plan.by_status("ranked"):
-        assert c.layout.remat != "none" and c.memory < need[c.layout.mesh]
+        assert c.layout.remat != "none" and c.memory < need[c.layout.settings + c.layout.mesh]
         assert c.reason.startswith("fits with model.remat=") and c.tried
     for c in plan.by_status("over"):
         assert c.tried and "over the budget" in c.reason
-    assert len(plan.by_status("ranked")) + len(plan.by_status("over")) == 2
+    assert len(plan.by_status("ranked")) + len(plan.by_status("over")) == 3
+
+
+def test_remedies_add_offload_where_the_gpu_compiler_measures():
+    """After full, a GPU compile tries offload (the layer inputs in host memory); a CPU
+    compile, whose host and device memory are one, goes on to gradient accumulation."""
+    base = planner.Layout(1, 2, 1, 1, remat="save_proj")
+    cpu = [(x.remat, x.grad_accum) for x in planner._remedies(base, 4)]
+    gpu = [(x.remat, x.grad_accum) for x in planner._remedies(base, 4, offload=True)]
+    assert cpu == [("full", 1), ("full", 2), ("full", 4)]
+    assert gpu == [("full", 1), ("offload", 1), ("full", 2), ("full", 4)]
+
+
+def test_layouts_plan_both_cp_algorithms_where_auto_chooses():
+    config = tiny_config()
+    every = planner.layouts(config, 4, ["default"])
+    split = [x for x in every if x.context > 1]
+    assert split and {x.cp_impl for x in split} == {"ring", "all_to_all"}
+    assert len(split) == 2 * len({x.degrees for x in split})
+    assert {x.cp_impl for x in every if x.context == 1} == {"auto"}
+    config.model.cp_impl = "ring"
+    assert {x.cp_impl for x in planner.layouts(config, 4, ["default"])} == {"ring"}
 
 
 def test_traffic_splits_by_the_nodes_a_group_spans():
@@ -185,7 +210,7 @@ def test_cli_json_lists_every_layout(tmp_path):
              tmp_path=tmp_path)
     assert r.returncode == 0, r.stderr
     rows = json.loads(r.stdout)
-    assert len(rows) == 4
+    assert len(rows) == 5  # replica, fsdp, tensor; context with the ring and all-to-all
     assert {row["status"] for row in rows} == {"ranked", "rejected"}
     for row in rows:
         if row["status"] == "ranked":
