@@ -101,6 +101,9 @@ def test_plan_for_the_top_layouts_compiles_less_and_ranks_the_same(tmp_path):
     communication plus the compute of more remat is already slower): the winner is
     the exhaustive plan's; every layout it left is provably slower."""
     config = tiny_config(train={"batch_size": 2, "seq_len": 256})
+    # One CP algorithm (both side by side: test_plan_rejects_with_reasons...): this
+    # test is about pruning, and each context layout would compile twice.
+    config.model.cp_impl = "ring"
     every, some = [], []
     # One cache: the plans share their compiles, and _compiles counts what each measured.
     roomy = _plan(config, H100, tmp_path, every, n=4)
