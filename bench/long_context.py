@@ -67,7 +67,7 @@ def compile_one(preset, devices, seq, batch, mesh, rules, remat, cp) -> dict:
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=1800)
     if r.returncode:
-        return {"error": (r.stderr.strip().splitlines() or ["?"])[-1][:200]}
+        return {"error": (r.stderr.strip().splitlines() or ["?"])[-1][:400]}
     return json.loads(r.stdout)
 
 
