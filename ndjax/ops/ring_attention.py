@@ -33,6 +33,13 @@ token indices (from the layout and the owner's index) and segment ids (which
 travel with the keys), so it is exactly the dense mask: causal by index in the
 unpermuted sequence, never across documents. Positions are not needed.
 
+Documents (packed rows): a block, and each key tile in it, whose segment ids cannot
+meet the query piece's (their ranges, in every row of the batch, do not overlap) is
+all masked and is skipped too (``_meet_table``: one small gather of the tiles'
+ranges per call, none per block). On rows of many short documents that leaves
+little more than the diagonal blocks; on one long document it skips nothing. Each
+skipped tile is a ``lax.cond``, the results are the same bits.
+
 Windows (``window``: a query at p sees keys p - window < k <= p): a block is also
 cut into query tiles, and each query tile visits only the key tiles its window
 reaches, at most ``_reach(window, tile)`` of them, each under a ``lax.cond`` that
@@ -192,6 +199,34 @@ def allowed(q_idx, q_seg, k_idx, k_seg, window: int | None = None) -> jax.Array:
     return seen[None] & (q_seg[:, :, None] == k_seg[:, None, :])
 
 
+def _ranges(seg: jax.Array, parts: int) -> tuple[jax.Array, jax.Array]:
+    """Each row's least and greatest segment id in each of ``parts`` equal parts of
+    its last axis: (..., parts) each."""
+    x = seg.reshape(*seg.shape[:-1], parts, seg.shape[-1] // parts)
+    return x.min(-1), x.max(-1)
+
+
+def _meet_table(seg: jax.Array, sh: _Shard) -> jax.Array:
+    """Document-aware skipping: whether query piece a of this shard and key tile t of
+    piece p of shard o hold a common segment id in any row, as bools (a, o, p, t).
+    Ranges that do not overlap hold no common id, so a (block or tile) pair they rule
+    out is all masked: skipping it changes no bit of the result. On packed rows of
+    short documents most pairs away from the diagonal are such. One small gather of
+    the tiles' ranges over the ring and one reduction over the rows per call, not one
+    per block."""
+    b, n = seg.shape
+    pieces, tiles = n // sh.piece, sh.piece // sh.tile
+    q_lo, q_hi = _ranges(seg, pieces)                                  # (b, a)
+    k_lo, k_hi = (x.reshape(b, pieces, tiles) for x in _ranges(seg, pieces * tiles))
+    if sh.context > 1:
+        k_lo, k_hi = (lax.all_gather(x, sh.axis) for x in (k_lo, k_hi))   # (o, b, p, t)
+    else:
+        k_lo, k_hi = k_lo[None], k_hi[None]
+    lo = jnp.maximum(q_lo[None, :, :, None, None], k_lo[:, :, None])   # (o, b, a, p, t)
+    hi = jnp.minimum(q_hi[None, :, :, None, None], k_hi[:, :, None])
+    return (lo <= hi).any(1).transpose(1, 0, 2, 3)
+
+
 def _tiles(tile: int, k, v, k_idx, k_seg):
     """Key-side arrays cut into tiles along a new leading axis, for ``lax.scan``."""
     b, n = k.shape[0], k.shape[1] // tile
@@ -236,34 +271,60 @@ def _tile_backward(dq, q, do, lse, delta, q_idx, q_seg, kt, vt, it, st, window, 
 
 
 def _block_forward(carry, q, q_idx, q_seg, k, v, k_idx, k_seg, tile: int,
-                   window: int | None = None, scale: float | None = None):
+                   window: int | None = None, scale: float | None = None, meet=None):
     """Online-softmax update of (o, m, den) for queries ``q`` against one key block:
-    (the updated carry, key tiles x query tiles computed)."""
+    (the updated carry, key tiles x query tiles computed). ``meet`` (key tiles,):
+    whether each key tile may share a document with the queries (``_meet_table``);
+    the tiles it rules out are skipped."""
+    n = k.shape[1] // tile
+    meet = jnp.ones((n,), bool) if meet is None else meet
     if window is not None:
         return _window_block_forward(carry, q, q_idx, q_seg, k, v, k_idx, k_seg, tile,
-                                     window, scale)
+                                     window, scale, meet)
 
-    def step(carry, xs):
-        return _online_update(carry, q, q_idx, q_seg, *xs, None, scale), None
+    def step(acc, xs):
+        carry, count = acc
+        *kt, go = xs
+        carry = lax.cond(go, lambda c: _online_update(c, q, q_idx, q_seg, *kt, None, scale),
+                         lambda c: c, carry)
+        return (carry, count + go), None
 
-    n = k.shape[1] // tile
-    return lax.scan(step, carry, _tiles(tile, k, v, k_idx, k_seg))[0], n * n
+    def compute(carry):
+        acc = (carry, jnp.zeros_like(q_idx[0]))
+        (carry, count), _ = lax.scan(step, acc, (*_tiles(tile, k, v, k_idx, k_seg), meet))
+        return carry, count * n
+
+    return lax.cond(meet.any(), compute, lambda c: (c, jnp.zeros_like(q_idx[0])), carry)
 
 
 def _block_backward(dq, q, do, lse, delta, q_idx, q_seg, k, v, k_idx, k_seg, tile: int,
-                    window: int | None = None, scale: float | None = None):
-    """FlashAttention-2 backward of one block: dq accumulated, (dk, dv) of the block."""
+                    window: int | None = None, scale: float | None = None, meet=None):
+    """FlashAttention-2 backward of one block: dq accumulated, (dk, dv) of the block;
+    the key tiles ``meet`` rules out skipped (zeros)."""
+    n = k.shape[1] // tile
+    meet = jnp.ones((n,), bool) if meet is None else meet
     if window is not None:
         return _window_block_backward(dq, q, do, lse, delta, q_idx, q_seg, k, v, k_idx, k_seg,
-                                      tile, window, scale)
+                                      tile, window, scale, meet)
 
     def step(dq, xs):
-        dq, dk, dv = _tile_backward(dq, q, do, lse, delta, q_idx, q_seg, *xs, None, scale)
+        *kt, go = xs
+        zeros = jnp.zeros_like(kt[0], jnp.float32)
+        dq, dk, dv = lax.cond(
+            go, lambda dq: _tile_backward(dq, q, do, lse, delta, q_idx, q_seg, *kt, None, scale),
+            lambda dq: (dq, zeros, zeros), dq)
         return dq, (dk, dv)
 
-    dq, (dk, dv) = lax.scan(step, dq, _tiles(tile, k, v, k_idx, k_seg))
-    join = lambda x: x.swapaxes(0, 1).reshape(k.shape[0], -1, *x.shape[3:])  # noqa: E731
-    return dq, join(dk), join(dv)
+    def compute(dq):
+        dq, (dk, dv) = lax.scan(step, dq, (*_tiles(tile, k, v, k_idx, k_seg), meet))
+        join = lambda x: x.swapaxes(0, 1).reshape(k.shape[0], -1, *x.shape[3:])  # noqa: E731
+        return dq, join(dk), join(dv)
+
+    def skip(dq):
+        zeros = jnp.zeros_like(k, jnp.float32)
+        return dq, zeros, zeros
+
+    return lax.cond(meet.any(), compute, skip, dq)
 
 
 # ----- sliding windows: query tiles, and only the key tiles their window reaches ---------------
@@ -315,7 +376,8 @@ def _key_tiles(q_idx, k_idx, n: int, tile: int, window: int):
     return bounds
 
 
-def _window_block_forward(carry, q, q_idx, q_seg, k, v, k_idx, k_seg, tile, window, scale):
+def _window_block_forward(carry, q, q_idx, q_seg, k, v, k_idx, k_seg, tile, window, scale,
+                          meet):
     n = q.shape[1] // tile
     bounds = _key_tiles(q_idx, k_idx, n, tile, window)
     take = lambda x, j, axis: lax.dynamic_slice_in_dim(x, j * tile, tile, axis)  # noqa: E731
@@ -328,10 +390,10 @@ def _window_block_forward(carry, q, q_idx, q_seg, k, v, k_idx, k_seg, tile, wind
             stats, count = acc
             j = jnp.minimum(lo + step, n - 1)
             kt = (take(k, j, 1), take(v, j, 1), take(k_idx, j, 0), take(k_seg, j, 1))
-            stats = lax.cond(lo + step <= hi,
-                             lambda s: _online_update(s, qt, it, st, *kt, window, scale),
+            go = (lo + step <= hi) & meet[j]
+            stats = lax.cond(go, lambda s: _online_update(s, qt, it, st, *kt, window, scale),
                              lambda s: s, stats)
-            return (stats, count + (lo + step <= hi)), None
+            return (stats, count + go), None
 
         steps = jnp.arange(min(n, _reach(window, tile)))
         (stats, count), _ = lax.scan(key_tile, (tuple(stats), count), steps)
@@ -344,12 +406,12 @@ def _window_block_forward(carry, q, q_idx, q_seg, k, v, k_idx, k_seg, tile, wind
         count, stats = lax.scan(query_tile, jnp.zeros_like(q_idx[0]), xs)
         return tuple(_join(x, 3) for x in stats), count
 
-    return lax.cond(_in_window(q_idx, k_idx, window), compute,
+    return lax.cond(_in_window(q_idx, k_idx, window) & meet.any(), compute,
                     lambda carry: (carry, jnp.zeros_like(q_idx[0])), carry)
 
 
 def _window_block_backward(dq, q, do, lse, delta, q_idx, q_seg, k, v, k_idx, k_seg, tile,
-                           window, scale):
+                           window, scale, meet):
     n = q.shape[1] // tile
     bounds = _key_tiles(q_idx, k_idx, n, tile, window)
     take = lambda x, j, axis: lax.dynamic_slice_in_dim(x, j * tile, tile, axis)  # noqa: E731
@@ -364,7 +426,7 @@ def _window_block_backward(dq, q, do, lse, delta, q_idx, q_seg, k, v, k_idx, k_s
             kt = (take(k, j, 1), take(v, j, 1), take(k_idx, j, 0), take(k_seg, j, 1))
             zeros = jnp.zeros_like(kt[0], jnp.float32)
             dqt, dk, dv = lax.cond(
-                lo + step <= hi,
+                (lo + step <= hi) & meet[j],
                 lambda dqt: _tile_backward(dqt, qt, dot, lset, dt, it, st, *kt, window, scale),
                 lambda dqt: (dqt, zeros, zeros), dqt)
             # Only the tile's own slice of dK/dV is touched: a skipped tile adds zeros.
@@ -387,7 +449,7 @@ def _window_block_backward(dq, q, do, lse, delta, q_idx, q_seg, k, v, k_idx, k_s
         zeros = jnp.zeros_like(k, jnp.float32)
         return dq, zeros, zeros
 
-    return lax.cond(_in_window(q_idx, k_idx, window), compute, skip, dq)
+    return lax.cond(_in_window(q_idx, k_idx, window) & meet.any(), compute, skip, dq)
 
 
 class _Shard:
@@ -424,7 +486,7 @@ class _Shard:
         return lax.ppermute(x, self.axis, perm=[(j, (j + 1) % c) for j in range(c)])
 
     def ring(self, compute, carry, block, *, returning=None):
-        """Runs ``compute(blocks, carry, block, k_idx) -> carry`` at each ring step.
+        """Runs ``compute(blocks, carry, block, k_idx, owner) -> carry`` at each ring step.
 
         ``block`` (this shard's keys, values, segment ids) moves one hop per step,
         sent before the step's compute so that the two overlap. ``returning``
@@ -437,16 +499,16 @@ class _Shard:
             incoming = None if last else self.send(block)
             if isinstance(r, int) and r == 0:
                 own = jnp.array(OWN_BLOCKS[self.layout], jnp.int32)
-                carry = compute(own, carry, block, self.index(self.me))
+                carry = compute(own, carry, block, self.index(self.me), self.me)
             else:
                 owner = (self.me - r) % c
                 k_idx = self.index(owner)
                 if self.layout == "zigzag":
-                    carry = compute(_zigzag_blocks(self.me, owner), carry, block, k_idx)
+                    carry = compute(_zigzag_blocks(self.me, owner), carry, block, k_idx, owner)
                 else:
                     full = jnp.zeros((1, 2), jnp.int32)
                     carry = lax.cond(owner < self.me, functools.partial(compute, full),
-                                     lambda carry, *_: carry, carry, block, k_idx)
+                                     lambda carry, *_: carry, carry, block, k_idx, owner)
             if returning is not None and c > 1:
                 carry = {**carry, returning: self.send(carry[returning])}
             return carry, incoming
@@ -475,7 +537,9 @@ def _forward_local(q, k, v, seg, *, axis: str, context: int, layout: str, tile: 
             "blocks": sh.varying(jnp.zeros((), jnp.int32)),
             "tiles": sh.varying(jnp.zeros((), jnp.int32))}
 
-    def compute(blocks, carry, block, k_idx):
+    meet = _meet_table(seg, sh)
+
+    def compute(blocks, carry, block, k_idx, owner):
         k, v, k_seg = block
 
         def one(carry, a, c):
@@ -483,7 +547,7 @@ def _forward_local(q, k, v, seg, *, axis: str, context: int, layout: str, tile: 
             stats, tiles = _block_forward(stats, sh.get(q5, a, 1), sh.get(q_idx, a, 0),
                                           sh.get(seg, a, 1), sh.get(k, c, 1), sh.get(v, c, 1),
                                           sh.get(k_idx, c, 0), sh.get(k_seg, c, 1), sh.tile,
-                                          window, scale)
+                                          window, scale, meet[a, owner, c])
             # A block counts where it computed a tile (a window may skip it whole).
             return {**{x: sh.put(carry[x], y, a, 3) for x, y in zip(("o", "m", "den"), stats)},
                     "blocks": carry["blocks"] + jnp.minimum(tiles, 1),
@@ -518,7 +582,9 @@ def _backward_local(q, k, v, seg, out, lse, dout, *, axis: str, context: int, la
     init = {"dq": sh.varying(jnp.zeros(q5.shape, jnp.float32)),
             "dkv": sh.varying(jnp.zeros((2, *k.shape), jnp.float32))}
 
-    def compute(blocks, carry, block, k_idx):
+    meet = _meet_table(seg, sh)
+
+    def compute(blocks, carry, block, k_idx, owner):
         (k, v), k_seg = block
 
         def one(carry, a, c):
@@ -527,7 +593,7 @@ def _backward_local(q, k, v, seg, out, lse, dout, *, axis: str, context: int, la
                 sh.get(dq, a, 1), sh.get(q5, a, 1), sh.get(do5, a, 1), sh.get(lse, a, 3),
                 sh.get(delta, a, 3), sh.get(q_idx, a, 0), sh.get(seg, a, 1), sh.get(k, c, 1),
                 sh.get(v, c, 1), sh.get(k_idx, c, 0), sh.get(k_seg, c, 1), sh.tile, window,
-                scale)
+                scale, meet[a, owner, c])
             dkv_c = sh.get(dkv, c, 2) + jnp.stack([dk, dv])
             return {"dq": sh.put(dq, dq_a, a, 1), "dkv": sh.put(dkv, dkv_c, c, 2)}
 
