@@ -45,9 +45,18 @@ def _output_and_grads(fn, q, k, v, seg, dout):
     return (out, *vjp(dout))
 
 
-def _assert_matches_dense(fn, heads, kv_heads, s=64, d=16, spec=None):
+def _short_documents(b, s, longest, seed=0):
+    """Rows of documents of 1 .. longest tokens (random lengths), no padding."""
+    ends = np.cumsum(np.random.default_rng(seed).integers(1, longest + 1, (b, s)), axis=1)
+    return np.stack([np.searchsorted(e, np.arange(s), side="right") for e in ends]).astype(
+        np.int32)
+
+
+def _assert_matches_dense(fn, heads, kv_heads, s=64, d=16, spec=None, seg=None, b=2):
     spec = spec or attn.AttentionSpec()
-    args = _inputs(2, s, heads, kv_heads, d)
+    args = _inputs(b, s, heads, kv_heads, d)
+    if seg is not None:
+        args = (*args[:3], jnp.asarray(seg), args[4])
     got = jax.jit(lambda *a: _output_and_grads(fn, *a))(*args)
     want = jax.jit(lambda *a: _output_and_grads(
         lambda q, k, v, seg: attn.dense(q, k, v, seg, spec), *a))(*args)
@@ -68,6 +77,30 @@ def test_blocked_matches_dense(heads, kv_heads, s):
     assert attn.query_blocks(s) == {64: 8, 60: 6}[s]
     _assert_matches_dense(lambda q, k, v, seg: attn.KERNELS["blocked"](q, k, v, seg, None),
                           heads, kv_heads, s=s)
+
+
+@pytest.mark.parametrize("impl, mesh", [("tiled", dict(fsdp=4, tensor=2)),
+                                        ("ring", dict(fsdp=2, context=2, tensor=2))])
+def test_skipping_kernels_on_each_devices_rows_and_heads(impl, mesh):
+    """Under the default rule table each device attends on its own rows and heads (a
+    shard_map manual over every mesh axis), skipping by its own rows' documents:
+    outputs and gradients are dense's."""
+    from ndjax.mesh import ParallelDims, build_mesh
+    from ndjax.ops import ring_attention as ra
+    from ndjax.rules import Rules, use
+
+    b, s = 4, 64
+    seg = _short_documents(b, s, 10)
+    seg[1] = 1  # one row of one document
+    cfg = types.SimpleNamespace(attn_kv_tile=8, cp_layout="zigzag")
+    perm = ra.layout_permutation("zigzag", s, mesh.get("context", 1))
+    undo = np.argsort(perm)
+
+    def kernel(q, k, v, seg):  # in the natural order, as dense's
+        return attn.KERNELS[impl](*(x[:, perm] for x in (q, k, v, seg)), cfg)[:, undo]
+
+    with use(Rules("default", build_mesh(ParallelDims(**mesh)))):
+        _assert_matches_dense(kernel, 4, 2, seg=seg, b=b)
 
 
 @pytest.mark.parametrize("heads, kv_heads", HEADS)

@@ -109,6 +109,60 @@ def test_packed_rows_skip_the_blocks_of_other_documents():
                                                                          4, 4)
 
 
+def test_each_device_skips_by_its_own_rows():
+    """fsdp=2 x context=2 x tensor=2, each device holding one row and half the heads
+    (rows="fsdp", heads="tensor": the shard_map manual over every axis): outputs and
+    gradients equal dense's, and each context shard's block count is its busiest
+    device's, each device counting the blocks its own row's documents meet."""
+    q, k, v, seg, dout = random_inputs(48, 4, 2, packed=True)
+    seg[0] = np.arange(48) // 3  # row 0: documents of 3 tokens, row 1's are longer
+    ref_out, ref_grads = jax.jit(output_and_grads, static_argnums=0)(
+        dot_product_attention, q, k, v, seg, dout)
+    mesh = build_mesh(ParallelDims(fsdp=2, context=2, tensor=2))
+    kw = dict(mesh=mesh, layout="zigzag", kv_tile=4, rows="fsdp", heads="tensor")
+
+    @jax.jit
+    def ring(q, k, v, seg, dout):
+        out, grads = output_and_grads(lambda *a: ra.ring_attention(*a, **kw), q, k, v, seg, dout)
+        return out, grads, ra.ring_attention_blocks(q, k, v, seg, **kw)[1]
+
+    perm = ra.layout_permutation("zigzag", 48, 2)
+    out, grads, blocks = ring(*(x[:, perm] for x in (q, k, v, seg, dout)))
+    undo = np.argsort(perm)
+    np.testing.assert_allclose(np.asarray(out)[:, undo], ref_out, rtol=0, atol=1e-5)
+    for name, g, ref in zip("qkv", grads, ref_grads):
+        np.testing.assert_allclose(np.asarray(g)[:, undo], ref, rtol=0, atol=1e-5, err_msg=name)
+    rows = [_blocks_that_meet(seg[r:r + 1, perm], "zigzag", 2, 4) for r in range(2)]
+    assert sum(rows[0]) < sum(rows[1])  # the second device's row decides
+    assert np.asarray(blocks).tolist() == np.max(rows, axis=0).tolist()
+
+
+@pytest.mark.parametrize("context, window", [(1, None), (2, 7)])
+def test_skipping_changes_no_bit(context, window, monkeypatch):
+    """A skipped tile adds nothing to the online softmax: outputs and gradients with
+    document-aware skipping are the very bits of the kernel that computes every
+    scheduled tile (its meet table all true), on packed rows (tiled, ring, a window)."""
+    q, k, v, seg, dout = random_inputs(48, 4, 2, packed=True)
+    mesh = build_mesh(ParallelDims(fsdp=4, context=2)) if context > 1 else None
+    kw = dict(mesh=mesh, kv_tile=4, window=window)
+    perm = ra.layout_permutation("zigzag", 48, context)
+    args = [x[:, perm] for x in (q, k, v, seg, dout)]
+
+    def run():
+        return jax.jit(lambda q, k, v, seg, dout: (
+            *output_and_grads(lambda *a: ra.ring_attention(*a, **kw), q, k, v, seg, dout),
+            ra.ring_attention_work(q, k, v, seg, **kw)[2]))(*args)
+
+    out, grads, tiles = run()
+    meet = ra._meet_table
+    monkeypatch.setattr(ra, "_meet_table", lambda seg, sh: jnp.ones_like(meet(seg, sh)))
+    every_out, every_grads, every_tiles = run()
+    assert int(tiles.sum()) < int(every_tiles.sum())  # it did skip
+    np.testing.assert_array_equal(out, every_out)
+    for g, every in zip(grads, every_grads):
+        np.testing.assert_array_equal(g, every)
+
+
 def _blocks_that_meet(seg, layout, context, tile):
     """Per shard, the scheduled (query piece, key piece) blocks in which some row has a
     key tile whose segment ids overlap the query piece's range: what document-aware
@@ -175,6 +229,7 @@ def test_memory_is_tiled_not_quadratic():
 # (context, layout, seq_len, heads, kv heads, kv_tile, window, scale): windows within
 # one piece (3, 7) and across several (12, 20), none a divisor of the tile; packed rows.
 WINDOW_CASES = [
+    (1, "zigzag", 48, 4, 2, 4, 7, None),       # one shard: the tiled kernel
     (2, "zigzag", 48, 4, 2, 4, 7, None),       # pieces of 12
     (2, "contiguous", 48, 4, 1, 8, 20, 0.3),   # pieces of 24
     (4, "zigzag", 64, 4, 2, 4, 12, None),      # pieces of 8: the window spans 2 shards

@@ -58,7 +58,7 @@ from ndjax import platforms
 from ndjax.errors import ConfigError
 from ndjax.ops import all_to_all_attention as a2a
 from ndjax.ops import ring_attention as ring
-from ndjax.rules import Rules, active
+from ndjax.rules import Rules, active, suspended
 
 # The logical names of q (and the output), and of k and v, (b, s, heads, head_dim).
 HEADS = ("act_batch", "act_seq", "act_heads", "act_head_dim")
@@ -417,9 +417,9 @@ class Tiled(Kernel):
 
     def __call__(self, q, k, v, segment_ids, cfg, spec=AttentionSpec()):
         # zigzag on one shard is the identity order: no permutation of the batch.
-        return ring.ring_attention(q, k, v, segment_ids, mesh=None, layout="zigzag",
-                                   kv_tile=cfg.attn_kv_tile, window=spec.window,
-                                   scale=spec.scale)
+        run = functools.partial(ring.ring_attention, mesh=None, layout="zigzag",
+                                kv_tile=cfg.attn_kv_tile, window=spec.window, scale=spec.scale)
+        return _per_shard(run, q, k, v, segment_ids)
 
 
 class Ring(Kernel):
@@ -452,10 +452,19 @@ class Ring(Kernel):
 
     def __call__(self, q, k, v, segment_ids, cfg, spec=AttentionSpec()):
         rules = active()
-        mesh = rules.mesh if ring.context_shards(rules) > 1 else None
-        return ring.ring_attention(q, k, v, segment_ids, mesh=mesh, layout=cfg.cp_layout,
-                                   kv_tile=cfg.attn_kv_tile, window=spec.window,
-                                   scale=spec.scale)
+        kw = dict(layout=cfg.cp_layout, kv_tile=cfg.attn_kv_tile, window=spec.window,
+                  scale=spec.scale)
+        if ring.context_shards(rules) == 1:
+            run = functools.partial(ring.ring_attention, mesh=None, **kw)
+            return _per_shard(run, q, k, v, segment_ids)
+        # Each device's rows and heads, as the rule table splits them; heads the table
+        # splits unlike the kv heads are gathered (each device computes them all).
+        axis = "context"
+        (rows, _, heads, _), (_, _, kv_heads, _) = _splits(rules)
+        rows = tuple(a for a in rows if a != axis)
+        heads = tuple(a for a in heads if a != axis) if heads == kv_heads else ()
+        return ring.ring_attention(q, k, v, segment_ids, mesh=rules.mesh, axis=axis,
+                                   rows=rows, heads=heads, **kw)
 
 
 def _gpu_only(name: str, site: Site, hint: str) -> None:
@@ -648,24 +657,40 @@ class Pallas(Kernel):
         return _per_shard(run, q, k, v, segment_ids)
 
 
+def _splits(rules: Rules) -> tuple[tuple[tuple[str, ...], ...], ...]:
+    """The rule table's split of q and of k, v (b, s, heads, head_dim): per dimension,
+    its mesh axes."""
+    def axes(x):
+        return () if x is None else (x,) if isinstance(x, str) else tuple(x)
+    return tuple(tuple(axes(x) for x in (tuple(rules.spec(n)) + (None,) * 4)[:4])
+                 for n in (HEADS, KV_HEADS))
+
+
 def _per_shard(kernel, q: jax.Array, k: jax.Array, v: jax.Array,
                segment_ids: jax.Array) -> jax.Array:
-    """``kernel`` on each device's rows and heads. A ``pallas_call`` has no rule for
-    XLA's partitioner, which would otherwise gather every operand whole around it
-    (compiled for GPUs: each device attending over the whole batch and all heads).
-    Batch and heads split as the rule table says; each device's query heads share
-    its kv heads (the model repeats kv heads so that they do: Rules.kv_repeat)."""
+    """``kernel`` on each device's rows and heads, in a shard_map manual over every
+    mesh axis. A ``pallas_call`` has no rule for XLA's partitioner, which would
+    otherwise gather every operand whole around it (compiled for GPUs: each device
+    attending over the whole batch and all heads); nor do the tiled kernel's
+    conditionals (its skipped tiles), inside which it gathered the operands. Batch
+    and heads split as the rule table says; each device's query heads share its kv
+    heads (the model repeats kv heads so that they do: Rules.kv_repeat)."""
     rules = active()
     if rules is None or rules.mesh is None or rules.mesh.size == 1:
         return kernel(q, k, v, segment_ids)
-    q_spec, kv_spec = (tuple(rules.spec(n)) + (None,) * 4 for n in (HEADS, KV_HEADS))
-    heads = (q_spec[0], None, q_spec[2], q_spec[3])
-    if q_spec[1] is not None or q_spec[:4] != heads or kv_spec[:4] != heads:
+    q_axes, kv_axes = _splits(rules)
+    if q_axes[1] or q_axes[3] or kv_axes != q_axes:
         # The sequence split, or kv heads split unlike the query heads: left to the
         # partitioner (correct, with the gathers above).
         return kernel(q, k, v, segment_ids)
-    spec, rows = PartitionSpec(*heads), PartitionSpec(heads[0], None)
-    return jax.shard_map(kernel, mesh=rules.mesh, in_specs=(spec, spec, spec, rows),
+    spec = rules.spec(HEADS)  # k's and v's too (kv_axes == q_axes)
+    rows = PartitionSpec(spec[0] if len(spec) else None, None)
+
+    def local(q, k, v, segment_ids):
+        with suspended():  # one device's arrays: no rules apply inside
+            return kernel(q, k, v, segment_ids)
+
+    return jax.shard_map(local, mesh=rules.mesh, in_specs=(spec, spec, spec, rows),
                          out_specs=spec, check_vma=False)(q, k, v, segment_ids)
 
 

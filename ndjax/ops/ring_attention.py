@@ -9,10 +9,13 @@ keys (``kv_tile``), so the per-device score buffer is (local queries x tile) per
 head, never (local x local): a 128k sequence on 8 shards never holds a 16k x 16k
 score matrix.
 
-The op is a ``jax.shard_map`` over the context axis only; every other mesh axis
-stays automatic, so batch, heads and the rest of the GSPMD step partition as
-the rule table says. Ring steps 1 .. c-2 run in a ``fori_loop``, so compile time
-and program size do not grow with the number of shards.
+The op is a ``jax.shard_map`` manual over every mesh axis: the sequence split
+over the context axis, batch rows and heads as the caller says (``rows``,
+``heads``: the rule table's split, ``ndjax.ops.attention.Ring``), so each device
+attends on its own rows and heads; XLA's partitioner never sees the kernel's
+conditionals (left to it, it gathered their operands on GPUs). Ring steps
+1 .. c-2 run in a ``fori_loop``, so compile time and program size do not grow
+with the number of shards.
 
 Layouts: the sequence is cut into chunks; the layout says which chunks a shard holds.
 
@@ -34,8 +37,8 @@ travel with the keys), so it is exactly the dense mask: causal by index in the
 unpermuted sequence, never across documents. Positions are not needed.
 
 Documents (packed rows): a block, and each key tile in it, whose segment ids cannot
-meet the query piece's (their ranges, in every row of the batch, do not overlap) is
-all masked and is skipped too (``_meet_table``: one small gather of the tiles'
+meet the query piece's (their ranges, in every row the device holds, do not overlap)
+is all masked and is skipped too (``_meet_table``: one small gather of the tiles'
 ranges per call, none per block). On rows of many short documents that leaves
 little more than the diagonal blocks; on one long document it skips nothing. Each
 skipped tile is a ``lax.cond``, the results are the same bits.
@@ -69,7 +72,8 @@ the layer loop and share them between the passes (BENCHMARKS.md); keys and
 values it cannot share (see ``_backward_local``).
 
 On one context shard (``mesh=None``) the same kernel runs without collectives:
-that is ``model.attn_impl=tiled`` (``ndjax.ops.attention`` chooses between kernels).
+that is ``model.attn_impl=tiled`` (``ndjax.ops.attention`` chooses between kernels,
+and runs this one on each device's rows and heads too).
 """
 
 from __future__ import annotations
@@ -84,7 +88,7 @@ from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import Mesh, PartitionSpec
 
-from ndjax.rules import Rules
+from ndjax.rules import MeshAxes, Rules
 
 LAYOUTS = ("zigzag", "contiguous")
 PIECES = {"zigzag": 2, "contiguous": 1}
@@ -460,10 +464,6 @@ class _Shard:
         self.piece = local_len // PIECES[layout]
         self.me = lax.axis_index(axis) if context > 1 else jnp.int32(0)
 
-    def varying(self, x):
-        """Marks a fresh (e.g. zeros) array as per-shard, as shard_map's checker requires."""
-        return lax.pcast(x, self.axis, to="varying") if self.context > 1 else x
-
     def get(self, x, piece, axis: int) -> jax.Array:
         """Piece ``piece`` (a traced index) of ``x`` along ``axis``."""
         return lax.dynamic_slice_in_dim(x, piece * self.piece, self.piece, axis)
@@ -531,11 +531,11 @@ def _forward_local(q, k, v, seg, *, axis: str, context: int, layout: str, tile: 
     q5 = q.reshape(b, n, kv, h // kv, d)
     q_idx = sh.index(sh.me)
     stats = (b, kv, h // kv, n)
-    init = {"o": sh.varying(jnp.zeros((*stats, d), jnp.float32)),
-            "m": sh.varying(jnp.full(stats, -jnp.inf, jnp.float32)),
-            "den": sh.varying(jnp.zeros(stats, jnp.float32)),
-            "blocks": sh.varying(jnp.zeros((), jnp.int32)),
-            "tiles": sh.varying(jnp.zeros((), jnp.int32))}
+    init = {"o": jnp.zeros((*stats, d), jnp.float32),
+            "m": jnp.full(stats, -jnp.inf, jnp.float32),
+            "den": jnp.zeros(stats, jnp.float32),
+            "blocks": jnp.zeros((), jnp.int32),
+            "tiles": jnp.zeros((), jnp.int32)}
 
     meet = _meet_table(seg, sh)
 
@@ -579,8 +579,8 @@ def _backward_local(q, k, v, seg, out, lse, dout, *, axis: str, context: int, la
     delta = jnp.sum(do5.astype(jnp.float32) * out.reshape(q5.shape).astype(jnp.float32),
                     axis=-1).transpose(0, 2, 3, 1)
     q_idx = sh.index(sh.me)
-    init = {"dq": sh.varying(jnp.zeros(q5.shape, jnp.float32)),
-            "dkv": sh.varying(jnp.zeros((2, *k.shape), jnp.float32))}
+    init = {"dq": jnp.zeros(q5.shape, jnp.float32),
+            "dkv": jnp.zeros((2, *k.shape), jnp.float32)}
 
     meet = _meet_table(seg, sh)
 
@@ -608,10 +608,43 @@ def _backward_local(q, k, v, seg, out, lse, dout, *, axis: str, context: int, la
 # ----- the op ------------------------------------------------------------------------------
 
 
+def _axes(x: MeshAxes) -> tuple[str, ...]:
+    return () if x is None else (x,) if isinstance(x, str) else tuple(x)
+
+
+def _one(axes: tuple[str, ...]) -> MeshAxes:
+    return None if not axes else axes[0] if len(axes) == 1 else axes
+
+
+def _manual(mesh: Mesh, axis: str, rows: tuple[str, ...], heads: tuple[str, ...],
+            forward, backward):
+    """``forward`` and ``backward`` as shard_maps manual over every axis of ``mesh``:
+    the sequence split over ``axis``, batch rows over ``rows``, heads over ``heads``,
+    whatever else replicated. Manual over the context axis alone, XLA's partitioner
+    placed the rest, and on GPUs it gathered the tiles' operands (all rows, all
+    heads) inside each skipping ``lax.cond`` (tens of all-gathers per step, compiled
+    for H100s: tests/test_gpu_compile.py). check_vma=False: every device computes on
+    its own rows and heads, nothing in the ring reduces over them. The work counts
+    come back per device, context-major (``ring_attention_work``)."""
+    if axis in rows + heads or set(rows) & set(heads):
+        raise ValueError(f"ring attention: rows over {rows}, heads over {heads} and the "
+                         f"sequence over {axis!r} need distinct mesh axes")
+    r, h = _one(rows), _one(heads)
+    seq = PartitionSpec(r, axis, h)  # q, k, v, the output and their gradients
+    ids, lse = PartitionSpec(r, axis), PartitionSpec(r, h, None, axis)
+    counts = PartitionSpec((axis, *(a for a in mesh.axis_names if a != axis)))
+    shard = functools.partial(jax.shard_map, mesh=mesh, check_vma=False)
+    forward = shard(forward, in_specs=(seq, seq, seq, ids), out_specs=(seq, lse, counts))
+    backward = shard(backward, in_specs=(seq, seq, seq, ids, seq, lse, seq),
+                     out_specs=(seq, seq, seq))
+    return forward, backward
+
+
 @functools.cache
 def _build(mesh: Mesh | None, axis: str, layout: str, kv_tile: int, seq_len: int,
-           window: int | None = None, scale: float | None = None):
-    """(attention with its custom VJP, forward that also returns its work per shard)."""
+           window: int | None = None, scale: float | None = None, rows: MeshAxes = None,
+           heads: MeshAxes = None):
+    """(attention with its custom VJP, forward that also returns its work per device)."""
     _check_layout(layout)
     if window is not None and window < 1:
         raise ValueError(f"window={window}: a query sees at least itself (window >= 1)")
@@ -626,10 +659,7 @@ def _build(mesh: Mesh | None, axis: str, layout: str, kv_tile: int, seq_len: int
     forward = functools.partial(_forward_local, **kw)
     backward = functools.partial(_backward_local, **kw)
     if context > 1:
-        seq, rows = PartitionSpec(None, axis), PartitionSpec(None, None, None, axis)
-        shard = functools.partial(jax.shard_map, mesh=mesh, axis_names={axis})
-        forward = shard(forward, in_specs=(seq,) * 4, out_specs=(seq, rows, PartitionSpec(axis)))
-        backward = shard(backward, in_specs=(seq,) * 4 + (seq, rows, seq), out_specs=(seq,) * 3)
+        forward, backward = _manual(mesh, axis, _axes(rows), _axes(heads), forward, backward)
 
     @jax.custom_vjp
     def attend(q, k, v, seg):
@@ -650,10 +680,16 @@ def _build(mesh: Mesh | None, axis: str, layout: str, kv_tile: int, seq_len: int
     return attend, forward
 
 
+def _hashable(rows: MeshAxes, heads: MeshAxes) -> tuple[MeshAxes, MeshAxes]:
+    """``_build``'s cache keys: a list of axes as a tuple."""
+    return _one(_axes(rows)), _one(_axes(heads))
+
+
 def ring_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array, *,
                    mesh: Mesh | None, axis: str = "context", layout: str = "zigzag",
                    kv_tile: int = 512, window: int | None = None,
-                   scale: float | None = None) -> jax.Array:
+                   scale: float | None = None, rows: MeshAxes = None,
+                   heads: MeshAxes = None) -> jax.Array:
     """Causal grouped-query attention over packed documents, sequence split over ``axis``.
 
     Same contract as ``ndjax.ops.attention.dense`` on the *unpermuted* sequence; with
@@ -662,34 +698,43 @@ def ring_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Ar
     segment_ids: (b, s). ``mesh=None`` or a context axis of size 1 runs the same tiled
     kernel on one shard, without collectives. ``window``: a query at p sees keys
     p - window < k <= p only (``AttentionSpec.window``); ``scale``: the scores' factor,
-    None: 1 / sqrt(d).
+    None: 1 / sqrt(d). ``rows``, ``heads``: the mesh axes the batch rows and the heads
+    of q, k and v are split over (each device's query heads with the kv heads they
+    read), as the rule table splits them; each device then attends on its own rows
+    and heads (``_manual``). Any other split of the inputs is gathered first.
     """
-    attend, _ = _build(mesh, axis, layout, kv_tile, q.shape[1], window, scale)
+    attend, _ = _build(mesh, axis, layout, kv_tile, q.shape[1], window, scale,
+                       *_hashable(rows, heads))
     return attend(q, k, v, segment_ids)
 
 
 def ring_attention_work(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array, *,
                         mesh: Mesh | None, axis: str = "context", layout: str = "zigzag",
                         kv_tile: int = 512, window: int | None = None,
-                        scale: float | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
+                        scale: float | None = None, rows: MeshAxes = None,
+                        heads: MeshAxes = None) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Forward only: (output, blocks and (query tile, key tile) pairs computed by each
     context shard, both shape (context,)), counted as the kernel runs, so the figures
     measure what it really skipped. A block is one query piece against one key piece
     (``piece_len``), (piece / tile)^2 tile pairs; with a window only the blocks and
-    tiles that reach into it are computed."""
-    _, forward = _build(mesh, axis, layout, kv_tile, q.shape[1], window, scale)
+    tiles that reach into it are computed. Where a context shard's rows or heads are
+    split over more devices (``rows``, ``heads``), each skips by its own rows: a
+    shard's figure is its busiest device's."""
+    _, forward = _build(mesh, axis, layout, kv_tile, q.shape[1], window, scale,
+                        *_hashable(rows, heads))
     out, _, counts = forward(q, k, v, segment_ids)
-    counts = counts.reshape(-1, 2)
+    counts = counts.reshape(1 if mesh is None else mesh.shape[axis], -1, 2).max(1)
     return out, counts[:, 0], counts[:, 1]
 
 
 def ring_attention_blocks(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array, *,
                           mesh: Mesh | None, axis: str = "context", layout: str = "zigzag",
                           kv_tile: int = 512, window: int | None = None,
-                          scale: float | None = None) -> tuple[jax.Array, jax.Array]:
+                          scale: float | None = None, rows: MeshAxes = None,
+                          heads: MeshAxes = None) -> tuple[jax.Array, jax.Array]:
     """Forward only: (output, blocks computed by each context shard, shape (context,));
     see ``ring_attention_work``."""
     out, blocks, _ = ring_attention_work(q, k, v, segment_ids, mesh=mesh, axis=axis,
                                          layout=layout, kv_tile=kv_tile, window=window,
-                                         scale=scale)
+                                         scale=scale, rows=rows, heads=heads)
     return out, blocks
