@@ -79,7 +79,44 @@ def test_blocked_matches_dense(heads, kv_heads, s):
                           heads, kv_heads, s=s)
 
 
+def _picked_by_hand(seg, blocks, window):
+    """Per query block, the first of its ``key_ranges`` whose keys left out hold no
+    segment id within the block's queries' range in any row (the last: none left out)."""
+    size = seg.shape[1] // blocks
+    picked = []
+    for i, starts in enumerate(attn.key_ranges(seg.shape[1], blocks, window)):
+        queries = seg[:, i * size:(i + 1) * size]
+        for n, start in enumerate(starts):
+            left_out = seg[:, starts[-1]:start]
+            if all(x.size == 0 or max(r.min(), x.min()) > min(r.max(), x.max())
+                   for r, x in zip(queries, left_out)):
+                picked.append(n)
+                break
+    return picked
+
+
+@pytest.mark.parametrize("spec", [attn.AttentionSpec(),
+                                  attn.AttentionSpec(window=20, scale=0.2)], ids=str)
+def test_blocked_skips_the_keys_of_other_documents(spec):
+    """8 query blocks of 8 tokens, rows of documents of at most 8 tokens: from block 2 on
+    each block computes its own and the previous block's keys (16, not 8 x (i + 1) or
+    the window's 27), as counted by hand; outputs and gradients are dense's. One
+    document per row: every block computes its full range."""
+    window = attn._window(spec, 64)
+    seg = _short_documents(2, 64, 8)
+    ranges = attn.key_ranges(64, 8, window)
+    pick = jax.jit(attn.picked_key_ranges, static_argnums=(1, 2))
+    for rows, want in ((seg, [0] * 8), (np.ones_like(seg), [len(r) - 1 for r in ranges])):
+        picked = np.asarray(pick(rows, 8, window)).tolist()
+        assert picked == want == _picked_by_hand(rows, 8, window)
+    assert [len(r) for r in ranges] == [1, 1] + [2] * 6
+    keys = [(i + 1) * 8 - r[0] for i, r in enumerate(ranges)]
+    assert keys == [8] + [16] * 7
+    _assert_matches_dense(lambda *a: attn.blocked(*a, 8, spec), 4, 2, spec=spec, seg=seg)
+
+
 @pytest.mark.parametrize("impl, mesh", [("tiled", dict(fsdp=4, tensor=2)),
+                                        ("blocked", dict(fsdp=4, tensor=2)),
                                         ("ring", dict(fsdp=2, context=2, tensor=2))])
 def test_skipping_kernels_on_each_devices_rows_and_heads(impl, mesh):
     """Under the default rule table each device attends on its own rows and heads (a
