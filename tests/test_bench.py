@@ -73,6 +73,18 @@ def test_context_parallel_tiny():
         assert int(docs[5]) < int(whole[5]), (whole, docs)
 
 
+def test_doc_skipping_tiny():
+    """Each kernel timed on one document and on packed rows; the packed rows' work,
+    counted as the kernel ran, is below one document's (the timing is not checked)."""
+    lines = run_tiny("doc_skipping.py").stdout.splitlines()
+    rows = table_rows(lines, "blocked", "tiled", "ring c=4")
+    assert [r[:3] for r in rows] == [[k, s, r] for k, s in (("blocked", "256"), ("tiled", "512"),
+                                                            ("ring c=4", "512"))
+                                     for r in ("one doc", "packed")], lines
+    for whole, docs in zip(rows[::2], rows[1::2]):
+        assert float(whole[6]) == 1 > float(docs[6]), (whole, docs)
+
+
 def test_data_wait_tiny():
     lines = run_tiny("data_wait.py").stdout.splitlines()
     assert [r[0] for r in table_rows(lines, "2", "0")] == ["2", "0"], lines
