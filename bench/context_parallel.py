@@ -10,7 +10,9 @@ Three measurements on simulated CPU devices, none of them timed:
 2. Blocks each context shard computes under the causal mask, counted by the
    kernel as it runs (``ring_attention_blocks``), zigzag vs contiguous, in units
    of one (S/2c x S/2c) block. Claim: zigzag equal across shards (within one
-   block), contiguous growing with the shard index.
+   block), contiguous growing with the shard index. 2b: the same (zigzag) with
+   document-aware skipping on a packed row of short documents, against one long
+   document: blocks and tile pairs per shard, and how balanced they stay.
 3. Collective-permutes executed per train step, from the compiled HLO (each
    while loop's count times its known trip count), against the design's
    n_layers x (forward 3(c-1) + backward 2(c-1) + c), split into keys/values
@@ -134,10 +136,43 @@ def work_balance(seq_len: int, contexts: tuple[int, ...] = CONTEXTS) -> None:
     print()
 
 
+def packed_rows(seq_len: int, contexts: tuple[int, ...] = CONTEXTS, doc_min: int = 16,
+                doc_max: int = 256) -> None:
+    """Document-aware skipping: blocks and tile pairs each shard computes (zigzag) on one
+    long document and on a packed row of documents of doc_min..doc_max tokens."""
+    print(f"### 2b. Packed rows: work per context shard, zigzag, {seq_len} tokens\n")
+    rng = np.random.default_rng(0)
+    ends = np.cumsum(rng.integers(doc_min, doc_max + 1, size=seq_len))
+    docs = np.searchsorted(ends, np.arange(seq_len), side="right").astype(np.int32)[None]
+    print(f"Packed: {int(docs.max()) + 1} documents of {doc_min}-{doc_max} tokens (uniform) in "
+          "one row. Blocks and (query x key) tile pairs of 128 tokens computed by each "
+          "shard, counted as the kernel runs; 'one doc' is the same row as one document.\n")
+    print("| context | row | blocks per shard | total | tile pairs per shard | total | "
+          "max / mean |")
+    print("|---:|:---|:---|---:|:---|---:|---:|")
+    b, h, kv, d = 1, 4, 2, 8
+    q = jnp.asarray(rng.normal(size=(b, seq_len, h, d)), jnp.float32)
+    k = jnp.asarray(rng.normal(size=(b, seq_len, kv, d)), jnp.float32)
+    for context in contexts:
+        mesh = build_mesh(ParallelDims(fsdp=1, context=context), jax.devices()[:context]) \
+            if context > 1 else None
+        perm = ra.layout_permutation("zigzag", seq_len, context)
+        run = jax.jit(lambda q, k, seg, mesh=mesh: ra.ring_attention_work(
+            q, k, k, seg, mesh=mesh, layout="zigzag", kv_tile=128)[1:])
+        for name, seg in (("one doc", np.zeros_like(docs)), ("packed", docs)):
+            blocks, tiles = (np.asarray(x).tolist() for x in run(q[:, perm], k[:, perm],
+                                                                   jnp.asarray(seg[:, perm])))
+            balance = max(tiles) / (sum(tiles) / len(tiles))
+            print(f"| {context} | {name} | {blocks} | {sum(blocks)} | {tiles} | {sum(tiles)} | "
+                  f"{balance:.2f} |", flush=True)
+    print()
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--seq-len", type=int, default=16384)
     p.add_argument("--balance-seq-len", type=int, default=1024)
+    p.add_argument("--packed-seq-len", type=int, default=8192)
     p.add_argument("--tiny", action="store_true",
                    help="smoke run: contexts 1 and 2 at 256 / 64 tokens (seconds, not minutes)")
     a = p.parse_args()
@@ -150,6 +185,10 @@ def main() -> None:
           f"devices; model {MODEL}; kv tile 512\n")
     memory_and_permutes(a.seq_len, contexts)
     work_balance(a.balance_seq_len, contexts)
+    if a.tiny:
+        packed_rows(1024, contexts, doc_min=16, doc_max=64)
+    else:
+        packed_rows(a.packed_seq_len, contexts)
 
 
 if __name__ == "__main__":

@@ -531,6 +531,24 @@ def collectives(hlo_text: str) -> list[Collective]:
     return out
 
 
+def in_conditionals(hlo_text: str) -> set[str]:
+    """Names of the collectives that run inside a conditional's branches (in them, or
+    in what they call). Where XLA's partitioner must split a conditional's operands
+    itself it may gather them there, on every step the branch runs: ring and tiled
+    attention's skipping conditionals did, compiled for GPUs, until they ran in a
+    shard_map manual over every mesh axis (``ndjax.ops.attention._per_shard``)."""
+    mod = _parse(hlo_text)
+    todo = [c for instrs in mod.comps.values() for i in instrs if i.op == "conditional"
+            for _, c in _callees(i)]
+    seen: set[str] = set()
+    while todo:
+        comp = todo.pop()
+        if comp not in seen:
+            seen.add(comp)
+            todo += [c for i in mod.comps.get(comp, []) for _, c in _callees(i)]
+    return {i.name for comp in seen for i in mod.comps.get(comp, []) if _kind(i.op)}
+
+
 def summarize(cs: Iterable[Collective]) -> dict[str, dict[str, int]]:
     """Per kind: instructions in the text, executions per step, result bytes moved
     per step (``bytes x executed``), and ring bytes sent per device per step."""

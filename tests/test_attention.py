@@ -45,9 +45,18 @@ def _output_and_grads(fn, q, k, v, seg, dout):
     return (out, *vjp(dout))
 
 
-def _assert_matches_dense(fn, heads, kv_heads, s=64, d=16, spec=None):
+def _short_documents(b, s, longest, seed=0):
+    """Rows of documents of 1 .. longest tokens (random lengths), no padding."""
+    ends = np.cumsum(np.random.default_rng(seed).integers(1, longest + 1, (b, s)), axis=1)
+    return np.stack([np.searchsorted(e, np.arange(s), side="right") for e in ends]).astype(
+        np.int32)
+
+
+def _assert_matches_dense(fn, heads, kv_heads, s=64, d=16, spec=None, seg=None, b=2):
     spec = spec or attn.AttentionSpec()
-    args = _inputs(2, s, heads, kv_heads, d)
+    args = _inputs(b, s, heads, kv_heads, d)
+    if seg is not None:
+        args = (*args[:3], jnp.asarray(seg), args[4])
     got = jax.jit(lambda *a: _output_and_grads(fn, *a))(*args)
     want = jax.jit(lambda *a: _output_and_grads(
         lambda q, k, v, seg: attn.dense(q, k, v, seg, spec), *a))(*args)
@@ -68,6 +77,67 @@ def test_blocked_matches_dense(heads, kv_heads, s):
     assert attn.query_blocks(s) == {64: 8, 60: 6}[s]
     _assert_matches_dense(lambda q, k, v, seg: attn.KERNELS["blocked"](q, k, v, seg, None),
                           heads, kv_heads, s=s)
+
+
+def _picked_by_hand(seg, blocks, window):
+    """Per query block, the first of its ``key_ranges`` whose keys left out hold no
+    segment id within the block's queries' range in any row (the last: none left out)."""
+    size = seg.shape[1] // blocks
+    picked = []
+    for i, starts in enumerate(attn.key_ranges(seg.shape[1], blocks, window)):
+        queries = seg[:, i * size:(i + 1) * size]
+        for n, start in enumerate(starts):
+            left_out = seg[:, starts[-1]:start]
+            if all(x.size == 0 or max(r.min(), x.min()) > min(r.max(), x.max())
+                   for r, x in zip(queries, left_out)):
+                picked.append(n)
+                break
+    return picked
+
+
+@pytest.mark.parametrize("spec", [attn.AttentionSpec(),
+                                  attn.AttentionSpec(window=20, scale=0.2)], ids=str)
+def test_blocked_skips_the_keys_of_other_documents(spec):
+    """8 query blocks of 8 tokens, rows of documents of at most 8 tokens: from block 2 on
+    each block computes its own and the previous block's keys (16, not 8 x (i + 1) or
+    the window's 27), as counted by hand; outputs and gradients are dense's. One
+    document per row: every block computes its full range."""
+    window = attn._window(spec, 64)
+    seg = _short_documents(2, 64, 8)
+    ranges = attn.key_ranges(64, 8, window)
+    pick = jax.jit(attn.picked_key_ranges, static_argnums=(1, 2))
+    for rows, want in ((seg, [0] * 8), (np.ones_like(seg), [len(r) - 1 for r in ranges])):
+        picked = np.asarray(pick(rows, 8, window)).tolist()
+        assert picked == want == _picked_by_hand(rows, 8, window)
+    assert [len(r) for r in ranges] == [1, 1] + [2] * 6
+    keys = [(i + 1) * 8 - r[0] for i, r in enumerate(ranges)]
+    assert keys == [8] + [16] * 7
+    _assert_matches_dense(lambda *a: attn.blocked(*a, 8, spec), 4, 2, spec=spec, seg=seg)
+
+
+@pytest.mark.parametrize("impl, mesh", [("tiled", dict(fsdp=4, tensor=2)),
+                                        ("blocked", dict(fsdp=4, tensor=2)),
+                                        ("ring", dict(fsdp=2, context=2, tensor=2))])
+def test_skipping_kernels_on_each_devices_rows_and_heads(impl, mesh):
+    """Under the default rule table each device attends on its own rows and heads (a
+    shard_map manual over every mesh axis), skipping by its own rows' documents:
+    outputs and gradients are dense's."""
+    from ndjax.mesh import ParallelDims, build_mesh
+    from ndjax.ops import ring_attention as ra
+    from ndjax.rules import Rules, use
+
+    b, s = 4, 64
+    seg = _short_documents(b, s, 10)
+    seg[1] = 1  # one row of one document
+    cfg = types.SimpleNamespace(attn_kv_tile=8, cp_layout="zigzag")
+    perm = ra.layout_permutation("zigzag", s, mesh.get("context", 1))
+    undo = np.argsort(perm)
+
+    def kernel(q, k, v, seg):  # in the natural order, as dense's
+        return attn.KERNELS[impl](*(x[:, perm] for x in (q, k, v, seg)), cfg)[:, undo]
+
+    with use(Rules("default", build_mesh(ParallelDims(**mesh)))):
+        _assert_matches_dense(kernel, 4, 2, seg=seg, b=b)
 
 
 @pytest.mark.parametrize("heads, kv_heads", HEADS)

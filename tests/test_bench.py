@@ -49,7 +49,8 @@ def test_compile_time_tiny():
 def test_context_parallel_tiny():
     lines = run_tiny("context_parallel.py").stdout.splitlines()
     i = lines.index(next(x for x in lines if x.startswith("### 2.")))
-    memory, balance = lines[:i], lines[i:]
+    j = lines.index(next(x for x in lines if x.startswith("### 2b.")))
+    memory, balance, packed = lines[:i], lines[i:j], lines[j:]
     assert [r[:3] for r in table_rows(memory, "1", "2")] == [
         ["1", "dense", "-"], ["1", "ring", "zigzag"], ["2", "ring", "zigzag"],
         ["2", "ring", "contiguous"]], lines
@@ -63,6 +64,25 @@ def test_context_parallel_tiny():
     assert [r[:3] for r in table_rows(balance, "1", "2")] == [
         ["1", "zigzag", "[3]"], ["1", "contiguous", "[4]"],
         ["2", "zigzag", "[5, 5]"], ["2", "contiguous", "[4, 8]"]], lines
+    # Document-aware skipping: a packed row of short documents computes fewer tile
+    # pairs than the same row as one document, at each context degree.
+    rows = table_rows(packed, "1", "2")
+    assert [r[:2] for r in rows] == [["1", "one doc"], ["1", "packed"], ["2", "one doc"],
+                                     ["2", "packed"]], lines
+    for whole, docs in (rows[:2], rows[2:]):
+        assert int(docs[5]) < int(whole[5]), (whole, docs)
+
+
+def test_doc_skipping_tiny():
+    """Each kernel timed on one document and on packed rows; the packed rows' work,
+    counted as the kernel ran, is below one document's (the timing is not checked)."""
+    lines = run_tiny("doc_skipping.py").stdout.splitlines()
+    rows = table_rows(lines, "blocked", "tiled", "ring c=4")
+    assert [r[:3] for r in rows] == [[k, s, r] for k, s in (("blocked", "256"), ("tiled", "512"),
+                                                            ("ring c=4", "512"))
+                                     for r in ("one doc", "packed")], lines
+    for whole, docs in zip(rows[::2], rows[1::2]):
+        assert float(whole[6]) == 1 > float(docs[6]), (whole, docs)
 
 
 def test_data_wait_tiny():

@@ -6,7 +6,7 @@ real compiled tiny steps (counts that must scale with the layer scan)."""
 import pytest
 from conftest import tiny_config
 
-from ndjax.collectives import LOWERED_RS, Collective, collectives, summarize
+from ndjax.collectives import LOWERED_RS, Collective, collectives, in_conditionals, summarize
 from ndjax.experiment import Experiment
 from ndjax.ops.ring_attention import expected_collective_permutes
 
@@ -91,6 +91,33 @@ def test_a_whole_consumer_keeps_an_all_reduce():
                       "  ROOT %whole = f32[64,16]{1,0} add(%ar, %ar)")
     (ar,) = [c for c in collectives(hlo) if c.name == "ar"]
     assert (ar.kind, ar.bytes, ar.executed, ar.lowered_from) == ("all-reduce", 4096, 4, None)
+
+
+def test_collectives_inside_a_conditional():
+    """The all-gather a conditional's branch reaches through a call is inside it; the
+    entry's collective-permute and the loop's all-gather are not."""
+    hlo = HLO.replace("""  ROOT %cpd = f32[8,4]{1,0} collective-permute-done(%cps)""",
+                      """  %cpd = f32[8,4]{1,0} collective-permute-done(%cps)
+  %p = pred[] constant(true)
+  ROOT %if = f32[8,4]{1,0} conditional(%p, %cpd, %cpd), true_computation=%gathers, false_computation=%same""")
+    hlo = hlo.replace("ENTRY %main", """%inner (y: f32[2,4]) -> f32[8,4] {
+  %y = f32[2,4]{1,0} parameter(0)
+  ROOT %ag.1 = f32[8,4]{1,0} all-gather(%y), channel_id=4, replica_groups={{0,1,2,3},{4,5,6,7}}, dimensions={0}, use_global_device_ids=true
+}
+
+%gathers (u: f32[8,4]) -> f32[8,4] {
+  %u = f32[8,4]{1,0} parameter(0)
+  %s = f32[2,4]{1,0} slice(%u), slice={[0:2], [0:4]}
+  ROOT %r = f32[8,4]{1,0} call(%s), to_apply=%inner
+}
+
+%same (u.1: f32[8,4]) -> f32[8,4] {
+  ROOT %u.1 = f32[8,4]{1,0} parameter(0)
+}
+
+ENTRY %main""")
+    assert {c.name for c in collectives(hlo)} == {"ag", "ar", "cps", "ag.1"}
+    assert in_conditionals(hlo) == {"ag.1"}
 
 
 @pytest.mark.parametrize("groups, expected", [

@@ -10,6 +10,7 @@ grows: the numbers they compute are checked on CPU (tests/test_attention.py).
 Memory figures are XLA's GPU buffer assignment (cuBLAS/cuDNN workspaces excluded).
 """
 
+import functools
 import json
 import os
 import subprocess
@@ -25,7 +26,7 @@ from conftest import tiny_config
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from ndjax import compiler, gpu_target, roofline
-from ndjax.collectives import collectives
+from ndjax.collectives import collectives, in_conditionals
 from ndjax.errors import ConfigError
 from ndjax.experiment import Experiment
 from ndjax.ops import attention as attn
@@ -218,15 +219,56 @@ def _gathered(compiled):
                   if c.kind == "all-gather")
 
 
+FSDP_TP = (("fsdp", 2), ("tensor", 2))
+
+
+def _step_at(impl, mesh=FSDP_TP, window=None):
+    """A step at 1024 tokens, compiled once per session: the skipping tests below share
+    the pallas and tiled steps with the one above."""
+    return _cached_step(impl, mesh, window)
+
+
+@functools.cache
+def _cached_step(impl, mesh, window):
+    model = dict(family="mistral", sliding_window=window) if window else None
+    return _step_temp(impl, 1024, dict(mesh), model=model)[1]
+
+
 @needs_extra
 def test_pallas_runs_on_each_devices_rows_and_heads():
     """A pallas_call has no partitioning rule: outside a shard_map XLA gathered the
     whole batch and every head onto each device around it. Now its step gathers
     what the tiled kernel's gathers (the weights), nothing more."""
-    mesh = dict(fsdp=2, tensor=2)
-    _, pallas = _step_temp("pallas", 1024, mesh)
-    _, tiled = _step_temp("tiled", 1024, mesh)
-    assert _gathered(pallas) == _gathered(tiled)
+    assert _gathered(_step_at("pallas")) == _gathered(_step_at("tiled"))
+
+
+@needs_extra
+@pytest.mark.parametrize("impl, mesh, window", [
+    ("tiled", FSDP_TP, None),
+    ("tiled", FSDP_TP, 256),   # a Mistral-like sliding window
+    ("ring", (("context", 2), ("tensor", 2)), None),
+], ids=["tiled", "tiled-window", "ring"])
+def test_skipping_kernels_run_on_each_devices_rows_and_heads(impl, mesh, window):
+    """The kernels that skip tiles, blocks or key ranges do it in conditionals (by
+    documents, by window). Outside a shard_map manual over every mesh axis, XLA's
+    partitioner gathered their operands inside them: 72 all-gathers in the tiled
+    step's conditionals, 77 in the step (with or without a window), where pallas
+    has 5 (the weights). Now no collective runs inside a conditional, and the step
+    gathers what pallas's does: the weights, and for the ring (the weights over
+    context instead of fsdp) the segment-id ranges of its key tiles, a few bytes.
+    (blocked runs through the same per-device wrapper; it is never auto's choice on
+    a GPU, and its step takes 40 s to compile.)"""
+    compiled = _step_at(impl, mesh, window)
+    text = compiled.as_text()
+    assert "conditional(" in text
+    assert not in_conditionals(text)
+    if impl != "ring":
+        assert _gathered(compiled) == _gathered(_step_at("pallas"))
+        return
+    # The ring's segment-id ranges may be combined with a weight's gather.
+    extra = (sum(b for _, b, _ in _gathered(compiled))
+             - sum(b for _, b, _ in _gathered(_step_at("pallas"))))
+    assert 0 < extra <= 1024, extra
 
 
 @needs_extra

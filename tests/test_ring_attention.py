@@ -76,12 +76,121 @@ def test_ring_matches_dense(context, layout, seq_len, heads, kv_heads, tile, pac
 
     # Work: zigzag gives every shard 2c+1 blocks, contiguous gives shard i i+1;
     # either way the total is exactly the blocks on or below the diagonal, so
-    # no masked block was computed.
+    # no causally masked block was computed. On packed rows, the blocks whose
+    # documents cannot meet are skipped too: exactly those of a count by hand.
     blocks = np.asarray(blocks).tolist()
     pieces = ra.PIECES[layout] * context
-    assert sum(blocks) == pieces * (pieces + 1) // 2
+    scheduled = ra.blocks_per_shard(layout, context)
+    assert sum(scheduled) == pieces * (pieces + 1) // 2
     expected = [2 * context + 1] * context if layout == "zigzag" else list(range(1, context + 1))
-    assert blocks == expected == ra.blocks_per_shard(layout, context)
+    assert scheduled == expected
+    meeting = _blocks_that_meet(seg[:, perm], layout, context, ra.tile_len(
+        ra.piece_len(layout, seq_len, context), tile))
+    assert blocks == meeting
+    assert meeting == scheduled if not packed else sum(meeting) <= sum(scheduled)
+
+
+def test_packed_rows_skip_the_blocks_of_other_documents():
+    """Documents of 4 tokens, none crossing a chunk of 8 (64 tokens, 4 shards, zigzag):
+    of the 9 blocks each shard schedules, only its 2 diagonal ones hold a query and a
+    key of one document. It computes those 2 and the result is still dense's; one
+    document across the row computes all 9."""
+    q, k, v, _, dout = random_inputs(64, 4, 2, packed=False, b=1)
+    mesh = build_mesh(ParallelDims(fsdp=2, context=4))
+    kw = dict(mesh=mesh, layout="zigzag", kv_tile=4)
+    perm = ra.layout_permutation("zigzag", 64, 4)
+    docs = (np.arange(64) // 4)[None].astype(np.int32)
+    for seg, want in ((docs, [2] * 4), (np.zeros_like(docs), [9] * 4)):
+        ref = dot_product_attention(q, k, v, seg)
+        out, blocks = jax.jit(lambda *a: ra.ring_attention_blocks(*a, **kw))(
+            *(x[:, perm] for x in (q, k, v, seg)))
+        np.testing.assert_allclose(np.asarray(out)[:, np.argsort(perm)], ref, rtol=0, atol=1e-5)
+        assert np.asarray(blocks).tolist() == want == _blocks_that_meet(seg[:, perm], "zigzag",
+                                                                         4, 4)
+
+
+def test_each_device_skips_by_its_own_rows():
+    """fsdp=2 x context=2 x tensor=2, each device holding one row and half the heads
+    (rows="fsdp", heads="tensor": the shard_map manual over every axis): outputs and
+    gradients equal dense's, and each context shard's block count is its busiest
+    device's, each device counting the blocks its own row's documents meet."""
+    q, k, v, seg, dout = random_inputs(48, 4, 2, packed=True)
+    seg[0] = np.arange(48) // 3  # row 0: documents of 3 tokens, row 1's are longer
+    ref_out, ref_grads = jax.jit(output_and_grads, static_argnums=0)(
+        dot_product_attention, q, k, v, seg, dout)
+    mesh = build_mesh(ParallelDims(fsdp=2, context=2, tensor=2))
+    kw = dict(mesh=mesh, layout="zigzag", kv_tile=4, rows="fsdp", heads="tensor")
+
+    @jax.jit
+    def ring(q, k, v, seg, dout):
+        out, grads = output_and_grads(lambda *a: ra.ring_attention(*a, **kw), q, k, v, seg, dout)
+        return out, grads, ra.ring_attention_blocks(q, k, v, seg, **kw)[1]
+
+    perm = ra.layout_permutation("zigzag", 48, 2)
+    out, grads, blocks = ring(*(x[:, perm] for x in (q, k, v, seg, dout)))
+    undo = np.argsort(perm)
+    np.testing.assert_allclose(np.asarray(out)[:, undo], ref_out, rtol=0, atol=1e-5)
+    for name, g, ref in zip("qkv", grads, ref_grads):
+        np.testing.assert_allclose(np.asarray(g)[:, undo], ref, rtol=0, atol=1e-5, err_msg=name)
+    rows = [_blocks_that_meet(seg[r:r + 1, perm], "zigzag", 2, 4) for r in range(2)]
+    assert sum(rows[0]) < sum(rows[1])  # the second device's row decides
+    assert np.asarray(blocks).tolist() == np.max(rows, axis=0).tolist()
+
+
+@pytest.mark.parametrize("context, window", [(1, None), (2, 7)])
+def test_skipping_changes_no_bit(context, window, monkeypatch):
+    """A skipped tile adds nothing to the online softmax: outputs and gradients with
+    document-aware skipping are the very bits of the kernel that computes every
+    scheduled tile (its meet table all true), on packed rows (tiled, ring, a window)."""
+    q, k, v, seg, dout = random_inputs(48, 4, 2, packed=True)
+    mesh = build_mesh(ParallelDims(fsdp=4, context=2)) if context > 1 else None
+    kw = dict(mesh=mesh, kv_tile=4, window=window)
+    perm = ra.layout_permutation("zigzag", 48, context)
+    args = [x[:, perm] for x in (q, k, v, seg, dout)]
+
+    def run():
+        return jax.jit(lambda q, k, v, seg, dout: (
+            *output_and_grads(lambda *a: ra.ring_attention(*a, **kw), q, k, v, seg, dout),
+            ra.ring_attention_work(q, k, v, seg, **kw)[2]))(*args)
+
+    out, grads, tiles = run()
+    meet = ra._meet_table
+    monkeypatch.setattr(ra, "_meet_table", lambda seg, sh: jnp.ones_like(meet(seg, sh)))
+    every_out, every_grads, every_tiles = run()
+    assert int(tiles.sum()) < int(every_tiles.sum())  # it did skip
+    np.testing.assert_array_equal(out, every_out)
+    for g, every in zip(grads, every_grads):
+        np.testing.assert_array_equal(g, every)
+
+
+def _blocks_that_meet(seg, layout, context, tile):
+    """Per shard, the scheduled (query piece, key piece) blocks in which some row has a
+    key tile whose segment ids overlap the query piece's range: what document-aware
+    skipping must compute, counted plainly on the host (``seg`` in the layout's order)."""
+    n_pieces = ra.PIECES[layout]
+    piece = seg.shape[1] // (context * n_pieces)
+
+    def chunk(shard, p):
+        return shard if p == 0 else 2 * context - 1 - shard
+
+    def part(shard, p):
+        start = (shard * n_pieces + p) * piece
+        return seg[:, start:start + piece]
+
+    out = []
+    for me in range(context):
+        count = 0
+        for owner in range(context):
+            for a in range(n_pieces):
+                for p in range(n_pieces):
+                    if chunk(owner, p) > chunk(me, a):
+                        continue  # after every query: never scheduled
+                    q, k = part(me, a), part(owner, p).reshape(seg.shape[0], -1, tile)
+                    lo = np.maximum(q.min(1)[:, None], k.min(2))
+                    hi = np.minimum(q.max(1)[:, None], k.max(2))
+                    count += bool((lo <= hi).any())
+        out.append(count)
+    return out
 
 
 def test_zigzag_permutation():
@@ -120,6 +229,7 @@ def test_memory_is_tiled_not_quadratic():
 # (context, layout, seq_len, heads, kv heads, kv_tile, window, scale): windows within
 # one piece (3, 7) and across several (12, 20), none a divisor of the tile; packed rows.
 WINDOW_CASES = [
+    (1, "zigzag", 48, 4, 2, 4, 7, None),       # one shard: the tiled kernel
     (2, "zigzag", 48, 4, 2, 4, 7, None),       # pieces of 12
     (2, "contiguous", 48, 4, 1, 8, 20, 0.3),   # pieces of 24
     (4, "zigzag", 64, 4, 2, 4, 12, None),      # pieces of 8: the window spans 2 shards
@@ -149,8 +259,9 @@ def _blocks_needed(layout, context, seq_len, window):
                          WINDOW_CASES)
 def test_windowed_ring_matches_dense(context, layout, seq_len, heads, kv_heads, tile, window,
                                      scale):
-    """Outputs and gradients equal dense's with the same window and scale; the kernel
-    computes exactly the tiles and blocks that reach into the window, no others."""
+    """Outputs and gradients equal dense's with the same window and scale (packed rows);
+    on one document the kernel computes exactly the tiles and blocks that reach into
+    the window, no others (packed rows skip more: test_ring_matches_dense)."""
     spec = AttentionSpec(window=window, scale=scale)
     q, k, v, seg, dout = random_inputs(seq_len, heads, kv_heads, packed=True)
     ref_out, ref_grads = jax.jit(output_and_grads, static_argnums=0)(
@@ -162,7 +273,7 @@ def test_windowed_ring_matches_dense(context, layout, seq_len, heads, kv_heads, 
     @jax.jit
     def ring(q, k, v, seg, dout):
         out, grads = output_and_grads(lambda *a: ra.ring_attention(*a, **kw), q, k, v, seg, dout)
-        return out, grads, *ra.ring_attention_work(q, k, v, seg, **kw)[1:]
+        return out, grads, *ra.ring_attention_work(q, k, v, jnp.zeros_like(seg), **kw)[1:]
 
     perm = ra.layout_permutation(layout, seq_len, context)
     perm = np.arange(seq_len) if perm is None else perm
@@ -180,7 +291,7 @@ def test_windowed_work_is_linear_in_the_sequence():
     tiles, window 10): twice the tokens, twice the tiles but for the first few. Without
     a window it computes (s/2/4)^2 x 3 tile pairs: 4x as many at twice the tokens."""
     def tiles(seq_len):
-        q, k, v, seg, _ = random_inputs(seq_len, 2, 1, packed=True, b=1, d=4)
+        q, k, v, seg, _ = random_inputs(seq_len, 2, 1, packed=False, b=1, d=4)
         work = jax.jit(lambda *a: ra.ring_attention_work(*a, mesh=None, kv_tile=4, window=10))
         return int(work(q, k, v, seg)[2].sum())
 

@@ -58,7 +58,7 @@ from ndjax import platforms
 from ndjax.errors import ConfigError
 from ndjax.ops import all_to_all_attention as a2a
 from ndjax.ops import ring_attention as ring
-from ndjax.rules import Rules, active
+from ndjax.rules import Rules, active, suspended
 
 # The logical names of q (and the output), and of k and v, (b, s, heads, head_dim).
 HEADS = ("act_batch", "act_seq", "act_heads", "act_head_dim")
@@ -323,12 +323,60 @@ def _chunks_work(seq_len: int, window: int) -> int:
     return -(-seq_len // window) * window * 2 * window
 
 
+def key_ranges(seq_len: int, blocks: int, window: int | None = None
+               ) -> list[tuple[int, ...]]:
+    """Per query block of ``blocked``, the key ranges it may compute, as their first
+    keys, the shorter first: from the previous block's first key (its own block and
+    the previous one), and from the first key its window (or the row) lets it see.
+    Each is one static branch of a ``lax.switch`` (``picked_key_ranges`` chooses),
+    compiled whether it runs or not: so the shorter range is offered only where it
+    leaves out a block of keys at least, and not its own block alone, which would
+    serve only where a document starts at the block's first query in every row."""
+    size = seq_len // blocks
+    out = []
+    for i in range(blocks):
+        first = _first_key(i * size, window)
+        short = (i - 1) * size
+        out.append((short, first) if short - first >= size else (first,))
+    return out
+
+
+def picked_key_ranges(segment_ids: jax.Array, blocks: int, window: int | None = None
+                      ) -> jax.Array:
+    """Document-aware skipping in ``blocked``: per query block, which of its
+    ``key_ranges`` it computes (an index, int32 (blocks,)): the shortest whose keys
+    left out cannot share a document with the block's queries in any row. Segment-id
+    ranges that do not overlap hold no common id, so every key left out is masked
+    and leaving it out changes no allowed score. On rows of documents no longer than
+    a block that is the block's own and the previous one: 2 blocks of keys per query
+    block instead of i + 1. A row's padding (segment 0 at its end) meets
+    every range below it: the block holding it takes its full range."""
+    seq = segment_ids.shape[1]
+    size = seq // blocks
+    picked = []
+    for i, starts in enumerate(key_ranges(seq, blocks, window)):
+        ids = segment_ids[:, i * size:(i + 1) * size]
+        q_lo, q_hi = ids.min(1), ids.max(1)
+        free = []
+        for start in starts[:-1]:
+            out = segment_ids[:, starts[-1]:start]   # the keys this range leaves out
+            meet = jnp.maximum(q_lo, out.min(1)) <= jnp.minimum(q_hi, out.max(1))
+            free.append(~meet.any())
+        picked.append(jnp.argmax(jnp.stack([*free, jnp.bool_(True)])))
+    return jnp.stack(picked).astype(jnp.int32)
+
+
 def blocked(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array,
             blocks: int, spec: AttentionSpec = AttentionSpec()) -> jax.Array:
     """``dense``'s function, as ``blocks`` query blocks, block i against the keys up to
     its own last query. The score blocks above the diagonal, every entry masked by
     causality, are never computed: (blocks + 1) / (2 blocks) of dense's work and
     memory. Each query row still takes one softmax over the same allowed keys.
+
+    Packed rows: a block also leaves out the earlier keys its documents cannot reach
+    (``picked_key_ranges``, one ``lax.switch`` per block among ``key_ranges``). The
+    keys left out are all masked, so the function is the same; the softmax then sums
+    over fewer (zero) terms, which may move results by float32 rounding.
 
     With a window, a block starts at the first key its first query sees; where chunks
     of the window's length do less work (``window_chunks``: O(seq x window), however
@@ -339,13 +387,22 @@ def blocked(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array,
         return window_chunks(q, k, v, segment_ids, window, spec)
     size = seq // blocks
     idx = jnp.arange(seq)
+    picked = picked_key_ranges(segment_ids, blocks, window)
     outs = []
-    for i in range(blocks):
-        rows, keys = slice(i * size, (i + 1) * size), slice(_first_key(i * size, window),
-                                                            (i + 1) * size)
-        mask = ring.allowed(idx[rows], segment_ids[:, rows], idx[keys], segment_ids[:, keys],
-                            window)
-        outs.append(_spec_attention(q[:, rows], k[:, keys], v[:, keys], mask, spec))
+    for i, starts in enumerate(key_ranges(seq, blocks, window)):
+        rows, first, end = slice(i * size, (i + 1) * size), starts[-1], (i + 1) * size
+
+        def attend(start, q, k, v, k_seg, q_seg, rows=rows, first=first, end=end):
+            # k, v, k_seg: the keys from ``first``; this range's are their last ones.
+            keys = slice(start - first, end - first)
+            mask = ring.allowed(idx[rows], q_seg, idx[start:end], k_seg[:, keys], window)
+            return _spec_attention(q, k[:, keys], v[:, keys], mask, spec)
+
+        branches = [functools.partial(attend, start) for start in starts]
+        keys = slice(first, end)
+        args = (q[:, rows], k[:, keys], v[:, keys], segment_ids[:, keys], segment_ids[:, rows])
+        outs.append(branches[0](*args) if len(branches) == 1 else
+                    jax.lax.switch(picked[i], branches, *args))
     return jnp.concatenate(outs, axis=1)
 
 
@@ -389,7 +446,8 @@ class Blocked(Kernel):
         _one_shard(self.name, site)
 
     def __call__(self, q, k, v, segment_ids, cfg, spec=AttentionSpec()):
-        return blocked(q, k, v, segment_ids, query_blocks(q.shape[1]), spec)
+        run = functools.partial(blocked, blocks=query_blocks(q.shape[1]), spec=spec)
+        return _per_shard(run, q, k, v, segment_ids)
 
 
 class Tiled(Kernel):
@@ -417,9 +475,9 @@ class Tiled(Kernel):
 
     def __call__(self, q, k, v, segment_ids, cfg, spec=AttentionSpec()):
         # zigzag on one shard is the identity order: no permutation of the batch.
-        return ring.ring_attention(q, k, v, segment_ids, mesh=None, layout="zigzag",
-                                   kv_tile=cfg.attn_kv_tile, window=spec.window,
-                                   scale=spec.scale)
+        run = functools.partial(ring.ring_attention, mesh=None, layout="zigzag",
+                                kv_tile=cfg.attn_kv_tile, window=spec.window, scale=spec.scale)
+        return _per_shard(run, q, k, v, segment_ids)
 
 
 class Ring(Kernel):
@@ -452,10 +510,19 @@ class Ring(Kernel):
 
     def __call__(self, q, k, v, segment_ids, cfg, spec=AttentionSpec()):
         rules = active()
-        mesh = rules.mesh if ring.context_shards(rules) > 1 else None
-        return ring.ring_attention(q, k, v, segment_ids, mesh=mesh, layout=cfg.cp_layout,
-                                   kv_tile=cfg.attn_kv_tile, window=spec.window,
-                                   scale=spec.scale)
+        kw = dict(layout=cfg.cp_layout, kv_tile=cfg.attn_kv_tile, window=spec.window,
+                  scale=spec.scale)
+        if ring.context_shards(rules) == 1:
+            run = functools.partial(ring.ring_attention, mesh=None, **kw)
+            return _per_shard(run, q, k, v, segment_ids)
+        # Each device's rows and heads, as the rule table splits them; heads the table
+        # splits unlike the kv heads are gathered (each device computes them all).
+        axis = "context"
+        (rows, _, heads, _), (_, _, kv_heads, _) = _splits(rules)
+        rows = tuple(a for a in rows if a != axis)
+        heads = tuple(a for a in heads if a != axis) if heads == kv_heads else ()
+        return ring.ring_attention(q, k, v, segment_ids, mesh=rules.mesh, axis=axis,
+                                   rows=rows, heads=heads, **kw)
 
 
 def _gpu_only(name: str, site: Site, hint: str) -> None:
@@ -648,24 +715,41 @@ class Pallas(Kernel):
         return _per_shard(run, q, k, v, segment_ids)
 
 
+def _splits(rules: Rules) -> tuple[tuple[tuple[str, ...], ...], ...]:
+    """The rule table's split of q and of k, v (b, s, heads, head_dim): per dimension,
+    its mesh axes."""
+    def axes(x):
+        return () if x is None else (x,) if isinstance(x, str) else tuple(x)
+    return tuple(tuple(axes(x) for x in (tuple(rules.spec(n)) + (None,) * 4)[:4])
+                 for n in (HEADS, KV_HEADS))
+
+
 def _per_shard(kernel, q: jax.Array, k: jax.Array, v: jax.Array,
                segment_ids: jax.Array) -> jax.Array:
-    """``kernel`` on each device's rows and heads. A ``pallas_call`` has no rule for
-    XLA's partitioner, which would otherwise gather every operand whole around it
-    (compiled for GPUs: each device attending over the whole batch and all heads).
-    Batch and heads split as the rule table says; each device's query heads share
-    its kv heads (the model repeats kv heads so that they do: Rules.kv_repeat)."""
+    """``kernel`` on each device's rows and heads, in a shard_map manual over every
+    mesh axis. A ``pallas_call`` has no rule for XLA's partitioner, which would
+    otherwise gather every operand whole around it (compiled for GPUs: each device
+    attending over the whole batch and all heads); nor do the tiled and blocked
+    kernels' conditionals (their skipped tiles and key ranges), inside which it
+    gathered the operands. Batch and heads split as the rule table says; each
+    device's query heads share its kv heads (the model repeats kv heads so that they
+    do: Rules.kv_repeat)."""
     rules = active()
     if rules is None or rules.mesh is None or rules.mesh.size == 1:
         return kernel(q, k, v, segment_ids)
-    q_spec, kv_spec = (tuple(rules.spec(n)) + (None,) * 4 for n in (HEADS, KV_HEADS))
-    heads = (q_spec[0], None, q_spec[2], q_spec[3])
-    if q_spec[1] is not None or q_spec[:4] != heads or kv_spec[:4] != heads:
+    q_axes, kv_axes = _splits(rules)
+    if q_axes[1] or q_axes[3] or kv_axes != q_axes:
         # The sequence split, or kv heads split unlike the query heads: left to the
         # partitioner (correct, with the gathers above).
         return kernel(q, k, v, segment_ids)
-    spec, rows = PartitionSpec(*heads), PartitionSpec(heads[0], None)
-    return jax.shard_map(kernel, mesh=rules.mesh, in_specs=(spec, spec, spec, rows),
+    spec = rules.spec(HEADS)  # k's and v's too (kv_axes == q_axes)
+    rows = PartitionSpec(spec[0] if len(spec) else None, None)
+
+    def local(q, k, v, segment_ids):
+        with suspended():  # one device's arrays: no rules apply inside
+            return kernel(q, k, v, segment_ids)
+
+    return jax.shard_map(local, mesh=rules.mesh, in_specs=(spec, spec, spec, rows),
                          out_specs=spec, check_vma=False)(q, k, v, segment_ids)
 
 

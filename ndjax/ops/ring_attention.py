@@ -9,10 +9,13 @@ keys (``kv_tile``), so the per-device score buffer is (local queries x tile) per
 head, never (local x local): a 128k sequence on 8 shards never holds a 16k x 16k
 score matrix.
 
-The op is a ``jax.shard_map`` over the context axis only; every other mesh axis
-stays automatic, so batch, heads and the rest of the GSPMD step partition as
-the rule table says. Ring steps 1 .. c-2 run in a ``fori_loop``, so compile time
-and program size do not grow with the number of shards.
+The op is a ``jax.shard_map`` manual over every mesh axis: the sequence split
+over the context axis, batch rows and heads as the caller says (``rows``,
+``heads``: the rule table's split, ``ndjax.ops.attention.Ring``), so each device
+attends on its own rows and heads; XLA's partitioner never sees the kernel's
+conditionals (left to it, it gathered their operands on GPUs). Ring steps
+1 .. c-2 run in a ``fori_loop``, so compile time and program size do not grow
+with the number of shards.
 
 Layouts: the sequence is cut into chunks; the layout says which chunks a shard holds.
 
@@ -32,6 +35,13 @@ skips a later shard's block. The mask inside a block is built from global
 token indices (from the layout and the owner's index) and segment ids (which
 travel with the keys), so it is exactly the dense mask: causal by index in the
 unpermuted sequence, never across documents. Positions are not needed.
+
+Documents (packed rows): a block, and each key tile in it, whose segment ids cannot
+meet the query piece's (their ranges, in every row the device holds, do not overlap)
+is all masked and is skipped too (``_meet_table``: one small gather of the tiles'
+ranges per call, none per block). On rows of many short documents that leaves
+little more than the diagonal blocks; on one long document it skips nothing. Each
+skipped tile is a ``lax.cond``, the results are the same bits.
 
 Windows (``window``: a query at p sees keys p - window < k <= p): a block is also
 cut into query tiles, and each query tile visits only the key tiles its window
@@ -62,7 +72,8 @@ the layer loop and share them between the passes (BENCHMARKS.md); keys and
 values it cannot share (see ``_backward_local``).
 
 On one context shard (``mesh=None``) the same kernel runs without collectives:
-that is ``model.attn_impl=tiled`` (``ndjax.ops.attention`` chooses between kernels).
+that is ``model.attn_impl=tiled`` (``ndjax.ops.attention`` chooses between kernels,
+and runs this one on each device's rows and heads too).
 """
 
 from __future__ import annotations
@@ -77,7 +88,7 @@ from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import Mesh, PartitionSpec
 
-from ndjax.rules import Rules
+from ndjax.rules import MeshAxes, Rules
 
 LAYOUTS = ("zigzag", "contiguous")
 PIECES = {"zigzag": 2, "contiguous": 1}
@@ -192,6 +203,34 @@ def allowed(q_idx, q_seg, k_idx, k_seg, window: int | None = None) -> jax.Array:
     return seen[None] & (q_seg[:, :, None] == k_seg[:, None, :])
 
 
+def _ranges(seg: jax.Array, parts: int) -> tuple[jax.Array, jax.Array]:
+    """Each row's least and greatest segment id in each of ``parts`` equal parts of
+    its last axis: (..., parts) each."""
+    x = seg.reshape(*seg.shape[:-1], parts, seg.shape[-1] // parts)
+    return x.min(-1), x.max(-1)
+
+
+def _meet_table(seg: jax.Array, sh: _Shard) -> jax.Array:
+    """Document-aware skipping: whether query piece a of this shard and key tile t of
+    piece p of shard o hold a common segment id in any row, as bools (a, o, p, t).
+    Ranges that do not overlap hold no common id, so a (block or tile) pair they rule
+    out is all masked: skipping it changes no bit of the result. On packed rows of
+    short documents most pairs away from the diagonal are such. One small gather of
+    the tiles' ranges over the ring and one reduction over the rows per call, not one
+    per block."""
+    b, n = seg.shape
+    pieces, tiles = n // sh.piece, sh.piece // sh.tile
+    q_lo, q_hi = _ranges(seg, pieces)                                  # (b, a)
+    k_lo, k_hi = (x.reshape(b, pieces, tiles) for x in _ranges(seg, pieces * tiles))
+    if sh.context > 1:
+        k_lo, k_hi = (lax.all_gather(x, sh.axis) for x in (k_lo, k_hi))   # (o, b, p, t)
+    else:
+        k_lo, k_hi = k_lo[None], k_hi[None]
+    lo = jnp.maximum(q_lo[None, :, :, None, None], k_lo[:, :, None])   # (o, b, a, p, t)
+    hi = jnp.minimum(q_hi[None, :, :, None, None], k_hi[:, :, None])
+    return (lo <= hi).any(1).transpose(1, 0, 2, 3)
+
+
 def _tiles(tile: int, k, v, k_idx, k_seg):
     """Key-side arrays cut into tiles along a new leading axis, for ``lax.scan``."""
     b, n = k.shape[0], k.shape[1] // tile
@@ -236,34 +275,60 @@ def _tile_backward(dq, q, do, lse, delta, q_idx, q_seg, kt, vt, it, st, window, 
 
 
 def _block_forward(carry, q, q_idx, q_seg, k, v, k_idx, k_seg, tile: int,
-                   window: int | None = None, scale: float | None = None):
+                   window: int | None = None, scale: float | None = None, meet=None):
     """Online-softmax update of (o, m, den) for queries ``q`` against one key block:
-    (the updated carry, key tiles x query tiles computed)."""
+    (the updated carry, key tiles x query tiles computed). ``meet`` (key tiles,):
+    whether each key tile may share a document with the queries (``_meet_table``);
+    the tiles it rules out are skipped."""
+    n = k.shape[1] // tile
+    meet = jnp.ones((n,), bool) if meet is None else meet
     if window is not None:
         return _window_block_forward(carry, q, q_idx, q_seg, k, v, k_idx, k_seg, tile,
-                                     window, scale)
+                                     window, scale, meet)
 
-    def step(carry, xs):
-        return _online_update(carry, q, q_idx, q_seg, *xs, None, scale), None
+    def step(acc, xs):
+        carry, count = acc
+        *kt, go = xs
+        carry = lax.cond(go, lambda c: _online_update(c, q, q_idx, q_seg, *kt, None, scale),
+                         lambda c: c, carry)
+        return (carry, count + go), None
 
-    n = k.shape[1] // tile
-    return lax.scan(step, carry, _tiles(tile, k, v, k_idx, k_seg))[0], n * n
+    def compute(carry):
+        acc = (carry, jnp.zeros_like(q_idx[0]))
+        (carry, count), _ = lax.scan(step, acc, (*_tiles(tile, k, v, k_idx, k_seg), meet))
+        return carry, count * n
+
+    return lax.cond(meet.any(), compute, lambda c: (c, jnp.zeros_like(q_idx[0])), carry)
 
 
 def _block_backward(dq, q, do, lse, delta, q_idx, q_seg, k, v, k_idx, k_seg, tile: int,
-                    window: int | None = None, scale: float | None = None):
-    """FlashAttention-2 backward of one block: dq accumulated, (dk, dv) of the block."""
+                    window: int | None = None, scale: float | None = None, meet=None):
+    """FlashAttention-2 backward of one block: dq accumulated, (dk, dv) of the block;
+    the key tiles ``meet`` rules out skipped (zeros)."""
+    n = k.shape[1] // tile
+    meet = jnp.ones((n,), bool) if meet is None else meet
     if window is not None:
         return _window_block_backward(dq, q, do, lse, delta, q_idx, q_seg, k, v, k_idx, k_seg,
-                                      tile, window, scale)
+                                      tile, window, scale, meet)
 
     def step(dq, xs):
-        dq, dk, dv = _tile_backward(dq, q, do, lse, delta, q_idx, q_seg, *xs, None, scale)
+        *kt, go = xs
+        zeros = jnp.zeros_like(kt[0], jnp.float32)
+        dq, dk, dv = lax.cond(
+            go, lambda dq: _tile_backward(dq, q, do, lse, delta, q_idx, q_seg, *kt, None, scale),
+            lambda dq: (dq, zeros, zeros), dq)
         return dq, (dk, dv)
 
-    dq, (dk, dv) = lax.scan(step, dq, _tiles(tile, k, v, k_idx, k_seg))
-    join = lambda x: x.swapaxes(0, 1).reshape(k.shape[0], -1, *x.shape[3:])  # noqa: E731
-    return dq, join(dk), join(dv)
+    def compute(dq):
+        dq, (dk, dv) = lax.scan(step, dq, (*_tiles(tile, k, v, k_idx, k_seg), meet))
+        join = lambda x: x.swapaxes(0, 1).reshape(k.shape[0], -1, *x.shape[3:])  # noqa: E731
+        return dq, join(dk), join(dv)
+
+    def skip(dq):
+        zeros = jnp.zeros_like(k, jnp.float32)
+        return dq, zeros, zeros
+
+    return lax.cond(meet.any(), compute, skip, dq)
 
 
 # ----- sliding windows: query tiles, and only the key tiles their window reaches ---------------
@@ -315,7 +380,8 @@ def _key_tiles(q_idx, k_idx, n: int, tile: int, window: int):
     return bounds
 
 
-def _window_block_forward(carry, q, q_idx, q_seg, k, v, k_idx, k_seg, tile, window, scale):
+def _window_block_forward(carry, q, q_idx, q_seg, k, v, k_idx, k_seg, tile, window, scale,
+                          meet):
     n = q.shape[1] // tile
     bounds = _key_tiles(q_idx, k_idx, n, tile, window)
     take = lambda x, j, axis: lax.dynamic_slice_in_dim(x, j * tile, tile, axis)  # noqa: E731
@@ -328,10 +394,10 @@ def _window_block_forward(carry, q, q_idx, q_seg, k, v, k_idx, k_seg, tile, wind
             stats, count = acc
             j = jnp.minimum(lo + step, n - 1)
             kt = (take(k, j, 1), take(v, j, 1), take(k_idx, j, 0), take(k_seg, j, 1))
-            stats = lax.cond(lo + step <= hi,
-                             lambda s: _online_update(s, qt, it, st, *kt, window, scale),
+            go = (lo + step <= hi) & meet[j]
+            stats = lax.cond(go, lambda s: _online_update(s, qt, it, st, *kt, window, scale),
                              lambda s: s, stats)
-            return (stats, count + (lo + step <= hi)), None
+            return (stats, count + go), None
 
         steps = jnp.arange(min(n, _reach(window, tile)))
         (stats, count), _ = lax.scan(key_tile, (tuple(stats), count), steps)
@@ -344,12 +410,12 @@ def _window_block_forward(carry, q, q_idx, q_seg, k, v, k_idx, k_seg, tile, wind
         count, stats = lax.scan(query_tile, jnp.zeros_like(q_idx[0]), xs)
         return tuple(_join(x, 3) for x in stats), count
 
-    return lax.cond(_in_window(q_idx, k_idx, window), compute,
+    return lax.cond(_in_window(q_idx, k_idx, window) & meet.any(), compute,
                     lambda carry: (carry, jnp.zeros_like(q_idx[0])), carry)
 
 
 def _window_block_backward(dq, q, do, lse, delta, q_idx, q_seg, k, v, k_idx, k_seg, tile,
-                           window, scale):
+                           window, scale, meet):
     n = q.shape[1] // tile
     bounds = _key_tiles(q_idx, k_idx, n, tile, window)
     take = lambda x, j, axis: lax.dynamic_slice_in_dim(x, j * tile, tile, axis)  # noqa: E731
@@ -364,7 +430,7 @@ def _window_block_backward(dq, q, do, lse, delta, q_idx, q_seg, k, v, k_idx, k_s
             kt = (take(k, j, 1), take(v, j, 1), take(k_idx, j, 0), take(k_seg, j, 1))
             zeros = jnp.zeros_like(kt[0], jnp.float32)
             dqt, dk, dv = lax.cond(
-                lo + step <= hi,
+                (lo + step <= hi) & meet[j],
                 lambda dqt: _tile_backward(dqt, qt, dot, lset, dt, it, st, *kt, window, scale),
                 lambda dqt: (dqt, zeros, zeros), dqt)
             # Only the tile's own slice of dK/dV is touched: a skipped tile adds zeros.
@@ -387,7 +453,7 @@ def _window_block_backward(dq, q, do, lse, delta, q_idx, q_seg, k, v, k_idx, k_s
         zeros = jnp.zeros_like(k, jnp.float32)
         return dq, zeros, zeros
 
-    return lax.cond(_in_window(q_idx, k_idx, window), compute, skip, dq)
+    return lax.cond(_in_window(q_idx, k_idx, window) & meet.any(), compute, skip, dq)
 
 
 class _Shard:
@@ -397,10 +463,6 @@ class _Shard:
         self.axis, self.context, self.layout, self.tile = axis, context, layout, tile
         self.piece = local_len // PIECES[layout]
         self.me = lax.axis_index(axis) if context > 1 else jnp.int32(0)
-
-    def varying(self, x):
-        """Marks a fresh (e.g. zeros) array as per-shard, as shard_map's checker requires."""
-        return lax.pcast(x, self.axis, to="varying") if self.context > 1 else x
 
     def get(self, x, piece, axis: int) -> jax.Array:
         """Piece ``piece`` (a traced index) of ``x`` along ``axis``."""
@@ -424,7 +486,7 @@ class _Shard:
         return lax.ppermute(x, self.axis, perm=[(j, (j + 1) % c) for j in range(c)])
 
     def ring(self, compute, carry, block, *, returning=None):
-        """Runs ``compute(blocks, carry, block, k_idx) -> carry`` at each ring step.
+        """Runs ``compute(blocks, carry, block, k_idx, owner) -> carry`` at each ring step.
 
         ``block`` (this shard's keys, values, segment ids) moves one hop per step,
         sent before the step's compute so that the two overlap. ``returning``
@@ -437,16 +499,16 @@ class _Shard:
             incoming = None if last else self.send(block)
             if isinstance(r, int) and r == 0:
                 own = jnp.array(OWN_BLOCKS[self.layout], jnp.int32)
-                carry = compute(own, carry, block, self.index(self.me))
+                carry = compute(own, carry, block, self.index(self.me), self.me)
             else:
                 owner = (self.me - r) % c
                 k_idx = self.index(owner)
                 if self.layout == "zigzag":
-                    carry = compute(_zigzag_blocks(self.me, owner), carry, block, k_idx)
+                    carry = compute(_zigzag_blocks(self.me, owner), carry, block, k_idx, owner)
                 else:
                     full = jnp.zeros((1, 2), jnp.int32)
                     carry = lax.cond(owner < self.me, functools.partial(compute, full),
-                                     lambda carry, *_: carry, carry, block, k_idx)
+                                     lambda carry, *_: carry, carry, block, k_idx, owner)
             if returning is not None and c > 1:
                 carry = {**carry, returning: self.send(carry[returning])}
             return carry, incoming
@@ -469,13 +531,15 @@ def _forward_local(q, k, v, seg, *, axis: str, context: int, layout: str, tile: 
     q5 = q.reshape(b, n, kv, h // kv, d)
     q_idx = sh.index(sh.me)
     stats = (b, kv, h // kv, n)
-    init = {"o": sh.varying(jnp.zeros((*stats, d), jnp.float32)),
-            "m": sh.varying(jnp.full(stats, -jnp.inf, jnp.float32)),
-            "den": sh.varying(jnp.zeros(stats, jnp.float32)),
-            "blocks": sh.varying(jnp.zeros((), jnp.int32)),
-            "tiles": sh.varying(jnp.zeros((), jnp.int32))}
+    init = {"o": jnp.zeros((*stats, d), jnp.float32),
+            "m": jnp.full(stats, -jnp.inf, jnp.float32),
+            "den": jnp.zeros(stats, jnp.float32),
+            "blocks": jnp.zeros((), jnp.int32),
+            "tiles": jnp.zeros((), jnp.int32)}
 
-    def compute(blocks, carry, block, k_idx):
+    meet = _meet_table(seg, sh)
+
+    def compute(blocks, carry, block, k_idx, owner):
         k, v, k_seg = block
 
         def one(carry, a, c):
@@ -483,7 +547,7 @@ def _forward_local(q, k, v, seg, *, axis: str, context: int, layout: str, tile: 
             stats, tiles = _block_forward(stats, sh.get(q5, a, 1), sh.get(q_idx, a, 0),
                                           sh.get(seg, a, 1), sh.get(k, c, 1), sh.get(v, c, 1),
                                           sh.get(k_idx, c, 0), sh.get(k_seg, c, 1), sh.tile,
-                                          window, scale)
+                                          window, scale, meet[a, owner, c])
             # A block counts where it computed a tile (a window may skip it whole).
             return {**{x: sh.put(carry[x], y, a, 3) for x, y in zip(("o", "m", "den"), stats)},
                     "blocks": carry["blocks"] + jnp.minimum(tiles, 1),
@@ -515,10 +579,12 @@ def _backward_local(q, k, v, seg, out, lse, dout, *, axis: str, context: int, la
     delta = jnp.sum(do5.astype(jnp.float32) * out.reshape(q5.shape).astype(jnp.float32),
                     axis=-1).transpose(0, 2, 3, 1)
     q_idx = sh.index(sh.me)
-    init = {"dq": sh.varying(jnp.zeros(q5.shape, jnp.float32)),
-            "dkv": sh.varying(jnp.zeros((2, *k.shape), jnp.float32))}
+    init = {"dq": jnp.zeros(q5.shape, jnp.float32),
+            "dkv": jnp.zeros((2, *k.shape), jnp.float32)}
 
-    def compute(blocks, carry, block, k_idx):
+    meet = _meet_table(seg, sh)
+
+    def compute(blocks, carry, block, k_idx, owner):
         (k, v), k_seg = block
 
         def one(carry, a, c):
@@ -527,7 +593,7 @@ def _backward_local(q, k, v, seg, out, lse, dout, *, axis: str, context: int, la
                 sh.get(dq, a, 1), sh.get(q5, a, 1), sh.get(do5, a, 1), sh.get(lse, a, 3),
                 sh.get(delta, a, 3), sh.get(q_idx, a, 0), sh.get(seg, a, 1), sh.get(k, c, 1),
                 sh.get(v, c, 1), sh.get(k_idx, c, 0), sh.get(k_seg, c, 1), sh.tile, window,
-                scale)
+                scale, meet[a, owner, c])
             dkv_c = sh.get(dkv, c, 2) + jnp.stack([dk, dv])
             return {"dq": sh.put(dq, dq_a, a, 1), "dkv": sh.put(dkv, dkv_c, c, 2)}
 
@@ -542,10 +608,43 @@ def _backward_local(q, k, v, seg, out, lse, dout, *, axis: str, context: int, la
 # ----- the op ------------------------------------------------------------------------------
 
 
+def _axes(x: MeshAxes) -> tuple[str, ...]:
+    return () if x is None else (x,) if isinstance(x, str) else tuple(x)
+
+
+def _one(axes: tuple[str, ...]) -> MeshAxes:
+    return None if not axes else axes[0] if len(axes) == 1 else axes
+
+
+def _manual(mesh: Mesh, axis: str, rows: tuple[str, ...], heads: tuple[str, ...],
+            forward, backward):
+    """``forward`` and ``backward`` as shard_maps manual over every axis of ``mesh``:
+    the sequence split over ``axis``, batch rows over ``rows``, heads over ``heads``,
+    whatever else replicated. Manual over the context axis alone, XLA's partitioner
+    placed the rest, and on GPUs it gathered the tiles' operands (all rows, all
+    heads) inside each skipping ``lax.cond`` (tens of all-gathers per step, compiled
+    for H100s: tests/test_gpu_compile.py). check_vma=False: every device computes on
+    its own rows and heads, nothing in the ring reduces over them. The work counts
+    come back per device, context-major (``ring_attention_work``)."""
+    if axis in rows + heads or set(rows) & set(heads):
+        raise ValueError(f"ring attention: rows over {rows}, heads over {heads} and the "
+                         f"sequence over {axis!r} need distinct mesh axes")
+    r, h = _one(rows), _one(heads)
+    seq = PartitionSpec(r, axis, h)  # q, k, v, the output and their gradients
+    ids, lse = PartitionSpec(r, axis), PartitionSpec(r, h, None, axis)
+    counts = PartitionSpec((axis, *(a for a in mesh.axis_names if a != axis)))
+    shard = functools.partial(jax.shard_map, mesh=mesh, check_vma=False)
+    forward = shard(forward, in_specs=(seq, seq, seq, ids), out_specs=(seq, lse, counts))
+    backward = shard(backward, in_specs=(seq, seq, seq, ids, seq, lse, seq),
+                     out_specs=(seq, seq, seq))
+    return forward, backward
+
+
 @functools.cache
 def _build(mesh: Mesh | None, axis: str, layout: str, kv_tile: int, seq_len: int,
-           window: int | None = None, scale: float | None = None):
-    """(attention with its custom VJP, forward that also returns its work per shard)."""
+           window: int | None = None, scale: float | None = None, rows: MeshAxes = None,
+           heads: MeshAxes = None):
+    """(attention with its custom VJP, forward that also returns its work per device)."""
     _check_layout(layout)
     if window is not None and window < 1:
         raise ValueError(f"window={window}: a query sees at least itself (window >= 1)")
@@ -560,10 +659,7 @@ def _build(mesh: Mesh | None, axis: str, layout: str, kv_tile: int, seq_len: int
     forward = functools.partial(_forward_local, **kw)
     backward = functools.partial(_backward_local, **kw)
     if context > 1:
-        seq, rows = PartitionSpec(None, axis), PartitionSpec(None, None, None, axis)
-        shard = functools.partial(jax.shard_map, mesh=mesh, axis_names={axis})
-        forward = shard(forward, in_specs=(seq,) * 4, out_specs=(seq, rows, PartitionSpec(axis)))
-        backward = shard(backward, in_specs=(seq,) * 4 + (seq, rows, seq), out_specs=(seq,) * 3)
+        forward, backward = _manual(mesh, axis, _axes(rows), _axes(heads), forward, backward)
 
     @jax.custom_vjp
     def attend(q, k, v, seg):
@@ -584,10 +680,16 @@ def _build(mesh: Mesh | None, axis: str, layout: str, kv_tile: int, seq_len: int
     return attend, forward
 
 
+def _hashable(rows: MeshAxes, heads: MeshAxes) -> tuple[MeshAxes, MeshAxes]:
+    """``_build``'s cache keys: a list of axes as a tuple."""
+    return _one(_axes(rows)), _one(_axes(heads))
+
+
 def ring_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array, *,
                    mesh: Mesh | None, axis: str = "context", layout: str = "zigzag",
                    kv_tile: int = 512, window: int | None = None,
-                   scale: float | None = None) -> jax.Array:
+                   scale: float | None = None, rows: MeshAxes = None,
+                   heads: MeshAxes = None) -> jax.Array:
     """Causal grouped-query attention over packed documents, sequence split over ``axis``.
 
     Same contract as ``ndjax.ops.attention.dense`` on the *unpermuted* sequence; with
@@ -596,34 +698,43 @@ def ring_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Ar
     segment_ids: (b, s). ``mesh=None`` or a context axis of size 1 runs the same tiled
     kernel on one shard, without collectives. ``window``: a query at p sees keys
     p - window < k <= p only (``AttentionSpec.window``); ``scale``: the scores' factor,
-    None: 1 / sqrt(d).
+    None: 1 / sqrt(d). ``rows``, ``heads``: the mesh axes the batch rows and the heads
+    of q, k and v are split over (each device's query heads with the kv heads they
+    read), as the rule table splits them; each device then attends on its own rows
+    and heads (``_manual``). Any other split of the inputs is gathered first.
     """
-    attend, _ = _build(mesh, axis, layout, kv_tile, q.shape[1], window, scale)
+    attend, _ = _build(mesh, axis, layout, kv_tile, q.shape[1], window, scale,
+                       *_hashable(rows, heads))
     return attend(q, k, v, segment_ids)
 
 
 def ring_attention_work(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array, *,
                         mesh: Mesh | None, axis: str = "context", layout: str = "zigzag",
                         kv_tile: int = 512, window: int | None = None,
-                        scale: float | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
+                        scale: float | None = None, rows: MeshAxes = None,
+                        heads: MeshAxes = None) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Forward only: (output, blocks and (query tile, key tile) pairs computed by each
     context shard, both shape (context,)), counted as the kernel runs, so the figures
     measure what it really skipped. A block is one query piece against one key piece
     (``piece_len``), (piece / tile)^2 tile pairs; with a window only the blocks and
-    tiles that reach into it are computed."""
-    _, forward = _build(mesh, axis, layout, kv_tile, q.shape[1], window, scale)
+    tiles that reach into it are computed. Where a context shard's rows or heads are
+    split over more devices (``rows``, ``heads``), each skips by its own rows: a
+    shard's figure is its busiest device's."""
+    _, forward = _build(mesh, axis, layout, kv_tile, q.shape[1], window, scale,
+                        *_hashable(rows, heads))
     out, _, counts = forward(q, k, v, segment_ids)
-    counts = counts.reshape(-1, 2)
+    counts = counts.reshape(1 if mesh is None else mesh.shape[axis], -1, 2).max(1)
     return out, counts[:, 0], counts[:, 1]
 
 
 def ring_attention_blocks(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array, *,
                           mesh: Mesh | None, axis: str = "context", layout: str = "zigzag",
                           kv_tile: int = 512, window: int | None = None,
-                          scale: float | None = None) -> tuple[jax.Array, jax.Array]:
+                          scale: float | None = None, rows: MeshAxes = None,
+                          heads: MeshAxes = None) -> tuple[jax.Array, jax.Array]:
     """Forward only: (output, blocks computed by each context shard, shape (context,));
     see ``ring_attention_work``."""
     out, blocks, _ = ring_attention_work(q, k, v, segment_ids, mesh=mesh, axis=axis,
                                          layout=layout, kv_tile=kv_tile, window=window,
-                                         scale=scale)
+                                         scale=scale, rows=rows, heads=heads)
     return out, blocks
