@@ -124,6 +124,7 @@ def compile_for(config: Any, hardware: str, n: int, per_node: int = 8,
     compiled, m = programs[name], memory[name]
     hlo = compiled.as_text()
     found = collective_records(hlo, exp.mesh, devices)
+    host = int(m.host_temp_size_in_bytes + m.host_argument_size_in_bytes)  # remat=offload
     return dict(hardware=hardware, gpu=hw.name, devices=n, devices_per_node=per_node,
                 step=step, mesh={a: int(s) for a, s in exp.mesh.shape.items()},
                 attention="kv-cache" if step == "decode" else exp.attention.label,
@@ -135,8 +136,8 @@ def compile_for(config: Any, hardware: str, n: int, per_node: int = 8,
                 remat=exp.model_cfg.remat, scan_layers=exp.model_cfg.scan_layers,
                 argument_bytes=int(m.argument_size_in_bytes), temp_bytes=int(m.temp_size_in_bytes),
                 output_bytes=int(m.output_size_in_bytes), alias_bytes=int(m.alias_size_in_bytes),
-                host_bytes=int(m.host_temp_size_in_bytes + m.host_argument_size_in_bytes),
-                host_memory_bytes=int(hw.host_memory_bytes), pcie_gbs=hw.pcie_gbs,
+                host_bytes=host, host_memory_bytes=int(hw.host_memory_bytes),
+                pcie_gbs=hw.pcie_gbs, offload_s=hw.offload_s(host),
                 gpu_memory_bytes=int(hw.memory_bytes), compile_s=round(seconds, 2),
                 collectives=found, rematerializations=native.rematerializations,
                 compiler_over_memory=native.over_memory, hlo=hlo)
@@ -163,7 +164,7 @@ def report(r: dict[str, Any], config: Any) -> str:
         *([f"host memory per device (pinned; the offloaded layer inputs): "
            f"{_gib(r['host_bytes'])} of {_gib(r['host_budget_bytes'])} "
            f"({r['mem_fraction']:.0%} of the node's {_gib(r['host_memory_bytes'])} per GPU); "
-           f"copied out and back each step: {2 * r['host_bytes'] / 1e9 / r['pcie_gbs']:.2f} s "
+           f"copied out and back each step: {r['offload_s']:.2f} s "
            f"over PCIe at {r['pcie_gbs']:.0f} GB/s each way"] if r["host_bytes"] else []),
         *(["programs: " + "; ".join(
             f"{k} {_gib(v['argument_bytes'])} + {_gib(v['temp_bytes'])}"
@@ -215,10 +216,10 @@ def main(argv: list[str]) -> None:
     hlo = result.pop("hlo")
     total = result["argument_bytes"] + result["temp_bytes"]
     budget = result["gpu_memory_bytes"] * fraction
-    host_budget = result["host_memory_bytes"] * fraction
     result.update(memory_bytes=total, mem_fraction=fraction, budget_bytes=int(budget),
-                  host_budget_bytes=int(host_budget),
-                  fits=total <= budget and result["host_bytes"] <= host_budget)
+                  host_budget_bytes=int(result["host_memory_bytes"] * fraction),
+                  fits=gpu_target.hardware(_HARDWARE.value).fits(total, result["host_bytes"],
+                                                                 fraction))
     if _DUMP.value:
         os.makedirs(_DUMP.value, exist_ok=True)
         path = os.path.join(_DUMP.value, f"{_STEP.value}_step.{_HARDWARE.value}.hlo.txt")

@@ -536,10 +536,8 @@ def _fill(cand: Candidate, r: dict, c: Checked, hardware: roofline.Hardware,
 
 
 def _fits(r: dict, hardware: roofline.Hardware, budget: float) -> bool:
-    """Device memory within ``budget``, and host memory within the same share of the
-    node's memory per GPU."""
-    host_budget = hardware.host_memory_bytes * budget / hardware.memory_bytes
-    return r["arguments"] + r["temporaries"] <= budget and r.get("host", 0) <= host_budget
+    return hardware.fits(r["arguments"] + r["temporaries"], r.get("host", 0),
+                         budget / hardware.memory_bytes)
 
 
 def _label(layout: Layout) -> str:

@@ -85,6 +85,15 @@ class Hardware:
     def host_memory_bytes(self) -> float:
         return self.host_memory_gb * GB
 
+    def fits(self, device_bytes: float, host_bytes: float, fraction: float) -> bool:
+        """Within ``fraction`` of the GPU's memory, and of the node's memory per GPU."""
+        return (device_bytes <= self.memory_bytes * fraction
+                and host_bytes <= self.host_memory_bytes * fraction)
+
+    def offload_s(self, host_bytes: float) -> float:
+        """Seconds to copy ``host_bytes`` out to the host and back over PCIe."""
+        return 2 * host_bytes / (self.pcie_gbs * GB)
+
 
 _HOPPER = dict(sms=132, fp32_per_sm=128, clock_ghz=1.98, l2_mb=50, smem_per_sm_kb=228,
                smem_per_block_optin_kb=227)
@@ -252,4 +261,4 @@ def estimate(hw: Hardware, link: Link, model_flops: float, tokens: int, devices:
     return Estimate(compute_s=compute, inside_s=link.inside_bytes / (hw.nvlink_gbs * GB),
                     across_s=link.across_bytes / (hw.network_gbs * GB), tokens=tokens,
                     model_flops=model_flops, devices=devices, peak_tflops=hw.peak_tflops,
-                    host_s=2 * host_bytes / (hw.pcie_gbs * GB))
+                    host_s=hw.offload_s(host_bytes))

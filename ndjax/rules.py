@@ -34,6 +34,11 @@ from ndjax.errors import ConfigError
 from ndjax.mesh import AXES
 
 MeshAxes = None | str | tuple[str, ...]
+
+
+def axes_of(x: MeshAxes) -> tuple[str, ...]:
+    """A rule's mesh axes as a tuple (none, one or several)."""
+    return () if x is None else (x,) if isinstance(x, str) else tuple(x)
 Table = tuple[tuple[str, MeshAxes], ...]
 
 # Activation names carry an ``act_`` prefix so that parameters and activations

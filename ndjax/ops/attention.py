@@ -58,7 +58,7 @@ from ndjax import platforms
 from ndjax.errors import ConfigError
 from ndjax.ops import all_to_all_attention as a2a
 from ndjax.ops import ring_attention as ring
-from ndjax.rules import Rules, active, suspended
+from ndjax.rules import Rules, active, axes_of, suspended
 
 # The logical names of q (and the output), and of k and v, (b, s, heads, head_dim).
 HEADS = ("act_batch", "act_seq", "act_heads", "act_head_dim")
@@ -718,9 +718,7 @@ class Pallas(Kernel):
 def _splits(rules: Rules) -> tuple[tuple[tuple[str, ...], ...], ...]:
     """The rule table's split of q and of k, v (b, s, heads, head_dim): per dimension,
     its mesh axes."""
-    def axes(x):
-        return () if x is None else (x,) if isinstance(x, str) else tuple(x)
-    return tuple(tuple(axes(x) for x in (tuple(rules.spec(n)) + (None,) * 4)[:4])
+    return tuple(tuple(axes_of(x) for x in (tuple(rules.spec(n)) + (None,) * 4)[:4])
                  for n in (HEADS, KV_HEADS))
 
 

@@ -88,7 +88,7 @@ from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import Mesh, PartitionSpec
 
-from ndjax.rules import MeshAxes, Rules
+from ndjax.rules import MeshAxes, Rules, axes_of
 
 LAYOUTS = ("zigzag", "contiguous")
 PIECES = {"zigzag": 2, "contiguous": 1}
@@ -608,10 +608,6 @@ def _backward_local(q, k, v, seg, out, lse, dout, *, axis: str, context: int, la
 # ----- the op ------------------------------------------------------------------------------
 
 
-def _axes(x: MeshAxes) -> tuple[str, ...]:
-    return () if x is None else (x,) if isinstance(x, str) else tuple(x)
-
-
 def _one(axes: tuple[str, ...]) -> MeshAxes:
     return None if not axes else axes[0] if len(axes) == 1 else axes
 
@@ -659,7 +655,7 @@ def _build(mesh: Mesh | None, axis: str, layout: str, kv_tile: int, seq_len: int
     forward = functools.partial(_forward_local, **kw)
     backward = functools.partial(_backward_local, **kw)
     if context > 1:
-        forward, backward = _manual(mesh, axis, _axes(rows), _axes(heads), forward, backward)
+        forward, backward = _manual(mesh, axis, axes_of(rows), axes_of(heads), forward, backward)
 
     @jax.custom_vjp
     def attend(q, k, v, seg):
@@ -682,7 +678,7 @@ def _build(mesh: Mesh | None, axis: str, layout: str, kv_tile: int, seq_len: int
 
 def _hashable(rows: MeshAxes, heads: MeshAxes) -> tuple[MeshAxes, MeshAxes]:
     """``_build``'s cache keys: a list of axes as a tuple."""
-    return _one(_axes(rows)), _one(_axes(heads))
+    return _one(axes_of(rows)), _one(axes_of(heads))
 
 
 def ring_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array, *,
