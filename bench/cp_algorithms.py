@@ -31,9 +31,8 @@ ALGORITHMS = ("ring", "all_to_all")
 
 
 def worker(args) -> None:
-    from ndjax import compiler
-
-    compiler.cpu_runtime_defaults()  # before jax starts its threads, as train.py does
+    import ndjax  # noqa: F401 -- first: sets up the allocator before jax starts threads
+    # isort: split
     import jax
 
     jax.config.update("jax_num_cpu_devices", DEVICES)

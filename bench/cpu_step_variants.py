@@ -54,9 +54,8 @@ def groups() -> dict[str, list[tuple[str, dict]]]:
 
 def attention_alone(rounds: int, reps: int = 20) -> list[tuple[str, list[float]]]:
     """ms per forward + backward of one layer's attention, per round."""
-    from ndjax import compiler
-
-    compiler.cpu_runtime_defaults()  # as in the step's workers; jax has not started yet
+    import ndjax  # noqa: F401 -- first: sets up the allocator before jax starts threads
+    # isort: split
     import jax
     import numpy as np
     import torch
@@ -103,9 +102,8 @@ def attention_alone(rounds: int, reps: int = 20) -> list[tuple[str, list[float]]
 
 
 def worker(args) -> None:
-    from ndjax import compiler
-
-    compiler.cpu_runtime_defaults()  # before jax starts its threads, as train.py does
+    import ndjax  # noqa: F401 -- first: sets up the allocator before jax starts threads
+    # isort: split
     import jax
 
     from ndjax.config import default_config

@@ -95,9 +95,8 @@ def serve(run_steps) -> None:
 
 def ndjax_worker(args) -> None:
     devices, mesh, _ = LAYOUTS[args.layout]
-    from ndjax import compiler
-
-    compiler.cpu_runtime_defaults()  # before jax starts its threads (see ndjax.compiler)
+    import ndjax  # noqa: F401 -- first: sets up the allocator before jax starts threads
+    # isort: split
     import jax
 
     jax.config.update("jax_num_cpu_devices", devices)

@@ -24,31 +24,14 @@ Overrides, from the environment:
 An option that this jaxlib no longer knows is dropped with a warning rather
 than failing the run: XLA renames and retires its flags between releases.
 
-On a CPU-only host, ``cpu_runtime_defaults()`` (called by
-``ndjax.distributed.initialize`` before jax starts its backend) sets up the
-process's memory allocator; XLA's own CPU options are left at their defaults
+On a CPU-only host the process's memory allocator is set up by ``ndjax.cpu_malloc``
+when ndjax is imported; XLA's own CPU options are left at their defaults
 (``bench/cpu_vs_torch.py`` measured the candidates: see BENCHMARKS.md).
-
-* Every execution of a compiled step asks for its temporaries in one block
-  (~270 MiB for the bench's 4-layer model) and frees it at the end. glibc's
-  malloc serves blocks that large with a fresh ``mmap`` and returns them with
-  ``munmap``, so every step page-faults the whole block in again and the kernel
-  zeroes it: ~0.1 s of system time per step on that model, one tenth of its
-  work. ``mallopt`` here keeps freed memory in the process instead: one malloc
-  arena (XLA's worker threads would otherwise get arenas whose heaps cannot hold
-  a block that large, and those fall back to ``mmap``), no ``mmap`` for large
-  blocks, and no trimming of the heap. The process keeps its peak memory
-  mapped, as a GPU's allocator keeps its pool.
-* ``NDJAX_CPU_MALLOC=default`` leaves glibc's settings alone; so do non-glibc
-  systems and hosts with a GPU or TPU plugin.
 """
 
 from __future__ import annotations
 
-import ctypes
-import importlib.util
 import os
-import platform
 import re
 import warnings
 from typing import Any
@@ -112,37 +95,3 @@ def compile_step(lowered: jax.stages.Lowered,
             warnings.warn(f"XLA does not know the compile option {unknown.group(1)!r} "
                           f"(ndjax.compiler); compiling without it.", stacklevel=2)
             del chosen[unknown.group(1)]
-
-
-# glibc's mallopt parameters (malloc.h).
-_M_TRIM_THRESHOLD, _M_MMAP_MAX, _M_ARENA_MAX = -1, -4, -8
-MALLOC_ENV = "NDJAX_CPU_MALLOC"
-
-
-def _cpu_only() -> bool:
-    """True when jax will run on CPU devices only, decided without starting a backend."""
-    platforms = jax.config.jax_platforms
-    if platforms:
-        return {p.strip() for p in platforms.split(",") if p.strip()} <= {"cpu"}
-    if importlib.util.find_spec("libtpu") is not None:
-        return False
-    try:
-        import jax_plugins  # namespace package of the GPU plugins
-    except ImportError:
-        return True
-    import pkgutil
-    return not any(pkgutil.iter_modules(jax_plugins.__path__))
-
-
-def cpu_runtime_defaults(env: dict[str, str] | None = None) -> bool:
-    """Keeps freed memory in the process on CPU-only glibc hosts (see the module's
-    docstring); returns whether it did. Call before jax starts its backend: a thread
-    that has already used another malloc arena keeps it."""
-    env = os.environ if env is None else env
-    if env.get(MALLOC_ENV, "").strip().lower() == "default":
-        return False
-    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc" or not _cpu_only():
-        return False
-    libc = ctypes.CDLL(None)
-    return all(libc.mallopt(param, value) == 1 for param, value in (
-        (_M_ARENA_MAX, 1), (_M_MMAP_MAX, 0), (_M_TRIM_THRESHOLD, 2**31 - 1)))

@@ -24,7 +24,6 @@ from typing import Any
 import jax
 import ml_collections
 
-from ndjax import compiler
 from ndjax.errors import ConfigError
 
 # Config fields that may differ between the processes of one run.
@@ -115,9 +114,6 @@ def initialize(runtime: ml_collections.ConfigDict, on_timeout: Callable[[str], N
     silent for ``runtime.heartbeat_timeout`` seconds is reported by PeerWatch.
     """
     check_runtime(runtime)
-    # CPU-only hosts: keep XLA's per-step temporaries mapped (ndjax.compiler), before
-    # jax's backend starts its threads.
-    compiler.cpu_runtime_defaults()
     # Simulated devices per process on CPU hosts (harmless on GPU hosts); gloo
     # carries CPU collectives between processes.
     jax.config.update("jax_num_cpu_devices", int(runtime.cpu_devices))

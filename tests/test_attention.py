@@ -498,9 +498,10 @@ def test_unknown_compile_option_is_dropped_with_a_warning():
 
 
 _FAULTS_SCRIPT = """
-import resource
-from ndjax import compiler
-print(compiler.cpu_runtime_defaults())
+import ctypes, resource
+import ndjax  # first, as train.py and the CLIs do
+from ndjax import cpu_malloc
+print(cpu_malloc.applied)
 import jax, jax.numpy as jnp
 f = jax.jit(lambda x: jnp.sum(jnp.cumsum(x) * jnp.cumsum(x[::-1])))
 x = jnp.ones((16 * 2**20,), jnp.float32)
@@ -511,20 +512,25 @@ for _ in range(8):
     f(x).block_until_ready()
     faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
 print(min(faults[2:]))  # the first runs grow the heap (a block may be freed late)
+ctypes.CDLL(None).malloc_stats()  # on stderr, a line "Arena N:" per malloc arena
 """
 
 
 @pytest.mark.parametrize("malloc", ["", "default"])
-def test_cpu_runtime_defaults_keep_step_temporaries_mapped(malloc):
-    """With ndjax's CPU malloc settings a step's large temporaries are not faulted in
-    again on the next run (counted in page faults, not timed); NDJAX_CPU_MALLOC=default
-    leaves glibc's settings, which do fault them in."""
+def test_importing_ndjax_keeps_step_temporaries_mapped(malloc):
+    """With the malloc settings ``import ndjax`` applies on CPU, a step's large temporaries
+    are not faulted in again on the next run (counted in page faults, not timed), and
+    every thread shares one malloc arena: an arena made before the settings (a thread
+    that allocated before ndjax was imported) mmaps large blocks on every run.
+    NDJAX_CPU_MALLOC=default leaves glibc's settings, which do fault them in."""
     import os
     import subprocess
     import sys
 
+    from ndjax import cpu_malloc
+
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = dict(os.environ, PYTHONPATH=root, JAX_PLATFORMS="cpu", **{compiler.MALLOC_ENV: malloc})
+    env = dict(os.environ, PYTHONPATH=root, JAX_PLATFORMS="cpu", **{cpu_malloc.ENV: malloc})
     out = subprocess.run([sys.executable, "-c", _FAULTS_SCRIPT], env=env, capture_output=True,
                          text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
@@ -533,4 +539,14 @@ def test_cpu_runtime_defaults_keep_step_temporaries_mapped(malloc):
     if malloc == "default":
         assert applied == "False" and int(faults) > pages // 2, out.stdout
     else:
-        assert applied == "True" and int(faults) < pages // 10, out.stdout
+        arenas = out.stderr.count("Arena ")
+        assert applied == "True" and arenas == 1 and int(faults) < pages // 10, \
+            (out.stdout, arenas)
+
+
+def test_malloc_settings_are_for_cpu_only_processes():
+    from ndjax import cpu_malloc
+
+    assert cpu_malloc.cpu_only({"JAX_PLATFORMS": "cpu"})
+    assert not cpu_malloc.cpu_only({"JAX_PLATFORMS": "cuda,cpu"})
+    assert not cpu_malloc.cpu_only({"JAX_PLATFORMS": "tpu"})
