@@ -36,7 +36,9 @@ def test_memory_tiny():
     """bench/memory.py, the script behind BENCHMARKS.md's memory table."""
     rows = [line for line in run_tiny("memory.py").stdout.splitlines()
             if line.startswith("| smoke")]
-    assert len(rows) == 11, rows
+    # One row of each kind: bf16 without and with remat (its bound), bf16 parameters
+    # and moments, and the tiled kernel.
+    assert [r.split("|")[8].strip() for r in rows] == ["none", "full", "none", "full"], rows
 
 
 def test_compile_time_tiny():
@@ -159,7 +161,7 @@ def test_attention_memory_tiny():
     lines = run_tiny("attention_memory.py").stdout.splitlines()
     rows = table_rows(lines, "dense", "tiled", "auto")
     assert [r[:2] for r in rows] == [["dense", "dense"], ["tiled", "tiled"],
-                                     ["auto", "blocked"]], lines  # auto: blocked, 256-1024
+                                     ["auto", "blocked"]], lines  # auto: blocked at 256 and 512
 
 
 def test_layout_accounting_tiny():
