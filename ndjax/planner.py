@@ -71,7 +71,6 @@ REMAT_LADDER = ("none", "save_proj", "full")
 OFFLOAD = "offload"
 # Context parallelism's algorithms, each planned where the config leaves it to auto.
 CP_ALGORITHMS = ("ring", "all_to_all")
-FUSED_STAND_IN = {"cudnn": "tiled", "pallas": "tiled"}
 # The planner reads the compiled module's buffers and collectives, never runs it:
 # LLVM's optimisations of the CPU code change neither and take most of the time
 # (the tiny step: 11.0 s -> 2.9 s, the same bytes and collectives).
@@ -182,7 +181,7 @@ def check(config: ml_collections.ConfigDict, layout: Layout, devices: Sequence[j
 
     impl = config.model.attn_impl
     on_target = platforms.of(devices) == "gpu"  # the GPU compiler: no stand-ins
-    cpu_impl = impl if on_target else FUSED_STAND_IN.get(impl, impl)
+    cpu_impl = impl if on_target else attention_ops.stand_in(impl)
     cfg = target_config(config, layout, cpu_impl)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -196,7 +195,7 @@ def check(config: ml_collections.ConfigDict, layout: Layout, devices: Sequence[j
         cp_impl=layout.cp_impl)
     choice = attention_ops.choose(impl, site)
     on_gpu = choice.name
-    stand_in = on_gpu if on_target else FUSED_STAND_IN.get(on_gpu, on_gpu)
+    stand_in = on_gpu if on_target else attention_ops.stand_in(on_gpu)
     cfg.model.attn_impl = stand_in
     if choice.cp:
         cfg.model.cp_impl = choice.cp

@@ -16,11 +16,15 @@ import numpy as np
 import pytest
 from conftest import tiny_config
 from helpers import assert_same_training
+from jax.ad_checkpoint import checkpoint_name
+from jax.extend import core as jcore
 
-from ndjax import compiler
+from ndjax import compiler, roofline
 from ndjax.errors import ConfigError
 from ndjax.experiment import Experiment
+from ndjax.models import decoder
 from ndjax.ops import attention as attn
+from ndjax.ops import kernel_vjp
 
 ATOL = 2e-5
 # (heads, kv heads): multi-head, grouped-query, multi-query.
@@ -151,14 +155,17 @@ def _cudnn_semantics(q, k, v, lengths, offsets, *, scale, window):
     sequence offsets), written plainly: each (offset, length) is a sequence, causal
     inside it, a token at pos seeing (pos - sliding_window_length, pos] of it (jax's
     docstring; cuDNN's diagonal band with left bound = the window). Tokens outside
-    every sequence get no output (zeros)."""
-    s = q.shape[1]
+    every sequence get no output (zeros). Returns (output, softmax statistics), as
+    jax's does with return_residual; the statistics here are placeholders of their
+    shape, (b x runs, heads, s), which only the cuDNN backward would read."""
+    b, s, h, _ = q.shape
     t = jnp.arange(s)
     starts, lengths = offsets[:, :-1, None], lengths[:, :, None]
     inside = (starts >= 0) & (t >= starts) & (t < starts + lengths)   # (b, runs, s)
     run = jnp.where(inside.any(1), jnp.argmax(inside, axis=1) + 1, 0)
     spec = attn.AttentionSpec(window=window, scale=scale)
-    return attn.dense(q, k, v, run, spec) * inside.any(1)[:, :, None, None]
+    out = attn.dense(q, k, v, run, spec) * inside.any(1)[:, :, None, None]
+    return out, jnp.zeros((b * lengths.shape[1], h, s), jnp.float32)
 
 
 # The cudnn kernel's bound on documents per row (model.attn_max_docs): room for
@@ -372,9 +379,9 @@ CPU = dict(platform="cpu", compute_capability=None, dtype=jnp.float32)
 
 
 @pytest.mark.parametrize("impl, site, spec, match", [
-    ("pallas", {}, Spec(window=4096),
+    ("pallas", {}, Spec(window=1024),
      r"^model.attn_impl='pallas' has no sliding window, and the model's attention sets "
-     r"window=4096 \(AttentionSpec\). Use model.attn_impl='auto', 'dense', 'blocked', 'tiled' "
+     r"window=1024 \(AttentionSpec\). Use model.attn_impl='auto', 'dense', 'blocked', 'tiled' "
      r"or 'cudnn'\.$"),
     ("pallas", {}, Spec(softcap=50.0), r"has no logit soft cap, .* sets softcap=50.0 .*"
                                        r"Use model.attn_impl='auto', 'dense' or 'blocked'\.$"),
@@ -411,6 +418,72 @@ def test_auto_takes_only_kernels_that_compute_every_spec():
     assert attn.choose("auto", _site(context=4, specs=capped)).label == "all_to_all+blocked"
     with pytest.raises(ConfigError, match=r"Use model.cp_impl='all_to_all' \(or mesh.context=1"):
         attn.choose("auto", _site(context=4, cp_impl="ring", specs=capped))
+
+
+def test_a_window_that_hides_no_key_rules_out_no_kernel():
+    """Mistral's window of 4096 at seq_len 4096 hides no key: the fused kernel
+    without a window (pallas in float32) computes it, by auto and by name; one
+    token shorter than the row, the window is real and pallas is refused."""
+    whole = (Spec(window=4096),)
+    f32 = dict(dtype=jnp.float32, specs=whole)
+    assert attn.choose("auto", _site(**f32)).name == "pallas"
+    assert attn.choose("pallas", _site(**f32)).name == "pallas"
+    with pytest.raises(ConfigError, match=r"no sliding window, and the model's attention sets "
+                                          r"window=4095"):
+        attn.choose("pallas", _site(dtype=jnp.float32, specs=(Spec(window=4095),)))
+
+
+def _forward_work(jaxpr, stack: str = "") -> int:
+    """The fused kernels' forward work in ``jaxpr``: the ``pallas_call`` and
+    ``dot_general`` equations inside ``kernel_vjp``'s forward scope, sub-jaxprs
+    included (a Pallas kernel's body not: its call counts once)."""
+    n = 0
+    for eqn in jaxpr.eqns:
+        where = f"{stack}/{eqn.source_info.name_stack}"
+        if kernel_vjp.FORWARD_SCOPE in where and eqn.primitive.name in ("dot_general",
+                                                                        "pallas_call"):
+            n += 1
+        if eqn.primitive.name == "pallas_call":
+            continue
+        for value in eqn.params.values():
+            for sub in value if isinstance(value, (list, tuple)) else (value,):
+                if isinstance(sub, (jcore.Jaxpr, jcore.ClosedJaxpr)):
+                    n += _forward_work(sub.jaxpr if isinstance(sub, jcore.ClosedJaxpr) else sub,
+                                       where)
+    return n
+
+
+def layer_forward_runs(kernel, remat: str, **kw) -> float:
+    """How many times a layer's gradient under ``model.remat=remat`` runs ``kernel``'s
+    forward: its forward work in the gradient's jaxpr over that of one forward. The
+    layer: named projections (decoder.Attention's names), the kernel, a named output."""
+    b, s, h, kv, d = 2, 64, 4, 2, 16
+    x = jax.random.normal(jax.random.key(0), (b, s, h, d), jnp.float32)
+    seg = jnp.ones((b, s), jnp.int32)
+    cfg = types.SimpleNamespace(attn_kv_tile=16, cp_layout="zigzag", attn_max_docs=4)
+
+    def layer(x):
+        q = checkpoint_name(x * 2, "q_proj")
+        k, v = (checkpoint_name(x[:, :, :kv] * c, n) for c, n in ((3, "k_proj"), (4, "v_proj")))
+        out = checkpoint_name(kernel(q, k, v, seg, cfg, **kw), "attn_out")
+        return jnp.sin(out.astype(jnp.float32)).sum()
+
+    once = _forward_work(jax.make_jaxpr(layer)(x).jaxpr)
+    assert once > 0
+    grad = jax.grad(jax.checkpoint(layer, policy=decoder.REMAT_POLICIES[remat]))
+    return _forward_work(jax.make_jaxpr(grad)(x).jaxpr) / once
+
+
+@pytest.mark.parametrize("impl", [n for n, k in attn.KERNELS.items()
+                                  if k.saves == kernel_vjp.RESIDUALS and n != "cudnn"])
+def test_kernels_with_their_own_vjp_rerun_their_forward_only_under_full_remat(impl):
+    """Their output and log-sum-exp residuals are named (kernel_vjp), so every policy
+    that saves attn_out/attn_lse keeps them, and only full remat (and offload, full's
+    with the inputs on the host) reruns the kernel: what roofline.RERUN prices. Pallas
+    traced for interpret mode; cuDNN's count is tests/test_gpu_compile.py's."""
+    for remat in decoder.REMAT_POLICIES:
+        want = 2 if "attention" in roofline.RERUN[remat] else 1
+        assert layer_forward_runs(attn.KERNELS[impl], remat) == want, remat
 
 
 def test_site_takes_the_models_specs():

@@ -159,6 +159,30 @@ def test_train_step_memory_against_the_sequence(impl, mesh):
         assert ratio <= 4.5, (impl, [t / MiB for t in temps])
 
 
+def _fmha_forwards(text: str) -> int:
+    """cuDNN fused-attention forward calls in compiled HLO (the backward's target is
+    ``__cudnn$fmhaSoftmaxBackward``), less the copies of a loop body that XLA's double
+    buffering makes (two iterations a trip: each call once)."""
+    return sum('custom_call_target="__cudnn$fmhaSoftmax"' in line
+               and "double_buffer_clone" not in line for line in text.splitlines())
+
+
+@needs_extra
+@pytest.mark.parametrize("scan", [False, True])
+def test_cudnn_runs_its_forward_once_a_layer_unless_remat_is_full(scan):
+    """jax's cuDNN VJP saves its output and softmax statistics unnamed, so under every
+    save_only_these_names policy the backward pass ran the forward again (2 fmha
+    forwards a layer at remat=none); named through kernel_vjp, it runs once a layer
+    but under full remat, as roofline.RERUN prices. Unrolled, each layer's call
+    stands in the HLO; scanned, the forward scan's body holds one and the
+    backward's one more where it reruns."""
+    for remat in ("none", "save_attn", "full"):
+        _, compiled = _step_temp("cudnn", 1024, model=dict(remat=remat, scan_layers=scan))
+        rerun = "attention" in roofline.RERUN[remat]
+        per_layer = _fmha_forwards(compiled.as_text()) / (1 if scan else SMALL["n_layers"])
+        assert per_layer == (2 if rerun else 1), (remat, per_layer)
+
+
 @needs_extra
 def test_a_gemma_like_step_compiles_with_windowed_and_global_layers_for_a_gpu():
     """The train step of a model with local and global layers (Gemma 3's layout: here

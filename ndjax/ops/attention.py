@@ -57,6 +57,7 @@ from jax.sharding import PartitionSpec
 from ndjax import platforms
 from ndjax.errors import ConfigError
 from ndjax.ops import all_to_all_attention as a2a
+from ndjax.ops import kernel_vjp
 from ndjax.ops import ring_attention as ring
 from ndjax.rules import Rules, active, axes_of, suspended
 
@@ -98,6 +99,13 @@ class AttentionSpec:
 
     def scale_for(self, head_dim: int) -> float:
         return self.scale if self.scale is not None else 1 / math.sqrt(head_dim)
+
+    def at(self, seq_len: int) -> AttentionSpec:
+        """What this spec computes in rows of ``seq_len`` tokens: a window that hides
+        no key there (window >= seq_len) is no window, so it rules out no kernel."""
+        if self.window is not None and self.window >= seq_len:
+            return dataclasses.replace(self, window=None)
+        return self
 
 
 @dataclasses.dataclass(frozen=True)
@@ -176,22 +184,46 @@ def _field(name: str) -> str:
 
 # An AttentionSpec field, in words, for a kernel that refuses it.
 _FEATURES = {"window": "sliding window", "softcap": "logit soft cap", "scale": "score scale"}
+_PLATFORM_WORDS = {"cpu": "CPUs", "gpu": "NVIDIA GPUs", "tpu": "TPUs"}
 
 
 class Kernel:
+    """What a kernel is and can do, as data that ``choose``, the planner and the
+    roofline read (no kernel is named outside its class), and its checks."""
+
     name = ""
     what = ""  # a few words for the start-up line
     # The AttentionSpec fields this kernel computes when they are set; check refuses
     # a model whose layers set any other.
     honours: tuple[str, ...] = tuple(_FEATURES)
+    # The platforms it runs on (platforms.of: cpu | gpu | tpu).
+    platforms: tuple[str, ...] = ("cpu", "gpu", "tpu")
+    # A fused GPU kernel: auto takes the first whose check passes on a GPU, in
+    # KERNELS' order, and inside all-to-all context parallelism.
+    fused = False
+    # Runs on a sequence split over mesh.context itself (its own collectives).
+    context_parallel = False
+    # The checkpoint names of what it saves for its backward pass: a kernel with its
+    # own VJP saves its output and log-sum-exp through ``kernel_vjp`` (so remat
+    # policies that save ``attn_out`` and ``attn_lse`` never rerun it); the plain
+    # kernels, their softmax probabilities.
+    saves: tuple[str, ...] = ("attn_probs",)
+    # What a compile on other devices (the planner's CPU compiles) runs in its place:
+    # the same memory order and no kernel of the other platform's.
+    stand_in: str | None = None
 
     def check(self, site: Site) -> None:
         """Raises ConfigError (one line: field, values, fix) where it cannot run: the
-        kernel's own limits there (``check_site``), or a spec of the model's layers
-        that it does not compute exactly (``check_spec``)."""
+        platform, the kernel's own limits there (``check_site``), or a spec of the
+        model's layers that it does not compute exactly (``check_spec``)."""
+        if site.platform not in self.platforms:
+            where = " and ".join(_PLATFORM_WORDS[p] for p in self.platforms)
+            raise ConfigError(
+                f"{_field(self.name)} runs on {where}, and this run's devices are "
+                f"{site.platform}. Use model.attn_impl='auto' (tiled or dense on CPU).")
         self.check_site(site)
         for spec in site.specs:
-            self.check_spec(spec)
+            self.check_spec(spec.at(site.seq_len))
 
     def check_site(self, site: Site) -> None:
         """Raises ConfigError where the platform, mesh or shapes rule the kernel out."""
@@ -222,9 +254,10 @@ class Kernel:
 
     def _instead(self, field: str) -> str:
         """The fix for a refused spec field: the one-shard kernels that compute it."""
-        names = [repr(n) for n, k in KERNELS.items() if field in k.honours and n != "ring"]
+        names = [repr(n) for n, k in KERNELS.items()
+                 if field in k.honours and not k.context_parallel]
         use = f"model.attn_impl={', '.join([repr('auto'), *names[:-1]])} or {names[-1]}"
-        if self.name == "ring":
+        if self.context_parallel:
             return f"Use model.cp_impl='all_to_all' (or mesh.context=1) and {use}."
         return f"Use {use}."
 
@@ -251,7 +284,7 @@ def _one_shard(name: str, site: Site) -> None:
 
 def _window(spec: AttentionSpec, seq_len: int) -> int | None:
     """The spec's window where it hides keys in a row of ``seq_len`` tokens, else None."""
-    return spec.window if spec.window is not None and spec.window < seq_len else None
+    return spec.at(seq_len).window
 
 
 def masked_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, *,
@@ -457,6 +490,7 @@ class Tiled(Kernel):
 
     name, what = "tiled", "online softmax over key tiles, memory linear in seq"
     honours = ("window", "scale")
+    saves = kernel_vjp.RESIDUALS
 
     def check_site(self, site):
         _one_shard(self.name, site)
@@ -483,6 +517,8 @@ class Tiled(Kernel):
 class Ring(Kernel):
     name, what = "ring", "ring attention over the context axis"
     honours = ("window", "scale")
+    context_parallel = True
+    saves = kernel_vjp.RESIDUALS
 
     def check_site(self, site):
         seq_len, context, layout = site.seq_len, site.context, site.layout
@@ -525,13 +561,6 @@ class Ring(Kernel):
                                    rows=rows, heads=heads, **kw)
 
 
-def _gpu_only(name: str, site: Site, hint: str) -> None:
-    if site.platform != "gpu":
-        raise ConfigError(
-            f"{_field(name)} runs on NVIDIA GPUs, and this run's devices are "
-            f"{site.platform}. {hint}")
-
-
 def segment_runs(segment_ids: jax.Array, max_runs: int) -> tuple[jax.Array, jax.Array]:
     """Packed rows in cuDNN's ragged form: each run of equal segment ids is one
     sequence. Returns (lengths (b, max_runs), starts (b, max_runs + 1)), both int32,
@@ -561,9 +590,11 @@ def runs_per_row(segment_ids: np.ndarray) -> np.ndarray:
     return (segment_ids[:, 1:] != segment_ids[:, :-1]).sum(axis=1) + 1
 
 
-def _cudnn_packed(q, k, v, lengths, offsets, *, scale: float, window: int | None):
-    # jax's own cuDNN entry point with sequence offsets: the public
-    # jax.nn.dot_product_attention takes lengths but not packed documents.
+def _cudnn_packed(q, k, v, lengths, offsets, *, scale: float, window: int | None
+                  ) -> tuple[jax.Array, jax.Array]:
+    """jax's own cuDNN entry point with sequence offsets (the public
+    jax.nn.dot_product_attention takes lengths but not packed documents): (output,
+    softmax statistics)."""
     from jax._src.cudnn import fused_attention_stablehlo as cudnn
 
     # sliding_window_length=w: a token at pos sees (pos - w, pos] of its own sequence
@@ -572,15 +603,35 @@ def _cudnn_packed(q, k, v, lengths, offsets, *, scale: float, window: int | None
     # between a query and a key is the same as in the packed row.
     return cudnn.dot_product_attention(
         q, k, v, None, None, lengths, lengths, offsets, offsets, scale=scale,
-        mask_type=cudnn.MaskType.PADDING_CAUSAL, sliding_window_length=window)
+        mask_type=cudnn.MaskType.PADDING_CAUSAL, sliding_window_length=window,
+        return_residual=True)
+
+
+def cudnn_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array, *,
+                    max_docs: int, scale: float, window: int | None) -> jax.Array:
+    """cuDNN's fused attention over packed rows, its residuals named (``kernel_vjp``):
+    jax's cuDNN VJP saves the output and softmax statistics unnamed, so remat would
+    run its forward again to rebuild them. Its pullback is the residual here, with
+    those two leaves named."""
+    def forward(q, k, v, segment_ids):
+        lengths, offsets = segment_runs(segment_ids, max_docs)
+        (out, stats), pullback = jax.vjp(functools.partial(
+            _cudnn_packed, lengths=lengths, offsets=offsets, scale=scale, window=window),
+            q, k, v)
+        return out, stats, pullback
+
+    def backward(args, out, stats, pullback, d_out):
+        return (*pullback((d_out, jnp.zeros_like(stats))), None)
+
+    return kernel_vjp.named_residuals(forward, backward)(q, k, v, segment_ids)
 
 
 class Cudnn(Kernel):
     name, what = "cudnn", "cuDNN flash attention, packed rows as ragged sequences"
     honours = ("window", "scale")
+    platforms, fused, saves, stand_in = ("gpu",), True, kernel_vjp.RESIDUALS, "tiled"
 
     def check_site(self, site):
-        _gpu_only(self.name, site, "Use model.attn_impl='auto' (tiled or dense on CPU).")
         _one_shard(self.name, site)
         dtype = jnp.dtype(site.dtype)
         if dtype not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
@@ -619,9 +670,9 @@ class Cudnn(Kernel):
                 f"model.attn_impl='pallas' or 'tiled'.")
 
     def __call__(self, q, k, v, segment_ids, cfg, spec=AttentionSpec()):
-        lengths, offsets = segment_runs(segment_ids, min(cfg.attn_max_docs, q.shape[1]))
-        return _cudnn_packed(q, k, v, lengths, offsets, scale=spec.scale_for(q.shape[-1]),
-                             window=_window(spec, q.shape[1]))
+        return cudnn_attention(q, k, v, segment_ids, max_docs=min(cfg.attn_max_docs, q.shape[1]),
+                               scale=spec.scale_for(q.shape[-1]),
+                               window=_window(spec, q.shape[1]))
 
 
 def pallas_block_sizes(seq_len: int, head_dim: int, dtype: Any) -> Any:
@@ -651,12 +702,16 @@ def pallas_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.
     return _pallas_gqa(q, k, v, segment_ids.astype(jnp.int32), sizes, interpret, scale)
 
 
-# The kernel wants one key/value head per query head, so the kv heads are repeated
-# for it; its own VJP would keep the repeated k and v (group x theirs) for the
-# backward pass. This one keeps k and v as they are and repeats them again there.
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
 def _pallas_gqa(q, k, v, segment_ids, sizes, interpret, scale):
-    return _pallas_gqa_forward(q, k, v, segment_ids, sizes, interpret, scale)[0]
+    """The kernel wants one key/value head per query head, so the kv heads are
+    repeated for it; its own VJP would keep the repeated k and v (group x theirs) for
+    the backward pass. This one keeps k and v as they are and repeats them again
+    there, and names the output and log-sum-exp residuals (``kernel_vjp``)."""
+    forward = functools.partial(_pallas_gqa_forward, sizes=sizes, interpret=interpret,
+                                scale=scale)
+    backward = functools.partial(_pallas_gqa_backward, sizes=sizes, interpret=interpret,
+                                 scale=scale)
+    return kernel_vjp.named_residuals(forward, backward)(q, k, v, segment_ids)
 
 
 def _repeat_kv(x: jax.Array, heads: int) -> jax.Array:
@@ -667,19 +722,19 @@ def _pallas_options(sizes: Any, interpret: bool, scale: float) -> dict[str, Any]
     return dict(sm_scale=scale, causal=True, block_sizes=sizes, interpret=interpret)
 
 
-def _pallas_gqa_forward(q, k, v, segment_ids, sizes, interpret, scale):
+def _pallas_gqa_forward(q, k, v, segment_ids, *, sizes, interpret, scale):
     from jax.experimental.pallas.ops.gpu import attention as pallas_gpu
 
     h = q.shape[2]
     out, lse = pallas_gpu.mha(q, _repeat_kv(k, h), _repeat_kv(v, h), segment_ids,
                               return_residuals=True, **_pallas_options(sizes, interpret, scale))
-    return out, (q, k, v, segment_ids, out, lse)
+    return out, lse, None
 
 
-def _pallas_gqa_backward(sizes, interpret, scale, res, d_out):
+def _pallas_gqa_backward(args, out, lse, _, d_out, *, sizes, interpret, scale):
     from jax.experimental.pallas.ops.gpu import attention as pallas_gpu
 
-    q, k, v, segment_ids, out, lse = res
+    q, k, v, segment_ids = args
     b, s, h, d = q.shape
     kv = k.shape[2]
     o = _pallas_options(sizes, interpret, scale)
@@ -692,15 +747,12 @@ def _pallas_gqa_backward(sizes, interpret, scale, res, d_out):
     return dq, dk, dv, None
 
 
-_pallas_gqa.defvjp(_pallas_gqa_forward, _pallas_gqa_backward)
-
-
 class Pallas(Kernel):
     name, what = "pallas", "Pallas (Triton) flash attention with segment ids"
     honours = ("scale",)  # jax's Pallas mha has neither a window nor a soft cap
+    platforms, fused, saves, stand_in = ("gpu",), True, kernel_vjp.RESIDUALS, "tiled"
 
     def check_site(self, site):
-        _gpu_only(self.name, site, "Use model.attn_impl='auto' (tiled or dense on CPU).")
         _one_shard(self.name, site)
         sizes = pallas_block_sizes(site.seq_len, site.head_dim, site.dtype)
         if site.seq_len % sizes.block_q or site.seq_len % sizes.block_q_dq:
@@ -756,6 +808,13 @@ KERNELS: dict[str, Kernel] = {kernel.name: kernel for kernel in
 IMPLS = ("auto", *KERNELS)
 
 
+def stand_in(impl: str) -> str:
+    """What a compile on devices ``impl`` does not run on compiles instead
+    (``Kernel.stand_in``); ``impl`` itself where it has none (or is auto)."""
+    kernel = KERNELS.get(impl)
+    return kernel.stand_in if kernel is not None and kernel.stand_in else impl
+
+
 # ----- the choice ----------------------------------------------------------------------------
 
 
@@ -787,7 +846,7 @@ def _choose_one_shard(impl: str, site: Site) -> Choice:
         return Choice(impl, f"model.attn_impl={impl}")
     refused = []
     if site.platform == "gpu":
-        for name in ("cudnn", "pallas"):
+        for name in (n for n, k in KERNELS.items() if k.fused and "gpu" in k.platforms):
             try:
                 KERNELS[name].check(site)
             except ConfigError as e:
@@ -863,7 +922,7 @@ def _choose_context(impl: str, site: Site) -> Choice:
             raise e from None  # what keeps it from running inside all_to_all
         return Choice(impl, f"model.attn_impl={impl}, the partitioner gathering the sequence "
                             f"(all_to_all refused: {e})")
-    if impl == "auto" and inner.name not in ("cudnn", "pallas"):
+    if impl == "auto" and not KERNELS[inner.name].fused:
         try:
             KERNELS["ring"].check(site)
             return Choice("ring", f"{split}, auto: no fused kernel here for all_to_all to run",
@@ -906,7 +965,7 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array,
     if name == "auto" or cp == "auto":
         choice = _chosen_at_trace(name, Site.of(cfg, q.shape[1], rules, q.shape[0]))
         name, cp = choice.name, choice.cp
-    KERNELS[name].check_spec(spec)
+    KERNELS[name].check_spec(spec.at(q.shape[1]))
     if cp == "all_to_all" and ring.context_shards(rules) > 1:
         def kernel(q, k, v, segment_ids):
             return KERNELS[name](q, k, v, segment_ids, cfg, spec)

@@ -85,9 +85,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import Mesh, PartitionSpec
 
+from ndjax.ops import kernel_vjp
 from ndjax.rules import MeshAxes, Rules, axes_of
 
 LAYOUTS = ("zigzag", "contiguous")
@@ -657,23 +657,14 @@ def _build(mesh: Mesh | None, axis: str, layout: str, kv_tile: int, seq_len: int
     if context > 1:
         forward, backward = _manual(mesh, axis, axes_of(rows), axes_of(heads), forward, backward)
 
-    @jax.custom_vjp
-    def attend(q, k, v, seg):
-        return forward(q, k, v, seg)[0]
-
     def attend_fwd(q, k, v, seg):
         out, lse, _ = forward(q, k, v, seg)
-        # Named, so that a remat policy that saves the attention's output keeps
-        # these residuals too, instead of running the forward ring again in the
-        # backward pass to rebuild them (ndjax.models.llama.REMAT_POLICIES).
-        out, lse = checkpoint_name(out, "attn_out"), checkpoint_name(lse, "attn_lse")
-        return out, (q, k, v, seg, out, lse)
+        return out, lse, None
 
-    def attend_bwd(res, dout):
-        return (*backward(*res, dout), None)  # no gradient for the segment ids
+    def attend_bwd(args, out, lse, _, dout):
+        return (*backward(*args, out, lse, dout), None)  # no gradient for the segment ids
 
-    attend.defvjp(attend_fwd, attend_bwd)
-    return attend, forward
+    return kernel_vjp.named_residuals(attend_fwd, attend_bwd), forward
 
 
 def _hashable(rows: MeshAxes, heads: MeshAxes) -> tuple[MeshAxes, MeshAxes]:
