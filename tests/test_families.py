@@ -45,7 +45,7 @@ from ndjax import rules as rules_lib
 from ndjax.errors import ConfigError
 from ndjax.experiment import Experiment
 from ndjax.generate import load as load_generator
-from ndjax.models import registry
+from ndjax.models import hf_config, registry
 
 WINDOW = 8  # < S, and < each packed document below
 GEMMA_TYPES = ["sliding_attention", "full_attention"] * 2 + ["sliding_attention"]
@@ -164,6 +164,23 @@ def test_bf16_shards_from_several_files(tmp_path, family):
                                            jax.tree.leaves(exp.state_sharding.params)):
         assert got.sharding == sharding and got.dtype == np.float32, path
         np.testing.assert_array_equal(np.asarray(got), want, err_msg=str(path))
+
+
+# Required keys (no other) of a small model: a head count that is none of transformers'
+# default kv head counts, and 7 layers, so that Gemma's default pattern has a global layer.
+SMALL = dict(vocab_size=256, hidden_size=64, num_hidden_layers=7, num_attention_heads=16,
+             intermediate_size=128)
+
+
+@pytest.mark.parametrize("required", [None, SMALL], ids=["no_arguments", "small"])
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_absent_keys_read_as_transformers_defaults(family, required):
+    """A config.json with only the required keys reads as the full config.json that
+    transformers' config class writes for it (its defaults for every other key)."""
+    full = FAMILIES[family][0](**(required or {})).to_dict()
+    bare = {k: full[k] for k in ("model_type", *hf_config.REQUIRED)}
+    fam = registry.get(family)
+    assert fam.read_config_json(bare, "bare") == fam.read_config_json(full, "full")
 
 
 # Layouts against one device (3 AdamW steps, f32), on the tiny config of each family
