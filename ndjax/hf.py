@@ -231,7 +231,7 @@ def open_checkpoint(directory: str) -> Checkpoint:
     except ValueError as e:
         raise ConfigError(f"model.init_from={directory!r}: config.json is not JSON ({e}).") from e
     family = registry.for_config_json(config, directory)
-    dims = {**family.fixed, **family.read_hf(config, directory), "family": family.name}
+    dims = family.read_config_json(config, directory)
     tensors: dict[str, _Entry] = {}
     for path in _weight_files(directory):
         tensors.update(_read_header(path))

@@ -45,7 +45,7 @@ from ndjax import rules as rules_lib
 from ndjax.errors import ConfigError
 from ndjax.experiment import Experiment
 from ndjax.generate import load as load_generator
-from ndjax.models import registry
+from ndjax.models import hf_config, registry
 
 WINDOW = 8  # < S, and < each packed document below
 GEMMA_TYPES = ["sliding_attention", "full_attention"] * 2 + ["sliding_attention"]
@@ -164,6 +164,59 @@ def test_bf16_shards_from_several_files(tmp_path, family):
                                            jax.tree.leaves(exp.state_sharding.params)):
         assert got.sharding == sharding and got.dtype == np.float32, path
         np.testing.assert_array_equal(np.asarray(got), want, err_msg=str(path))
+
+
+# Required keys (no other) of a small model: a head count that is none of transformers'
+# default kv head counts, and 7 layers, so that Gemma's default pattern has a global layer.
+SMALL = dict(vocab_size=256, hidden_size=64, num_hidden_layers=7, num_attention_heads=16,
+             intermediate_size=128)
+
+
+@pytest.mark.parametrize("required", [None, SMALL], ids=["no_arguments", "small"])
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_absent_keys_read_as_transformers_defaults(family, required):
+    """A config.json with only the required keys reads as the full config.json that
+    transformers' config class writes for it (its defaults for every other key)."""
+    full = FAMILIES[family][0](**(required or {})).to_dict()
+    bare = {k: full[k] for k in ("model_type", *hf_config.REQUIRED)}
+    fam = registry.get(family)
+    assert fam.read_config_json(bare, "bare") == fam.read_config_json(full, "full")
+
+
+def test_gemma_config_json_of_old_format_reads_its_pattern(saved, tmp_path):
+    """A Gemma 3 config.json as transformers 4.x wrote it (sliding_window_pattern, no
+    layer_types; rope_theta, rope_local_base_freq and rope_scaling at the top level)
+    has transformers' layer types, and its logits."""
+    directory, _ = saved("gemma3")
+    for name in ("model.safetensors", "config.json"):
+        (tmp_path / name).write_bytes((directory / name).read_bytes())
+    config = json.loads((tmp_path / "config.json").read_text())
+    rope = config.pop("rope_parameters")
+    del config["layer_types"]
+    full = rope["full_attention"]
+    config.update(sliding_window_pattern=2, rope_theta=full["rope_theta"],
+                  rope_scaling={k: full[k] for k in ("rope_type", "factor")},
+                  rope_local_base_freq=rope["sliding_attention"]["rope_theta"])
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    model = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
+    assert model.config.layer_types == GEMMA_TYPES  # what transformers derives
+    exp = Experiment.from_config(config_for(tmp_path), jax.devices()[:1])
+    assert list(exp.model_cfg.types) == GEMMA_TYPES
+    toks = tokens(model.config.vocab_size)
+    np.testing.assert_allclose(ndjax_logits(exp, load(exp), toks), hf_logits(model, toks),
+                               rtol=0, atol=1e-4)
+
+
+@pytest.mark.parametrize("key, value, says", [
+    ("sliding_window_pattern", 0, "sliding_window_pattern=0 must be an int >= 1"),
+    ("query_pre_attn_scalar", None, "query_pre_attn_scalar=None must be a number > 0"),
+    ("rope_local_base_freq", "1e4", "rope_local_base_freq='1e4' must be a number > 0"),
+])
+def test_a_bad_gemma_value_is_refused_in_one_line(key, value, says):
+    with pytest.raises(ConfigError) as e:
+        registry.get("gemma3").read_config_json({**SMALL, key: value}, "d")
+    assert str(e.value).startswith(f"model.init_from='d': config.json {says}")
+    assert "\n" not in str(e.value)
 
 
 # Layouts against one device (3 AdamW steps, f32), on the tiny config of each family

@@ -39,25 +39,45 @@ PRESETS = {
 
 _ACT = "gelu_pytorch_tanh"
 
+# Gemma3TextConfig's values for absent keys (a 4B-like model: a 4096 window, rotary
+# bases 1e6 global and 1e4 local). sliding_window_pattern, the older form of
+# layer_types, is still on the Hub and still read where layer_types is absent.
+# hidden_act is not read: transformers takes the activation from hidden_activation.
+HF_DEFAULTS = dict(hf_config.DEFAULTS, num_key_value_heads=4, head_dim=256,
+                   tie_word_embeddings=True, rope_theta=1_000_000.0,
+                   rope_local_base_freq=10_000.0, max_position_embeddings=131_072,
+                   hidden_activation=_ACT, query_pre_attn_scalar=256, sliding_window=4096,
+                   layer_types=None, sliding_window_pattern=6, attn_logit_softcapping=None,
+                   final_logit_softcapping=None, use_bidirectional_attention=False,
+                   attention_bias=False)
+
+
+def layer_types(c: dict, where: str, n_layers: int) -> list[str]:
+    """config.json's layer_types, or as Gemma3TextConfig derives them from
+    sliding_window_pattern: every pattern-th layer global."""
+    if c["layer_types"] is not None:
+        return list(c["layer_types"])
+    every = c["sliding_window_pattern"]
+    if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+        raise hf_config.config_error(where, f"sliding_window_pattern={every!r} must be an "
+                                     "int >= 1", "Fix it, or give config.json layer_types.")
+    return [SLIDING if (i + 1) % every else FULL for i in range(n_layers)]
+
 
 def read_hf(c: dict, where: str) -> dict:
-    act = c.get("hidden_activation") or c.get("hidden_act") or _ACT
-    if act != _ACT:
-        raise hf_config.config_error(where, f"hidden_activation={act!r}",
-                                     f"ndjax's Gemma 3 has {_ACT!r}.")
-    hf_config.require(c, where, "Gemma 3", final_logit_softcapping=None,
+    hf_config.require(c, where, "Gemma 3", hidden_activation=_ACT, final_logit_softcapping=None,
                       use_bidirectional_attention=False, attention_bias=False)
     dims = hf_config.read_dims(c, where)
-    params = hf_config.rope_parameters(c)
-    local = params.get(SLIDING) if SLIDING in params else {
-        "rope_type": "default", "rope_theta": c.get("rope_local_base_freq", 10_000.0)}
-    theta, scaling = hf_config.read_rope(local, c, where)
+    # The local layers' parameters, or (none, as in 4.x's rope_scaling) rope_local_base_freq.
+    local = hf_config.rope_parameters(c).get(SLIDING) or {}
+    theta, scaling = hf_config.read_rope(local, c, where, theta_key="rope_local_base_freq")
     if scaling is not None:
         raise hf_config.config_error(where, "scales the local layers' rotary embedding",
                                      "ndjax's Gemma 3 scales only the global layers'.")
-    softcap = c.get("attn_logit_softcapping")
-    return {**dims, **hf_config.read_window(c, where, dims["n_layers"]),
-            "query_pre_attn_scalar": float(c.get("query_pre_attn_scalar", dims["head_dim"])),
+    types = layer_types(c, where, dims["n_layers"])
+    softcap = c["attn_logit_softcapping"]
+    return {**dims, **hf_config.read_window({**c, "layer_types": types}, where, dims["n_layers"]),
+            "query_pre_attn_scalar": hf_config.number(c, "query_pre_attn_scalar", where),
             "local_rope_theta": theta,
             "attn_softcap": None if softcap is None else float(softcap)}
 
@@ -82,6 +102,7 @@ def write_hf(cfg: DecoderConfig) -> dict:
 GEMMA3 = register(Family(
     name="gemma3", description="Gemma 3 (text)", model_types=("gemma3_text",),
     architecture="Gemma3ForCausalLM", presets=PRESETS, read_hf=read_hf, write_hf=write_hf,
+    hf_defaults=HF_DEFAULTS,
     fixed=dict(norm_plus_one=True, post_norms=True, qk_norm=True, embed_scale=True,
                activation=_ACT),
     options=("sliding_window", "sliding_window_pattern", "query_pre_attn_scalar",

@@ -1,6 +1,10 @@
 """Reading and writing the fields of a Hugging Face ``config.json`` that the decoder
 families share (dims, norms, rotary embeddings, sliding windows); each family's
-module adds and checks its own."""
+module adds and checks its own.
+
+Readers see config.json with the family's ``hf_defaults`` filled in for absent keys
+(``Family.read_config_json``), so every key they read is in that table and none has
+a default of its own here."""
 
 from __future__ import annotations
 
@@ -17,17 +21,38 @@ def config_error(where: str, key: str, fix: str = "") -> ConfigError:
     return ConfigError(f"model.init_from={where!r}: config.json {key}. {fix}".strip())
 
 
+# Keys without a default: transformers' (one size of model) is never a checkpoint's.
+REQUIRED = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+            "intermediate_size")
+
+# transformers' values for absent keys that LlamaConfig and the families after it
+# share. None: from other keys, as for null (kv heads: the heads; head_dim: hidden_size
+# over the heads). max_position_embeddings: the original length of llama3 rope scaling.
+DEFAULTS = dict(num_key_value_heads=None, head_dim=None, rope_theta=10_000.0,
+                rms_norm_eps=1e-6, tie_word_embeddings=False, max_position_embeddings=2048)
+
+
+def number(c: dict, key: str, where: str) -> float:
+    """config.json's ``key``, a number > 0."""
+    value = c[key]
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+        raise config_error(where, f"{key}={value!r} must be a number > 0", "Fix config.json.")
+    return float(value)
+
+
 def require(c: dict, where: str, family: str, **wanted: Any) -> None:
     """Refuses a config.json whose fields differ from what the family implements."""
     for key, want in wanted.items():
-        if c.get(key, want) != want:
+        if c[key] != want:
             raise config_error(where, f"{key}={c[key]!r}", f"ndjax's {family} has {key}={want!r}.")
 
 
-def read_rope(params: dict, c: dict, where: str) -> tuple[float, RopeScaling | None]:
+def read_rope(params: dict, c: dict, where: str,
+              theta_key: str = "rope_theta") -> tuple[float, RopeScaling | None]:
     """(theta, scaling) of one set of rope parameters (transformers 5's rope_parameters,
-    or 4.x's rope_scaling with rope_theta at the top level)."""
-    theta = float(params.get("rope_theta", c.get("rope_theta", 10_000.0)))
+    or 4.x's rope_scaling with the base at the top level, as ``theta_key``)."""
+    theta = (number(params, "rope_theta", where) if "rope_theta" in params
+             else number(c, theta_key, where))
     kind = params.get("rope_type", params.get("type", "default"))
     if params.get("partial_rotary_factor", 1.0) != 1.0:
         raise config_error(where, f"partial_rotary_factor={params['partial_rotary_factor']}",
@@ -46,8 +71,7 @@ def read_rope(params: dict, c: dict, where: str) -> tuple[float, RopeScaling | N
     if missing:
         raise config_error(where, f"llama3 rope scaling lacks {missing}",
                            "Add them to config.json.")
-    original = params.get("original_max_position_embeddings",
-                          c.get("max_position_embeddings", 2048))
+    original = params.get("original_max_position_embeddings", c["max_position_embeddings"])
     return theta, RopeScaling(
         factor=float(params["factor"]), low_freq_factor=float(params["low_freq_factor"]),
         high_freq_factor=float(params["high_freq_factor"]),
@@ -60,11 +84,10 @@ def rope_parameters(c: dict) -> dict:
 
 
 def read_dims(c: dict, where: str) -> dict:
-    """The DecoderConfig fields every family's config.json has, with transformers'
-    defaults for absent ones (rotary embeddings: the global layers')."""
+    """The DecoderConfig fields every family's config.json has (rotary embeddings: the
+    global layers')."""
     ints = {}
-    for key in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
-                "intermediate_size"):
+    for key in REQUIRED:
         if not isinstance(c.get(key), int) or c[key] < 1:
             raise config_error(where, f"{key}={c.get(key)!r} must be a positive int",
                                "Fix config.json.")
@@ -76,18 +99,17 @@ def read_dims(c: dict, where: str) -> dict:
     theta, scaling = read_rope(params, c, where)
     return dict(vocab_size=ints["vocab_size"], dim=ints["hidden_size"],
                 n_layers=ints["num_hidden_layers"], n_heads=heads,
-                n_kv_heads=c.get("num_key_value_heads") or heads,
+                n_kv_heads=c["num_key_value_heads"] or heads,
                 ffn_dim=ints["intermediate_size"],
-                head_dim=c.get("head_dim") or ints["hidden_size"] // heads, rope_theta=theta,
-                rope_scaling=scaling, rms_norm_eps=float(c.get("rms_norm_eps", 1e-6)),
-                tie_embeddings=bool(c.get("tie_word_embeddings", False)))
+                head_dim=c["head_dim"] or ints["hidden_size"] // heads, rope_theta=theta,
+                rope_scaling=scaling, rms_norm_eps=number(c, "rms_norm_eps", where),
+                tie_embeddings=bool(c["tie_word_embeddings"]))
 
 
 def read_window(c: dict, where: str, n_layers: int) -> dict:
     """sliding_window and sliding_window_pattern from config.json's ``sliding_window``
     and ``layer_types`` (absent: every layer local when there is a window)."""
-    window = c.get("sliding_window")
-    types = c.get("layer_types")
+    window, types = c["sliding_window"], c["layer_types"]
     if types is not None and SLIDING not in types:
         window = None
     if not window:

@@ -23,6 +23,10 @@ PRESETS = {
 }
 
 
+# LlamaConfig's values for absent keys.
+HF_DEFAULTS = dict(hf_config.DEFAULTS, hidden_act="silu", attention_bias=False, mlp_bias=False)
+
+
 def read_hf(c: dict, where: str) -> dict:
     hf_config.require(c, where, "Llama", hidden_act="silu", attention_bias=False,
                       mlp_bias=False)
@@ -36,4 +40,5 @@ def write_hf(cfg: DecoderConfig) -> dict:
 
 LLAMA = register(Family(
     name="llama", description="Llama 3, 3.1, 3.2", model_types=("llama",),
-    architecture="LlamaForCausalLM", presets=PRESETS, read_hf=read_hf, write_hf=write_hf))
+    architecture="LlamaForCausalLM", presets=PRESETS, read_hf=read_hf, write_hf=write_hf,
+    hf_defaults=HF_DEFAULTS))

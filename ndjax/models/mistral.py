@@ -18,6 +18,12 @@ PRESETS = {
 }
 
 
+# MistralConfig's values for absent keys: 8 kv heads and Mistral 7B v0.1's window
+# (null: every head its own kv head, no window).
+HF_DEFAULTS = dict(hf_config.DEFAULTS, num_key_value_heads=8, max_position_embeddings=131_072,
+                   hidden_act="silu", sliding_window=4096, layer_types=None)
+
+
 def read_hf(c: dict, where: str) -> dict:
     hf_config.require(c, where, "Mistral", hidden_act="silu")
     dims = hf_config.read_dims(c, where)
@@ -29,7 +35,7 @@ def read_hf(c: dict, where: str) -> dict:
 
 
 def write_hf(cfg: DecoderConfig) -> dict:
-    # transformers' MistralConfig reads a missing sliding_window as 4096: say null. No
+    # MistralConfig reads a missing sliding_window as 4096 (HF_DEFAULTS): say null. No
     # layer_types: AutoModel takes a Mistral config.json with them for Ministral.
     out = {**hf_config.write_dims(cfg), "hidden_act": "silu", "sliding_window": cfg.sliding_window}
     out.pop("layer_types", None)
@@ -39,4 +45,4 @@ def write_hf(cfg: DecoderConfig) -> dict:
 MISTRAL = register(Family(
     name="mistral", description="Mistral 7B (v0.1 windowed, v0.3)", model_types=("mistral",),
     architecture="MistralForCausalLM", presets=PRESETS, read_hf=read_hf, write_hf=write_hf,
-    options=("sliding_window",)))
+    hf_defaults=HF_DEFAULTS, options=("sliding_window",)))

@@ -35,6 +35,14 @@ QWEN3_PRESETS = {
 }
 
 
+# Qwen2Config's and Qwen3Config's values for absent keys: 32 kv heads whatever the
+# heads (null: as many as the heads); Qwen 3's head_dim is 128 whatever hidden_size.
+QWEN2_HF_DEFAULTS = dict(hf_config.DEFAULTS, num_key_value_heads=32,
+                         max_position_embeddings=32_768, hidden_act="silu",
+                         use_sliding_window=False)
+QWEN3_HF_DEFAULTS = dict(QWEN2_HF_DEFAULTS, head_dim=128, attention_bias=False)
+
+
 def _read(c: dict, where: str, family: str) -> dict:
     hf_config.require(c, where, family, hidden_act="silu", use_sliding_window=False)
     return hf_config.read_dims(c, where)
@@ -45,7 +53,7 @@ def read_qwen2(c: dict, where: str) -> dict:
 
 
 def read_qwen3(c: dict, where: str) -> dict:
-    return {**_read(c, where, "Qwen 3"), "qkv_bias": bool(c.get("attention_bias", False))}
+    return {**_read(c, where, "Qwen 3"), "qkv_bias": bool(c["attention_bias"])}
 
 
 def write_qwen2(cfg: DecoderConfig) -> dict:
@@ -59,9 +67,10 @@ def write_qwen3(cfg: DecoderConfig) -> dict:
 QWEN2 = register(Family(
     name="qwen2", description="Qwen 2.5", model_types=("qwen2",),
     architecture="Qwen2ForCausalLM", presets=QWEN2_PRESETS, read_hf=read_qwen2,
-    write_hf=write_qwen2, fixed=dict(qkv_bias=True)))
+    write_hf=write_qwen2, hf_defaults=QWEN2_HF_DEFAULTS, fixed=dict(qkv_bias=True)))
 
 QWEN3 = register(Family(
     name="qwen3", description="Qwen 3 (dense)", model_types=("qwen3",),
     architecture="Qwen3ForCausalLM", presets=QWEN3_PRESETS, read_hf=read_qwen3,
-    write_hf=write_qwen3, fixed=dict(qk_norm=True), options=("qkv_bias",)))
+    write_hf=write_qwen3, hf_defaults=QWEN3_HF_DEFAULTS, fixed=dict(qk_norm=True),
+    options=("qkv_bias",)))

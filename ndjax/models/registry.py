@@ -44,9 +44,18 @@ class Family:
     presets: Mapping[str, Mapping[str, Any]]  # every family has a "tiny" one for tests
     read_hf: Callable[[dict, str], dict]  # (config.json, where) -> DecoderConfig fields
     write_hf: Callable[[DecoderConfig], dict]  # -> the family's own config.json fields
+    # config.json key -> the value transformers' config class gives it when absent, for
+    # every key read_hf reads but hf_config.REQUIRED (tests/test_families.py checks them).
+    hf_defaults: Mapping[str, Any]
     fixed: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     options: tuple[str, ...] = ()    # OPTION_FIELDS a config may change
     norm_names: Mapping[str, str] = dataclasses.field(default_factory=lambda: STANDARD_NORMS)
+
+    def read_config_json(self, c: dict, where: str) -> dict:
+        """The DecoderConfig fields of config.json ``c`` (``where``: its directory, for
+        errors), absent keys read as hf_defaults."""
+        return {**self.fixed, **self.read_hf({**self.hf_defaults, **c}, where),
+                "family": self.name}
 
     def flops_per_token(self, cfg: DecoderConfig, seq_len: int) -> float:
         return decoder.train_flops_per_token(cfg, seq_len)
