@@ -12,9 +12,12 @@ onto the devices present; prompts are tokenized as its training data was
 the template training used (``data.chat_template``, else the tokenizer's). From
 ``--hf_dir``: the directory's ``config.json``, weights, ``tokenizer.json`` and chat
 template; prompts get the tokenizer's special tokens (BOS), as transformers adds
-them. Generation stops at ``--max_new_tokens`` or an end-of-sequence token
-(``generation_config.json``, else ``config.json``, else the tokenizer's). Bad input
-is one line on stderr, exit code 2.
+them, and are tokenized by tokenizer.json as written, as training tokenizes
+(transformers' AutoTokenizer rebuilds a qwen2 directory's as Qwen2Tokenizer, a
+byte-level BPE, from its vocabulary: the same for Qwen's own files, not for others,
+e.g. a word-level one). Generation stops at ``--max_new_tokens`` or an
+end-of-sequence token (``generation_config.json``, else ``config.json``, else the
+tokenizer's). Bad input is one line on stderr, exit code 2.
 """
 
 from __future__ import annotations

@@ -14,7 +14,9 @@ import numpy as np
 import pytest
 import torch
 from conftest import tiny_config
+from data_files import WORDS
 from helpers import GRAD_RTOL, _reference, assert_same_training, first_step_grads, run_steps
+from test_generate import N_NEW, run_generate
 from test_hf import (
     BASE,
     FSDP_TP,
@@ -26,6 +28,7 @@ from test_hf import (
     load,
     ndjax_logits,
 )
+from test_tokenizer_files import QWEN, write_hf_tokenizer
 from transformers import (
     AutoModelForCausalLM,
     Gemma3ForCausalLM,
@@ -38,13 +41,13 @@ from transformers import (
     Qwen2ForCausalLM,
     Qwen3Config,
     Qwen3ForCausalLM,
+    TokenizersBackend,
 )
 
 from ndjax import hf
 from ndjax import rules as rules_lib
 from ndjax.errors import ConfigError
 from ndjax.experiment import Experiment
-from ndjax.generate import load as load_generator
 from ndjax.models import hf_config, registry
 
 WINDOW = 8  # < S, and < each packed document below
@@ -65,12 +68,13 @@ FAMILIES = {
 }
 
 
-def make_family_hf(directory, family, seed=0, dtype=torch.float32, max_shard_size=None):
+def make_family_hf(directory, family, seed=0, dtype=torch.float32, max_shard_size=None,
+                   **overrides):
     """A random model of ``family`` saved to ``directory`` (in ``dtype``, in files of
-    at most ``max_shard_size``); returns it (float32)."""
+    at most ``max_shard_size``; ``overrides``: config fields); returns it (float32)."""
     config_cls, model_cls, fields = FAMILIES[family]
     torch.manual_seed(seed)
-    config = config_cls(**{**BASE, **fields})
+    config = config_cls(**{**BASE, **fields, **overrides})
     model = model_cls(config).eval()
     with torch.no_grad():  # norms start at 1 (Gemma: 0) and biases at 0: make them count
         for name, p in model.named_parameters():
@@ -274,20 +278,92 @@ def test_every_family_has_a_tiny_preset_and_real_sizes():
         assert "tiny" in family.presets and len(family.presets) > 1, name
 
 
-@pytest.mark.parametrize("family", sorted(FAMILIES))
-def test_greedy_generation_matches_transformers(saved, family, tmp_path):
-    """``python -m ndjax.generate --hf_dir``'s model (a KV cache, left-padded prompts of
-    several lengths, local layers' windows over the cache) gives transformers' greedy
-    tokens, each prompt generated alone there."""
-    from test_generate import N_NEW, hf_greedy, prompts, write_tokenizer
+# Each family's own special tokens, in a word-level tokenizer (test_tokenizer_files):
+# Llama 3's, Mistral's and Gemma's put a BOS before every prompt, Qwen's none.
+FAMILY_TOKENS = {
+    "llama": dict(special=("<|begin_of_text|>", "<|end_of_text|>", "<|eot_id|>"),
+                  bos_token="<|begin_of_text|>", eos_token="<|end_of_text|>"),
+    "mistral": dict(special=("<unk>", "<s>", "</s>"), bos_token="<s>", eos_token="</s>"),
+    "qwen2": dict(QWEN),
+    "qwen3": dict(QWEN),
+    "gemma3": dict(special=("<pad>", "<eos>", "<bos>", "<start_of_turn>", "<end_of_turn>"),
+                   bos_token="<bos>", eos_token="<eos>", pad_token="<pad>"),
+}
+# 2, 9 and 19 words (and a BOS): the longer two run past WINDOW (Mistral's and Gemma's
+# local layers).
+GENERATE_PROMPTS = ("alpha beta", "doc 7 : gamma delta pi rho sigma tau",
+                    " ".join(WORDS[3:22]))
 
-    directory, model = saved(family)
-    if not (directory / "tokenizer.json").exists():
-        write_tokenizer(directory)
-    m = load_generator(hf_dir=str(directory), devices=jax.devices()[:1])
-    ids = prompts()
-    eos = m.eos_ids[0]
-    assert m.generator(N_NEW)(ids) == hf_greedy(model, ids, eos=eos)
+
+def greedy(model, ids, eos, n=N_NEW):
+    """transformers' greedy new tokens for ``ids`` alone, the EOS included when it stops."""
+    with torch.no_grad():
+        out = model.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=n,
+                             eos_token_id=list(eos), pad_token_id=eos[0])
+    return out[0, len(ids):].tolist()
+
+
+def stop_words(refs):
+    """Two tokens that make greedy generation stop where transformers' does: the first
+    one of prompt 1 (an empty completion) and one that the last prompt first meets
+    after a few tokens."""
+    first, last = refs[0][0], refs[-1]
+    mid = next((t for j, t in enumerate(last[2:-1], 2) if t not in (*last[:j], first)), None)
+    assert mid is not None, f"the last prompt's completion {last} repeats itself"
+    return first, mid
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_cli_generates_as_transformers(family, tmp_path):
+    """``python -m ndjax.generate --hf_dir`` on a random model with its family's own
+    (word-level) tokenizer: each prompt's completion and token counts are those of
+    transformers' greedy generate on that prompt alone (ndjax: one left-padded batch,
+    a KV cache, windows over the cache), stopping at generation_config.json's EOS ids.
+
+    The reference tokenizer is the directory's tokenizer.json as written, which ndjax
+    reads (and trains with). Not AutoTokenizer: for model_type qwen2 (of ndjax's
+    families, only) transformers 5 ignores tokenizer_config.json's class and rebuilds
+    the tokenizer as a byte-level BPE (Qwen2Tokenizer) from tokenizer.json's vocabulary;
+    for Qwen's own BPE files that is the same tokenizer, for a word-level one it drops
+    every word of a prompt (a different prompt, so a different completion)."""
+    tokens = dict(FAMILY_TOKENS[family])
+    path = write_hf_tokenizer(tmp_path, chat_template=None, add_bos="bos_token" in tokens,
+                              **tokens)
+    tok = TokenizersBackend.from_pretrained(tmp_path)
+    ids = {name: tok.convert_tokens_to_ids(tokens[name + "_token"])
+           for name in ("bos", "eos", "pad") if name + "_token" in tokens}
+    model = make_family_hf(tmp_path, family, vocab_size=len(tok),
+                           **{f"{k}_token_id": v for k, v in ids.items()})
+    if family == "gemma3":
+        # Its embedding, scaled by sqrt(dim), outweighed the layers, and the model
+        # repeated the prompt's last token: a weak check of the decode steps.
+        with torch.no_grad():
+            model.model.embed_tokens.weight.mul_(0.5)
+            for name, p in model.named_parameters():
+                if ".post_" in name:
+                    p.uniform_(1.0, 3.0)
+        model.save_pretrained(tmp_path)
+    prompts = [tok(p).input_ids for p in GENERATE_PROMPTS]
+    assert [p[0] == ids.get("bos") for p in prompts] == ["bos" in ids] * 3
+    eos = (ids["eos"], *stop_words([greedy(model, p, (ids["eos"],)) for p in prompts]))
+    config = json.loads((tmp_path / "generation_config.json").read_text())
+    (tmp_path / "generation_config.json").write_text(json.dumps({**config,
+                                                                 "eos_token_id": eos}))
+    refs = [greedy(model, p, eos) for p in prompts]
+    assert len(refs[0]) == 1 and 2 < len(refs[-1]) < N_NEW  # both stops are met
+    (tmp_path / "p.jsonl").write_text("".join(json.dumps({"prompt": p}) + "\n"
+                                              for p in GENERATE_PROMPTS))
+    result = run_generate(f"--hf_dir={path.parent}", f"--prompts_file={tmp_path / 'p.jsonl'}",
+                          f"--max_new_tokens={N_NEW}", "--json",
+                          "--config.runtime.cpu_devices=1")
+    assert result.returncode == 0, result.stderr[-2000:]
+    got = [json.loads(line) for line in result.stdout.splitlines()]
+    # Word-level tokens decode one word each (specials as their text): equal texts and
+    # counts are equal tokens.
+    want = [dict(prompt=text, completion=tok.decode([t for t in r if t not in eos]),
+                 prompt_tokens=len(p), completion_tokens=len(r))
+            for text, p, r in zip(GENERATE_PROMPTS, prompts, refs)]
+    assert got == want
 
 
 # configs/llama_fsdp_tp.py is the default experiment, which test_train_cli runs.

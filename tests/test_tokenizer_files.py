@@ -14,7 +14,7 @@ from pathlib import Path
 import jax
 import pytest
 from data_files import WORDS, data_config, texts, write_text
-from tokenizers import Tokenizer, models, pre_tokenizers
+from tokenizers import Tokenizer, models, pre_tokenizers, processors
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
 from ndjax.data.loader import make_loader
@@ -32,14 +32,20 @@ CHATML = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' + m['cont
 
 
 def write_hf_tokenizer(folder: Path, special: tuple[str, ...] = QWEN["special"],
-                       chat_template: str | None = CHATML, **tokens: str) -> Path:
+                       chat_template: str | None = CHATML, add_bos: bool = False,
+                       **tokens: str) -> Path:
     """A WordLevel tokenizer (every word of data_files' texts, ``special`` added) saved by
     transformers with ``tokens`` (eos_token=..., bos_token=..., pad_token=...); returns
-    the tokenizer.json path."""
+    the tokenizer.json path. ``add_bos``: its post-processor puts ``bos_token`` before
+    every text, as Llama's, Mistral's and Gemma's tokenizer.json do."""
     words = sorted({*WORDS, "doc", ":", *(str(i) for i in range(100)), "[UNK]"})
     tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="[UNK]"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     tok.add_special_tokens(list(special))
+    if add_bos:
+        bos = tokens["bos_token"]
+        tok.post_processor = processors.TemplateProcessing(
+            single=f"{bos} $A", special_tokens=[(bos, tok.token_to_id(bos))])
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, chat_template=chat_template, **tokens)
     fast.save_pretrained(str(folder))
     return folder / "tokenizer.json"
