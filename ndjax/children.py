@@ -4,8 +4,8 @@ A stopped process must stop its children: a planner ended by ``timeout`` (SIGTER
 once left its compile workers running for an hour. Two halves:
 
 * ``stop_children_on_signals()``, in the parent: SIGTERM or SIGINT ends every child
-  (SIGTERM, then SIGKILL after a grace period), then the parent dies of the signal,
-  as it would have without the handler (exit status 128 + signal to a shell).
+  and grandchild (SIGTERM, then SIGKILL after a grace period), then the parent dies
+  of the signal, as it would have without the handler (128 + signal to a shell).
 * ``die_with_parent(parent)``, first thing in a child that runs ndjax code (a worker
   pool's initializer): the kernel kills the child when its parent dies, SIGKILL
   included, which no handler in the parent can catch (Linux; elsewhere only the
@@ -25,12 +25,11 @@ PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 GRACE_S = 2.0         # how long a child has to exit on SIGTERM before it gets SIGKILL
 
 
-def children(pid: int) -> list[int]:
-    """The live child processes of ``pid`` (zombies excluded: they have ended)."""
+def _parents() -> dict[int, int]:
+    """pid -> parent pid of every live process (zombies excluded: they have ended)."""
     if not os.path.isdir("/proc"):  # not Linux: this process's multiprocessing children
-        mine = [p.pid for p in multiprocessing.active_children() if p.pid]
-        return mine if pid == os.getpid() else []
-    out = []
+        return {p.pid: os.getpid() for p in multiprocessing.active_children() if p.pid}
+    out = {}
     for name in os.listdir("/proc"):
         if not name.isdigit():
             continue
@@ -41,20 +40,37 @@ def children(pid: int) -> list[int]:
             continue
         # "pid (comm) state ppid ...": comm may hold spaces and parentheses.
         state, ppid = stat[stat.rindex(")") + 2:].split()[:2]
-        if int(ppid) == pid and state not in ("Z", "X"):
-            out.append(int(name))
+        if state not in ("Z", "X"):
+            out[int(name)] = int(ppid)
+    return out
+
+
+def children(pid: int) -> list[int]:
+    """The live child processes of ``pid``."""
+    return [c for c, p in _parents().items() if p == pid]
+
+
+def descendants(pid: int) -> list[int]:
+    """The live children of ``pid``, theirs, and so on (a bench worker's own workers)."""
+    parents = _parents()
+    out, frontier = [], [pid]
+    while frontier:
+        frontier = [c for c, p in parents.items() if p in frontier]
+        out += frontier
     return out
 
 
 def end_children(grace_s: float = GRACE_S) -> None:
-    """SIGTERM to every child of this process, SIGKILL to those left after ``grace_s``."""
-    pids = children(os.getpid())
+    """SIGTERM to every descendant of this process, SIGKILL to those left after
+    ``grace_s``. Grandchildren too: a child that dies of SIGTERM leaves its own
+    children running, reparented away from it."""
+    pids = descendants(os.getpid())
     for pid in pids:
         _signal(pid, signal.SIGTERM)
     deadline = time.monotonic() + grace_s
     while pids and time.monotonic() < deadline:
         time.sleep(0.05)
-        pids = [p for p in pids if p in children(os.getpid())]
+        pids = [p for p in pids if p in _parents()]
     for pid in pids:
         _signal(pid, signal.SIGKILL)
 
