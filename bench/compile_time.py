@@ -22,6 +22,8 @@ import subprocess
 import sys
 import time
 
+from ndjax.children import stop_children_on_signals
+
 N_DEVICES = 8
 LIMIT = 1.5
 
@@ -76,6 +78,7 @@ def main() -> None:
         print(json.dumps(one(a.one[0], bool(a.one[1]), parse_mesh(a.mesh))))
         return
 
+    stop_children_on_signals()  # a stopped sweep stops the run it waits on
     if a.tiny:
         # Both forms (scanned and unrolled) at the sweep's smallest depth: every code
         # path once; the ratio is 1 by construction, the timings mean little.

@@ -23,6 +23,8 @@ import subprocess
 import sys
 import tempfile
 
+from ndjax.children import stop_children_on_signals
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # --tiny's model: the tests' tiny Llama, with a vocabulary the byte tokenizer fits
 # (259 ids; 384 splits over tensor=2), so the data path stays the builtin corpus.
@@ -54,6 +56,7 @@ def main() -> None:
     # Anything else is passed on to train.py, e.g. --config.train.seq_len=256.
     a, extra = p.parse_known_args()
     a.extra = extra
+    stop_children_on_signals()  # a stopped run stops the train.py it waits on
     env = None
     if a.tiny:
         # Flags given on the command line come after TINY's, so they still win.

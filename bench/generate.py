@@ -27,6 +27,8 @@ import subprocess
 import sys
 import time
 
+from ndjax.children import stop_children_on_signals
+
 LAYOUTS = {"1 device": (1, {}), "fsdp=4 x tensor=2": (8, {"fsdp": 4, "tensor": 2}),
            # The same without FSDP: rows over replica, weights whole on each tensor shard.
            "replica=4 x tensor=2": (8, {"replica": 4, "tensor": 2})}
@@ -100,6 +102,7 @@ def main() -> None:
     if a.one:
         print(json.dumps(one(*LAYOUTS[a.one], a)))
         return
+    stop_children_on_signals()  # a stopped sweep stops the layout it waits on
     argv = [f"--batch={a.batch}", f"--prompt={a.prompt}", f"--new={a.new}",
             f"--repeats={a.repeats}", f"--layers={a.layers}"]
     print(f"tiny preset{f', {a.layers} layers' if a.layers else ''}; batch {a.batch} x "

@@ -23,6 +23,8 @@ import sys
 import tempfile
 import time
 
+from ndjax.children import stop_children_on_signals
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = ["--config.model.vocab_size=256", "--config.model.dim=64", "--config.model.n_layers=2",
         "--config.model.n_heads=8", "--config.model.n_kv_heads=4", "--config.model.ffn_dim=128",
@@ -80,6 +82,7 @@ def main() -> None:
     parser.add_argument("--tiny", action="store_true",
                         help="smoke run: 1 run per mode, 2 steps, hung after 120 s")
     args = parser.parse_args()
+    stop_children_on_signals()  # a stopped run stops its train.py processes
     if args.tiny:
         # Whether the script still runs and ndjax's mode ends, not the hang rate: one
         # run per mode. A run takes 15-35 s on 2 idle cores and up to 75 s beside a

@@ -195,6 +195,11 @@ def main() -> None:
         print("RESULT " + json.dumps(run_case(json.loads(args.case), steps)), flush=True)
         return
 
+    # `python bench/gpu.py` on a GPU machine needs no PYTHONPATH (its cases get ROOT).
+    sys.path.insert(0, ROOT)
+    from ndjax.children import stop_children_on_signals
+
+    stop_children_on_signals()  # a stopped sweep stops the case it waits on
     budget = args.budget or (300 if args.tiny else 450)
     start = time.perf_counter()
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),

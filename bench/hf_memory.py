@@ -35,6 +35,8 @@ import sys
 import tempfile
 import threading
 
+from ndjax.children import stop_children_on_signals
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FULL = dict(vocab_size=32000, dim=768, n_layers=12, n_heads=12, n_kv_heads=12, ffn_dim=2048,
             tie_embeddings=True)
@@ -178,6 +180,7 @@ def main() -> None:
         phase, directory, dims, limit = a.child
         print(json.dumps(child(phase, directory, json.loads(dims), json.loads(limit))))
         return
+    stop_children_on_signals()  # a stopped run stops the phase it waits on
     dims = TINY if a.tiny else FULL
     shards = ["40KB", "default"] if a.tiny and a.shards == p.get_default("shards") else a.shards
     print(f"model {dims}; mesh {MESH}; float32 parameters, bfloat16 files\n")

@@ -36,6 +36,7 @@ import sys
 import time
 
 from ndjax import roofline
+from ndjax.children import stop_children_on_signals
 from ndjax.flops import flops_per_token
 from ndjax.models.registry import config_from_preset
 
@@ -106,6 +107,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tiny", action="store_true", help="one small case (smoke run)")
     args = parser.parse_args()
+    stop_children_on_signals()  # a stopped run stops the compile it waits on
     hw = roofline.HARDWARE["h100"]
     budget = 0.75 * hw.memory_bytes
     print(f"# bench/long_context.py{' --tiny' if args.tiny else ''}, "

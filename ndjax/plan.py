@@ -174,7 +174,7 @@ def main(argv: list[str]) -> None:
 
     import jax
 
-    from ndjax import planner, roofline
+    from ndjax import children, planner, roofline
     from ndjax.config import check_keys
     from ndjax.errors import ConfigError
     from ndjax.rules import PRESETS
@@ -206,6 +206,10 @@ def main(argv: list[str]) -> None:
     else:
         devices = jax.devices()[:n]
     workers = _WORKERS.value if _WORKERS.value is not None else min(os.cpu_count() or 1, 4)
+    if workers:
+        # Not with workers=0: a handler waits for the compile in this process to return,
+        # where the default action ends it at once.
+        children.stop_children_on_signals()
     cache_dir = planner.default_cache_dir() if _CACHE_DIR.value is None else _CACHE_DIR.value
     compiler = planner.Compiler(n, workers, planner.Cache(cache_dir or None), progress,
                                 target, _PER_NODE.value)

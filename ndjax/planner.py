@@ -57,7 +57,7 @@ from typing import Any
 import jax
 import ml_collections
 
-from ndjax import platforms, roofline
+from ndjax import children, platforms, roofline
 from ndjax.collectives import collectives
 from ndjax.config import default_config
 from ndjax.errors import ConfigError
@@ -336,7 +336,8 @@ class Cache:
         os.replace(tmp, os.path.join(self.root, key + ".json"))
 
 
-def _start_worker(n: int) -> None:
+def _start_worker(n: int, parent: int) -> None:
+    children.die_with_parent(parent)  # a planner killed with SIGKILL takes its workers along
     jax.config.update("jax_platforms", "cpu")
     jax.config.update("jax_num_cpu_devices", n)
 
@@ -355,7 +356,7 @@ class Compiler:
         if workers > 0:
             self._pool = concurrent.futures.ProcessPoolExecutor(
                 max_workers=workers, mp_context=multiprocessing.get_context("spawn"),
-                initializer=_start_worker, initargs=(n,))
+                initializer=_start_worker, initargs=(n, os.getpid()))
 
     def describe(self) -> str:
         if self.target:

@@ -1,6 +1,9 @@
 """Every bench/*.py at its smoke size (``--tiny``), so that a script behind a
 BENCHMARKS.md figure that stops running shows up here, not at the next rerun.
 
+The scripts that compile for GPUs (the gpu-compile extra) have theirs in
+tests/test_gpu_compile.py, which CI runs once the extra is installed.
+
 Each runs as its README command does: a fresh process, from the repo root, with
 the repo on PYTHONPATH. Nothing is timed; the checks are that it ends with exit
 status 0 and prints its result table.
@@ -30,6 +33,14 @@ def table_rows(lines: list[str], *starts: str) -> list[list[str]]:
     prefixes = tuple(f"| {s} |" for s in starts)
     return [[c.strip() for c in line.strip("|").split("|")]
             for line in lines if line.startswith(prefixes)]
+
+
+def test_every_bench_script_has_a_smoke_run():
+    """A new script without one would rot unnoticed (issue 33: two had none)."""
+    tests = "".join(open(os.path.join(ROOT, "tests", name)).read()
+                    for name in ("test_bench.py", "test_gpu_compile.py"))
+    scripts = sorted(n for n in os.listdir(os.path.join(ROOT, "bench")) if n.endswith(".py"))
+    assert [s for s in scripts if f'run_tiny("{s}")' not in tests] == []
 
 
 def test_memory_tiny():

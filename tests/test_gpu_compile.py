@@ -24,6 +24,7 @@ import numpy as np
 import pytest
 from conftest import tiny_config
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from test_bench import run_tiny, table_rows
 
 from ndjax import compiler, gpu_target, roofline
 from ndjax.collectives import collectives, in_conditionals
@@ -403,3 +404,34 @@ def test_bench_gpu_cases_compile_for_an_h200():
     rows = [line for line in out.stdout.splitlines() if line.startswith("| ")][1:]
     assert len(rows) == 9, out.stdout
     assert all("compiled for H200" in row for row in rows), out.stdout
+
+
+# The bench scripts that compile for GPUs, at their smoke size (tests/test_bench.py runs
+# the others): each must end with status 0 and print its table.
+
+
+@needs_extra
+def test_bench_compile_targets_tiny():
+    """One layout, compiled by the CPU and the GPU compiler, side by side."""
+    lines = run_tiny("compile_targets.py").stdout.splitlines()
+    rows = table_rows(lines, "tiny")
+    assert [r[3] for r in rows] == ["fsdp=4 x tensor=2"], lines
+    cpu_gib, gpu_gib, ratio = rows[0][5], rows[0][7], rows[0][8]
+    assert cpu_gib != "-" and gpu_gib != "-" and ratio.endswith("x"), rows
+
+
+@needs_extra
+def test_bench_long_context_tiny():
+    """The ring and all-to-all of one long-context case, each compiled and priced."""
+    lines = run_tiny("long_context.py").stdout.splitlines()
+    rows = table_rows(lines, "llama3_8b")
+    assert [r[6] for r in rows] == ["ring", "all_to_all"], lines
+    assert all(len(r) == 15 and r[8] in ("yes", "no") for r in rows), rows  # no error rows
+
+
+@needs_extra
+def test_bench_families_tiny():
+    lines = run_tiny("families.py").stdout.splitlines()
+    rows = table_rows(lines, "llama", "gemma3")
+    assert [r[:2] for r in rows] == [["llama", "tiny"], ["gemma3", "tiny"]], lines
+    assert all(float(r[8]) >= 0 for r in rows), rows

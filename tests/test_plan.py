@@ -5,8 +5,10 @@ import json
 import math
 import os
 import re
+import signal
 import subprocess
 import sys
+import time
 
 import jax
 import pytest
@@ -236,3 +238,78 @@ def test_cli_bad_input_is_one_line(args, message, tmp_path):
     assert r.returncode == 2
     assert r.stdout == "" and len(r.stderr.strip().splitlines()) == 1
     assert r.stderr.startswith("ndjax.plan: error:") and message in r.stderr
+
+
+def _alive(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie has ended: only its exit status is left)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            stat = f.read()
+    except OSError:
+        return False
+    return stat[stat.rindex(")") + 2] not in "ZX"
+
+
+def _is_worker(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return b"spawn_main" in f.read()  # multiprocessing's spawn start method
+    except OSError:
+        return False
+
+
+def _wait_until(condition, timeout_s: float) -> bool:
+    """Polls ``condition`` until it holds or ``timeout_s`` passes (a bound, not a timing)."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.1)
+    return True
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT, signal.SIGKILL],
+                         ids=lambda s: s.name)
+def test_stopped_planner_ends_its_workers(signum, tmp_path):
+    """SIGTERM (timeout, SLURM), SIGINT (Ctrl-C) or SIGKILL of the planner ends its compile
+    workers too: they once compiled on for an hour after ``timeout`` ended the planner."""
+    from ndjax.children import children
+
+    cmd = [sys.executable, "-m", "ndjax.plan", "--config=configs/llama_fsdp.py",
+           "--config.model.vocab_size=256", "--config.model.dim=64",
+           # 96 unrolled layers: a compile takes minutes, as a real model's does, so
+           # that a planner which waits for the running compiles (what SIGINT did) fails.
+           "--config.model.n_layers=96", "--config.model.scan_layers=False",
+           "--config.model.ffn_dim=128",
+           "--config.train.seq_len=64", "--config.train.batch_size=2",
+           "--config.data.source=synthetic", "--devices=2", "--rules=default",
+           "--compiler=cpu", "--workers=2", "--cache_dir="]
+    env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu")
+    with open(tmp_path / "stderr", "w") as err:
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=err)
+    workers: list[int] = []
+    try:
+        # Both workers, started once the first layouts are sent to be compiled (beside
+        # them: multiprocessing's resource tracker, which must end too).
+        def started() -> bool:
+            workers[:] = children(proc.pid)
+            return proc.poll() is not None or sum(_is_worker(p) for p in workers) == 2
+        assert _wait_until(started, 120) and proc.poll() is None, (
+            workers, (tmp_path / "stderr").read_text()[-3000:])
+        proc.send_signal(signum)
+        try:
+            status = proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"the planner did not exit within 30 s of {signum.name}")
+        assert status == -signum  # it dies of the signal, as it would without a handler
+        left = lambda: [p for p in workers if _alive(p)]  # noqa: E731
+        assert _wait_until(lambda: not left(), 30), (
+            f"workers {left()} outlived the planner", (tmp_path / "stderr").read_text()[-3000:])
+    finally:
+        for pid in [proc.pid, *workers]:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        proc.wait()
