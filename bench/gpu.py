@@ -2,6 +2,11 @@
 
 Cases, in priority order (a time budget skips the tail, and says so):
 
+0. cuDNN's numbers: ``model.attn_impl=cudnn`` against ``dense`` in float32 on packed
+   rows of bfloat16 (grouped-query heads; no window, and a window with a scale), the
+   output and the q, k, v gradients, max abs error each. Only a GPU runs cuDNN, and
+   the CPU tests check ndjax's side of it against a plain statement of its semantics,
+   so this is the first check of the numbers it computes.
 1. ``llama3_1b`` shape, bfloat16, seq 4096, ``model.attn_impl=auto``: remat none,
    save_proj and full, each at the largest batch of its ladder that fits.
 2. The attention kernels side by side on that shape (remat save_proj, batch 4):
@@ -51,13 +56,17 @@ TINY = dict(preset="tiny", dtype="float32", n_layers=2, vocab_size=512, dim=128,
             n_heads=4, n_kv_heads=2, ffn_dim=256)
 
 
+NUMERICS = dict(name="cudnn vs dense", kind="numerics", model=dict(attn_impl="cudnn"),
+                seq=1024)
+
+
 def cases(tiny: bool) -> list[dict]:
     """Each: name, model overrides, seq_len, batch ladder (largest first)."""
     if tiny:  # one case per code path: auto, an explicit kernel, a refused kernel
         kernels = [dict(name=f"kernel {k}", model=dict(TINY, remat="full", attn_impl=k),
                         seq=256, ladder=[2]) for k in ("tiled", "cudnn")]
-        return [dict(name="remat none", model=dict(TINY, remat="none"), seq=128, ladder=[8, 4]),
-                *kernels]
+        return [NUMERICS, dict(name="remat none", model=dict(TINY, remat="none"), seq=128,
+                               ladder=[8, 4]), *kernels]
     remats = [dict(name=f"1b remat {r}", model=dict(ONE_B, remat=r), seq=4096, ladder=ladder)
               for r, ladder in (("none", [16, 8, 4]), ("save_proj", [24, 16, 8]),
                                 ("full", [48, 32, 16]))]
@@ -66,7 +75,56 @@ def cases(tiny: bool) -> list[dict]:
     eight = dict(name="8b-shape 8 layers", model=dict(EIGHT_B_8_LAYERS, remat="full"), seq=4096,
                  ladder=[16, 8, 4])
     long = dict(name="1b seq 8192", model=dict(ONE_B, remat="full"), seq=8192, ladder=[16, 8])
-    return [*remats, *kernels, eight, long]
+    return [NUMERICS, *remats, *kernels, eight, long]
+
+
+def packed_segments(rows: int, seq: int, seed: int = 0):
+    """Segment ids of rows packed with documents of 1-300 tokens, each row's tail
+    padding (id 0), as the packers make them."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    out = np.zeros((rows, seq), np.int32)
+    for r in range(rows):
+        pos, doc = 0, 1
+        while pos < seq - 64:
+            n = int(rng.integers(1, 300))
+            out[r, pos:pos + n] = doc
+            pos, doc = pos + n, doc + 1
+    return out
+
+
+def kernel_numerics(impl: str, seq: int) -> dict:
+    """Max abs error of kernel ``impl``'s output and q, k, v gradients in bfloat16
+    against ``dense`` in float32, on packed rows: (8 heads, 2 kv heads, head_dim 128)
+    with no window and with a window of 256 and a scale of 0.1 (cudnn on a GPU; the
+    tests run it with a CPU kernel)."""
+    import jax
+    import jax.numpy as jnp
+
+    from ndjax.ops import attention as attn
+
+    seg = jnp.asarray(packed_segments(2, seq))
+    keys = jax.random.split(jax.random.key(0), 4)
+    q = jax.random.normal(keys[0], (2, seq, 8, 128), jnp.float32)
+    k, v = (jax.random.normal(key, (2, seq, 2, 128), jnp.float32) for key in keys[1:3])
+    d_out = jax.random.normal(keys[3], q.shape, jnp.float32)
+    cfg = type("Cfg", (), dict(attn_max_docs=64, attn_kv_tile=128, cp_layout="zigzag"))
+    errors = {}
+    for label, spec in (("causal", attn.AttentionSpec()),
+                        ("window 256 scale 0.1", attn.AttentionSpec(window=256, scale=0.1))):
+        def run(kernel, dtype, spec=spec):
+            def f(q, k, v):
+                return kernel(q.astype(dtype), k.astype(dtype), v.astype(dtype), seg, spec)
+            out, pullback = jax.vjp(f, q, k, v)
+            return [x.astype(jnp.float32) for x in (out, *pullback(d_out.astype(out.dtype)))]
+
+        got = jax.jit(lambda: run(lambda *a: attn.KERNELS[impl](*a[:4], cfg, a[4]),
+                                  jnp.bfloat16))()
+        want = jax.jit(lambda: run(attn.dense, jnp.float32))()
+        errors[label] = {name: float(jnp.abs(g - w).max())
+                         for name, g, w in zip(("out", "dq", "dk", "dv"), got, want)}
+    return errors
 
 
 # ----- one case, in its own process -----------------------------------------------------------
@@ -93,6 +151,15 @@ def run_case(case: dict, steps: int) -> dict:
     from ndjax.errors import ConfigError
 
     target = case.get("compile_for")
+    if case.get("kind") == "numerics":
+        row = dict(name=case["name"], attention="cudnn", seq=case["seq"])
+        if target or jax.default_backend() != "gpu":
+            return dict(row, note="skipped: cuDNN runs on a GPU only")
+        errors = kernel_numerics("cudnn", case["seq"])
+        return dict(row, device=jax.devices()[0].device_kind, errors=errors, note="max abs "
+                    "error (bf16 cudnn vs f32 dense): " + "; ".join(
+                        f"{label}: " + ", ".join(f"{n} {e:.2e}" for n, e in errs.items())
+                        for label, errs in errors.items()))
     if target:
         from ndjax import gpu_target
 
@@ -232,7 +299,8 @@ def main() -> None:
 
     import jax
 
-    device = rows[0].get("device") or platform.processor() or "cpu"
+    device = next((r["device"] for r in rows if r.get("device")), None) or (
+        platform.processor() or "cpu")
     if args.compile_for:
         device = f"a CPU machine ({platform.machine()}, no GPU), compiled for {device}"
     flags_used = (" --tiny" if args.tiny else "") + (

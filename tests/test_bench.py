@@ -119,12 +119,30 @@ def test_gloo_cache_hang_tiny():
 
 def test_gpu_tiny():
     lines = run_tiny("gpu.py").stdout.splitlines()
+    numerics = table_rows(lines, "cudnn vs dense")[0]
+    assert numerics[-1] == "skipped: cuDNN runs on a GPU only", lines
     rows = table_rows(lines, "remat none", "kernel tiled", "kernel cudnn")
     assert [r[:4] for r in rows] == [["remat none", "dense", "128", "8"],
                                      ["kernel tiled", "tiled", "256", "2"],
                                      ["kernel cudnn", "cudnn", "256", "-"]], lines
     assert float(rows[0][5].replace(",", "")) > 0, rows  # tokens/s measured
     assert rows[2][-1].startswith("refused: model.attn_impl='cudnn' runs on NVIDIA GPUs"), rows
+
+
+def test_gpu_kernel_numerics_measures_a_kernel_against_dense():
+    """bench/gpu.py's cuDNN check, run here with the tiled kernel (cuDNN needs a GPU):
+    its errors are bfloat16's, well under the values' scale of 1, and not zero (the
+    kernel ran in bfloat16, the reference in float32)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bench_gpu", os.path.join(ROOT, "bench/gpu.py"))
+    gpu = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gpu)
+    errors = gpu.kernel_numerics("tiled", 512)
+    assert list(errors) == ["causal", "window 256 scale 0.1"]
+    for errs in errors.values():
+        assert list(errs) == ["out", "dq", "dk", "dv"]
+        assert all(0 < e < 0.1 for e in errs.values()), errors
 
 
 def test_gpu_cases_are_valid_configs():
@@ -140,6 +158,8 @@ def test_gpu_cases_are_valid_configs():
     gpu = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(gpu)
     for case in gpu.cases(tiny=False):
+        if case.get("kind") == "numerics":  # no config: attention alone
+            continue
         if case["model"].get("attn_impl") in ("cudnn", "pallas"):
             with pytest.raises(ConfigError, match="runs on NVIDIA GPUs"):
                 gpu._experiment(case, case["ladder"][-1], jax.devices()[:1])
