@@ -24,8 +24,21 @@ Overrides, from the environment:
 An option that this jaxlib no longer knows is dropped with a warning rather
 than failing the run: XLA renames and retires its flags between releases.
 
-On a CPU-only host the process's memory allocator is set up by ``ndjax.cpu_malloc``
-when ndjax is imported; XLA's own CPU options are left at their defaults
+On CPUs one option keeps remat working on unrolled layers:
+
+* ``xla_disable_hlo_passes=cse_barrier_expander``: jax keeps a checkpointed layer's
+  recomputation apart from its forward pass with an optimization barrier; XLA's CPU
+  pipeline removes the barriers (that pass) and then runs CSE again, which merged
+  each unrolled layer's recomputation back into the forward: remat=full compiled to
+  remat=none's memory (the tiny job of issue 33, 439 MiB both; a scanned layer's
+  recomputation sits in another loop, out of CSE's reach). Left in, the barriers
+  compile to nothing (with them, that job's full remat needs 143 MiB and none 262,
+  as scanned). The GPU compiler keeps them until after its last CSE (unrolled
+  layers' remat already held there) and cannot compile one left in, so it gets no
+  such option. Tested: tests/test_memory_and_hlo.py.
+
+The process's memory allocator on a CPU-only host is set up by ``ndjax.cpu_malloc``
+when ndjax is imported; XLA's other CPU options are left at their defaults
 (``bench/cpu_vs_torch.py`` measured the candidates: see BENCHMARKS.md).
 """
 
@@ -45,6 +58,7 @@ GPU_OPTIONS: dict[str, Any] = {
     "xla_gpu_reduce_scatter_combine_threshold_bytes": 128 * 2**20,
     "xla_gpu_all_reduce_combine_threshold_bytes": 128 * 2**20,
 }
+CPU_OPTIONS: dict[str, Any] = {"xla_disable_hlo_passes": "cse_barrier_expander"}
 ENV = "NDJAX_XLA_GPU_OPTIONS"
 _UNKNOWN = re.compile(r"No such compile option: '([\w.]+)'")
 
@@ -63,6 +77,9 @@ def options(platform: str | None = None, env: dict[str, str] | None = None) -> d
     """The compile options for ``platform`` (default: jax's backend) under ``env``."""
     env = os.environ if env is None else env
     platform = jax.default_backend() if platform is None else platform
+    xla_flags = env.get("XLA_FLAGS", "")
+    if platform == "cpu":
+        return {k: v for k, v in CPU_OPTIONS.items() if f"--{k}=" not in xla_flags}
     if platform != "gpu":
         return {}
     override = env.get(ENV, "").strip()
@@ -75,7 +92,6 @@ def options(platform: str | None = None, env: dict[str, str] | None = None) -> d
             raise ValueError(f"{ENV}={override!r}: expected name=value pairs separated by "
                              "commas, or none.")
         chosen[name.strip().removeprefix("--")] = _parse(value)
-    xla_flags = env.get("XLA_FLAGS", "")
     return {k: v for k, v in chosen.items() if f"--{k}=" not in xla_flags}
 
 

@@ -57,7 +57,7 @@ from typing import Any
 import jax
 import ml_collections
 
-from ndjax import children, platforms, roofline
+from ndjax import children, compiler, platforms, roofline
 from ndjax.collectives import collectives
 from ndjax.config import default_config
 from ndjax.errors import ConfigError
@@ -283,7 +283,8 @@ def measure(config_json: str, n: int, target: str | None = None,
             else:
                 devices = jax.devices()[:n]
                 exp = Experiment.from_config(config, devices)
-                compiled = exp.lower_step().compile(MEASURE_OPTIONS)
+                compiled = exp.lower_step().compile({**compiler.options("cpu"),
+                                                     **MEASURE_OPTIONS})
     except Exception as e:  # noqa: BLE001 -- a layout XLA cannot compile is a result too
         return {"error": f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0][:300]}"}
     seconds = time.perf_counter() - start

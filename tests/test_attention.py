@@ -551,7 +551,9 @@ def test_auto_attention_memory_is_linear_in_the_sequence():
 
 
 def test_gpu_compile_options_and_overrides():
-    assert compiler.options("cpu", {}) == {}
+    assert compiler.options("cpu", {}) == compiler.CPU_OPTIONS
+    assert compiler.options("cpu", {"XLA_FLAGS": "--xla_disable_hlo_passes=x"}) == {}
+    assert compiler.options("tpu", {}) == {}
     gpu = compiler.options("gpu", {})
     assert gpu["xla_gpu_enable_latency_hiding_scheduler"] is True
     assert compiler.options("gpu", {compiler.ENV: "none"}) == {}

@@ -141,3 +141,27 @@ def test_fsdp_reduce_scatters_every_weight_gradient_in_f32():
         g = np.asarray(g, np.float32)
         exact = np.mean(g == g.astype(jnp.bfloat16).astype(np.float32))
         assert exact < 0.2, (jax.tree_util.keystr(path), exact)
+
+
+def _step_temp_and_dots(scan: bool, remat: str) -> tuple[int, int]:
+    """(temporary bytes, dot instructions) of the compiled one-device step."""
+    exp = Experiment.from_config(tiny_config(
+        model=dict(n_layers=4, scan_layers=scan, remat=remat),
+        train=dict(batch_size=8, seq_len=128)), jax.devices()[:1])
+    compiled = exp.compiled_step
+    return (compiled.memory_analysis().temp_size_in_bytes,
+            len(re.findall(r"= \S+ dot\(", compiled.as_text())))
+
+
+@pytest.mark.parametrize("scan", [False, True])
+def test_remat_means_the_same_with_and_without_scan(scan):
+    """Unrolled, XLA's CPU pipeline merged each layer's recomputation back into its
+    forward pass (CSE after it removed jax's barriers): remat=full compiled to
+    remat=none's memory. Now every policy keeps its memory, scanned or not: full
+    holds a layer's input per layer, so it needs well under none's temporaries, and
+    its step recomputes dots that none's does not (unrolled: the layers' forward
+    dots once more; scanned, the loop body's are counted once)."""
+    (none_temp, none_dots), (full_temp, full_dots) = (_step_temp_and_dots(scan, r)
+                                                      for r in ("none", "full"))
+    assert full_temp < 0.7 * none_temp, (none_temp, full_temp)
+    assert full_dots > none_dots, (none_dots, full_dots)

@@ -14,7 +14,7 @@ import jax
 import pytest
 from conftest import tiny_config
 
-from ndjax import planner, roofline
+from ndjax import compiler, planner, roofline
 from ndjax.experiment import Experiment
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -55,7 +55,8 @@ def test_planned_memory_equals_the_compiled_train_step():
     checked = planner.check(config, layout, jax.devices(), H100)
     assert checked.config.model.attn_impl == "tiled"  # cuDNN on an H100, tiled here
     planned = planner.measure(checked.config.to_json(sort_keys=True), 8)
-    defaults = {"xla_backend_optimization_level": 3, "xla_llvm_disable_expensive_passes": False}
+    defaults = {**compiler.options("cpu"), "xla_backend_optimization_level": 3,
+                "xla_llvm_disable_expensive_passes": False}
     exp = Experiment.from_config(checked.config)
     m = exp.lower_step().compile(compiler_options=defaults).memory_analysis()
     assert planned["arguments"] == m.argument_size_in_bytes
