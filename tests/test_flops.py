@@ -48,14 +48,15 @@ WEIGHT_FORWARD = {"bsd,dhk->bshk": ("q", "k", "v"), "bshk,hkd->bsd": ("o",),
                   "bsd,df->bsf": ("gate", "up"), "bsf,fd->bsd": ("down",)}
 
 
-def _step_dot_flops(remat: str) -> tuple[dict[str, int], DecoderConfig, int, int]:
+def _step_dot_flops(remat: str, impl: str = "dense"
+                    ) -> tuple[dict[str, int], DecoderConfig, int, int]:
     """(FLOPs of every dot_general of the traced train step, by the einsum that made it
     (weight forward matmuls) or "other" (backward matmuls, the loss, attention); the
     model; seq_len; tokens per step)."""
     # Unrolled layers: a scan's body would count once, not once per layer.
     exp = Experiment.from_config(tiny_config(
         model=dict(dim=128, n_heads=4, n_kv_heads=2, ffn_dim=256, scan_layers=False,
-                   remat=remat, attn_impl="dense"),
+                   remat=remat, attn_impl=impl),
         train=dict(seq_len=64, batch_size=2)), jax.devices()[:1])
     step = functools.partial(train_step, exp.features, exp.optimizer, exp.schedule,
                              exp.step_options, None)
@@ -85,15 +86,19 @@ def _step_dot_flops(remat: str) -> tuple[dict[str, int], DecoderConfig, int, int
     return flops, exp.model_cfg, train.seq_len, train.batch_size * train.seq_len
 
 
-def test_remat_recompute_is_what_the_train_step_reruns():
+# The kernels a CPU runs (the fused GPU ones: tests/test_attention.py counts their
+# forward runs per policy, tests/test_gpu_compile.py cuDNN's compiled calls).
+@pytest.mark.parametrize("impl", ["dense", "blocked", "tiled"])
+def test_remat_recompute_is_what_the_train_step_reruns(impl):
     """roofline.recomputed_forward_flops, per policy, against the dots of the traced
     step less those of remat=none (which reruns no weight matmul): exact for every
-    weight matmul. The attention itself (QK^T, PV) is rerun only under full; how much
-    of it depends on the kernel (this dense one reruns PV), so it is checked for
-    presence, and priced at the causal forward that ndjax.flops counts."""
-    base, cfg, seq_len, tokens = _step_dot_flops("none")
+    weight matmul. The attention itself (QK^T, PV) is rerun only under full, by every
+    kernel; how much of it depends on the kernel (dense reruns PV; tiled's loop body
+    counts once), so it is checked for presence, and priced at the causal forward
+    that ndjax.flops counts."""
+    base, cfg, seq_len, tokens = _step_dot_flops("none", impl)
     for remat in ("save_proj", "save_attn", "full"):
-        measured = _step_dot_flops(remat)[0]
+        measured = _step_dot_flops(remat, impl)[0]
         priced = roofline.recomputed_forward_flops(cfg, seq_len, remat)
         for label, parts in WEIGHT_FORWARD.items():
             rerun = measured.get(label, 0) - base.get(label, 0)
