@@ -1,4 +1,4 @@
-r"""Sample completions from a training run or a Hugging Face Llama directory.
+r"""Sample completions from a training run or a Hugging Face model directory.
 
     python -m ndjax.generate --workdir=runs/llama_fsdp_tp [--step=N] --prompt='import os' \
         [--max_new_tokens=64] [--temperature=0.8 --top_p=0.95 --top_k=50 --seed=0] [--json]
@@ -12,10 +12,8 @@ onto the devices present; prompts are tokenized as its training data was
 the template training used (``data.chat_template``, else the tokenizer's). From
 ``--hf_dir``: the directory's ``config.json``, weights, ``tokenizer.json`` and chat
 template; prompts get the tokenizer's special tokens (BOS), as transformers adds
-them, and are tokenized by tokenizer.json as written, as training tokenizes
-(transformers' AutoTokenizer rebuilds a qwen2 directory's as Qwen2Tokenizer, a
-byte-level BPE, from its vocabulary: the same for Qwen's own files, not for others,
-e.g. a word-level one). Generation stops at ``--max_new_tokens`` or an
+them, by tokenizer.json as written (transformers rebuilds a qwen2 directory's from
+its vocabulary as a byte-level BPE). Generation stops at ``--max_new_tokens`` or an
 end-of-sequence token (``generation_config.json``, else ``config.json``, else the
 tokenizer's). Bad input is one line on stderr, exit code 2.
 """
@@ -129,7 +127,7 @@ def load(workdir: str | None = None, hf_dir: str | None = None, step: int | None
     or of a Hugging Face directory, on ``devices`` (default: all)."""
     if bool(workdir) == bool(hf_dir):
         raise ConfigError("give exactly one of --workdir (a train.py run) and --hf_dir (a "
-                          "Hugging Face Llama directory).")
+                          "Hugging Face model directory).")
     config = source_config(workdir, hf_dir)
     apply_overrides(config, overrides or {})
     n = len(jax.devices() if devices is None else devices)
@@ -302,7 +300,7 @@ def define_flags() -> dict[str, Any]:
     f = flags
     return dict(
         workdir=f.DEFINE_string("workdir", None, "The --workdir of a train.py run."),
-        hf_dir=f.DEFINE_string("hf_dir", None, "A Hugging Face Llama directory (instead of "
+        hf_dir=f.DEFINE_string("hf_dir", None, "A Hugging Face model directory (instead of "
                                "--workdir)."),
         step=f.DEFINE_integer("step", None, "Checkpoint step of --workdir; default: the "
                               "newest."),
@@ -376,7 +374,7 @@ def main(argv: list[str]) -> None:
     try:
         if bool(a["workdir"]) == bool(a["hf_dir"]):
             raise ConfigError("give exactly one of --workdir (a train.py run) and --hf_dir (a "
-                              "Hugging Face Llama directory).")
+                              "Hugging Face model directory).")
         if a["batch_size"] < 1:
             raise ConfigError(f"--batch_size={a['batch_size']} must be >= 1.")
         prompts = read_prompts(a["prompt"], a["prompts_file"])
