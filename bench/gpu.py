@@ -195,7 +195,7 @@ def run_case(case: dict, steps: int) -> dict:
         return dict(row, args_gib=m.argument_size_in_bytes / GiB,
                     temp_gib=m.temp_size_in_bytes / GiB,
                     note=f"compiled for {hw.name}, not run (of {limit / GiB:.1f} GiB)")
-    source = SyntheticSource(exp.model_cfg.vocab_size, case["seq"], 0)
+    source = SyntheticSource(exp.model_cfg.vocab_size, case["seq"], 0, max_runs=exp.max_runs)
     batch_arrays = exp.device_batch(source.rows(0, 0, batch))
     state = exp.init_state()
     for _ in range(2):

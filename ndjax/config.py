@@ -146,8 +146,9 @@ class ModelSettings:
     attn_kv_tile: int = setting(512, ge=1)
     # The most documents one row may hold where the kernel needs a bound: cudnn keeps
     # softmax statistics for max_docs x seq_len per head and layer (a row's padding
-    # counts as one document). A batch with more stops the run, naming this field.
-    attn_max_docs: int = setting(64, ge=1)
+    # counts as one document). The packers then start a new row rather than exceed it.
+    attn_max_docs: int = setting(64, ge=2, hint=" (a row's documents and, after them, its "
+                                                "padding: one each)")
     # A local Hugging Face directory of a supported family (config.json +
     # safetensors): its config.json sets the family and dims above, its weights the
     # initial parameters.

@@ -359,6 +359,13 @@ class Experiment:
                               "contiguous range; use a mesh from ndjax.mesh.build_mesh.")
         return start, stop - start
 
+    @property
+    def max_runs(self) -> int | None:
+        """The most runs of equal segment ids (documents, and a row's padding) that the
+        chosen attention kernel takes in a row, None for any: ``make_loader`` packs
+        every row within it, so ``device_batch``'s check never stops a run."""
+        return attention_ops.KERNELS[self.model_cfg.attn_impl].max_runs(self.model_cfg)
+
     def device_batch(self, batch: dict[str, np.ndarray]) -> Batch:
         """Host numpy batch (this process's ``local_rows``, whole) -> global arrays in
         the batch sharding; each local device gets its block of rows and positions.

@@ -102,7 +102,7 @@ def _eval_batches(exp: Experiment) -> list[Batch]:
     """The first train.eval_steps batches of the validation split, on device. The same
     batches every time, so evaluations are comparable."""
     with make_loader(exp.settings, exp.model_cfg.vocab_size, "eval", rows=exp.local_rows,
-                     prefetch=0) as held_out:
+                     prefetch=0, max_runs=exp.max_runs) as held_out:
         return [exp.device_batch(held_out.batch(i))
                 for i in range(exp.settings.train.eval_steps)]
 
@@ -169,7 +169,7 @@ def train(config: ml_collections.ConfigDict, workdir: str,
         # or is written, so bad data fails fast; a thread then prepares batches
         # (already on the devices) ahead of the steps.
         data = make_loader(s, exp.model_cfg.vocab_size, rows=exp.local_rows,
-                           transform=exp.device_batch)
+                           transform=exp.device_batch, max_runs=exp.max_runs)
         cleanup.callback(data.close)
         # Chat conversations too long for a row (data.overlong), over all processes;
         # known once the shares are read, logged with every step.

@@ -193,6 +193,13 @@ def test_cudnn_refuses_a_batch_with_more_documents_than_its_bound():
         kernel.check_batch(seg, types.SimpleNamespace(attn_max_docs=4))
 
 
+def test_only_cudnn_bounds_the_runs_a_row_may_hold():
+    """What make_loader packs rows within (Experiment.max_runs): cuDNN's room, else none."""
+    cfg = types.SimpleNamespace(attn_max_docs=5)
+    assert {n: k.max_runs(cfg) for n, k in attn.KERNELS.items() if k.max_runs(cfg)} == {
+        "cudnn": 5}
+
+
 @pytest.mark.parametrize("heads, kv_heads", HEADS)
 def test_cudnn_kernel_matches_dense_given_cudnn_semantics(heads, kv_heads, monkeypatch):
     """No GPU here: cuDNN itself is replaced by a plain statement of its packed-row

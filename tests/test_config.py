@@ -69,7 +69,7 @@ BAD = {
     "model.cp_layout": ("striped", r": choose one of"),
     "model.cp_impl": ("ulysses", r": choose one of"),
     "model.attn_kv_tile": (0, r" must be an int >= 1"),
-    "model.attn_max_docs": (-2, r" must be an int >= 1"),
+    "model.attn_max_docs": (1, r" must be an int >= 2"),
     "model.init_from": (3, r" must be a string"),
     "model.family": ("gpt2", r": choose one of"),
     "model.qkv_bias": ("yes", r" must be True or False"),

@@ -1,6 +1,7 @@
 """The loader: per-process shares, determinism, resume from state, the thread."""
 
 import json
+import types
 
 import numpy as np
 import pytest
@@ -10,6 +11,7 @@ from ndjax.data import BATCH_FIELDS, sources
 from ndjax.data.loader import make_loader
 from ndjax.data.prepare import prepare
 from ndjax.errors import ConfigError
+from ndjax.ops import attention
 
 VOCAB = 384
 
@@ -120,3 +122,67 @@ def test_closing_a_loader_with_a_full_queue_returns():
     with make_loader(data_config("synthetic"), VOCAB, prefetch=1) as loader:
         next(loader)
     assert loader._thread is None
+
+
+# ----- a kernel's bound on documents per row (Kernel.max_runs, model.attn_max_docs) ------------
+
+
+def short_docs_config(kind, root, **kwargs):
+    """Documents of 2-9 bytes: rows of 48 tokens hold 6-20 of them."""
+    rng = np.random.default_rng(0)
+    docs = ["".join(rng.choice(list("abcdefgh"), rng.integers(1, 9))) for _ in range(400)]
+    path = write_jsonl(root / "short.jsonl", docs)
+    if kind == "tokens":
+        prepare("jsonl", str(path), str(root / "short.bin"), progress=False)
+        return data_config("tokens", str(root / "short.bin"), seq_len=48, **kwargs)
+    if kind == "synthetic":  # its documents average 96 tokens
+        return data_config("synthetic", seq_len=1024, **kwargs)
+    return data_config("jsonl", str(path), seq_len=48, **kwargs)
+
+
+@pytest.mark.parametrize("kind", ["jsonl", "tokens", "synthetic"])
+def test_every_batch_keeps_within_the_kernels_bound(tmp_path, kind):
+    """The defect: rows held more documents than model.attn_max_docs, and cuDNN's check
+    in the loader thread (Experiment.device_batch) stopped the run at that batch."""
+    config, bound = short_docs_config(kind, tmp_path), 4
+    with make_loader(config, VOCAB, prefetch=0) as free:
+        assert attention.runs_per_row(free.batch(0)["segment_ids"]).max() > bound
+    cudnn = types.SimpleNamespace(attn_max_docs=bound)
+
+    def checked(batch):  # what device_batch does before the batch goes to the devices
+        attention.KERNELS["cudnn"].check_batch(batch["segment_ids"], cudnn)
+        return batch
+
+    with make_loader(config, VOCAB, transform=checked, max_runs=bound) as bounded:
+        batches = [next(bounded) for _ in range(30)]  # the loader thread's batches
+    assert max(attention.runs_per_row(b["segment_ids"]).max() for b in batches) == bound
+    if kind == "tokens":  # an epoch of split windows learns what the windows learned
+        whole, split = free.source, bounded.source
+
+        def learned(source, n):
+            b = source.rows(0, 0, n)
+            keep = b["loss_mask"] > 0
+            return sorted(zip(b["inputs"][keep].tolist(), b["targets"][keep].tolist()))
+
+        assert split.n_rows > whole.n_windows
+        assert learned(split, split.n_rows) == learned(whole, whole.n_windows)
+
+
+@pytest.mark.parametrize("kind", ["jsonl", "tokens", "synthetic"])
+def test_resume_within_a_bound_gives_the_batches_of_an_uninterrupted_run(tmp_path, kind):
+    config = short_docs_config(kind, tmp_path)
+    with make_loader(config, VOCAB, max_runs=3) as run:
+        uninterrupted = [next(run) for _ in range(40)]
+        if kind == "jsonl":  # past the end of every row's first epoch
+            assert all(len(s._firsts) > 2 for s in run.source.slots.values())
+    with make_loader(config, VOCAB, max_runs=3) as first:
+        for _ in range(25):
+            next(first)
+        state = first.get_state()
+    for p in range(2):
+        with make_loader(config, VOCAB, process_index=p, process_count=2,
+                         max_runs=3) as resumed:
+            resumed.set_state(state)
+            for step in range(25, 40):
+                assert_same(next(resumed), {k: v[p * 4:p * 4 + 4]
+                                            for k, v in uninterrupted[step].items()})

@@ -1,11 +1,15 @@
 """Packing: documents -> rows and back; segment ids, positions and loss mask at boundaries."""
 
+import hashlib
+
 import numpy as np
 import pytest
 
 from ndjax.data import BATCH_FIELDS
-from ndjax.data.packing import packed_fields, segments_from_eos, unpack
-from ndjax.data.streams import TextRows, permute
+from ndjax.data.packing import pack_bins, packed_fields, segments_from_eos, unpack
+from ndjax.data.streams import ChatRows, TextRows, permute
+from ndjax.data.synthetic import SyntheticSource
+from ndjax.ops.attention import runs_per_row
 
 EOS, PAD = 0, 99
 
@@ -114,3 +118,81 @@ def test_permute_is_a_bijection(n):
     np.testing.assert_array_equal(np.sort(out), np.arange(n))
     if n > 8:
         assert (out != np.arange(n)).mean() > 0.5
+
+
+# ----- rows within a bound on runs per row (an attention kernel's, Kernel.max_runs) ------------
+
+
+def digest(batches) -> str:
+    h = hashlib.sha256()
+    for batch in batches:
+        for k in BATCH_FIELDS:
+            h.update(np.ascontiguousarray(batch[k]).tobytes())
+    return h.hexdigest()[:16]
+
+
+def test_without_a_bound_rows_are_as_before_the_bound_existed():
+    """The digests of rows made before packers took a bound: with none, nothing changed."""
+    rng = np.random.default_rng(4)
+    text = TextRows({0: _docs(rng, 40, 1, 12), 3: _docs(rng, 40, 1, 30)}, 16, 2, EOS, PAD)
+    convs = [(d, np.arange(len(d)) % 2) for d in _docs(rng, 30, 2, 14)]
+    chat = ChatRows({0: convs[:15], 1: convs[15:]}, 16, 1, PAD)
+    synthetic = SyntheticSource(300, 64, 5)
+    steps = (0, 1, 7, 50)
+    got = [digest(text.rows(t, 0, 1) for t in steps), digest(text.rows(t, 3, 1) for t in steps),
+           digest(chat.rows(t, 0, 2) for t in steps),
+           digest(synthetic.rows(t, 1, 3) for t in steps),
+           str(pack_bins([5, 3, 9, 2, 7, 7, 1, 4], 10, [3, 1, 0, 7, 2, 6, 5, 4]))]
+    assert got == ["c3302f1838c99fb5", "1f15cfc18b142c9d", "5c557aff8b4afe74",
+                   "4515080d3363b582", "[[3, 1, 0], [7, 6], [2], [5], [4]]"], got
+
+
+def _numbered_docs(rng, n, low, high):
+    """Documents of distinct tokens (100, 101, ...): every token says where it came from."""
+    cuts = np.cumsum(rng.integers(low, high, n))
+    return np.split(np.arange(100, 100 + cuts[-1]), cuts[:-1])
+
+
+def _learned(batches):
+    """The (input, target) pairs the loss counts, sorted."""
+    pairs = [(int(i), int(t)) for b in batches
+             for i, t in zip(b["inputs"][b["loss_mask"] > 0], b["targets"][b["loss_mask"] > 0])]
+    return sorted(pairs)
+
+
+@pytest.mark.parametrize("bound", [2, 3, 5])
+def test_packed_rows_within_a_bound_hold_every_token_once(bound):
+    rng = np.random.default_rng(3)
+    docs = _numbered_docs(rng, 80, 1, 8)  # 2-8 tokens with EOS: ~8 documents in a row of 32
+    rows = TextRows({0: docs}, 32, 4, EOS, PAD, max_runs=bound)
+    n = len(rows.slots[0].layout(0))
+    epoch = [rows.rows(t, 0, 1) for t in range(n)]
+    assert max(runs_per_row(b["segment_ids"]).max() for b in epoch) == bound
+    inputs = np.concatenate([b["inputs"][b["segment_ids"] > 0] for b in epoch])
+    # Every token of the epoch an input once (the stream's last, an EOS, perhaps not) ...
+    np.testing.assert_array_equal(np.sort(inputs[inputs != EOS]), np.concatenate(docs))
+    assert (inputs == EOS).sum() in (len(docs) - 1, len(docs))
+    # ... and every pair of a document (its EOS included) learned once.
+    assert _learned(epoch) == sorted((int(a), int(b)) for d in docs
+                                     for a, b in zip(d, np.append(d[1:], EOS)))
+    for b in epoch:  # padding only at the end, and as before: segment 0, nothing learned
+        seg = b["segment_ids"][0]
+        assert (np.diff((seg == 0).astype(int)) >= 0).all()
+        assert (b["loss_mask"][0][seg == 0] == 0).all() and (b["inputs"][0][seg == 0] == PAD).all()
+    # Random access: a step three epochs on, asked first, is the one reached by walking there.
+    far = [rows.rows(t, 0, 1) for t in range(3 * n + 5)][-1]
+    fresh = TextRows({0: docs}, 32, 4, EOS, PAD, max_runs=bound).rows(3 * n + 4, 0, 1)
+    assert digest([far]) == digest([fresh])
+
+
+def test_conversations_and_synthetic_rows_within_a_bound():
+    rng = np.random.default_rng(5)
+    convs = [(d, np.ones(len(d), np.uint8)) for d in _numbered_docs(rng, 60, 2, 6)]
+    rows = ChatRows({0: convs}, 32, 1, PAD, max_runs=3)
+    bins = rows.slots[0][1]
+    assert max(len(b) for b in bins) == 2  # and the padding after them: 3 runs
+    assert sorted(c for b in bins for c in b) == list(range(len(convs)))
+    epoch = [rows.rows(t, 0, 1) for t in range(len(bins))]
+    assert max(runs_per_row(b["segment_ids"]).max() for b in epoch) <= 3
+    synthetic = SyntheticSource(300, 512, 0, mean_doc_len=8, max_runs=6).rows(0, 0, 4)
+    np.testing.assert_array_equal(runs_per_row(synthetic["segment_ids"]), [6] * 4)

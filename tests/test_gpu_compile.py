@@ -239,6 +239,37 @@ def test_one_row_on_several_gpus_takes_pallas_and_compiles():
         Experiment.from_config(c, gpu_target.devices(H100, 2))
 
 
+@needs_extra
+def test_the_kernels_bound_reaches_the_loader_of_a_gpu_run(tmp_path, monkeypatch):
+    """model.attn_max_docs reaches make_loader (train and eval) where cuDNN runs, so its
+    rows are packed within it; no bound where the kernel needs none."""
+    from ndjax import loop
+
+    def config(impl):
+        return tiny_config(mesh=dict(fsdp=2), model={**SMALL, "attn_impl": impl,
+                                                     "attn_max_docs": 5},
+                           train=dict(batch_size=2, seq_len=512, eval_every=1))
+
+    got = []
+
+    class Stop(Exception):
+        pass
+
+    def make_loader(*args, max_runs=None, **kwargs):
+        got.append(max_runs)
+        raise Stop  # the run goes no further than its data here
+
+    monkeypatch.setattr(loop, "make_loader", make_loader)
+    for impl in ("cudnn", "pallas"):
+        exp = Experiment.from_config(config(impl), gpu_target.devices(H100, 2))
+        assert exp.max_runs == (5 if impl == "cudnn" else None)
+        with pytest.raises(Stop):
+            loop.train(config(impl), str(tmp_path / impl), gpu_target.devices(H100, 2))
+        with pytest.raises(Stop):
+            loop._eval_batches(exp)
+    assert got == [5, 5, None, None]
+
+
 def _gathered(compiled):
     return sorted((c.kind, c.bytes, c.executed) for c in collectives(compiled.as_text())
                   if c.kind == "all-gather")

@@ -168,8 +168,8 @@ def process_rows(batch_size: int, process_index: int | None = None,
     return index * per_process, per_process
 
 
-def _text_rows(config: Settings, tok: Tokenizer, split: str,
-               slots: range) -> tuple[TextRows, int]:
+def _text_rows(config: Settings, tok: Tokenizer, split: str, slots: range,
+               max_runs: int | None) -> tuple[TextRows, int]:
     """Reads and tokenizes the shares of ``slots`` only; checks each is long enough."""
     d, t = config.data, config.train
     field = _files_field(split)
@@ -189,12 +189,13 @@ def _text_rows(config: Settings, tok: Tokenizer, split: str,
                 f"{corpus.total} and gets {tokens} tokens in {len(docs[j])} document(s), fewer "
                 f"than one row (train.seq_len={t.seq_len} + 1). Use more data or a smaller "
                 "batch_size or seq_len.")
-    rows = TextRows(docs, t.seq_len, t.seed, tok.eos_id, tok.pad_id, packing=d.packing)
+    rows = TextRows(docs, t.seq_len, t.seed, tok.eos_id, tok.pad_id, packing=d.packing,
+                    max_runs=max_runs)
     return rows, corpus.fingerprint()
 
 
-def _chat_rows(config: Settings, tok: Tokenizer, split: str,
-               slots: range) -> tuple[ChatRows, int]:
+def _chat_rows(config: Settings, tok: Tokenizer, split: str, slots: range,
+               max_runs: int | None) -> tuple[ChatRows, int]:
     """Renders, tokenizes and fits the conversations of ``slots`` only; checks each slot
     keeps at least one."""
     d, t = config.data, config.train
@@ -222,7 +223,8 @@ def _chat_rows(config: Settings, tok: Tokenizer, split: str,
                 f"{dropped[j]} of them are longer than train.seq_len={t.seq_len} + 1 tokens "
                 f"(data.overlong={d.overlong!r}). Use more data, a smaller batch_size, a larger "
                 "seq_len or data.overlong=truncate.")
-    rows = ChatRows(convs, t.seq_len, t.seed, tok.pad_id, packing=d.packing, dropped=dropped)
+    rows = ChatRows(convs, t.seq_len, t.seed, tok.pad_id, packing=d.packing, dropped=dropped,
+                    max_runs=max_runs)
     # The rendering decides the tokens, so a changed template or policy changes the batches.
     key = f"{corpus.fingerprint()}:{template.text}:{d.overlong}:{d.packing}"
     return rows, zlib.crc32(key.encode())
@@ -249,8 +251,14 @@ def make_loader(config: Settings | ml_collections.ConfigDict, vocab_size: int,
                 rows: tuple[int, int] | None = None,
                 process_index: int | None = None, process_count: int | None = None,
                 prefetch: int | None = None,
-                transform: Callable[[dict[str, np.ndarray]], Any] | None = None) -> Loader:
+                transform: Callable[[dict[str, np.ndarray]], Any] | None = None,
+                max_runs: int | None = None) -> Loader:
     """This process's loader for ``split`` ('train' or 'eval'); reads its share now.
+
+    ``max_runs`` (``Experiment.max_runs``: the attention kernel's bound, e.g. cuDNN's
+    model.attn_max_docs) is the most runs of equal segment ids a row may hold, the
+    padding at its end counted as one: the packers close a row rather than exceed
+    it. None: no bound, and the rows of before.
 
     ``rows`` is ``(start, count)`` of the global batch rows this process feeds
     (``Experiment.local_rows``); without it, the batch is split evenly by
@@ -262,22 +270,27 @@ def make_loader(config: Settings | ml_collections.ConfigDict, vocab_size: int,
     config = as_settings(config)
     check_config(config, vocab_size)
     d, t = config.data, config.train
+    if max_runs is not None and max_runs < 2:
+        raise ValueError(f"max_runs={max_runs}: a row needs room for a document and the "
+                         "padding after it")  # model.attn_max_docs >= 2 (ndjax.config)
     start, count = rows or process_rows(t.batch_size, process_index, process_count)
     fingerprint = 0
     if d.source == "synthetic":
         source: RowSource = SyntheticSource(vocab_size, t.seq_len, t.seed,
-                                            split=int(split != "train"))
+                                            split=int(split != "train"), max_runs=max_runs)
     elif d.source == "tokens":
         field = _files_field(split)
         files = sources.open_token_files(_files(config, split), field, d.token_dtype)
-        eos = _token_eos(files, _tokenizer(config, vocab_size), field)
-        source = TokenRows(files, t.seq_len, t.batch_size, t.seed, eos, vocab_size, field)
+        tok = _tokenizer(config, vocab_size)
+        eos = _token_eos(files, tok, field)
+        source = TokenRows(files, t.seq_len, t.batch_size, t.seed, eos, vocab_size, field,
+                           max_runs=max_runs, pad_id=tok.pad_id)
         fingerprint = sources.Corpus("tokens", tuple(f.path for f in files),
                                      tuple(f.n_tokens for f in files), field, "").fingerprint()
     else:
         make_rows = _chat_rows if d.source == "chat" else _text_rows
         source, fingerprint = make_rows(config, _tokenizer(config, vocab_size), split,
-                                        range(start, start + count))
+                                        range(start, start + count), max_runs)
     state_key = {"batch_size": t.batch_size, "seq_len": t.seq_len, "seed": t.seed,
                  "corpus": fingerprint}
     return Loader(source, start, count, state_key,

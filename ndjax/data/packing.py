@@ -70,10 +70,11 @@ def padded_fields(pieces: Sequence[np.ndarray], seq_len: int, pad_id: int
     }
 
 
-def pack_bins(lengths: Sequence[int], capacity: int, order: Sequence[int]) -> list[list[int]]:
+def pack_bins(lengths: Sequence[int], capacity: int, order: Sequence[int],
+              max_items: int | None = None) -> list[list[int]]:
     """Items of ``lengths`` (each <= ``capacity``) taken in ``order`` into bins of
     ``capacity``, best fit: each goes into the fullest bin it fits in, or a new one.
-    Deterministic for a given order."""
+    A bin of ``max_items`` items takes no more. Deterministic for a given order."""
     room: list[tuple[int, int]] = []  # (space left, bin), sorted; bins with space for 2+ tokens
     bins: list[list[int]] = []
     for i in order:
@@ -85,9 +86,38 @@ def pack_bins(lengths: Sequence[int], capacity: int, order: Sequence[int]) -> li
         else:
             left, b = capacity, len(bins)
             bins.append([int(i)])
-        if left - n >= 2:  # a conversation of fewer than 2 tokens has no target
+        # A conversation of fewer than 2 tokens has no target.
+        if left - n >= 2 and (max_items is None or len(bins[b]) < max_items):
             bisect.insort(room, (left - n, b))
     return bins
+
+
+def bounded_rows(ends: Sequence[int], seq_len: int, max_runs: int) -> np.ndarray:
+    """Rows ``(n, 2)`` of ``[start, stop)`` offsets (at most ``seq_len + 1`` tokens) of a
+    stream of documents ending at ``ends`` (increasing; the last is the stream's
+    length), each row's inputs (all its tokens but a full row's last) holding at
+    most ``max_runs`` >= 2 runs: documents, or pieces of them, and the padding after
+    a short row. Windows at stride ``seq_len``, as without a bound, except that a
+    window touching too many documents ends after ``max_runs - 1`` of them (then
+    padded) and the next row starts at the next document. Every token but the
+    stream's last is an input once, and every target a window would learn is
+    learned once (the first token of a document is never one), the stream's tail
+    included, in a padded row."""
+    ends = [int(x) for x in ends]
+    total, rows, at = ends[-1], [], 0
+    while total - at >= 2:  # a row needs a target
+        stop = min(at + seq_len + 1, total)
+        inputs = min(stop - at, seq_len)
+        first = bisect.bisect_right(ends, at)
+        runs = bisect.bisect_right(ends, at + inputs - 1) - first + 1 + (inputs < seq_len)
+        if runs <= max_runs:
+            rows.append((at, stop))
+            at += inputs
+        else:  # room for max_runs - 1 documents and the padding after them
+            stop = ends[first + max_runs - 2]
+            rows.append((at, stop))
+            at = stop
+    return np.array(rows, np.int64).reshape(-1, 2)
 
 
 def chat_fields(tokens: np.ndarray, docs: np.ndarray, mask: np.ndarray) -> dict[str, np.ndarray]:

@@ -19,16 +19,26 @@ processes, and resuming is just asking for the next step.
 - ``TokenRows``: windows of ``L+1`` tokens of pre-tokenized files at stride
   ``L``; global row ``g = step*batch_size + j`` is window ``permute(g mod n)``
   of epoch ``g // n``, a seeded bijection, so every window is seen once per epoch.
+
+With ``max_runs`` (an attention kernel's bound, ``Kernel.max_runs``) every row holds
+at most that many runs of one segment id, its padding counted as one: text streams
+are laid out per epoch by ``bounded_rows`` (a row ends after ``max_runs - 1``
+documents and is padded where the window would touch more), conversations go
+``max_runs - 1`` to a bin at most, token files' windows that touch too many
+documents are split into such rows when the source is built, and synthetic rows
+let their last document fill the row. Without it the rows are as they always were.
 """
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Mapping, Sequence
 from typing import Protocol
 
 import numpy as np
 
 from ndjax.data.packing import (
+    bounded_rows,
     chat_fields,
     pack_bins,
     packed_fields,
@@ -112,7 +122,12 @@ class _Slot:
         e, i = divmod(t, n_windows)
         order, ends = self.epoch(e, len(self.lengths))
         offset = int(permute(np.array([i]), n_windows, [*self.key, e, 1])[0]) * seq_len
-        width = seq_len + 1
+        return self.take(order, ends, offset, seq_len + 1)
+
+    def take(self, order: np.ndarray, ends: np.ndarray, offset: int, width: int
+             ) -> tuple[np.ndarray, np.ndarray]:
+        """``width`` tokens of the stream in ``order`` from ``offset``, and a document key
+        (its place in the order) per token."""
         first = int(np.searchsorted(ends, offset, side="right"))
         tokens, docs = [], []
         for k in range(first, len(order)):  # the documents the window overlaps, in order
@@ -126,6 +141,43 @@ class _Slot:
             if width == 0:
                 break
         return np.concatenate(tokens), np.concatenate(docs)
+
+
+class _BoundedSlot(_Slot):
+    """Packed rows of at most ``max_runs`` runs (``bounded_rows``): each epoch's stream is
+    laid out into rows, which visit in a seeded order as windows do. How many rows an
+    epoch has depends on its document order, so a step finds its epoch by counting
+    the rows of the epochs before it (once; a resumed run lays those out again)."""
+
+    def __init__(self, docs: Sequence[np.ndarray], key: Sequence[int], eos_id: int,
+                 seq_len: int, max_runs: int, pad_id: int):
+        super().__init__(docs, key, eos_id)
+        self.seq_len, self.max_runs, self.pad_id = seq_len, max_runs, pad_id
+        self._layouts: dict[int, np.ndarray] = {}
+        self._firsts = [0]  # the first step of epochs 0, 1, ...: as far as laid out
+
+    def layout(self, e: int) -> np.ndarray:
+        cached = self._layouts.get(e)
+        if cached is None:
+            for old in sorted(self._layouts)[:-1]:
+                self._layouts.pop(old, None)
+            ends = self.epoch(e, len(self.lengths))[1]
+            cached = self._layouts[e] = bounded_rows(ends, self.seq_len, self.max_runs)
+        return cached
+
+    def row(self, t: int, seq_len: int) -> tuple[np.ndarray, np.ndarray]:
+        """Row ``t``, padded to ``seq_len + 1`` tokens; the padding's key is -1."""
+        while self._firsts[-1] <= t:
+            self._firsts.append(self._firsts[-1] + len(self.layout(len(self._firsts) - 1)))
+        e = bisect.bisect_right(self._firsts, t) - 1
+        rows = self.layout(e)
+        i = int(permute(np.array([t - self._firsts[e]]), len(rows), [*self.key, e, 1])[0])
+        start, stop = (int(x) for x in rows[i])
+        order, ends = self.epoch(e, len(self.lengths))
+        tokens, docs = self.take(order, ends, start, stop - start)
+        pad = seq_len + 1 - len(tokens)
+        return (np.concatenate([tokens, np.full(pad, self.pad_id, tokens.dtype)]),
+                np.concatenate([docs, np.full(pad, -1, np.int64)]))
 
 
 class _PaddedSlot(_Slot):
@@ -161,12 +213,19 @@ class TextRows:
     """
 
     def __init__(self, docs: Mapping[int, Sequence[np.ndarray]], seq_len: int, seed: int,
-                 eos_id: int, pad_id: int, packing: bool = True):
+                 eos_id: int, pad_id: int, packing: bool = True, max_runs: int | None = None):
         self.seq_len, self.pad_id, self.packing = seq_len, pad_id, packing
-        self.slots: dict[int, _Slot] = {
-            j: (_Slot(d, [seed, j], eos_id) if packing
-                else _PaddedSlot(d, [seed, j], eos_id, seq_len))
-            for j, d in docs.items()}
+        # Only packed rows need the bound: an unpacked row holds a piece and its padding.
+        self.bounded = packing and max_runs is not None
+
+        def slot(j: int, d: Sequence[np.ndarray]) -> _Slot:
+            if not packing:
+                return _PaddedSlot(d, [seed, j], eos_id, seq_len)
+            if max_runs is None:
+                return _Slot(d, [seed, j], eos_id)
+            return _BoundedSlot(d, [seed, j], eos_id, seq_len, max_runs, pad_id)
+
+        self.slots: dict[int, _Slot] = {j: slot(j, d) for j, d in docs.items()}
 
     def rows(self, step: int, start: int, count: int) -> dict[str, np.ndarray]:
         missing = sorted(set(range(start, start + count)) - set(self.slots))
@@ -176,8 +235,10 @@ class TextRows:
         if not self.packing:
             return padded_fields([s.piece(step) for s in slots], self.seq_len, self.pad_id)
         windows = [s.row(step, self.seq_len) for s in slots]
-        return packed_fields(np.stack([w[0] for w in windows]),
-                             np.stack([w[1] for w in windows]))
+        tokens, docs = np.stack([w[0] for w in windows]), np.stack([w[1] for w in windows])
+        if self.bounded:  # rows may end in padding, keyed -1
+            return chat_fields(tokens, docs, (docs >= 0).astype(np.uint8))
+        return packed_fields(tokens, docs)
 
 
 class ChatRows:
@@ -191,13 +252,15 @@ class ChatRows:
 
     def __init__(self, convs: Mapping[int, Sequence[tuple[np.ndarray, np.ndarray]]],
                  seq_len: int, seed: int, pad_id: int, packing: bool = True,
-                 dropped: Mapping[int, int] | None = None):
+                 dropped: Mapping[int, int] | None = None, max_runs: int | None = None):
         self.seq_len, self.seed, self.pad_id = seq_len, seed, pad_id
         self.dropped = dict(dropped or {})
         self.slots = {}
         for j, c in convs.items():
             order = np.random.default_rng([seed, j, 0xC4A7]).permutation(len(c))
-            bins = (pack_bins([len(ids) for ids, _ in c], seq_len + 1, order) if packing
+            # max_runs - 1 conversations leave a run for the padding after them.
+            most = None if max_runs is None else max_runs - 1
+            bins = (pack_bins([len(ids) for ids, _ in c], seq_len + 1, order, most) if packing
                     else [[int(i)] for i in order])
             self.slots[j] = (list(c), bins)
 
@@ -232,7 +295,8 @@ class TokenRows:
     """
 
     def __init__(self, files: Sequence[TokenFile], seq_len: int, batch_size: int, seed: int,
-                 eos_id: int, vocab_size: int, field: str):
+                 eos_id: int, vocab_size: int, field: str, max_runs: int | None = None,
+                 pad_id: int = 0):
         self.files, self.seq_len, self.batch_size = list(files), seq_len, batch_size
         self.seed, self.eos_id, self.vocab_size, self.field = seed, eos_id, vocab_size, field
         self.arrays = [f.array() for f in self.files]  # memory maps: nothing read yet
@@ -240,14 +304,43 @@ class TokenRows:
         self.ends = np.cumsum(per_file)
         self.per_file = per_file
         self.n_windows = int(self.ends[-1])
+        # With a bound, the windows are split up front (file, start, stop per row): this
+        # reads every file once, here, where the documents are known only by their EOS.
+        self.pad_id = pad_id
+        self.split = None if max_runs is None else self._split(max_runs)
+        self.n_rows = self.n_windows if self.split is None else len(self.split)
+
+    def _split(self, max_runs: int) -> np.ndarray:
+        """Each window whose inputs touch more than ``max_runs`` documents split into rows
+        of ``bounded_rows`` (the window's tokens, the target-only last one included, as
+        its stream); the others whole."""
+        L, out = self.seq_len, []
+        block = max(1, (1 << 24) // L)  # windows read at a time
+        for f, (arr, n) in enumerate(zip(self.arrays, self.per_file)):
+            for k0 in range(0, int(n), block):
+                k1 = min(int(n), k0 + block)
+                eos = np.asarray(arr[k0 * L:k1 * L + 1]) == self.eos_id
+                runs = 1 + eos[:(k1 - k0) * L].reshape(-1, L)[:, :L - 1].sum(1)
+                at = np.arange(k0, k1, dtype=np.int64) * L
+                whole = np.stack([np.full_like(at, f), at, at + L + 1], 1)
+                done = 0
+                for w in np.flatnonzero(runs > max_runs):
+                    ends = np.union1d(np.flatnonzero(eos[w * L:w * L + L + 1]) + 1, [L + 1])
+                    rows = bounded_rows(ends, L, max_runs) + at[w]
+                    out += [whole[done:w], np.concatenate([np.full((len(rows), 1), f), rows], 1)]
+                    done = w + 1
+                out.append(whole[done:])
+        return np.concatenate(out).astype(np.int64)
 
     def rows(self, step: int, start: int, count: int) -> dict[str, np.ndarray]:
         g = step * self.batch_size + np.arange(start, start + count, dtype=np.int64)
-        epoch, index = g // self.n_windows, g % self.n_windows
+        epoch, index = g // self.n_rows, g % self.n_rows
         window = np.empty_like(index)
         for e in np.unique(epoch):
             sel = epoch == e
-            window[sel] = permute(index[sel], self.n_windows, [self.seed, 0x70C5, int(e)])
+            window[sel] = permute(index[sel], self.n_rows, [self.seed, 0x70C5, int(e)])
+        if self.split is not None:
+            return self._split_rows(self.split[window])
         file = np.searchsorted(self.ends, window, side="right")
         local = window - (self.ends[file] - self.per_file[file])
         L = self.seq_len
@@ -261,3 +354,20 @@ class TokenRows:
                 f"{local[r] * L + c} is not below model.vocab_size={self.vocab_size}; the file "
                 "was made with another tokenizer, or model.vocab_size is too small.")
         return packed_fields(tokens, segments_from_eos(tokens, self.eos_id))
+
+    def _split_rows(self, rows: np.ndarray) -> dict[str, np.ndarray]:
+        """The fields of rows ``(file, start, stop)``, padded after ``stop``."""
+        width = self.seq_len + 1
+        tokens = np.full((len(rows), width), self.pad_id, np.int64)
+        docs = np.full((len(rows), width), -1, np.int64)
+        for r, (f, a, z) in enumerate(rows):
+            real = np.asarray(self.arrays[f][a:z], np.int64)
+            bad = np.flatnonzero((real < 0) | (real >= self.vocab_size))
+            if bad.size:
+                raise ConfigError(
+                    f"{self.field}: {self.files[f].path}: token id {real[bad[0]]} at token "
+                    f"{a + bad[0]} is not below model.vocab_size={self.vocab_size}; the file "
+                    "was made with another tokenizer, or model.vocab_size is too small.")
+            tokens[r, :z - a] = real
+            docs[r, :z - a] = segments_from_eos(real[None], self.eos_id)[0]
+        return chat_fields(tokens, docs, (docs >= 0).astype(np.uint8))

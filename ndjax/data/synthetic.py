@@ -22,8 +22,9 @@ EOS = 0
 class SyntheticSource:
     def __init__(self, vocab_size: int, seq_len: int, seed: int, *,
                  follow: float = 0.9, mean_doc_len: int = 96, alphabet: int = 255,
-                 split: int = 0):
+                 split: int = 0, max_runs: int | None = None):
         self.vocab_size, self.seq_len, self.seed, self.split = vocab_size, seq_len, seed, split
+        self.max_runs = max_runs  # documents per row at most: the last one fills the row
         self.follow, self.mean_doc_len = follow, mean_doc_len
         self.alphabet = min(alphabet, vocab_size - 1)  # tokens 1..alphabet; 0 is EOS
         perm = np.random.default_rng([seed, 0x5EED]).permutation(self.alphabet)
@@ -50,6 +51,8 @@ class SyntheticSource:
         pos, d = 0, 0
         while pos < n:
             end = min(pos + int(lengths[d]) + 1, n)  # document body then EOS
+            if d + 1 == self.max_runs:
+                end = n
             tok = noise[pos]
             for t in range(pos, end - 1):
                 tokens[t] = tok

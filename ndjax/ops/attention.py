@@ -264,9 +264,16 @@ class Kernel:
     def permutation(self, site: Site) -> np.ndarray | None:
         return None
 
+    def max_runs(self, cfg: Any) -> int | None:
+        """The most runs of equal segment ids (the padding at a row's end counted as
+        one) that a row may hold for this kernel, or None where any number is fine.
+        The data's packers close a row rather than exceed it (``make_loader``)."""
+        return None
+
     def check_batch(self, segment_ids: np.ndarray, cfg: Any) -> None:
         """Raises ConfigError where a batch's rows (host-side segment ids, b x s)
-        are beyond what the compiled kernel makes room for."""
+        are beyond what the compiled kernel makes room for: a defensive check, since
+        the packers keep rows within ``max_runs``."""
 
     def __call__(self, q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array,
                  cfg: Any, spec: AttentionSpec = AttentionSpec()) -> jax.Array:
@@ -570,7 +577,8 @@ def segment_runs(segment_ids: jax.Array, max_runs: int) -> tuple[jax.Array, jax.
 
     ``max_runs`` sizes cuDNN's saved softmax statistics, (b x max_runs, heads, s)
     float32 per layer: room for every possible run (s) would make them O(s^2). A row
-    with more runs is refused on the host (``Cudnn.check_batch``) before it gets here."""
+    with more runs is never packed (``Kernel.max_runs``), and refused on the host
+    (``Cudnn.check_batch``) before it gets here."""
     b, s = segment_ids.shape
     first = jnp.ones((b, 1), bool)
     is_start = jnp.concatenate([first, segment_ids[:, 1:] != segment_ids[:, :-1]], axis=1)
@@ -657,6 +665,10 @@ class Cudnn(Kernel):
                 f"{_field(self.name)} cannot be partitioned over {site.devices} devices with "
                 "one row per micro-batch (jax's cuDNN sharding rule fails for it). Use "
                 "train.batch_size / train.grad_accum >= 2, or model.attn_impl='pallas'.")
+
+    def max_runs(self, cfg):
+        # The rows of cuDNN's saved softmax statistics that the compiled step makes.
+        return cfg.attn_max_docs
 
     def check_batch(self, segment_ids, cfg):
         runs = runs_per_row(segment_ids)
