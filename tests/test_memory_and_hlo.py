@@ -141,3 +141,19 @@ def test_fsdp_reduce_scatters_every_weight_gradient_in_f32():
         g = np.asarray(g, np.float32)
         exact = np.mean(g == g.astype(jnp.bfloat16).astype(np.float32))
         assert exact < 0.2, (jax.tree_util.keystr(path), exact)
+
+
+def test_a_small_models_init_compiles_quickly_on_cpu(monkeypatch):
+    """The init runs once: on a CPU, for a small model, XLA compiles it with LLVM's
+    optimisations off (seconds less to the first step); the train step, never."""
+    from ndjax import compiler
+    used = []
+    real = compiler.compile_step
+    monkeypatch.setattr(compiler, "compile_step", lambda lowered, options=None, platform=None:
+                        used.append(options) or real(lowered, options, platform))
+    exp = Experiment.from_config(tiny_config(), jax.devices()[:1])
+    exp.compiled_init  # noqa: B018
+    exp.compiled_step  # noqa: B018
+    assert used == [compiler.CPU_QUICK_OPTIONS, None]
+    assert compiler.init_options("cpu", compiler.CPU_QUICK_INIT_MAX_PARAMS + 1) == {}
+    assert compiler.init_options("gpu", 1000) == {}
