@@ -75,6 +75,7 @@ def child(out_path: str, argv: list[str]) -> None:
     monitoring.register_event_time_span_listener(on_span)
     monitoring.register_event_listener(on_event)
     marks: dict[str, float] = {}
+    reads: list[tuple[int, float, float]] = []
 
     class Marks(Hook):
         def start(self, trainer: Any) -> None:
@@ -88,6 +89,12 @@ def child(out_path: str, argv: list[str]) -> None:
             if step == trainer.first_step:
                 jax.block_until_ready(outputs)  # step 1 done, not only dispatched
                 marks["step"] = time.time()
+
+        def on_metrics(self, trainer: Any, step: int, values: dict[str, Any]) -> None:
+            # Wall and this process's CPU seconds at each read: where the wall time
+            # grows and the CPU time does not, something else had the cores.
+            cpu = os.times()
+            reads.append((step, time.time(), cpu.user + cpu.system))
 
     train = ndjax.loop.train
 
@@ -104,7 +111,7 @@ def child(out_path: str, argv: list[str]) -> None:
             raise
     with open(out_path, "w") as f:
         json.dump({"spawned": started, "child": _SPAWNED, "imported": imported, **marks,
-                   "spans": spans, "counts": counts}, f)
+                   "spans": spans, "counts": counts, "reads": reads}, f)
 
 
 # ----- the parent: runs, rounds, the table ---------------------------------------------
@@ -211,6 +218,10 @@ def report(runs: dict[str, list[dict[str, Any]]], stability: bool) -> None:
                 times = t["step_times"][1:]
                 print(f"{m}: median {_median(times):.3f} min {min(times):.3f} "
                       f"max {max(times):.3f}: " + " ".join(f"{x:.2f}" for x in times))
+                r = t["reads"][1:]
+                cores = [(c1 - c0) / (w1 - w0) for (_, w0, c0), (_, w1, c1) in zip(r, r[1:])]
+                print(f"{m}: cores busy for this process between reads: "
+                      + " ".join(f"{x:.2f}" for x in cores))
 
 
 def main() -> None:
