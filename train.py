@@ -51,9 +51,12 @@ def main(argv: list[str]) -> None:
     except BAD_OVERRIDE as e:
         _fail(f"bad --config override: {innermost(e)}")
 
-    from ndjax import distributed
+    from ndjax import distributed, xla_cache
     from ndjax.errors import ConfigError
     try:
+        # Before anything compiles: a second run of the same step loads it.
+        # (distributed.initialize may turn it off again: multi-process CPU runs.)
+        xla_cache.configure(config.runtime.get("compilation_cache", xla_cache.AUTO))
         # Before anything creates a JAX backend: the CPU device count, and the
         # other processes of a multi-process run.
         distributed.initialize(config.runtime, on_timeout=lambda m: _fail(m, exit=os._exit))

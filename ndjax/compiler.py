@@ -40,6 +40,9 @@ On CPUs one option keeps remat working on unrolled layers:
 The process's memory allocator on a CPU-only host is set up by ``ndjax.cpu_malloc``
 when ndjax is imported; XLA's other CPU options are left at their defaults
 (``bench/cpu_vs_torch.py`` measured the candidates: see BENCHMARKS.md).
+
+The state's init runs once, so on a CPU it is compiled for compile time rather than
+run time when the model is small (``init_options``): ``bench/first_step.py``.
 """
 
 from __future__ import annotations
@@ -93,6 +96,29 @@ def options(platform: str | None = None, env: dict[str, str] | None = None) -> d
                              "commas, or none.")
         chosen[name.strip().removeprefix("--")] = _parse(value)
     return {k: v for k, v in chosen.items() if f"--{k}=" not in xla_flags}
+
+
+# LLVM's optimisations off (as the planner measures: ndjax.planner.MEASURE_OPTIONS).
+CPU_QUICK_OPTIONS: dict[str, Any] = {"xla_backend_optimization_level": 0,
+                                     "xla_llvm_disable_expensive_passes": True}
+# Below this many parameters the init compiles quickly rather than runs quickly. Its
+# compile time hardly depends on the model's size, its run time grows with it: for
+# the 6M-parameter model of bench/first_step.py the quick options compile the init
+# in ~1 s instead of ~5-7 s and run it in ~0.4 s instead of ~0.1 s (2 shared cores),
+# so they stop paying at roughly 100M parameters.
+CPU_QUICK_INIT_MAX_PARAMS = 50_000_000
+
+
+def init_options(platform: str, n_params: int) -> dict[str, Any]:
+    """Compile options of the state's init (random parameters, zero moments): on a
+    CPU, for a small model, ``CPU_QUICK_OPTIONS``. The random numbers are the same
+    bits (threefry is integer arithmetic); the float transforms of them (normal,
+    truncated normal) may round differently in the last bit, ~4% of values by
+    1 ulp, which is no model's concern. Elsewhere: XLA's defaults (the step's
+    overlap options would schedule collectives an init does not have)."""
+    if platform == "cpu" and n_params <= CPU_QUICK_INIT_MAX_PARAMS:
+        return dict(CPU_QUICK_OPTIONS)
+    return {}
 
 
 def compile_step(lowered: jax.stages.Lowered,

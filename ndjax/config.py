@@ -210,6 +210,13 @@ class RuntimeSettings:
     init_timeout: int = setting(300, ge=1)
     # A process silent for this many seconds is declared dead and the others stop.
     heartbeat_timeout: int = setting(100, ge=1)
+    # jax's persistent compilation cache for train.py runs (ndjax.xla_cache): auto
+    # ($JAX_COMPILATION_CACHE_DIR, else ~/.cache/ndjax/xla) | off | a directory
+    compilation_cache: str = setting("auto")
+
+    def check(self) -> None:
+        from ndjax import xla_cache
+        xla_cache.directory(self.compilation_cache, {})
 
 
 @dataclasses.dataclass(frozen=True)

@@ -267,8 +267,13 @@ class Experiment:
     def compiled_init(self) -> jax.stages.Compiled:
         """Init compiled with sharded outputs: no device ever holds a full copy."""
         with rules_lib.use(self.rules):
-            return jax.jit(self._init, out_shardings=self.state_sharding).lower(
-                jax.ShapeDtypeStruct((), jnp.uint32)).compile()
+            lowered = jax.jit(self._init, out_shardings=self.state_sharding).lower(
+                jax.ShapeDtypeStruct((), jnp.uint32))
+        return compiler.compile_step(lowered, self._init_options, self.platform)
+
+    @property
+    def _init_options(self) -> dict[str, Any]:
+        return compiler.init_options(self.platform, decoder.num_params(self.model_cfg))
 
     def init_state(self, seed: int | None = None) -> state_lib.TrainState:
         """Step 0: parameters from ``model.init_from`` if set, else random from ``seed``."""
@@ -293,8 +298,9 @@ class Experiment:
             params = jax.tree.map(
                 lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
                 self.param_shapes, self.state_sharding.params)
-            return jax.jit(wrap, out_shardings=self.state_sharding, donate_argnums=0).lower(
-                params).compile()
+            lowered = jax.jit(wrap, out_shardings=self.state_sharding,
+                              donate_argnums=0).lower(params)
+        return compiler.compile_step(lowered, self._init_options, self.platform)
 
     @functools.cached_property
     def abstract_state(self) -> state_lib.TrainState:

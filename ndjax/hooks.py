@@ -37,9 +37,10 @@ def due(every: int, step: int) -> bool:
 class Hook:
     """Called by the trainer, in the order of its hooks. Every method is optional.
 
-    ``on_metrics`` gets a finished step's metrics as host values, one step after
-    the step was dispatched (so reading them never leaves the device idle), and
-    always in step order; ``flush`` on the trainer delivers the held-back step now.
+    ``on_metrics`` gets a finished step's metrics as host values, always in step
+    order, when the trainer reads them: every ``read_every`` steps (log.every), once
+    the step after the due one has been dispatched (so reading never leaves the
+    device idle); ``flush`` on the trainer delivers every held-back step now.
     """
 
     def start(self, trainer: Trainer) -> None:
@@ -266,5 +267,8 @@ class Sample(Hook):
         trainer.restart_clock()  # the next step's time excludes the sampling
 
 
-def host_values(metrics: dict[str, Any]) -> dict[str, Any]:
-    return {k: np.asarray(v).item() for k, v in jax.device_get(metrics).items()}
+def host_values_of(steps: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Several steps' metrics as Python scalars, in one ``device_get``: one wait for
+    the newest of them, their copies started together."""
+    return [{k: np.asarray(v).item() for k, v in step.items()}
+            for step in jax.device_get(list(steps))]

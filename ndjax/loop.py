@@ -34,21 +34,28 @@ class Trainer:
     """Runs the compiled step from ``first_step`` to ``last_step`` on batches from
     ``data``, calling ``hooks`` around each step (see ndjax.hooks.Hook).
 
-    A step's metrics are read when the next step has been dispatched (``_push``
-    holds one step back), so the host waits for step i-1 while step i runs.
+    Metrics stay on the device until a step is due for reading, every
+    ``read_every`` steps (train.py: log.every) and at the last one; then every step
+    since the last reading is read at once and delivered to the hooks in order, so
+    the host waits for the device once per ``read_every`` steps, not once per step
+    (a NaN check still sees every step and names the first bad one). A due step is
+    read when the next step has been dispatched, so the device is never idle while
+    the host reads. ``flush`` reads everything pending now.
     """
 
     def __init__(self, exp: Experiment, state: TrainState, data: Iterator[Batch], *,
                  checkpointer: Checkpointer, sinks: Any, hooks: Sequence[hooks_lib.Hook],
-                 first_step: int, last_step: int, saved: int | None = None):
+                 first_step: int, last_step: int, saved: int | None = None,
+                 read_every: int = 1):
         self.exp, self.state, self.data = exp, state, data
         self.checkpointer, self.sinks, self.hooks = checkpointer, sinks, list(hooks)
         self.first_step, self.last_step = first_step, last_step
+        self.read_every = read_every
         self.records: list[dict[str, Any]] = []
         self.saved = saved                 # the newest checkpoint's step
         self.exported: str | None = None   # where the export went
         self.stop_reason = ""              # set by stop(): the run ends after this step
-        self._pending: tuple[int, dict[str, Any]] | None = None
+        self._pending: list[tuple[int, dict[str, Any]]] = []  # dispatched, not yet read
         self.restart_clock()
 
     def stop(self, reason: str) -> None:
@@ -60,22 +67,25 @@ class Trainer:
         self._clock = time.perf_counter()
 
     def _push(self, step: int, metrics: dict[str, Any]) -> None:
-        self.flush()
-        self._pending = (step, metrics)
+        if self._pending and hooks_lib.due(self.read_every, self._pending[-1][0]):
+            self.flush()
+        self._pending.append((step, metrics))
 
     def flush(self) -> None:
-        """Delivers the held-back step's metrics to the hooks now (before a save or
-        an evaluation, so that a NaN stops the run before it is saved and records
-        stay in step order)."""
-        if self._pending is None:
+        """Reads every pending step's metrics (one wait for the device) and delivers
+        them to the hooks in step order: when a step is due, and before a save or an
+        evaluation, so that a NaN stops the run before it is saved and records stay
+        in step order. Each step's step_time is the mean over the steps read."""
+        if not self._pending:
             return
-        step, metrics = self._pending
-        self._pending = None
-        values = hooks_lib.host_values(metrics)
+        pending, self._pending = self._pending, []
+        values = hooks_lib.host_values_of([metrics for _, metrics in pending])
         now = time.perf_counter()
-        values["step_time"], self._clock = now - self._clock, now
-        for hook in self.hooks:
-            hook.on_metrics(self, step, values)
+        each, self._clock = (now - self._clock) / len(pending), now
+        for (step, _), step_values in zip(pending, values):
+            step_values["step_time"] = each
+            for hook in self.hooks:
+                hook.on_metrics(self, step, step_values)
 
     def fit(self, step_fn: Any) -> list[dict[str, Any]]:
         for hook in self.hooks:
@@ -211,9 +221,11 @@ def train(config: ml_collections.ConfigDict, workdir: str,
         step_fn = None
         if first_step <= s.train.steps:
             compile_start = time.perf_counter()
+            # Only the train step: the eval step compiles at the first evaluation, if
+            # the run gets there (its time is outside every step_time: Evaluate
+            # restarts the clock), so a run stopped early, or a short trial, never
+            # waits for it.
             step_fn = exp.compiled_step
-            if s.train.eval_every:
-                exp.compiled_eval  # noqa: B018 -- compile now, not inside the first timed step
             sinks.message(summary.compiled(exp, time.perf_counter() - compile_start))
         if resume_step is not None:
             replaced = f"; removed newer checkpoints {dropped}, this run replaces them"
@@ -221,7 +233,8 @@ def train(config: ml_collections.ConfigDict, workdir: str,
                           + (replaced if dropped else ""))
 
         trainer = Trainer(exp, state, data, checkpointer=checkpointer, sinks=sinks, hooks=hooks,
-                          first_step=first_step, last_step=s.train.steps, saved=resume_step)
+                          first_step=first_step, last_step=s.train.steps, saved=resume_step,
+                          read_every=s.log.every)
         records = trainer.fit(step_fn)
         for line in summary.end(
                 records, time.perf_counter() - started, workdir,

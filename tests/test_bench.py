@@ -98,6 +98,17 @@ def test_doc_skipping_tiny():
         assert float(whole[6]) == 1 > float(docs[6]), (whole, docs)
 
 
+def test_first_step_tiny():
+    """A cold run and a warm one: every phase of the time to step 1 in both columns,
+    and the warm run loads what the cold one compiled."""
+    lines = run_tiny("first_step.py").stdout.splitlines()
+    rows = table_rows(lines, "start + imports", "trace", "lower", "compile", "first step (total)")
+    assert [len(r) for r in rows] == [3] * 5, lines
+    warm = next(line for line in lines if line.startswith("warm: cache hits"))
+    assert int(warm.split()[3].rstrip(",")) >= 1, lines
+    assert any(line.startswith("| jit(train_step) |") for line in lines), lines
+
+
 def test_data_wait_tiny():
     lines = run_tiny("data_wait.py").stdout.splitlines()
     assert [r[0] for r in table_rows(lines, "2", "0")] == ["2", "0"], lines

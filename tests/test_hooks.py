@@ -232,3 +232,60 @@ def test_a_sample_prompt_too_long_fails_before_anything_is_written(tmp_path, cpu
                                           r"train.seq_len=32"):
         train(c, str(tmp_path / "run"), cpu_devices, verbose=False)
     assert not (tmp_path / "run").exists()
+
+
+def test_trainer_reads_the_device_once_per_read_every_steps(monkeypatch):
+    """log.every=3: one device_get for steps 1-3, one for 4-6, one for the last (7);
+    every step still reaches the hooks, in order, once the next step is dispatched."""
+    order, reads = [], []
+    real_get = hooks.jax.device_get
+    monkeypatch.setattr(hooks.jax, "device_get",
+                        lambda x: reads.append(len(x)) or real_get(x))
+
+    class Spy(hooks.Hook):
+        def after_step(self, trainer, step, outputs):
+            order.append(("after", step))
+
+        def on_metrics(self, trainer, step, values):
+            order.append(("metrics", step, values["loss"]))
+
+    trainer = Trainer(None, 0, iter(range(100)), checkpointer=None, sinks=None, hooks=[Spy()],
+                      first_step=1, last_step=7, read_every=3)
+    trainer.fit(lambda state, batch: (state, {"loss": np.float32(batch)}))
+    assert reads == [3, 3, 1]
+    metrics = lambda *steps: [("metrics", s, float(s - 1)) for s in steps]  # noqa: E731
+    assert order == [("after", 1), ("after", 2), ("after", 3), *metrics(1, 2, 3),
+                     ("after", 4), ("after", 5), ("after", 6), *metrics(4, 5, 6),
+                     ("after", 7), *metrics(7)]
+
+
+def test_flush_reads_every_pending_step_at_once():
+    """A save or an evaluation between reads (flush) delivers all the steps so far."""
+    seen = []
+
+    class Spy(hooks.Hook):
+        def after_step(self, trainer, step, outputs):
+            if step == 2:
+                trainer.flush()
+
+        def on_metrics(self, trainer, step, values):
+            seen.append(step)
+
+    trainer = Trainer(None, 0, iter(range(100)), checkpointer=None, sinks=None, hooks=[Spy()],
+                      first_step=1, last_step=4, read_every=4)
+    trainer.fit(lambda state, batch: (state, {"loss": np.float32(batch)}))
+    assert seen == [1, 2, 3, 4]
+
+
+def test_the_eval_step_compiles_only_when_an_evaluation_runs(tmp_path, cpu_devices):
+    """eval_every beyond the run's steps: the run never evaluates, so never compiles
+    the eval step (it used to be compiled before step 1)."""
+    seen = {}
+
+    class Look(hooks.Hook):
+        def end(self, trainer):
+            seen["compiled"] = "compiled_eval" in vars(trainer.exp)
+
+    c = tiny_config(train=dict(steps=2, eval_every=5))
+    train(c, str(tmp_path), cpu_devices[:1], verbose=False, extra_hooks=[Look()])
+    assert seen == {"compiled": False}

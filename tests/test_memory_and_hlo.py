@@ -165,3 +165,19 @@ def test_remat_means_the_same_with_and_without_scan(scan):
                                                       for r in ("none", "full"))
     assert full_temp < 0.7 * none_temp, (none_temp, full_temp)
     assert full_dots > none_dots, (none_dots, full_dots)
+
+
+def test_a_small_models_init_compiles_quickly_on_cpu(monkeypatch):
+    """The init runs once: on a CPU, for a small model, XLA compiles it with LLVM's
+    optimisations off (seconds less to the first step); the train step, never."""
+    from ndjax import compiler
+    used = []
+    real = compiler.compile_step
+    monkeypatch.setattr(compiler, "compile_step", lambda lowered, options=None, platform=None:
+                        used.append(options) or real(lowered, options, platform))
+    exp = Experiment.from_config(tiny_config(), jax.devices()[:1])
+    exp.compiled_init  # noqa: B018
+    exp.compiled_step  # noqa: B018
+    assert used == [compiler.CPU_QUICK_OPTIONS, None]
+    assert compiler.init_options("cpu", compiler.CPU_QUICK_INIT_MAX_PARAMS + 1) == {}
+    assert compiler.init_options("gpu", 1000) == {}

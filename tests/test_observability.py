@@ -108,6 +108,18 @@ def test_nan_stop_raises_and_names_the_steps(tmp_path):
     assert [r["step"] for r in read_jsonl(tmp_path)] == [1, 2]
 
 
+def test_nan_stop_names_the_first_bad_step_when_read_every_few_steps(tmp_path):
+    """log.every=4: steps 1-4 are read together after step 5 is dispatched; the NaN at
+    step 3 (and the NaN parameters' steps after it) stop the run naming step 3."""
+    config = tiny_config(train=dict(steps=6))
+    config.log.every = 4
+    config.debug.nan_at_step = 3
+    with pytest.raises(NonFiniteError, match=r"at step 3 \(last good step 2\)"):
+        train(config, str(tmp_path), jax.devices()[:1], verbose=False)
+    assert not (tmp_path / "checkpoints").exists() or not list((tmp_path / "checkpoints")
+                                                               .iterdir())
+
+
 def test_nan_skip_drops_the_update():
     config = tiny_config(mesh=dict(fsdp=8), train=dict(on_nan="skip"))
     config.debug.nan_at_step = 2

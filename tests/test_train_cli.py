@@ -17,8 +17,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY_FLAGS = train_py_flags()
 
 
-def run(*args, cwd=ROOT):
-    env = {**os.environ, "PYTHONPATH": ROOT}
+def run(*args, cwd=ROOT, env=None):
+    env = {**(os.environ if env is None else env), "PYTHONPATH": ROOT}
     return subprocess.run([sys.executable, os.path.join(ROOT, "train.py"), *args], cwd=cwd,
                           env=env, capture_output=True, text=True, timeout=300)
 
@@ -180,3 +180,31 @@ def test_default_experiment_config_fits_the_readme_sampling_example():
             "head_dim", "rope_theta", "rope_scaling", "tie_embeddings")
     assert {f: getattr(settings.model, f) for f in dims} == \
         {f: getattr(ModelSettings(), f) for f in dims}
+
+
+def test_a_second_run_loads_its_compiled_step_from_the_persistent_cache(tmp_path):
+    """runtime.compilation_cache=auto (the default): with no JAX_COMPILATION_CACHE_DIR,
+    the cache is under the user's cache dir; the first run writes the train step
+    there, the second loads it and writes nothing; with the setting off nothing is
+    written, not even where JAX_COMPILATION_CACHE_DIR points."""
+    env = {k: v for k, v in os.environ.items() if k != "JAX_COMPILATION_CACHE_DIR"}
+    env["XDG_CACHE_HOME"] = str(tmp_path / "user-cache")
+    cache = tmp_path / "user-cache" / "ndjax" / "xla"
+    one_device = ["--config=configs/llama_dp.py", "--config.mesh.replica=1",
+                  "--config.runtime.cpu_devices=1", *TINY_FLAGS, "--config.train.steps=1"]
+    first = run(*one_device, f"--workdir={tmp_path / 'a'}", env=env)
+    assert first.returncode == 0, first.stderr[-2000:]
+    written = {p.name: p.stat().st_mtime_ns for p in cache.iterdir()}
+    assert any("train_step" in name for name in written), written
+    # jax logs each persistent-cache hit when it logs compiles.
+    second = run(*one_device, f"--workdir={tmp_path / 'b'}", env={**env, "JAX_LOG_COMPILES": "1"})
+    assert second.returncode == 0, second.stderr[-2000:]
+    assert "Persistent compilation cache hit for 'jit_train_step'" in second.stderr
+    assert {p.name: p.stat().st_mtime_ns for p in cache.iterdir()} == written
+    off_env = {**env, "XDG_CACHE_HOME": str(tmp_path / "off-user-cache"),
+               "JAX_COMPILATION_CACHE_DIR": str(tmp_path / "env-cache")}
+    off = run(*one_device, f"--workdir={tmp_path / 'c'}", "--config.runtime.compilation_cache=off",
+              env=off_env)
+    assert off.returncode == 0, off.stderr[-2000:]
+    assert not (tmp_path / "off-user-cache" / "ndjax").exists()
+    assert not (tmp_path / "env-cache").exists()
