@@ -858,7 +858,7 @@ def _choose_one_shard(impl: str, site: Site) -> Choice:
         return Choice(impl, f"model.attn_impl={impl}")
     refused = []
     if site.platform == "gpu":
-        for name in (n for n, k in KERNELS.items() if k.fused and "gpu" in k.platforms):
+        for name in (n for n, k in KERNELS.items() if k.fused and site.platform in k.platforms):
             try:
                 KERNELS[name].check(site)
             except ConfigError as e:
