@@ -94,11 +94,12 @@ def packed_segments(rows: int, seq: int, seed: int = 0):
     return out
 
 
-def kernel_numerics(impl: str, seq: int) -> dict:
+def kernel_numerics(impl: str, seq: int, heads: int = 8, kv_heads: int = 2,
+                    head_dim: int = 128) -> dict:
     """Max abs error of kernel ``impl``'s output and q, k, v gradients in bfloat16
-    against ``dense`` in float32, on packed rows: (8 heads, 2 kv heads, head_dim 128)
-    with no window and with a window of 256 and a scale of 0.1 (cudnn on a GPU; the
-    tests run it with a CPU kernel)."""
+    against ``dense`` in float32, on packed rows (grouped-query heads) with no window
+    and with a window of 256 and a scale of 0.1 (cudnn on a GPU; the tests run it
+    with a CPU kernel, smaller)."""
     import jax
     import jax.numpy as jnp
 
@@ -106,8 +107,9 @@ def kernel_numerics(impl: str, seq: int) -> dict:
 
     seg = jnp.asarray(packed_segments(2, seq))
     keys = jax.random.split(jax.random.key(0), 4)
-    q = jax.random.normal(keys[0], (2, seq, 8, 128), jnp.float32)
-    k, v = (jax.random.normal(key, (2, seq, 2, 128), jnp.float32) for key in keys[1:3])
+    q = jax.random.normal(keys[0], (2, seq, heads, head_dim), jnp.float32)
+    k, v = (jax.random.normal(key, (2, seq, kv_heads, head_dim), jnp.float32)
+            for key in keys[1:3])
     d_out = jax.random.normal(keys[3], q.shape, jnp.float32)
     cfg = type("Cfg", (), dict(attn_max_docs=64, attn_kv_tile=128, cp_layout="zigzag"))
     errors = {}

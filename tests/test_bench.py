@@ -149,7 +149,7 @@ def test_gpu_kernel_numerics_measures_a_kernel_against_dense():
     spec = importlib.util.spec_from_file_location("bench_gpu", os.path.join(ROOT, "bench/gpu.py"))
     gpu = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(gpu)
-    errors = gpu.kernel_numerics("tiled", 512)
+    errors = gpu.kernel_numerics("tiled", 512, heads=4, kv_heads=2, head_dim=32)
     assert list(errors) == ["causal", "window 256 scale 0.1"]
     for errs in errors.values():
         assert list(errs) == ["out", "dq", "dk", "dv"]
