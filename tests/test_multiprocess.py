@@ -6,6 +6,7 @@ and fail within bounded time, with messages naming the cause, when the
 coordinator or a peer is lost.
 """
 
+import contextlib
 import json
 import os
 import signal
@@ -47,7 +48,10 @@ def start(workdir, process_id, port, *args, num_processes=2, env=None):
     """train.py as process ``process_id``; its output goes to files (a pipe that
     nobody reads while the test waits could fill and block the process). ``env``:
     its whole environment (default: this process's)."""
-    env = {**(os.environ if env is None else env), "PYTHONPATH": ROOT, "PYTHONUNBUFFERED": "1"}
+    # PYTHONFAULTHANDLER: a hung process sent SIGABRT prints every thread's stack
+    # (run_two does that), so a hang says where it stuck.
+    env = {**(os.environ if env is None else env), "PYTHONPATH": ROOT, "PYTHONUNBUFFERED": "1",
+           "PYTHONFAULTHANDLER": "1"}
     logs = os.path.join(os.path.dirname(str(workdir)), f"{os.path.basename(str(workdir))}.logs")
     os.makedirs(logs, exist_ok=True)
     out = open(os.path.join(logs, f"{process_id}.out"), "w+")
@@ -89,9 +93,17 @@ def run_two(workdir, *args, per_process=((), ()), timeout=240, env=None):
         outputs = [finish(p, timeout) for p in procs]
     except subprocess.TimeoutExpired:
         tails = []
+        for p in procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGABRT)  # the fault handler prints the stacks
         for i, p in enumerate(procs):
-            p.logs[1].seek(0)
-            tails.append(f"process {i} stderr ends:\n{p.logs[1].read()[-1500:]}")
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                p.wait(timeout=15)
+            for f in p.logs:
+                f.seek(0)
+            out, err = (f.read() for f in p.logs)
+            tails.append(f"process {i} stdout ends:\n{out[-800:]}\n"
+                         f"process {i} stderr ends:\n{err[-4000:]}")
         raise AssertionError(f"hung: not ended after {timeout} s\n" + "\n".join(tails)) from None
     finally:
         kill_all(procs)
