@@ -66,6 +66,7 @@ def main(argv: list[str]) -> None:
     from ndjax.experiment import Experiment
     from ndjax.loop import NonFiniteError, train
     from ndjax.report import sharding_table
+    from ndjax.stop_signals import Interrupted
 
     config_name = os.path.splitext(os.path.basename(
         config_flags.get_config_filename(flags.FLAGS["config"])))[0]
@@ -99,6 +100,14 @@ def main(argv: list[str]) -> None:
     except ConfigError as e:
         stop_with_the_others()
         _fail(f"{label}{e}")
+    except Interrupted:  # saved: the loop said so
+        stop_with_the_others()
+        sys.exit(130)
+    except KeyboardInterrupt:  # before the loop listened for it: nothing to save yet
+        print(f"train.py: {label}Ctrl-C before the first step; nothing was saved.",
+              file=sys.stderr, flush=True)
+        stop_with_the_others()
+        sys.exit(130)
     except NonFiniteError as e:
         print(f"train.py: stopped: {label}{e}", file=sys.stderr, flush=True)
         stop_with_the_others()

@@ -14,14 +14,12 @@ from __future__ import annotations
 
 import contextlib
 import os
-import signal
 from collections.abc import Iterator
 from typing import Any
 
 import jax
 import orbax.checkpoint as ocp
 
-from ndjax import distributed
 from ndjax.config import CheckpointSettings
 from ndjax.errors import ConfigError
 from ndjax.state import TrainState
@@ -189,58 +187,3 @@ def saved_step(workdir: str, config: CheckpointSettings, step: int | None = None
         yield checkpointer, steps[-1] if step is None else step
     finally:
         checkpointer.close()
-
-
-class Preemption:
-    """SIGTERM (SLURM, Kubernetes, spot VMs): the first asks the loop to save
-    and stop after the current step; a second one exits at once.
-
-    With several processes, the signal reaches each at a different moment (or
-    only one of them), and a process that stops to save while the others step
-    on deadlocks them all. So the first process to get it posts a stop step to
-    the coordinator's key-value store, and every process checks for it each
-    step. The stop step is 2 after the poster's: when a process checks at step
-    i it has finished step i-1, which every process joined, so no process is
-    more than one step ahead of another, and all see the post by then.
-    (A device collective would do too, but on CPU it could run concurrently
-    with the train step's collectives and pair them up wrongly.)
-    """
-
-    KEY = "ndjax/stop_at_step"
-
-    def __init__(self):
-        self.requested = False
-        self._previous = None
-        try:
-            self._previous = signal.signal(signal.SIGTERM, self._handle)
-        except ValueError:  # not the main thread: leave signals alone
-            self._previous = None
-        self._posted = False
-        self._stop_at: int | None = None
-
-    def _handle(self, signum, frame) -> None:
-        if self.requested:
-            os._exit(128 + signal.SIGTERM)
-        self.requested = True
-
-    def should_stop(self, step: int) -> bool:
-        """Call once per step, on every process, after the step's metrics are read."""
-        if jax.process_count() == 1:
-            return self.requested
-        client = distributed.client()
-        if self.requested and not self._posted:
-            self._posted = True
-            try:
-                client.key_value_set(self.KEY, str(step + 2))  # fails if someone posted first
-            except Exception:  # noqa: BLE001 -- theirs stands
-                pass
-        if self._stop_at is None:
-            try:
-                self._stop_at = int(client.key_value_try_get(self.KEY))
-            except Exception:  # noqa: BLE001 -- not posted (NOT_FOUND)
-                return False
-        return step >= self._stop_at
-
-    def close(self) -> None:
-        if self._previous is not None:
-            signal.signal(signal.SIGTERM, self._previous)

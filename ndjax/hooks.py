@@ -16,9 +16,9 @@ from typing import TYPE_CHECKING, Any
 import jax
 import numpy as np
 
-from ndjax.checkpoint import Preemption
 from ndjax.errors import ConfigError
 from ndjax.flops import flops_per_token, peak_tflops
+from ndjax.stop_signals import StopSignals
 
 if TYPE_CHECKING:
     from ndjax.loop import Trainer
@@ -171,20 +171,21 @@ class Profile(Hook):
             jax.profiler.stop_trace()
 
 
-class StopOnSigterm(Hook):
-    """SIGTERM (SLURM, Kubernetes, spot VMs) stops the run after the current step,
-    on every process at the same step (ndjax.checkpoint.Preemption); the checkpoint
-    hook after this one saves it. A second SIGTERM exits at once."""
+class StopOnSignal(Hook):
+    """SIGTERM (SLURM, Kubernetes, spot VMs) or Ctrl-C stops the run after the current
+    step, on every process at the same step (ndjax.stop_signals); the checkpoint hook
+    after this one saves it. A second signal exits at once."""
 
     def __init__(self):
-        self.preemption = Preemption()
+        self.signals = StopSignals()
 
     def after_step(self, trainer: Trainer, step: int, outputs: Any) -> None:
-        if self.preemption.should_stop(step):
-            trainer.stop("SIGTERM")
+        reason = self.signals.should_stop(step)
+        if reason:
+            trainer.stop(reason)
 
     def close(self) -> None:
-        self.preemption.close()
+        self.signals.close()
 
 
 class Checkpoint(Hook):

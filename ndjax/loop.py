@@ -1,7 +1,7 @@
 """The training loop: data in, metrics, checkpoints and exports out.
 
 ``train`` builds the experiment and a ``Trainer`` with the hooks the config asks
-for (ndjax.hooks: non-finite checks, logging, evaluation, profiling, SIGTERM,
+for (ndjax.hooks: non-finite checks, logging, evaluation, profiling, SIGTERM and Ctrl-C,
 checkpoints, export); the trainer only runs steps and calls its hooks.
 """
 
@@ -17,7 +17,7 @@ from typing import Any
 import jax
 import ml_collections
 
-from ndjax import hf, summary
+from ndjax import hf, stop_signals, summary
 from ndjax import hooks as hooks_lib
 from ndjax import workdir as workdir_lib
 from ndjax.checkpoint import Checkpointer, check_resume
@@ -121,7 +121,7 @@ def default_hooks(exp: Experiment, workdir: str, data_counts: dict[str, int],
                   source: hf.Checkpoint | None, extra: Sequence[hooks_lib.Hook] = ()
                   ) -> list[hooks_lib.Hook]:
     """What train.py runs, in order: a NaN is caught before anything logs or saves
-    the step; ``extra`` hooks and SIGTERM may stop the run before the checkpoint
+    the step; ``extra`` hooks, SIGTERM and Ctrl-C may stop the run before the checkpoint
     hook decides whether to save."""
     s = exp.settings
     hooks: list[hooks_lib.Hook] = [
@@ -134,7 +134,7 @@ def default_hooks(exp: Experiment, workdir: str, data_counts: dict[str, int],
     if s.log.sample_every:
         hooks.append(hooks_lib.Sample(exp, s.log.sample_every, s.log.sample_prompt,
                                       s.log.sample_tokens, os.path.join(workdir, "samples.jsonl")))
-    hooks += [*extra, hooks_lib.StopOnSigterm(),
+    hooks += [*extra, hooks_lib.StopOnSignal(),
               hooks_lib.Checkpoint(s.checkpoint.every, s.train.steps)]
     if s.export.hf_dir:
         # The run's tokenizer: its ids and files describe what the weights learned.
@@ -161,7 +161,8 @@ def train(config: ml_collections.ConfigDict, workdir: str,
     ``extra_hooks`` join the default ones (``default_hooks``).
 
     Resumes from ``<workdir>/checkpoints`` as ``checkpoint.resume`` says; on
-    SIGTERM, saves after the current step and returns early.
+    SIGTERM, saves after the current step and returns early; on Ctrl-C, saves after
+    the current step and raises ``stop_signals.Interrupted`` (a KeyboardInterrupt).
     """
     started = time.perf_counter()
     as_given = Settings.parse(config)
@@ -242,4 +243,6 @@ def train(config: ml_collections.ConfigDict, workdir: str,
                 else os.path.join(checkpointer.directory, str(trainer.saved)),
                 trainer.exported):
             sinks.message(line)
+        if trainer.stop_reason == stop_signals.CTRL_C:
+            raise stop_signals.Interrupted
         return records

@@ -136,6 +136,58 @@ def test_sigterm_saves_and_exits_zero(tmp_path):
     assert f"SIGTERM: saved checkpoint step {last}" in out
 
 
+def test_ctrl_c_saves_exits_130_and_the_rerun_resumes_exactly(tmp_path):
+    """The first Ctrl-C is acknowledged at once, finishes the step, saves, says so and
+    exits 130 without a traceback; rerun, the run goes on from that checkpoint with the
+    losses of a run never interrupted."""
+    workdir = str(tmp_path / "run")
+    proc = start(workdir, "--config.train.steps=100000", "--config.checkpoint.every=0")
+    wait_for_step(proc, workdir, 2)
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err[-2000:]
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err, err[-2000:]
+    assert "Ctrl-C: saving after the current step, then exiting" in err
+    last = max(r["step"] for r in logged_steps(workdir))
+    assert Checkpointer(workdir, tiny_config().checkpoint).steps() == [last]
+    assert f"Ctrl-C: saved checkpoint step {last} in " in out
+    # The same command, to two steps more (the schedule is constant: train.steps
+    # changes nothing else), resumes; a run never interrupted is the reference.
+    rerun = start(workdir, f"--config.train.steps={last + 2}", "--config.checkpoint.every=0")
+    out, err = rerun.communicate(timeout=240)
+    assert rerun.returncode == 0, err[-2000:]
+    assert f"resumed from checkpoint step {last}" in out
+    config = tiny_config(mesh=dict(fsdp=8), train=dict(steps=last + 2))
+    config.log.tensorboard = False
+    reference = losses_by_step(train(config, str(tmp_path / "reference"), verbose=False))
+    resumed = losses_by_step(logged_steps(workdir))
+    assert sorted(resumed) == list(range(1, last + 3))
+    np.testing.assert_allclose([resumed[i] for i in sorted(resumed)],
+                               [reference[i] for i in sorted(resumed)], rtol=1e-6)
+
+
+def test_a_second_ctrl_c_stops_at_once_without_a_traceback():
+    """What train.py's loop listens with (ndjax.stop_signals), in a process of its own:
+    the second Ctrl-C ends it at once (exit 130), one line each, no traceback."""
+    code = ("import os, signal, time\n"
+            "from ndjax.stop_signals import StopSignals\n"
+            "s = StopSignals()\n"
+            "os.kill(os.getpid(), signal.SIGINT)\n"
+            "time.sleep(0.2)\n"
+            "assert s.requested == 'Ctrl-C', s.requested\n"
+            "os.kill(os.getpid(), signal.SIGINT)\n"
+            "time.sleep(30)\n"
+            "print('still running')\n")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
+                          text=True, timeout=60, env={**os.environ, "PYTHONPATH": ROOT})
+    assert proc.returncode == 130, proc.stderr[-2000:]
+    assert proc.stdout == ""
+    assert proc.stderr.splitlines() == [
+        "Ctrl-C: saving after the current step, then exiting (Ctrl-C again stops at once).",
+        "Ctrl-C again: stopped at once; the checkpoints are intact up to the last complete "
+        "one."]
+
+
 def test_unfinished_save_is_ignored(tmp_path):
     ckpt_dir = tmp_path / "checkpoints"
     # What a save cut short by kill -9 leaves behind: orbax's temporary directory.

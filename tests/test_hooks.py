@@ -138,11 +138,11 @@ def test_checkpoint_every_n_at_the_last_step_and_on_stop():
 
 def test_sigterm_asks_the_trainer_to_stop():
     t = fake_trainer()
-    h = hooks.StopOnSigterm()
+    h = hooks.StopOnSignal()
     try:
         h.after_step(t, 1, None)
         assert t.stop_reason == ""
-        h.preemption.requested = True
+        h.signals.requested = "SIGTERM"
         h.after_step(t, 2, None)
         assert t.stop_reason == "SIGTERM"
     finally:
