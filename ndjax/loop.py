@@ -25,6 +25,7 @@ from ndjax.config import Settings
 from ndjax.data.loader import dropped_overlong, make_loader
 from ndjax.experiment import Experiment
 from ndjax.hooks import NonFiniteError  # noqa: F401 -- train.py and tests catch it from here
+from ndjax.lock import claim
 from ndjax.sinks import Sinks
 from ndjax.state import TrainState
 from ndjax.train_step import Batch
@@ -173,8 +174,10 @@ def train(config: ml_collections.ConfigDict, workdir: str,
     # Whatever is opened (the loader's thread, the checkpoint manager's threads, event
     # files, signal handlers) is closed on every way out, a ConfigError included: a
     # thread left running at interpreter shutdown prints a traceback after the
-    # one-line error.
-    with contextlib.ExitStack() as cleanup:
+    # one-line error. The workdir's lock goes last, once everything that writes there
+    # (checkpoint saves in flight, event files, a profile) is done: ``held`` unwinds
+    # after ``cleanup``.
+    with contextlib.ExitStack() as held, contextlib.ExitStack() as cleanup:
         # This process reads and tokenizes its share now, before anything compiles
         # or is written, so bad data fails fast; a thread then prepares batches
         # (already on the devices) ahead of the steps.
@@ -192,7 +195,11 @@ def train(config: ml_collections.ConfigDict, workdir: str,
         for hook in hooks:
             cleanup.callback(hook.close)
         check_resume(workdir, s.checkpoint)  # nothing is created for a step not there
-        os.makedirs(workdir, exist_ok=True)
+        # Before anything is written there: an unwritable workdir, or one another run
+        # holds, is one line (and no run deletes another's checkpoint in flight).
+        lock = claim(workdir)
+        if lock is not None:
+            held.callback(lock.release)
         checkpointer = Checkpointer(workdir, s.checkpoint)
         cleanup.callback(checkpointer.close)
         resume_step = checkpointer.step_to_restore()
