@@ -8,7 +8,6 @@ checkpoints, export); the trainer only runs steps and calls its hooks.
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import time
 from collections.abc import Iterator, Sequence
@@ -19,6 +18,7 @@ import ml_collections
 
 from ndjax import hf, summary
 from ndjax import hooks as hooks_lib
+from ndjax import sinks as sinks_lib
 from ndjax import workdir as workdir_lib
 from ndjax.checkpoint import Checkpointer, check_resume
 from ndjax.config import Settings
@@ -146,13 +146,14 @@ def default_hooks(exp: Experiment, workdir: str, data_counts: dict[str, int],
 
 
 def _keep_metrics_until(path: str, step: int) -> None:
-    """On resume, drop records of steps after the restored one: they are redone."""
+    """On resume, drop records of steps after the restored one: they are redone. A line
+    that is not a record (torn by a crash or a full disk mid-write) is dropped with a
+    warning: metrics are for people, and never stop a resume."""
     if not os.path.exists(path):
         return
-    with open(path) as f:
-        lines = [line for line in f if line.strip() and json.loads(line)["step"] <= step]
+    records = sinks_lib.read_records(path)
     with open(path, "w") as f:
-        f.writelines(lines)
+        f.writelines(line for record, line in records if record["step"] <= step)
 
 
 def train(config: ml_collections.ConfigDict, workdir: str,

@@ -5,13 +5,14 @@ import json
 import shutil
 
 import numpy as np
+import pytest
 import torch
 from conftest import tiny_config
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
-from ndjax import generate
+from ndjax import generate, plot
 from ndjax.export import export_checkpoint
-from ndjax.loop import train
+from ndjax.loop import _keep_metrics_until, train
 from ndjax.workdir import SOURCE, run_config
 
 SCALING = dict(factor=4.0, low_freq_factor=1.0, high_freq_factor=4.0,
@@ -79,3 +80,17 @@ def test_generate_export_and_resume_after_the_source_is_gone(tmp_path, cpu_devic
     records = train(_config(source, steps=4), str(run), cpu_devices, verbose=False)
     assert [r["step"] for r in records] == [3, 4]
     assert np.isfinite([r["loss"] for r in records]).all()
+
+
+def test_torn_and_bad_metrics_lines_never_block_a_resume(tmp_path):
+    """A host crash or a full disk mid-write leaves a torn last line in metrics.jsonl:
+    the resume's trimming and ndjax.plot leave it (and any other line that is not a
+    record) out with one warning, instead of a JSONDecodeError on every later resume."""
+    path = tmp_path / "metrics.jsonl"
+    good = [json.dumps({"step": s, "loss": 1.0 / s}) + "\n" for s in (1, 2, 3, 4)]
+    path.write_text(good[0] + "not json\n" + "".join(good[1:]) + '[1]\n{"step": 5, "lo')
+    with pytest.warns(UserWarning, match=r"left out 3 line\(s\).*line 2, 6, 7"):
+        assert [r["step"] for r in plot.read_metrics(str(tmp_path))] == [1, 2, 3, 4]
+    with pytest.warns(UserWarning, match="left out 3 line"):
+        _keep_metrics_until(str(path), 3)
+    assert path.read_text() == "".join(good[:3])  # what a resume from step 3 appends to
