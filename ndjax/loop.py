@@ -168,7 +168,8 @@ def train(config: ml_collections.ConfigDict, workdir: str,
     started = time.perf_counter()
     as_given = Settings.parse(config)
     # A run resumed from its checkpoints needs nothing outside its workdir: the model
-    # it trains is the one it saved, whatever became of model.init_from.
+    # it trains is the one it saved, whatever became of model.init_from, and its
+    # tokenizer and chat template are the copies it made of data.tokenizer's files.
     exp = Experiment.from_config(workdir_lib.for_resume(config, workdir), devices)
     s = exp.settings
     is_main = jax.process_index() == 0
@@ -212,7 +213,7 @@ def train(config: ml_collections.ConfigDict, workdir: str,
         else:
             state, first_step = exp.init_state(), 1
         if is_main:
-            workdir_lib.record(workdir, as_given, exp.model_cfg)
+            workdir_lib.record(workdir, as_given, exp.model_cfg, data=s.data)
             _keep_metrics_until(os.path.join(workdir, "metrics.jsonl"), first_step - 1)
 
         sinks = Sinks(workdir, s.train.steps, enabled=is_main, tensorboard=s.log.tensorboard,

@@ -8,12 +8,13 @@ import numpy as np
 import pytest
 import torch
 from conftest import tiny_config
+from data_files import texts, write_jsonl, write_tokenizer
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 from ndjax import generate, plot
 from ndjax.export import export_checkpoint
 from ndjax.loop import _keep_metrics_until, train
-from ndjax.workdir import SOURCE, run_config
+from ndjax.workdir import SOURCE, TOKENIZER, run_config
 
 SCALING = dict(factor=4.0, low_freq_factor=1.0, high_freq_factor=4.0,
                original_max_position_embeddings=16)
@@ -94,3 +95,43 @@ def test_torn_and_bad_metrics_lines_never_block_a_resume(tmp_path):
     with pytest.warns(UserWarning, match="left out 3 line"):
         _keep_metrics_until(str(path), 3)
     assert path.read_text() == "".join(good[:3])  # what a resume from step 3 appends to
+
+
+def test_resume_with_init_from_and_tokenizer_gone_then_changed(tmp_path, cpu_devices):
+    """A run from a Hugging Face dir with a tokenizer.json: with both deleted, the same
+    command resumes from the workdir's copies, and its losses are the uninterrupted
+    run's; with the tokenizer file back but different, it resumes with the run's copy
+    (the ids its checkpoints learned) and says so."""
+    source, tok_dir, run = tmp_path / "source", tmp_path / "tok", tmp_path / "run"
+    _source(source)
+    tok_dir.mkdir()
+    tokenizer = write_tokenizer(tok_dir / "tokenizer.json", texts(), vocab_size=264)
+    original = tokenizer.read_bytes()
+    files = write_jsonl(tmp_path / "train.jsonl", texts(48))
+
+    def config(steps):
+        c = _config(source, steps)
+        c.data.update(source="jsonl", files=str(files), tokenizer=str(tokenizer))
+        c.checkpoint.every, c.log.tensorboard = 2, False
+        return c
+
+    # Uninterrupted: 5 steps, checkpoints at 2, 4 and 5.
+    reference = {r["step"]: r["loss"] for r in train(config(5), str(run), cpu_devices,
+                                                     verbose=False)}
+    for step in (4, 5):  # back to step 2, as if the run had been killed after it
+        shutil.rmtree(run / "checkpoints" / str(step))
+    shutil.rmtree(source)
+    shutil.rmtree(tok_dir)
+    resumed = train(config(4), str(run), cpu_devices, verbose=False)
+    assert [r["step"] for r in resumed] == [3, 4]
+    np.testing.assert_allclose([r["loss"] for r in resumed], [reference[3], reference[4]],
+                               rtol=1e-6)
+
+    tok_dir.mkdir()  # another tokenizer.json where the run's was
+    write_tokenizer(tokenizer, ["xyzzy plugh " * 20] * 4, vocab_size=264)
+    assert tokenizer.read_bytes() != original
+    with pytest.warns(UserWarning, match="has changed since the run.*resuming with the run's"):
+        last = train(config(5), str(run), cpu_devices, verbose=False)
+    assert [r["step"] for r in last] == [5]
+    np.testing.assert_allclose(last[0]["loss"], reference[5], rtol=1e-6)
+    assert (run / TOKENIZER / "tokenizer.json").read_bytes() == original  # not overwritten
