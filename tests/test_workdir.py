@@ -12,6 +12,7 @@ from data_files import texts, write_jsonl, write_tokenizer
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 from ndjax import generate, plot
+from ndjax.data.tokenizers import load_tokenizer
 from ndjax.export import export_checkpoint
 from ndjax.loop import _keep_metrics_until, train
 from ndjax.workdir import SOURCE, TOKENIZER, run_config
@@ -122,6 +123,7 @@ def test_resume_with_init_from_and_tokenizer_gone_then_changed(tmp_path, cpu_dev
         shutil.rmtree(run / "checkpoints" / str(step))
     shutil.rmtree(source)
     shutil.rmtree(tok_dir)
+    load_tokenizer.cache_clear()  # read files afresh, as a new train.py process would
     resumed = train(config(4), str(run), cpu_devices, verbose=False)
     assert [r["step"] for r in resumed] == [3, 4]
     np.testing.assert_allclose([r["loss"] for r in resumed], [reference[3], reference[4]],
@@ -130,6 +132,7 @@ def test_resume_with_init_from_and_tokenizer_gone_then_changed(tmp_path, cpu_dev
     tok_dir.mkdir()  # another tokenizer.json where the run's was
     write_tokenizer(tokenizer, ["xyzzy plugh " * 20] * 4, vocab_size=264)
     assert tokenizer.read_bytes() != original
+    load_tokenizer.cache_clear()
     with pytest.warns(UserWarning, match="has changed since the run.*resuming with the run's"):
         last = train(config(5), str(run), cpu_devices, verbose=False)
     assert [r["step"] for r in last] == [5]
