@@ -11,8 +11,8 @@ train.py writes, before the first step:
 - ``run/source/``: ``model.init_from``'s files other than the weights (config.json,
   generation_config.json, tokenizer files), which exports carry along.
 
-``run_config`` reads a run back pointing at those copies: moving or deleting the
-directories the run started from changes nothing.
+``run_config`` reads a run back pointing at those copies, and ``for_resume`` resumes
+it with them: moving or deleting the directories the run started from changes nothing.
 """
 
 from __future__ import annotations
