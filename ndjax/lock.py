@@ -113,8 +113,9 @@ class WorkdirLock:
             raise ConfigError(f"{self.path}: the workdir is in use by another run "
                               f"({_who(holder)}); {fix}.")
         # Same host and no one holds the flock: its holder died without releasing it.
+        # (stacklevel: the warning names the claim in loop.train.)
         warnings.warn(f"{self.path}: taking over the lock of a run that is gone "
-                      f"({_who(holder)}; it ended without releasing it).", stacklevel=3)
+                      f"({_who(holder)}; it ended without releasing it).", stacklevel=5)
 
     def release(self) -> None:
         if self._fd is None:

@@ -259,13 +259,13 @@ def test_a_live_runs_workdir_is_refused_and_a_dead_ones_lock_taken_over(tmp_path
             text=True, timeout=300)
     finally:
         first.send_signal(signal.SIGCONT)
+        first.send_signal(signal.SIGTERM)  # (it saves and ends, whatever the test finds)
+    out, err = first.communicate(timeout=120)
     assert second.returncode == 2, second.stderr[-2000:]
     assert second.stderr.splitlines() == [second.stderr.strip()], second.stderr[-2000:]
     assert second.stderr.startswith("train.py: error: ") and "in use by another run (pid " \
         f"{first.pid} on host {socket.gethostname()!r}, since " in second.stderr, second.stderr
     assert "wait for it to finish, stop it, or use another --workdir" in second.stderr
-    first.send_signal(signal.SIGTERM)
-    out, err = first.communicate(timeout=120)
     assert first.returncode == 0, err[-2000:]
     last = max(r["step"] for r in logged_steps(workdir))
     assert [r["step"] for r in logged_steps(workdir)] == list(range(1, last + 1))
