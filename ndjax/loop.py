@@ -8,7 +8,6 @@ checkpoints, export); the trainer only runs steps and calls its hooks.
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import time
 from collections.abc import Iterator, Sequence
@@ -19,12 +18,14 @@ import ml_collections
 
 from ndjax import hf, stop_signals, summary
 from ndjax import hooks as hooks_lib
+from ndjax import sinks as sinks_lib
 from ndjax import workdir as workdir_lib
 from ndjax.checkpoint import Checkpointer, check_resume
 from ndjax.config import Settings
 from ndjax.data.loader import dropped_overlong, make_loader
 from ndjax.experiment import Experiment
 from ndjax.hooks import NonFiniteError  # noqa: F401 -- train.py and tests catch it from here
+from ndjax.lock import claim
 from ndjax.sinks import Sinks
 from ndjax.state import TrainState
 from ndjax.train_step import Batch
@@ -145,13 +146,14 @@ def default_hooks(exp: Experiment, workdir: str, data_counts: dict[str, int],
 
 
 def _keep_metrics_until(path: str, step: int) -> None:
-    """On resume, drop records of steps after the restored one: they are redone."""
+    """On resume, drop records of steps after the restored one: they are redone. A line
+    that is not a record (torn by a crash or a full disk mid-write) is dropped with a
+    warning: metrics are for people, and never stop a resume."""
     if not os.path.exists(path):
         return
-    with open(path) as f:
-        lines = [line for line in f if line.strip() and json.loads(line)["step"] <= step]
+    records = sinks_lib.read_records(path)
     with open(path, "w") as f:
-        f.writelines(lines)
+        f.writelines(line for record, line in records if record["step"] <= step)
 
 
 def train(config: ml_collections.ConfigDict, workdir: str,
@@ -167,15 +169,18 @@ def train(config: ml_collections.ConfigDict, workdir: str,
     started = time.perf_counter()
     as_given = Settings.parse(config)
     # A run resumed from its checkpoints needs nothing outside its workdir: the model
-    # it trains is the one it saved, whatever became of model.init_from.
+    # it trains is the one it saved, whatever became of model.init_from, and its
+    # tokenizer and chat template are the copies it made of data.tokenizer's files.
     exp = Experiment.from_config(workdir_lib.for_resume(config, workdir), devices)
     s = exp.settings
     is_main = jax.process_index() == 0
     # Whatever is opened (the loader's thread, the checkpoint manager's threads, event
     # files, signal handlers) is closed on every way out, a ConfigError included: a
     # thread left running at interpreter shutdown prints a traceback after the
-    # one-line error.
-    with contextlib.ExitStack() as cleanup:
+    # one-line error. The workdir's lock goes last, once everything that writes there
+    # (checkpoint saves in flight, event files, a profile) is done: ``held`` unwinds
+    # after ``cleanup``.
+    with contextlib.ExitStack() as held, contextlib.ExitStack() as cleanup:
         # This process reads and tokenizes its share now, before anything compiles
         # or is written, so bad data fails fast; a thread then prepares batches
         # (already on the devices) ahead of the steps.
@@ -193,7 +198,11 @@ def train(config: ml_collections.ConfigDict, workdir: str,
         for hook in hooks:
             cleanup.callback(hook.close)
         check_resume(workdir, s.checkpoint)  # nothing is created for a step not there
-        os.makedirs(workdir, exist_ok=True)
+        # Before anything is written there: an unwritable workdir, or one another run
+        # holds, is one line (and no run deletes another's checkpoint in flight).
+        lock = claim(workdir)
+        if lock is not None:
+            held.callback(lock.release)
         checkpointer = Checkpointer(workdir, s.checkpoint)
         cleanup.callback(checkpointer.close)
         resume_step = checkpointer.step_to_restore()
@@ -205,7 +214,7 @@ def train(config: ml_collections.ConfigDict, workdir: str,
         else:
             state, first_step = exp.init_state(), 1
         if is_main:
-            workdir_lib.record(workdir, as_given, exp.model_cfg)
+            workdir_lib.record(workdir, as_given, exp.model_cfg, data=s.data)
             _keep_metrics_until(os.path.join(workdir, "metrics.jsonl"), first_step - 1)
 
         sinks = Sinks(workdir, s.train.steps, enabled=is_main, tensorboard=s.log.tensorboard,

@@ -6,9 +6,10 @@
 from __future__ import annotations
 
 import argparse
-import json
 import os
 from collections.abc import Sequence
+
+from ndjax.sinks import read_records
 
 PANELS = (("loss", "loss"), ("tokens_per_sec", "tokens/s (global)"), ("mfu", "MFU"))
 
@@ -17,8 +18,7 @@ def read_metrics(workdir: str) -> list[dict]:
     path = os.path.join(workdir, "metrics.jsonl")
     if not os.path.exists(path):
         raise SystemExit(f"ndjax.plot: error: {path} does not exist; is --workdir a run directory?")
-    with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
+    return [record for record, _ in read_records(path)]  # a torn line: a warning
 
 
 def series(records: list[dict], key: str) -> tuple[list[int], list[float]]:

@@ -9,6 +9,7 @@ import json
 import math
 import os
 import sys
+import warnings
 from typing import Any
 
 PROGRESS_FIELDS = ("loss", "tokens_per_sec")
@@ -17,6 +18,32 @@ PROGRESS_FIELDS = ("loss", "tokens_per_sec")
 def _json_value(v: Any) -> Any:
     # NaN/Inf are not JSON: a skipped step's loss is written as null.
     return None if isinstance(v, float) and not math.isfinite(v) else v
+
+
+def read_records(path: str) -> list[tuple[dict[str, Any], str]]:
+    """metrics.jsonl's records and their lines (newline-terminated). A line that is not
+    a JSON object with an integer ``step`` (a last line torn by a host crash or a full
+    disk, or anything else) is left out with one warning, never an error: nothing
+    written for people to read may stop a resume or a plot."""
+    out, bad = [], []
+    with open(path, errors="replace") as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except ValueError:
+                record = None
+            if isinstance(record, dict) and isinstance(record.get("step"), int):
+                out.append((record, line if line.endswith("\n") else line + "\n"))
+            else:
+                bad.append(n)
+    if bad:
+        shown = ", ".join(map(str, bad[:5])) + (", ..." if len(bad) > 5 else "")
+        warnings.warn(f"{path}: left out {len(bad)} line(s) that are not metrics records "
+                      f"(line {shown}; a write cut short by a crash or a full disk)",
+                      stacklevel=2)
+    return out
 
 
 class Sinks:

@@ -11,17 +11,19 @@ train.py writes, before the first step:
 - ``run/source/``: ``model.init_from``'s files other than the weights (config.json,
   generation_config.json, tokenizer files), which exports carry along.
 
-``run_config`` reads a run back pointing at those copies: moving or deleting the
-directories the run started from changes nothing.
+``run_config`` reads a run back pointing at those copies, and ``for_resume`` resumes
+it with them: moving or deleting the directories the run started from changes nothing.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import filecmp
 import json
 import os
 import re
 import shutil
+import warnings
 from typing import Any
 
 import ml_collections
@@ -70,9 +72,12 @@ def _copy_files(src_dir: str, dst_dir: str, pattern: re.Pattern) -> None:
             shutil.copy(path, os.path.join(dst_dir, name))
 
 
-def record(workdir: str, settings: config_lib.Settings, model_cfg: Any) -> None:
-    """Writes config.json and the copies under run/ (process 0, before training)."""
-    d, model = settings.data, settings.model
+def record(workdir: str, settings: config_lib.Settings, model_cfg: Any,
+           data: config_lib.DataSettings | None = None) -> None:
+    """Writes config.json (``settings``, as given) and the copies under run/ of the
+    files the run uses, ``data`` (default ``settings.data``): a resume uses the copies
+    themselves, which are then left as they are (process 0, before training)."""
+    d, model = data or settings.data, settings.model
     if d.tokenizer != "byte" and os.path.abspath(d.tokenizer) != os.path.abspath(
             os.path.join(workdir, TOKENIZER, "tokenizer.json")):
         # Only tokenizer.json's own siblings: the run may point into a directory
@@ -141,24 +146,49 @@ def has_checkpoint(workdir: str) -> bool:
 
 def for_resume(config: ml_collections.ConfigDict, workdir: str) -> ml_collections.ConfigDict:
     """A run resumed from its checkpoints takes its model from the workdir, not from
-    ``model.init_from`` (whose weights only step 0 needs, and which may be gone).
-    The config is returned unchanged when there is nothing to resume or no init_from."""
-    if (config.model.init_from is None or str(config.checkpoint.resume) == "never"
-            or not has_checkpoint(workdir)
+    ``model.init_from`` (whose weights only step 0 needs, and which may be gone), and
+    its tokenizer and chat template from the copies under run/ (see ``_run_copies``).
+    The config is returned unchanged when there is nothing to resume."""
+    if (str(config.checkpoint.resume) == "never" or not has_checkpoint(workdir)
             or not os.path.isfile(os.path.join(workdir, "config.json"))):
         return config
     saved = config_lib.run_config(workdir)
-    if not _resolved(saved):
+    config = _run_copies(ml_collections.ConfigDict(config.to_dict()), saved, workdir)
+    if config.model.init_from is None or not _resolved(saved):
         return config
     if saved.model.init_from != config.model.init_from:
         raise ConfigError(
             f"model.init_from={config.model.init_from!r}, but the run in {workdir!r} started "
             f"from {saved.model.init_from!r}; resume it with the same model.init_from, or use "
             "another --workdir (or checkpoint.resume=never).")
-    config = ml_collections.ConfigDict(config.to_dict())
     for field in resolved_model_fields():
         config.model[field] = saved.model[field]
     config.model.init_from = None
+    return config
+
+
+def _run_copies(config: ml_collections.ConfigDict, saved: ml_collections.ConfigDict,
+                workdir: str) -> ml_collections.ConfigDict:
+    """``data.tokenizer`` and ``data.chat_template``, where the config names the file
+    the run started with, become the run's copies: its checkpoints learned that
+    tokenizer's ids, and its data position counts rows tokenized with it, so a resume
+    goes on with them whether the original is gone or has changed since (a warning
+    then: the changed file is not used; a fresh run is how to train with it). A config
+    naming another file is left as it is."""
+    d = config.data
+    for field, copy in (("tokenizer", os.path.join(workdir, TOKENIZER, "tokenizer.json")),
+                        ("chat_template", os.path.join(workdir, CHAT_TEMPLATE))):
+        given = d[field]
+        if (not given or given == "byte" or given != saved.data[field]
+                or not os.path.isfile(copy) or os.path.abspath(given) == os.path.abspath(copy)):
+            continue
+        if os.path.isfile(given) and not filecmp.cmp(given, copy, shallow=False):
+            warnings.warn(
+                f"data.{field}={given!r} has changed since the run in {workdir!r} started; "
+                f"resuming with the run's copy, {copy}, which its checkpoints were trained "
+                f"with. To train with the new file, start a fresh run (another --workdir).",
+                stacklevel=3)
+        d[field] = copy
     return config
 
 

@@ -6,6 +6,7 @@ import os
 import random
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -290,3 +291,59 @@ def test_bf16_resume_is_bitwise_exact(tmp_path):
     jax.tree.map(np.testing.assert_array_equal, final, ref_final)
     resumed_ckpt.close()
     ref_ckpt.close()
+
+
+def test_a_live_runs_workdir_is_refused_and_a_dead_ones_lock_taken_over(tmp_path):
+    """A second train.py on the workdir of a live run (a job resubmitted while the first
+    still runs) exits 2 with one line naming the holder, and the first run goes on
+    untouched. A lock left by a dead process of this host, and a metrics.jsonl line
+    torn by a crash, are each one warning: the rerun resumes with the losses of an
+    uninterrupted run."""
+    workdir = str(tmp_path / "run")
+    first = start(workdir, "--config.train.steps=100000", "--config.checkpoint.every=0")
+    wait_for_step(first, workdir, 2)
+    first.send_signal(signal.SIGSTOP)  # alive, holding the workdir, for as long as it takes
+    try:
+        env = {**os.environ, "PYTHONPATH": ROOT}
+        second = subprocess.run(
+            [sys.executable, os.path.join(ROOT, "train.py"), "--config=configs/llama_fsdp.py",
+             f"--workdir={workdir}", *TINY_FLAGS], cwd=ROOT, env=env, capture_output=True,
+            text=True, timeout=300)
+    finally:
+        first.send_signal(signal.SIGCONT)
+        first.send_signal(signal.SIGTERM)  # (it saves and ends, whatever the test finds)
+    out, err = first.communicate(timeout=120)
+    assert second.returncode == 2, second.stderr[-2000:]
+    assert second.stderr.splitlines() == [second.stderr.strip()], second.stderr[-2000:]
+    assert second.stderr.startswith("train.py: error: ") and "in use by another run (pid " \
+        f"{first.pid} on host {socket.gethostname()!r}, since " in second.stderr, second.stderr
+    assert "wait for it to finish, stop it, or use another --workdir" in second.stderr
+    assert first.returncode == 0, err[-2000:]
+    last = max(r["step"] for r in logged_steps(workdir))
+    assert [r["step"] for r in logged_steps(workdir)] == list(range(1, last + 1))
+    assert Checkpointer(workdir, tiny_config().checkpoint).steps() == [last]
+
+    # A dead process of this host, as kill -9 or a crash would leave it (the kernel
+    # dropped its flock, the file still names it), and a half-written last line.
+    dead = subprocess.Popen([sys.executable, "-c", ""])
+    dead.wait()
+    with open(os.path.join(workdir, ".lock"), "w") as f:
+        json.dump({"host": socket.gethostname(), "pid": dead.pid, "since": "earlier"}, f)
+    with open(os.path.join(workdir, "metrics.jsonl"), "a") as f:
+        f.write(f'{{"step": {last + 1}, "loss": 0.')
+    again = start(workdir, f"--config.train.steps={last + 2}")
+    out, err = again.communicate(timeout=300)
+    assert again.returncode == 0, err[-2000:]
+    assert f"resumed from checkpoint step {last}" in out
+    warned = [line for line in err.splitlines() if "Warning: " in line]
+    assert len(warned) == 2, err[-2000:]
+    assert f"taking over the lock of a run that is gone (pid {dead.pid} on host" in warned[0]
+    assert "metrics.jsonl: left out 1 line(s)" in warned[1]
+
+    config = tiny_config(mesh=dict(fsdp=8), train=dict(steps=last + 2))
+    config.log.tensorboard = False
+    reference = losses_by_step(train(config, str(tmp_path / "ref"), verbose=False))
+    resumed = losses_by_step(logged_steps(workdir))
+    assert sorted(resumed) == list(range(1, last + 3))
+    np.testing.assert_allclose([resumed[s] for s in sorted(resumed)],
+                               [reference[s] for s in sorted(resumed)], rtol=1e-6)

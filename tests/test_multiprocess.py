@@ -342,3 +342,20 @@ def test_sigterm_to_one_process_stops_all_at_the_same_step(tmp_path):
     saved = [int(d) for d in os.listdir(tmp_path / "checkpoints") if d.isdigit()]
     assert len(saved) == 1 and f"SIGTERM: saved checkpoint step {saved[0]}" in outputs[0][0]
     assert metrics(tmp_path)[-1]["step"] == saved[0]
+
+
+def test_a_workdir_locked_on_another_host_stops_every_process(tmp_path):
+    """Only process 0 locks the workdir; when it refuses, every process exits 2 with
+    the one line, rather than writing there or waiting for a process 0 that left. A
+    lock written on another host cannot be checked from here: refused, with the fix."""
+    lock = tmp_path / ".lock"
+    lock.write_text(json.dumps({"host": "elsewhere", "pid": 1, "since": "earlier"}))
+    results = run_two(tmp_path, *mesh_flags(FSDP_TP))
+    for i, (code, _, err) in enumerate(results):
+        assert code == 2, err[-3000:]
+        lines = [line for line in err.splitlines() if line.startswith("train.py: error:")]
+        assert len(lines) == 1, err[-3000:]
+        assert f"process {i} of 2: " in lines[0] and "locked by a run on another host (pid 1 " \
+            "on host 'elsewhere', since earlier)" in lines[0], lines[0]
+        assert f"if it is dead, delete {lock} and start again" in lines[0]
+    assert not (tmp_path / "metrics.jsonl").exists() and not (tmp_path / "checkpoints").exists()

@@ -208,3 +208,19 @@ def test_a_second_run_loads_its_compiled_step_from_the_persistent_cache(tmp_path
     assert off.returncode == 0, off.stderr[-2000:]
     assert not (tmp_path / "off-user-cache" / "ndjax").exists()
     assert not (tmp_path / "env-cache").exists()
+
+
+def test_unwritable_workdir_is_one_line_before_compiling(tmp_path):
+    """A regular file where a folder should be, and a place no one may create a folder
+    (even root: /sys), are one line naming the path and the OS's reason, exit 2."""
+    (tmp_path / "file").write_text("")
+    for workdir in (str(tmp_path / "file" / "run"), "/sys/ndjax-test-workdir"):
+        try:
+            os.makedirs(workdir)
+        except OSError as e:
+            reason = e.strerror  # NotADirectoryError; /sys: EPERM as root, else EACCES/EROFS
+        else:
+            raise AssertionError(f"{workdir} could be created")
+        result = run(f"--workdir={workdir}", *TINY_FLAGS)
+        assert_one_line_error(result, f"--workdir={workdir!r}: cannot write {workdir}: {reason}")
+        assert "compiled" not in result.stdout
