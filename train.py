@@ -42,7 +42,7 @@ def main(argv: list[str]) -> None:
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
     from ndjax.console import quiet_libraries
-    quiet_libraries()
+    quiet_libraries("train.py")
     try:
         config = _CONFIG.value  # loads the file and applies --config.* overrides
         config.runtime  # noqa: B018 -- a config file that failed to load raises on access

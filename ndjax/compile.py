@@ -192,7 +192,7 @@ def main(argv: list[str]) -> None:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
     config = loaded_config(PROGRAM, _CONFIG)
     from ndjax.console import quiet_libraries
-    quiet_libraries()
+    quiet_libraries(PROGRAM)
 
     from ndjax import gpu_target
     from ndjax.config import check_keys

@@ -8,18 +8,40 @@ import os
 import re
 import sys
 import tempfile
+import warnings
 from collections.abc import Iterator
 
 from absl import flags, logging
 
 
-def quiet_libraries() -> None:
+def quiet_libraries(program: str | None = None) -> None:
     """Warnings and errors only from the libraries' loggers (orbax, absl, jax's backend
     probing: about 70 INFO lines a training run), which would bury the progress
     lines, unless ``--verbosity`` (absl's flag, e.g. ``--verbosity=0`` for INFO) was
-    given. Call after the flags are parsed."""
+    given; with ``program``, ndjax's own warnings are one line each (``one_line_warnings``).
+    Call after the flags are parsed."""
     if not flags.FLAGS["verbosity"].present:
         logging.set_verbosity(logging.WARNING)
+    if program:
+        one_line_warnings(program)
+
+
+_NDJAX = os.path.dirname(os.path.abspath(__file__)) + os.sep
+
+
+def one_line_warnings(program: str) -> None:
+    """ndjax's warnings print as ``<program>: warning: <message>``, one line like its
+    errors: Python's form (a location line, then the source line that warned) says
+    nothing to a user. Other libraries' warnings keep Python's form, whose location is
+    what their bug reports need."""
+    default = warnings.formatwarning
+
+    def formatted(message, category, filename, lineno, line=None) -> str:  # noqa: ANN001
+        if not os.path.abspath(filename).startswith(_NDJAX):
+            return default(message, category, filename, lineno, line)
+        return f"{program}: warning: {message}\n"
+
+    warnings.formatwarning = formatted
 
 
 # Lines the native libraries (XLA, jax's CUDA plugin) write straight to file

@@ -58,7 +58,7 @@ _DTYPE = flags.DEFINE_string("dtype", None, "bfloat16, float16 or float32; defau
 def main(argv: list[str]) -> None:
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-    quiet_libraries()
+    quiet_libraries("ndjax.export")
     try:
         if not _WORKDIR.value or not _OUT.value:
             raise ConfigError("--workdir and --out are required.")

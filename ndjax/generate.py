@@ -369,7 +369,7 @@ def parse_flags(argv: list[str]) -> list[str]:
 def main(argv: list[str]) -> None:
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-    quiet_libraries()
+    quiet_libraries("ndjax.generate")
     a = {k: v.value for k, v in FLAGS.items() if k != "config"}
     try:
         if bool(a["workdir"]) == bool(a["hf_dir"]):

@@ -169,7 +169,7 @@ def main(argv: list[str]) -> None:
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
     from ndjax.console import quiet_libraries
-    quiet_libraries()
+    quiet_libraries(PROGRAM)
     config = loaded_config(PROGRAM, _CONFIG)
 
     import jax
