@@ -292,34 +292,16 @@ def test_unreadable_newest_checkpoint_falls_back_to_the_one_before(tmp_path, six
     ckpt_dir = workdir / "checkpoints"
     cut = cut_short(ckpt_dir / "4")
 
-    def refusal(name_and_flag):
-        other = tmp_path / name_and_flag[0]
-        shutil.copytree(workdir, other)
-        return other, run_train(other, "--config.train.steps=6", "--config.checkpoint.every=2",
-                                name_and_flag[1])
-
+    for name in ("stop", "asked", "bad"):
+        shutil.copytree(workdir, tmp_path / name)
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
-        (stopped_dir, stopped), (asked_dir, asked), (_, bad) = pool.map(refusal, [
-            ("stop", "--config.checkpoint.on_unreadable=stop"),
-            ("asked", "--config.checkpoint.resume=4"),
-            ("bad", "--config.checkpoint.on_unreadable=maybe")])
+        (_, resumed), (stopped_dir, stopped), (asked_dir, asked), (_, bad) = pool.map(
+            lambda a: (tmp_path / a[0], run_train(tmp_path / a[0], "--config.train.steps=6",
+                                                  "--config.checkpoint.every=2", *a[1:])),
+            [("run",), ("stop", "--config.checkpoint.on_unreadable=stop"),
+             ("asked", "--config.checkpoint.resume=4"),
+             ("bad", "--config.checkpoint.on_unreadable=maybe")])
     error = r"OUT_OF_RANGE: Error reading [^\n]* in OCDBT database at local file [^\n]*"
-    stop_dir, asked_ckpts = (re.escape(str(d / "checkpoints")) for d in (stopped_dir, asked_dir))
-    for result, directory, expected in [
-            (stopped, stopped_dir, rf"checkpoint step 4 in {stop_dir} does not read \({error}\); "
-             rf"checkpoint.on_unreadable=stop. Move it aside \(mv {stop_dir}/4 "
-             rf"{stop_dir}/4.unreadable\) or set --config.checkpoint.on_unreadable=fallback to "
-             r"resume from the newest one that reads."),
-            (asked, asked_dir, rf"checkpoint.resume=4: checkpoint step 4 in {asked_ckpts} does "
-             rf"not read \({error}\). Resume from another step \(there are \[2, 4\]\) or use "
-             r"checkpoint.resume=auto to fall back to the newest one that reads.")]:
-        assert result.returncode == 2, result.stderr[-3000:]
-        assert re.fullmatch(rf"train.py: error: {expected}\n", result.stderr), result.stderr
-        assert sorted(os.listdir(directory / "checkpoints")) == ["2", "4"]
-    assert (bad.returncode, bad.stderr) == (2, "train.py: error: checkpoint.on_unreadable="
-                                               "'maybe': choose one of ('fallback', 'stop').\n")
-
-    resumed = run_train(workdir, "--config.train.steps=6", "--config.checkpoint.every=2")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     where = re.escape(str(ckpt_dir))
     assert re.fullmatch(
@@ -338,6 +320,21 @@ def test_unreadable_newest_checkpoint_falls_back_to_the_one_before(tmp_path, six
     assert ckpt.steps() == [2, 4, 6]
     ckpt.close()
     assert sorted(os.listdir(ckpt_dir)) == ["2", "4", "4.unreadable", "6"]
+
+    stop_dir, asked_ckpts = (re.escape(str(d / "checkpoints")) for d in (stopped_dir, asked_dir))
+    for result, directory, expected in [
+            (stopped, stopped_dir, rf"checkpoint step 4 in {stop_dir} does not read \({error}\); "
+             rf"checkpoint.on_unreadable=stop. Move it aside \(mv {stop_dir}/4 "
+             rf"{stop_dir}/4.unreadable\) or set --config.checkpoint.on_unreadable=fallback to "
+             r"resume from the newest one that reads."),
+            (asked, asked_dir, rf"checkpoint.resume=4: checkpoint step 4 in {asked_ckpts} does "
+             rf"not read \({error}\). Resume from another step \(there are \[2, 4\]\) or use "
+             r"checkpoint.resume=auto to fall back to the newest one that reads.")]:
+        assert result.returncode == 2, result.stderr[-3000:]
+        assert re.fullmatch(rf"train.py: error: {expected}\n", result.stderr), result.stderr
+        assert sorted(os.listdir(directory / "checkpoints")) == ["2", "4"]
+    assert (bad.returncode, bad.stderr) == (2, "train.py: error: checkpoint.on_unreadable="
+                                               "'maybe': choose one of ('fallback', 'stop').\n")
 
 
 def test_failed_save_is_one_line_and_a_rerun_resumes_exactly(tmp_path, six_steps):
@@ -358,7 +355,9 @@ def test_failed_save_is_one_line_and_a_rerun_resumes_exactly(tmp_path, six_steps
         failed = run_train(workdir, f"--config.train.steps={steps}",
                            "--config.checkpoint.every=2", limit_file_size=True)
         assert (failed.returncode, failed.stderr) == (1, expected), failed.stderr[-3000:]
-        assert Checkpointer(str(workdir), tiny_config().checkpoint).steps() == [2]
+        on_disk = Checkpointer(str(workdir), tiny_config().checkpoint, read_only=True)
+        assert on_disk.steps() == [2]
+        on_disk.close()
 
     resumed = run_train(workdir, "--config.train.steps=6", "--config.checkpoint.every=2")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
