@@ -4,7 +4,8 @@
         [--workdir=runs/fsdp_tp] [--print_sharding]
 
 Bad input (a mesh that does not fit the devices, a model the mesh cannot split,
-an unknown config key, ...) is reported as one line on stderr with exit code 2.
+an unknown config key, ...) is reported as one line on stderr with exit code 2;
+a checkpoint that could not be saved (disk full, ...) as one line, exit code 1.
 """
 
 from __future__ import annotations
@@ -63,6 +64,7 @@ def main(argv: list[str]) -> None:
     except ConfigError as e:
         _fail(e)
 
+    from ndjax.checkpoint_faults import SaveError
     from ndjax.experiment import Experiment
     from ndjax.loop import NonFiniteError, train
     from ndjax.report import sharding_table
@@ -112,6 +114,17 @@ def main(argv: list[str]) -> None:
         print(f"train.py: stopped: {label}{e}", file=sys.stderr, flush=True)
         stop_with_the_others()
         sys.exit(3)
+    except SaveError as e:
+        # Exit 1, not ConfigError's 2: the config is fine and the same command is the
+        # right one to run again, once the disk has room (2 is for usage errors, as
+        # absl and argparse use it). One line, as for every failure train.py explains.
+        print(f"train.py: error: {label}{e}", file=sys.stderr, flush=True)
+        stop_with_the_others()
+        # Without the interpreter's shutdown: it would collect the failed save's
+        # unfinished write futures and print each one's error. Everything the run
+        # opened was closed on the way here (ndjax.loop.train's ExitStack).
+        sys.stdout.flush()
+        os._exit(1)
     except Exception as e:
         if watch is not None and label:
             # A failed collective usually means a peer died: let the watch name it.

@@ -14,12 +14,14 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import jax
 import orbax.checkpoint as ocp
+from etils import epath
 
+from ndjax import checkpoint_faults as faults
 from ndjax.config import CheckpointSettings
 from ndjax.errors import ConfigError
 from ndjax.state import TrainState
@@ -49,6 +51,9 @@ class Checkpointer:
             self.directory, options=options,
             item_handlers={"state": ocp.StandardCheckpointHandler(),
                            "data": ocp.JsonCheckpointHandler()})
+        self._saving: int | None = None  # the step of the newest save started
+        self._failed = False             # a SaveError was raised: close() adds nothing
+        faults.quiet_failed_saves()
 
     def steps(self) -> list[int]:
         return sorted(self.manager.all_steps())
@@ -89,6 +94,71 @@ class Checkpointer:
             state=ocp.args.StandardRestore(abstract_state), data=ocp.args.JsonRestore()))
         return restored["state"], dict(restored["data"])
 
+    def _read(self, step: int, abstract_state: TrainState) -> tuple[TrainState, dict]:
+        """Reads ``step`` completely (every array on its devices) or raises. Through the
+        item handlers, not the manager, whose restore ends in a barrier of all
+        processes: a process whose read failed would leave the others waiting there
+        instead of agreeing with them (ndjax.checkpoint_faults.all_read)."""
+        self.check_compatible(step, abstract_state)
+        path = epath.Path(self.directory) / str(step)
+        state = ocp.StandardCheckpointHandler().restore(
+            path / "state", args=ocp.args.StandardRestore(abstract_state))
+        data = ocp.JsonCheckpointHandler().restore(path / "data", args=ocp.args.JsonRestore())
+        return jax.block_until_ready(state), dict(data)
+
+    def resume(self, abstract_state: TrainState, warn: Callable[[str], None]
+               ) -> tuple[int, TrainState, dict] | None:
+        """The (step, state, data position) ``checkpoint.resume`` asks for, or None.
+
+        With resume=auto and on_unreadable=fallback, a checkpoint that does not read
+        on some process is moved aside to ``<step>.unreadable`` (never deleted) and
+        the next older one is tried; ``warn`` gets one line for each moved. An
+        unreadable checkpoint named by resume=<step>, or any with on_unreadable=stop,
+        is a one-line ConfigError. A model mismatch is a ConfigError, not unreadable.
+        """
+        first = self.step_to_restore()
+        if first is None:
+            return None
+        explicit = str(self.cfg.resume) != "auto"
+        moved: list[tuple[int, str, str]] = []
+        for step in [first] if explicit else sorted(self.steps(), reverse=True):
+            error, result = None, None
+            try:
+                result = self._read(step, abstract_state)
+            except ConfigError:
+                raise
+            except Exception as e:  # noqa: BLE001 -- any failure to read is "unreadable"
+                error = faults.first_line(e)
+            failed = faults.all_read(step, error)
+            if not failed:
+                assert result is not None
+                for bad, why, where in moved:
+                    warn(f"checkpoint step {bad} in {self.directory} does not read ({why}); "
+                         f"moved it to {where} and resumed from step {step}.")
+                return step, *result
+            where = f" on process {failed[0][0]}" if jax.process_count() > 1 else ""
+            why = f"{failed[0][1]}{where}"
+            if explicit:
+                raise ConfigError(
+                    f"checkpoint.resume={step}: checkpoint step {step} in {self.directory} "
+                    f"does not read ({why}). Resume from another step (there are "
+                    f"{self.steps()}) or use checkpoint.resume=auto to fall back to the "
+                    "newest one that reads.")
+            if self.cfg.on_unreadable == "stop":
+                raise ConfigError(
+                    f"checkpoint step {step} in {self.directory} does not read ({why}); "
+                    "checkpoint.on_unreadable=stop. Move it aside (mv "
+                    f"{os.path.join(self.directory, str(step))} "
+                    f"{os.path.join(self.directory, str(step))}{faults.QUARANTINE_SUFFIX}) or "
+                    "set --config.checkpoint.on_unreadable=fallback to resume from the "
+                    "newest one that reads.")
+            moved.append((step, why, faults.move_aside(self.directory, step)))
+            self.manager.reload()  # it is no step of the manager's any more
+        raise ConfigError(
+            f"no checkpoint in {self.directory} reads: moved "
+            f"{', '.join(f'step {s} to {w}' for s, _, w in moved)} ({moved[0][1]}). "
+            "Run again to start from scratch, or restore a copy of the checkpoints.")
+
     def restore_params(self, step: int, abstract_state: TrainState) -> Any:
         """Only the parameters (generation): the optimizer state stays on disk, so the
         devices hold the model and nothing more."""
@@ -104,17 +174,51 @@ class Checkpointer:
 
     def save(self, step: int, state: TrainState, data_state: dict[str, Any]) -> None:
         """Starts a save; with async on, it returns once the arrays are copied off
-        the devices, so the next (donating) step can run while files are written."""
-        self.manager.save(step, args=ocp.args.Composite(
-            state=ocp.args.StandardSave(state), data=ocp.args.JsonSave(data_state)), force=True)
+        the devices, so the next (donating) step can run while files are written.
+
+        A save that fails raises SaveError: here (a synchronous save, or the previous
+        async one, whose end orbax awaits before it starts the next) or at ``wait``.
+        The run stops there; the checkpoints before it are intact (orbax only renames
+        a save's temporary directory to its step once every file is written, and
+        prunes old ones only after that).
+        """
+        self.wait()  # orbax's save waits for the previous one anyway; its error is its own
+        self._saving = step
+        try:
+            self.manager.save(step, args=ocp.args.Composite(
+                state=ocp.args.StandardSave(state), data=ocp.args.JsonSave(data_state)),
+                force=True)
+        except Exception as e:
+            raise self._save_failed(step, e) from e
 
     def wait(self) -> None:
-        self.manager.wait_until_finished()
+        """Waits for the save in flight; SaveError if it failed."""
+        try:
+            self.manager.wait_until_finished()
+        except Exception as e:
+            raise self._save_failed(self._saving, e) from e
+
+    def _save_failed(self, step: int | None, e: BaseException) -> faults.SaveError:
+        self._failed = True
+        complete = sorted(int(n) for n in os.listdir(self.directory) if n.isdigit())
+        kept = (f"the checkpoints before it are intact (newest: step {complete[-1]}) and a "
+                "rerun resumes from it" if complete else "there is no earlier checkpoint")
+        return faults.SaveError(
+            f"checkpoint step {step} could not be saved in {self.directory}: "
+            f"{faults.os_error(e)}. Training stopped; {kept}. Free space (or raise the "
+            "quota or file-size limit) and run again.")
 
     def close(self) -> None:
+        """Waits for the save in flight (SaveError if it failed and was not reported
+        yet: a failed save is never lost), then closes the manager."""
         self._finish_tmp_cleanup()
-        self.manager.wait_until_finished()
-        self.manager.close()
+        reported = self._failed
+        try:
+            self.wait()
+            self.manager.close()
+        except Exception:
+            if not reported:
+                raise
 
     def _finish_tmp_cleanup(self) -> None:
         """Waits for orbax's deletion of interrupted saves' temporary directories.

@@ -295,6 +295,10 @@ class CheckpointSettings:
     async_save: bool = setting(True)
     # auto (newest complete one) | never | a step number
     resume: str = setting("auto")
+    # resume=auto and the newest checkpoint does not read (a file cut short by a host
+    # crash or a bad disk): fallback = move it to <step>.unreadable and resume from the
+    # newest that reads; stop = a one-line error naming it
+    on_unreadable: str = setting("fallback", choices=("fallback", "stop"))
 
     def check(self) -> None:
         if self.resume not in ("auto", "never") and not self.resume.isdigit():

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import os
 import time
+import warnings
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -145,6 +146,16 @@ def default_hooks(exp: Experiment, workdir: str, data_counts: dict[str, int],
     return hooks
 
 
+def _warn(line: str) -> None:
+    # Something was wrong and was handled: a warning, one line in train.py
+    # (ndjax.console.one_line_warnings), a UserWarning for a program calling train().
+    warnings.warn(line, stacklevel=2)
+
+
+def _silent(line: str) -> None:
+    pass
+
+
 def _keep_metrics_until(path: str, step: int) -> None:
     """On resume, drop records of steps after the restored one: they are redone. A line
     that is not a record (torn by a crash or a full disk mid-write) is dropped with a
@@ -205,9 +216,10 @@ def train(config: ml_collections.ConfigDict, workdir: str,
             held.callback(lock.release)
         checkpointer = Checkpointer(workdir, s.checkpoint)
         cleanup.callback(checkpointer.close)
-        resume_step = checkpointer.step_to_restore()
-        if resume_step is not None:
-            state, data_state = checkpointer.restore(resume_step, exp.abstract_state)
+        resumed = checkpointer.resume(exp.abstract_state, warn=_warn if is_main else _silent)
+        resume_step = None if resumed is None else resumed[0]
+        if resumed is not None:
+            resume_step, state, data_state = resumed
             data.set_state(data_state)  # the next batch is the one after the saved step
             first_step = data_state["rows"] // s.train.batch_size + 1
             dropped = checkpointer.drop_newer_than(resume_step)

@@ -4,6 +4,7 @@ import concurrent.futures
 import json
 import os
 import random
+import re
 import shutil
 import signal
 import socket
@@ -348,3 +349,130 @@ def test_a_live_runs_workdir_is_refused_and_a_dead_ones_lock_taken_over(tmp_path
     assert sorted(resumed) == list(range(1, last + 3))
     np.testing.assert_allclose([resumed[s] for s in sorted(resumed)],
                                [reference[s] for s in sorted(resumed)], rtol=1e-6)
+
+
+# What limit_file_size runs before train.py, in the child: writes past 64 KiB in any
+# one file fail with EFBIG, "File too large" (as root too: RLIMIT_FSIZE is no
+# permission bit). The tiny model's checkpoint has larger array files; its metrics and
+# config files are smaller. SIGXFSZ ignored (exec keeps both), or the first such write
+# would kill the process instead of failing. (Not subprocess's preexec_fn: it forks
+# this multithreaded process and runs Python in the child.)
+_LIMITED = ("import os, resource, signal, sys; "
+            "resource.setrlimit(resource.RLIMIT_FSIZE, "
+            "(64 * 1024, resource.getrlimit(resource.RLIMIT_FSIZE)[1])); "
+            "signal.signal(signal.SIGXFSZ, signal.SIG_IGN); "
+            "os.execv(sys.executable, [sys.executable, *sys.argv[1:]])")
+
+
+def run_train(workdir, *args, limit_file_size=False) -> subprocess.CompletedProcess:
+    """train.py (the tiny model of TINY_FLAGS, config llama_fsdp) to completion."""
+    env = {**os.environ, "PYTHONPATH": ROOT}
+    limited = ["-c", _LIMITED] if limit_file_size else []
+    return subprocess.run(
+        [sys.executable, *limited, os.path.join(ROOT, "train.py"),
+         "--config=configs/llama_fsdp.py", f"--workdir={workdir}", *TINY_FLAGS, *args],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def six_steps(tmp_path_factory):
+    """The losses of an uninterrupted 6-step run, in process (as test_kill_9_...)."""
+    config = tiny_config(mesh=dict(fsdp=8), train=dict(steps=6))
+    config.log.tensorboard = False
+    return losses_by_step(train(config, str(tmp_path_factory.mktemp("ref6")), verbose=False))
+
+
+def cut_short(step_dir) -> str:
+    """Truncates the largest array data file of a checkpoint to a third: what a host
+    crash or a bad disk leaves. Orbax's OCDBT layout: state/ocdbt.process_<i>/d/*."""
+    data = step_dir / "state" / "ocdbt.process_0" / "d"
+    largest = max(data.iterdir(), key=lambda p: p.stat().st_size)
+    os.truncate(largest, largest.stat().st_size // 3)
+    return str(largest)
+
+
+def test_unreadable_newest_checkpoint_falls_back_to_the_one_before(tmp_path, six_steps):
+    """The newest checkpoint cut short: resume=auto moves it to <step>.unreadable (kept,
+    and neither a step nor an interrupted save to orbax) with one warning line, and
+    resumes from the one before as the uninterrupted run; on_unreadable=stop and an
+    explicit resume=<that step> are one-line errors, exit 2, that leave it in place."""
+    workdir = tmp_path / "run"
+    first = run_train(workdir, "--config.train.steps=4", "--config.checkpoint.every=2")
+    assert first.returncode == 0, first.stderr[-2000:]
+    ckpt_dir = workdir / "checkpoints"
+    cut = cut_short(ckpt_dir / "4")
+
+    for name in ("stop", "asked", "bad"):
+        shutil.copytree(workdir, tmp_path / name)
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        (_, resumed), (stopped_dir, stopped), (asked_dir, asked), (_, bad) = pool.map(
+            lambda a: (tmp_path / a[0], run_train(tmp_path / a[0], "--config.train.steps=6",
+                                                  "--config.checkpoint.every=2", *a[1:])),
+            [("run",), ("stop", "--config.checkpoint.on_unreadable=stop"),
+             ("asked", "--config.checkpoint.resume=4"),
+             ("bad", "--config.checkpoint.on_unreadable=maybe")])
+    error = r"OUT_OF_RANGE: Error reading [^\n]* in OCDBT database at local file [^\n]*"
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    where = re.escape(str(ckpt_dir))
+    assert re.fullmatch(
+        rf"train.py: warning: checkpoint step 4 in {where} does not read \({error}\); moved it to "
+        rf"{where}/4.unreadable and resumed from step 2.\n", resumed.stderr), resumed.stderr
+    assert "resumed from checkpoint step 2\n" in resumed.stdout
+    losses = losses_by_step(logged_steps(workdir))
+    assert sorted(losses) == list(range(1, 7))
+    for step in range(3, 7):
+        assert losses[step] == six_steps[step], step  # bitwise: same mesh, same program
+    # Moved, not deleted; a new manager (which cleans up interrupted saves) neither
+    # lists nor removes it.
+    moved = cut.replace(f"{os.sep}4{os.sep}", f"{os.sep}4.unreadable{os.sep}")
+    assert os.path.getsize(moved) > 0
+    ckpt = Checkpointer(str(workdir), tiny_config().checkpoint)
+    assert ckpt.steps() == [2, 4, 6]
+    ckpt.close()
+    assert sorted(os.listdir(ckpt_dir)) == ["2", "4", "4.unreadable", "6"]
+
+    stop_dir, asked_ckpts = (re.escape(str(d / "checkpoints")) for d in (stopped_dir, asked_dir))
+    for result, directory, expected in [
+            (stopped, stopped_dir, rf"checkpoint step 4 in {stop_dir} does not read \({error}\); "
+             rf"checkpoint.on_unreadable=stop. Move it aside \(mv {stop_dir}/4 "
+             rf"{stop_dir}/4.unreadable\) or set --config.checkpoint.on_unreadable=fallback to "
+             r"resume from the newest one that reads."),
+            (asked, asked_dir, rf"checkpoint.resume=4: checkpoint step 4 in {asked_ckpts} does "
+             rf"not read \({error}\). Resume from another step \(there are \[2, 4\]\) or use "
+             r"checkpoint.resume=auto to fall back to the newest one that reads.")]:
+        assert result.returncode == 2, result.stderr[-3000:]
+        assert re.fullmatch(rf"train.py: error: {expected}\n", result.stderr), result.stderr
+        assert sorted(os.listdir(directory / "checkpoints")) == ["2", "4"]
+    assert (bad.returncode, bad.stderr) == (2, "train.py: error: checkpoint.on_unreadable="
+                                               "'maybe': choose one of ('fallback', 'stop').\n")
+
+
+def test_failed_save_is_one_line_and_a_rerun_resumes_exactly(tmp_path, six_steps):
+    """A save that cannot be written (here: the file-size limit, as a full disk or a
+    quota fail it) stops the run with one line naming the step, the directory and the
+    OS error, exit 1, whether its async failure surfaces at the next save (step 6) or
+    at the end of the run (step 4); the checkpoint before it stays, and a rerun
+    resumes from it as the uninterrupted run."""
+    workdir = tmp_path / "run"
+    first = run_train(workdir, "--config.train.steps=2", "--config.checkpoint.every=2")
+    assert first.returncode == 0, first.stderr[-2000:]
+    ckpt_dir = workdir / "checkpoints"
+    expected = (f"train.py: error: checkpoint step 4 could not be saved in {ckpt_dir}: File "
+                "too large (errno 27). Training stopped; the checkpoints before it are intact "
+                "(newest: step 2) and a rerun resumes from it. Free space (or raise the quota "
+                "or file-size limit) and run again.\n")
+    for steps in (6, 4):
+        failed = run_train(workdir, f"--config.train.steps={steps}",
+                           "--config.checkpoint.every=2", limit_file_size=True)
+        assert (failed.returncode, failed.stderr) == (1, expected), failed.stderr[-3000:]
+        on_disk = Checkpointer(str(workdir), tiny_config().checkpoint, read_only=True)
+        assert on_disk.steps() == [2]
+        on_disk.close()
+
+    resumed = run_train(workdir, "--config.train.steps=6", "--config.checkpoint.every=2")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resumed from checkpoint step 2\n" in resumed.stdout
+    losses = losses_by_step(logged_steps(workdir))
+    assert sorted(losses) == list(range(1, 7))
+    np.testing.assert_allclose([losses[s] for s in range(3, 7)],
+                               [six_steps[s] for s in range(3, 7)], rtol=1e-6)

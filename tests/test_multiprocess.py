@@ -9,6 +9,7 @@ coordinator or a peer is lost.
 import contextlib
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -359,3 +360,36 @@ def test_a_workdir_locked_on_another_host_stops_every_process(tmp_path):
             "on host 'elsewhere', since earlier)" in lines[0], lines[0]
         assert f"if it is dead, delete {lock} and start again" in lines[0]
     assert not (tmp_path / "metrics.jsonl").exists() and not (tmp_path / "checkpoints").exists()
+
+
+def test_a_checkpoint_unreadable_on_one_process_falls_back_on_both(tmp_path):
+    """2 processes save at steps 2 and 4; then one array file that only process 1
+    wrote (and reads back) of step 4 is cut short. On resume process 0 reads step 4
+    fine and process 1 does not: both must agree, fall back to step 2 (process 0
+    moves step 4 aside, process 1 waits for it) and continue as an uninterrupted
+    run, not restore different steps."""
+    reference = losses(one_process(tmp_path / "reference", FSDP_TP, steps=6))
+    work = tmp_path / "run"
+    check_ok(run_two(work, *mesh_flags(FSDP_TP), "--config.train.steps=4",
+                     "--config.checkpoint.every=2"))
+    data = work / "checkpoints" / "4" / "state" / "ocdbt.process_1" / "d"
+    largest = max(data.iterdir(), key=lambda p: p.stat().st_size)
+    os.truncate(largest, largest.stat().st_size // 3)
+    results = run_two(work, *mesh_flags(FSDP_TP), "--config.train.steps=6",
+                      "--config.checkpoint.every=2")
+    check_ok(results)
+    ckpts = work / "checkpoints"
+    # (Beside the coordination service's own native lines on stderr.)
+    warnings = [[line for line in err.splitlines() if line.startswith("train.py: warning:")]
+                for _, _, err in results]
+    assert warnings[1] == [], warnings  # the warning is process 0's
+    where = re.escape(str(ckpts))
+    assert len(warnings[0]) == 1 and re.fullmatch(
+        rf"train.py: warning: checkpoint step 4 in {where} does not read \(OUT_OF_RANGE: "
+        rf"Error reading .* in OCDBT database at local file .* on process 1\); moved it to "
+        rf"{where}/4.unreadable and resumed from step 2.", warnings[0][0]), warnings
+    assert "resumed from checkpoint step 2" in results[0][1]  # (only process 0 prints)
+    assert sorted(os.listdir(ckpts)) == ["2", "4", "4.unreadable", "6"]
+    records = metrics(work)
+    assert [r["step"] for r in records] == list(range(1, 7))
+    np.testing.assert_allclose(losses(records), reference, rtol=1e-5)
