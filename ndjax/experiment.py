@@ -95,6 +95,11 @@ def model_config(model: ModelSettings, checkpoint: hf.Checkpoint | None = None,
             f"model.n_heads={dims['n_heads']} is not a multiple of model.n_kv_heads="
             f"{dims['n_kv_heads']}: grouped-query attention shares each kv head between "
             "n_heads / n_kv_heads query heads. Pick n_kv_heads dividing n_heads.")
+    registry.check_moe(dims)
+    if dims.get("n_experts") and model.remat in decoder.FULL_REMAT:
+        raise ConfigError(f"model.remat={model.remat!r}: a mixture of experts' layers also "
+                          "return their router's statistics, which that scan does not carry "
+                          "yet; use model.remat=none, save_proj or save_attn.")
     head_dim = dims.get("head_dim") or dims["dim"] // dims["n_heads"]
     if head_dim % 2 or (not dims.get("head_dim") and dims["dim"] % dims["n_heads"]):
         raise ConfigError(
@@ -243,8 +248,8 @@ class Experiment:
         return nnx.merge(self.graphdef, params)(inputs, positions, segment_ids)
 
     def features(self, params: Any, inputs: jax.Array, positions: jax.Array,
-                 segment_ids: jax.Array) -> tuple[jax.Array, jax.Array]:
-        """(final hidden states, LM head): what the chunked loss needs."""
+                 segment_ids: jax.Array) -> tuple[jax.Array, Any, dict[str, jax.Array]]:
+        """(final hidden states, LM head, MoE router metrics): what the loss needs."""
         return nnx.merge(self.graphdef, params).features(inputs, positions, segment_ids)
 
     @property
@@ -253,7 +258,8 @@ class Experiment:
         return StepOptions(skip_nonfinite=t.on_nan == "skip",
                            nan_at_step=int(self.settings.debug.nan_at_step),
                            loss_chunk=t.loss_chunk, grad_accum=t.grad_accum,
-                           grad_dtype=self.precision.grad_accum)
+                           grad_dtype=self.precision.grad_accum,
+                           aux_loss_coef=float(self.model_cfg.router_aux_loss_coef))
 
     # ----- state ---------------------------------------------------------------
 

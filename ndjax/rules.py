@@ -53,6 +53,7 @@ _ACTIVATIONS: Table = (
     ("act_head_dim", None),
     ("act_mlp", "tensor"),
     ("act_vocab", "tensor"),
+    ("act_experts", None),           # MoE router logits: every expert on every device
 )
 _PARAMS: Table = (
     ("layers", None),
@@ -62,6 +63,8 @@ _PARAMS: Table = (
     ("kv_heads", "tensor"),
     ("head_dim", None),
     ("mlp", "tensor"),                # gate/up column-parallel, down row-parallel
+    ("experts", None),                # MoE: every expert on every device (no expert axis yet)
+    ("expert_mlp", "tensor"),         # each expert's width, split as the dense MLP's
     ("norm", None),
 )
 

@@ -37,10 +37,14 @@ from transformers import (
     LlamaForCausalLM,
     MistralConfig,
     MistralForCausalLM,
+    MixtralConfig,
+    MixtralForCausalLM,
     Qwen2Config,
     Qwen2ForCausalLM,
     Qwen3Config,
     Qwen3ForCausalLM,
+    Qwen3MoeConfig,
+    Qwen3MoeForCausalLM,
     TokenizersBackend,
 )
 
@@ -65,6 +69,13 @@ FAMILIES = {
         query_pre_attn_scalar=12, rope_parameters={
             "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1e6},
             "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}})),
+    # Mixtral renormalises its top-2 weights; this Qwen3-MoE does not (norm_topk_prob
+    # False, transformers' default; the released models set it).
+    "mixtral": (MixtralConfig, MixtralForCausalLM, dict(
+        num_local_experts=4, num_experts_per_tok=2, sliding_window=WINDOW)),
+    "qwen3_moe": (Qwen3MoeConfig, Qwen3MoeForCausalLM, dict(
+        head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+        norm_topk_prob=False)),
 }
 
 
@@ -250,12 +261,13 @@ def test_layout_matches_single_device(family):
 
 def test_an_unsupported_model_type_names_the_families(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(
-        {"model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"]}))
+        {"model_type": "deepseek_v3", "architectures": ["DeepseekV3ForCausalLM"]}))
     with pytest.raises(ConfigError) as e:
         hf.open_checkpoint(str(tmp_path))
     message = str(e.value)
-    assert "model_type='qwen3_moe'" in message and "\n" not in message
-    for model_type in ("llama", "mistral", "qwen2", "qwen3", "gemma3_text"):
+    assert "model_type='deepseek_v3'" in message and "\n" not in message
+    for model_type in ("llama", "mistral", "qwen2", "qwen3", "gemma3_text", "mixtral",
+                       "qwen3_moe"):
         assert f"'{model_type}'" in message
 
 
