@@ -128,6 +128,30 @@ def test_logits_match_transformers(saved, family, mesh):
     np.testing.assert_allclose(ndjax_logits(exp, load(exp), toks), ref, rtol=0, atol=1e-4)
 
 
+MOE_FAMILIES = sorted(f for f in FAMILIES if registry.get(f).moe_names is not None)
+
+
+@pytest.mark.parametrize("mesh", ["one_device", "fsdp_tp"])
+@pytest.mark.parametrize("family", MOE_FAMILIES)
+def test_load_balancing_loss_matches_transformers(saved, family, mesh):
+    """The router's load-balancing loss over all layers equals transformers' aux_loss
+    (output_router_logits, no attention mask: rows without padding) on the same
+    weights and tokens."""
+    directory, model = saved(family)
+    devices = jax.devices()[:1] if mesh == "one_device" else None
+    exp = Experiment.from_config(config_for(directory, None if devices else FSDP_TP), devices)
+    toks = tokens(model.config.vocab_size)
+    with torch.no_grad():
+        want = float(model(torch.tensor(toks, dtype=torch.long),
+                           output_router_logits=True).aux_loss)
+    positions = np.broadcast_to(np.arange(S, dtype=np.int32), toks.shape)
+    with rules_lib.use(exp.rules):
+        aux = jax.jit(exp.features)(load(exp), toks, positions, np.ones_like(toks))[2]
+    # Balanced routing gives experts_per_token (2): the random router is not balanced.
+    assert abs(want - 2.0) > 1e-3
+    np.testing.assert_allclose(float(aux["aux_loss"]), want, rtol=1e-5)
+
+
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_packed_rows_equal_each_document_alone(saved, family):
     """Two documents in one row (segment ids, positions restarting), each longer than
@@ -242,6 +266,10 @@ FAMILY_MODELS = {
     "qwen3": dict(family="qwen3", head_dim=16),
     "gemma3": dict(family="gemma3", n_layers=3, head_dim=16, sliding_window=WINDOW,
                    sliding_window_pattern=2, query_pre_attn_scalar=12.0),
+    # The load-balancing loss in the loss, weighted so that it moves the router. One MoE
+    # family: Mixtral's block is the same code but for its names and renormalising.
+    "qwen3_moe": dict(family="qwen3_moe", head_dim=16, n_experts=4, experts_per_token=2,
+                      moe_ffn_dim=32, router_aux_loss_coef=0.1),
 }
 
 
@@ -298,6 +326,8 @@ FAMILY_TOKENS = {
     "mistral": dict(special=("<unk>", "<s>", "</s>"), bos_token="<s>", eos_token="</s>"),
     "qwen2": dict(QWEN),
     "qwen3": dict(QWEN),
+    "qwen3_moe": dict(QWEN),
+    "mixtral": dict(special=("<unk>", "<s>", "</s>"), bos_token="<s>", eos_token="</s>"),
     "gemma3": dict(special=("<pad>", "<eos>", "<bos>", "<start_of_turn>", "<end_of_turn>"),
                    bos_token="<bos>", eos_token="<eos>", pad_token="<pad>"),
 }
