@@ -10,10 +10,19 @@ Dispatch is dropless: every (token, chosen expert) pair is computed. The pairs a
 sorted by expert, each expert's run of rows goes through its gate, up and down
 matrices with ``jax.lax.ragged_dot`` (one grouped matmul per projection, the group
 sizes the experts' token counts), and the rows are unsorted, weighted and summed
-over the k choices. Under a mesh this runs in a ``shard_map`` over the data axes,
-so that each device sorts and computes its own tokens; the tensor axis is left to
-the partitioner, which splits the experts' width as it splits the dense MLP's
-(gate and up column-parallel, down row-parallel, one all-reduce of the output).
+over the k choices. Under a mesh the top-k and the dispatch run in a ``shard_map``
+over the data axes, so that each device chooses, sorts and computes its own tokens
+(left to the partitioner, ``top_k`` and the sort gather the whole batch first); the
+tensor axis is left to the partitioner, which splits the experts' width as it
+splits the dense MLP's (gate and up column-parallel, down row-parallel, one
+all-reduce of the output).
+
+The expert weights are used gathered (``layers.use_param``) and differentiated
+through the ``shard_map``: their gradient is all-reduced over the data axes in the
+compute dtype and then cut to the storage layout, where the dense weights'
+(``layers.project``) is reduce-scattered in float32. Exact in float32; in bfloat16
+the per-device sums are rounded before they are added. A custom VJP as
+``layers.embed_lookup``'s would give them the dense weights' path (not done yet).
 
 The expert weights are stacked, ``[experts, dim, width]`` and ``[experts, width,
 dim]``, with the logical axis ``experts`` on the stacked dimension (the rule
@@ -35,14 +44,13 @@ from ndjax.rules import active, constrain, data_axes, suspended
 ROUTER_LOGITS = ("act_batch", "act_seq", "act_experts")
 
 
-def route(logits: jax.Array, k: int, renormalise: bool) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """Router logits (..., experts) -> (probabilities (..., experts), the top-k experts
-    (..., k) int32, their weights (..., k)), in float32."""
-    probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
+def route(probs: jax.Array, k: int, renormalise: bool) -> tuple[jax.Array, jax.Array]:
+    """Router probabilities (..., experts) -> (the top-k experts (..., k) int32, their
+    weights (..., k), renormalised to sum to 1 where ``renormalise``)."""
     weights, experts = jax.lax.top_k(probs, k)
     if renormalise:
         weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
-    return probs, experts, weights
+    return experts, weights
 
 
 def dispatch(x: jax.Array, experts: jax.Array, weights: jax.Array, w_gate: jax.Array,
@@ -82,28 +90,33 @@ class MoE(nnx.Module):
         logits = constrain(project("bsd,de->bse", x.astype(jnp.float32),
                                    *use_param(self.router, jnp.float32,
                                               param_dtype=cfg.param_dtype)), ROUTER_LOGITS)
-        probs, experts, weights = route(logits, cfg.experts_per_token, cfg.norm_topk_prob)
+        probs = jax.nn.softmax(logits, axis=-1)  # float32, as the logits
         w = [use_param(v, cfg.dtype, param_dtype=cfg.param_dtype)[0]
              for v in (self.w_gate, self.w_up, self.w_down)]
-        run = lambda x, e, p, *w: dispatch(x, e, p, *w, cfg.activation)  # noqa: E731
+        n, k = cfg.n_experts, cfg.experts_per_token
+
+        def local(x, probs, *w):
+            """One device's tokens: top-k, dispatch, and its count of assignments per
+            expert (leading axis 1, stacked over the devices). top_k runs here too: left
+            to the partitioner, it gathers the whole batch's probabilities first."""
+            with suspended():
+                experts, weights = route(probs, k, cfg.norm_topk_prob)
+                out = dispatch(x, experts, weights, *w, cfg.activation)
+                assigned = jnp.zeros((n,), jnp.float32).at[experts.reshape(-1)].add(1.0)
+                return out, assigned[None]
         rules = active()
         axes = data_axes(rules) if rules is not None else ()
         if axes:
             rows = tuple(rules.spec(("act_batch", "act_seq")))
             rows = rows + (None,) * (2 - len(rows))
-
-            def local(*args):
-                with suspended():
-                    return run(*args)
             tok = PartitionSpec(*rows, None)
-            out = jax.shard_map(local, mesh=rules.mesh, axis_names=set(axes),
-                                in_specs=(tok, tok, tok, *(PartitionSpec(),) * 3),
-                                out_specs=tok, check_vma=False)(x, experts, weights, *w)
+            out, assigned = jax.shard_map(
+                local, mesh=rules.mesh, axis_names=set(axes),
+                in_specs=(tok, tok, *(PartitionSpec(),) * 3),
+                out_specs=(tok, PartitionSpec(axes)), check_vma=False)(x, probs, *w)
         else:
-            out = run(x, experts, weights, *w)
-        stats = {"assigned": jnp.sum(jax.nn.one_hot(experts, cfg.n_experts, dtype=jnp.float32),
-                                     axis=(0, 1, 2)),
-                 "probs": jnp.sum(probs, axis=(0, 1))}
+            out, assigned = local(x, probs, *w)
+        stats = {"assigned": jnp.sum(assigned, axis=0), "probs": jnp.sum(probs, axis=(0, 1))}
         return out, stats
 
 
