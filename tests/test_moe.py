@@ -7,6 +7,7 @@ are in tests/test_families.py."""
 import dataclasses
 import functools
 import json
+import re
 
 import jax
 import jax.numpy as jnp
@@ -145,6 +146,24 @@ def test_load_balancing_loss_is_in_the_training_loss():
                            grads0["layers"]["mlp"]["w_gate"][0], rtol=1e-3, atol=0)
     state, metrics = exp.compiled_step(exp.init_state(), batch)
     assert {"aux_loss", "expert_load_min", "expert_load_max"} <= set(metrics)
+
+
+def test_bf16_experts_gather_bf16_and_reduce_f32():
+    """Under FSDP the expert weights are gathered in bfloat16 and their gradients leave
+    each device's tokens unsummed, to be reduce-scattered in float32 as the dense
+    weights' are (not all-reduced in bfloat16 inside the dispatch's shard_map)."""
+    from helpers import partitioned_hlo
+    from test_memory_precision import collective_types
+    exp = Experiment.from_config(tiny_config(mesh=dict(fsdp=8),
+                                             model=dict(MOE, dtype="bfloat16")))
+    hlo = partitioned_hlo(exp.lower_step())
+    # Every weight in bfloat16 but the router, which routes in float32 (dim x experts).
+    gathered = set(re.findall(r"= (\w+\[[\d,]*\])[^ ]* all-gather\(", hlo))
+    assert {g for g in gathered if not g.startswith("bf16")} == {"f32[64,4]"}
+    assert {"bf16[4,64,32]", "bf16[4,32,64]"} <= gathered  # the experts' gate/up, down
+    # On CPU a reduce-scatter is written as all-reduce + dynamic-slice.
+    assert collective_types(hlo, "all-reduce") | collective_types(hlo, "reduce-scatter") \
+        == {"f32"}
 
 
 @pytest.mark.parametrize("model, says", [

@@ -17,12 +17,12 @@ tensor axis is left to the partitioner, which splits the experts' width as it
 splits the dense MLP's (gate and up column-parallel, down row-parallel, one
 all-reduce of the output).
 
-The expert weights are used gathered (``layers.use_param``) and differentiated
-through the ``shard_map``: their gradient is all-reduced over the data axes in the
-compute dtype and then cut to the storage layout, where the dense weights'
-(``layers.project``) is reduce-scattered in float32. Exact in float32; in bfloat16
-the per-device sums are rounded before they are added. A custom VJP as
-``layers.embed_lookup``'s would give them the dense weights' path (not done yet).
+The expert weights enter the ``shard_map`` gathered (``layers.use_param``) as one
+copy per device (``per_device``), so that each device's partial gradient leaves it
+unsummed and is reduce-scattered in float32 into the storage layout, as the dense
+weights' are (``layers.project``). Unlike those, each device's partial is formed in
+the compute dtype (the transpose of ``ragged_dot``), so in bfloat16 it is rounded
+once before the float32 sum.
 
 The expert weights are stacked, ``[experts, dim, width]`` and ``[experts, width,
 dim]``, with the logical axis ``experts`` on the stacked dimension (the rule
@@ -33,13 +33,25 @@ load-balancing loss (``aux_loss``), which the decoder forms over all layers.
 
 from __future__ import annotations
 
+import functools
+import math
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from jax.sharding import PartitionSpec
+from jax.sharding import NamedSharding, PartitionSpec
 
 from ndjax.models.layers import ACTIVATION_FNS, init_param, project, use_param
-from ndjax.rules import active, constrain, data_axes, suspended
+from ndjax.rules import (
+    ParamUse,
+    active,
+    axes_of,
+    constrain,
+    data_axes,
+    stacked_lead,
+    stacked_sum,
+    suspended,
+)
 
 ROUTER_LOGITS = ("act_batch", "act_seq", "act_experts")
 
@@ -74,6 +86,36 @@ def dispatch(x: jax.Array, experts: jax.Array, weights: jax.Array, w_gate: jax.A
     return mixed.astype(x.dtype)
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def per_device(w: jax.Array, stored: jax.Array, use: ParamUse, axes: tuple[str, ...]
+               ) -> jax.Array:
+    """``w`` (a parameter in its compute layout, ``gather(stored, use)``) as one copy per
+    device of the data axes ``axes``, stacked along ``rules.stacked_lead``: a value of
+    each device's own for a ``shard_map`` over those axes, so that its gradient leaves
+    the map per device rather than all-reduced inside it in the compute dtype.
+    Backward, those partial gradients are summed in float32 into the storage layout
+    (``rules.stacked_sum``: a reduce-scatter) and go to ``stored``, as the dense
+    weights' do (``layers.project``)."""
+    rules = active()
+    lead = stacked_lead(use, axes)
+    sizes = tuple(math.prod(rules.mesh.shape[a] for a in axes_of(x)) for x in lead)
+    compute = tuple(use.compute.spec) if use.compute is not None else ()
+    return jax.lax.with_sharding_constraint(
+        jnp.broadcast_to(w, (*sizes, *w.shape)),
+        NamedSharding(rules.mesh, PartitionSpec(*lead, *compute)))
+
+
+def _per_device_fwd(w, stored, use, axes):
+    return per_device(w, stored, use, axes), jnp.zeros((0,), stored.dtype)
+
+
+def _per_device_bwd(use, axes, dtype_of_stored, g):
+    return None, stacked_sum(g, use, axes, dtype_of_stored.dtype)
+
+
+per_device.defvjp(_per_device_fwd, _per_device_bwd)
+
+
 class MoE(nnx.Module):
     """The MoE MLP: (b, s, dim) -> ((b, s, dim), router statistics per expert)."""
 
@@ -91,14 +133,15 @@ class MoE(nnx.Module):
                                    *use_param(self.router, jnp.float32,
                                               param_dtype=cfg.param_dtype)), ROUTER_LOGITS)
         probs = jax.nn.softmax(logits, axis=-1)  # float32, as the logits
-        w = [use_param(v, cfg.dtype, param_dtype=cfg.param_dtype)[0]
-             for v in (self.w_gate, self.w_up, self.w_down)]
+        used = [use_param(v, cfg.dtype, param_dtype=cfg.param_dtype)
+                for v in (self.w_gate, self.w_up, self.w_down)]
         n, k = cfg.n_experts, cfg.experts_per_token
 
         def local(x, probs, *w):
             """One device's tokens: top-k, dispatch, and its count of assignments per
             expert (leading axis 1, stacked over the devices). top_k runs here too: left
             to the partitioner, it gathers the whole batch's probabilities first."""
+            w = [a.reshape(a.shape[-3:]) for a in w]  # this device's copy (per_device)
             with suspended():
                 experts, weights = route(probs, k, cfg.norm_topk_prob)
                 out = dispatch(x, experts, weights, *w, cfg.activation)
@@ -110,12 +153,13 @@ class MoE(nnx.Module):
             rows = tuple(rules.spec(("act_batch", "act_seq")))
             rows = rows + (None,) * (2 - len(rows))
             tok = PartitionSpec(*rows, None)
+            w = [per_device(g, stored, use, axes) for g, stored, use in used]
             out, assigned = jax.shard_map(
                 local, mesh=rules.mesh, axis_names=set(axes),
-                in_specs=(tok, tok, *(PartitionSpec(),) * 3),
+                in_specs=(tok, tok, *(PartitionSpec(*stacked_lead(u[2], axes)) for u in used)),
                 out_specs=(tok, PartitionSpec(axes)), check_vma=False)(x, probs, *w)
         else:
-            out, assigned = local(x, probs, *w)
+            out, assigned = local(x, probs, *(u[0] for u in used))
         stats = {"assigned": jnp.sum(assigned, axis=0), "probs": jnp.sum(probs, axis=(0, 1))}
         return out, stats
 
