@@ -96,10 +96,6 @@ def model_config(model: ModelSettings, checkpoint: hf.Checkpoint | None = None,
             f"{dims['n_kv_heads']}: grouped-query attention shares each kv head between "
             "n_heads / n_kv_heads query heads. Pick n_kv_heads dividing n_heads.")
     registry.check_moe(dims)
-    if dims.get("n_experts") and model.remat in decoder.FULL_REMAT:
-        raise ConfigError(f"model.remat={model.remat!r}: a mixture of experts' layers also "
-                          "return their router's statistics, which that scan does not carry "
-                          "yet; use model.remat=none, save_proj or save_attn.")
     head_dim = dims.get("head_dim") or dims["dim"] // dims["n_heads"]
     if head_dim % 2 or (not dims.get("head_dim") and dims["dim"] % dims["n_heads"]):
         raise ConfigError(

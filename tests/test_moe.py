@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from conftest import tiny_config
 from flax import nnx
-from helpers import host_batches
+from helpers import GRAD_RTOL, _reference, first_step_grads, host_batches, run_steps
 
 from ndjax import hf
 from ndjax import rules as rules_lib
@@ -177,12 +177,28 @@ def test_bf16_experts_gather_bf16_and_reduce_f32():
      "model.norm_topk_prob=False: model.family='mixtral' has no choice of renormalising"),
     (dict(family="mixtral", moe_ffn_dim=64),
      "model.moe_ffn_dim=64: model.family='mixtral' has no expert width of its own"),
-    (dict(MOE, remat="full"), "model.remat='full': a mixture of experts' layers"),
 ])
 def test_a_bad_moe_config_is_refused_in_one_line(model, says):
     with pytest.raises(ConfigError) as e:
         Experiment.from_config(tiny_config(model=model), jax.devices()[:1])
     assert str(e.value).startswith(says) and "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("variant", [dict(remat="full"), dict(remat="offload"),
+                                     dict(scan_layers=False)])
+def test_moe_trains_alike_however_its_layers_run(variant):
+    """Full remat (each layer recomputed alone, the router statistics carried through
+    its own scan), offload and unrolled layers give the scanned run's losses, the
+    load-balancing loss among them, and first-step gradients."""
+    model = dict(MOE, router_aux_loss_coef=0.1, remat="none")
+    ref_init, ref_losses, _, ref_grads = _reference(model)
+    exp = Experiment.from_config(tiny_config(model={**model, **variant}), jax.devices()[:1])
+    losses, _ = run_steps(exp, ref_init)
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    for (path, g), want in zip(jax.tree_util.tree_leaves_with_path(
+            first_step_grads(exp, ref_init)), jax.tree.leaves(ref_grads)):
+        np.testing.assert_allclose(g, want, rtol=0, atol=GRAD_RTOL * np.abs(want).max(),
+                                   err_msg=jax.tree_util.keystr(path))
 
 
 def test_experts_per_token_below_one_is_refused():

@@ -324,9 +324,6 @@ class Decoder(nnx.Module):
     def __init__(self, cfg: DecoderConfig, rngs: nnx.Rngs):
         if cfg.remat not in REMAT_POLICIES:
             raise ValueError(f"model.remat={cfg.remat!r}: choose one of {sorted(REMAT_POLICIES)}")
-        if cfg.n_experts and cfg.remat in FULL_REMAT:
-            raise ValueError(f"model.remat={cfg.remat!r} does not carry the MoE router's "
-                             "statistics yet; use none, save_proj or save_attn")
         if cfg.remat == "offload" and not cfg.scan_layers:
             raise ValueError("model.remat='offload' needs scan_layers (ndjax.ops.layer_scan)")
         self.cfg = cfg
@@ -413,12 +410,8 @@ class Decoder(nnx.Module):
             if cfg.remat in FULL_REMAT:
                 # Each layer's input kept, each layer recomputed on its own.
                 layers = tuple(block(t) for t in pattern)
-                def dense(layer):  # no router statistics (Decoder refuses MoE here)
-                    return lambda h, p, c: layer(h, p, c)[0]
-                layers = tuple(dense(f) for f in layers)
-                x = scan_full_remat(layers if len(pattern) > 1 else layers[0], x, params,
-                                    (tables, segment_ids), offload=cfg.remat == "offload")
-                return x, {}
+                return scan_full_remat(layers if len(pattern) > 1 else layers[0], x, params,
+                                       (tables, segment_ids), offload=cfg.remat == "offload")
             run = group(pattern, len(pattern) > 1)
             # The segment ids ride in the scan's carry, not as a constant of the body:
             # jax hoists work that depends only on a scan's constants out of the loop,
