@@ -169,6 +169,46 @@ def test_packed_rows_equal_each_document_alone(saved, family):
     np.testing.assert_allclose(out[:, cut:], hf_logits(model, toks[:, cut:]), rtol=0, atol=1e-4)
 
 
+# The experts split over fsdp, each expert's width over tensor, the rows of the
+# checkpoint's matrices (embed) whole: each device reads its experts' tensors only.
+EXPERTS_SPLIT = tuple((name, {"experts": "fsdp", "embed": None}.get(name, axes))
+                      for name, axes in rules_lib.PRESETS["default"])
+
+
+@pytest.mark.parametrize("family", MOE_FAMILIES)
+def test_expert_shards_hold_transformers_experts(tmp_path, family):
+    """A bfloat16 checkpoint in several files, read with the experts split over fsdp and
+    their width over tensor: every device's shard of every MoE parameter holds
+    transformers' in-memory (fused) experts, router and all, rounded to bfloat16 as
+    saved. The fused tensors are read here independently of the checkpoint's names:
+    gate_up_proj is (experts, gate rows then up rows, dim), down_proj (experts, dim,
+    width)."""
+    model = make_family_hf(tmp_path, family, dtype=torch.bfloat16, max_shard_size="40KB")
+    assert len(list(tmp_path.glob("*.safetensors"))) > 1
+    exp = Experiment.from_config(config_for(tmp_path, FSDP_TP, rules=EXPERTS_SPLIT))
+    params = load(exp)
+    f = model.config.moe_intermediate_size if family == "qwen3_moe" else \
+        model.config.intermediate_size
+    layers = model.model.layers
+    bf16 = lambda t: t.detach().to(torch.bfloat16).float().numpy()  # noqa: E731
+    want = {
+        "router": np.stack([bf16(x.mlp.gate.weight).T for x in layers]),
+        "w_gate": np.stack([bf16(x.mlp.experts.gate_up_proj[:, :f]).transpose(0, 2, 1)
+                            for x in layers]),
+        "w_up": np.stack([bf16(x.mlp.experts.gate_up_proj[:, f:]).transpose(0, 2, 1)
+                          for x in layers]),
+        "w_down": np.stack([bf16(x.mlp.experts.down_proj).transpose(0, 2, 1)
+                            for x in layers]),
+    }
+    for name, value in want.items():
+        got = params["layers"]["mlp"][name]
+        if name != "router":
+            assert got.sharding.spec[1] == "fsdp"  # the experts are split
+        for shard in got.addressable_shards:
+            np.testing.assert_array_equal(np.asarray(shard.data, np.float32), value[shard.index],
+                                          err_msg=name)
+
+
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_export_loads_in_transformers_with_identical_weights(saved, family, tmp_path):
     directory, model = saved(family)
