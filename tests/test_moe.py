@@ -144,7 +144,11 @@ def test_load_balancing_loss_is_in_the_training_loss():
         np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-9)
     assert not np.allclose(grads["layers"]["mlp"]["w_gate"][0],
                            grads0["layers"]["mlp"]["w_gate"][0], rtol=1e-3, atol=0)
-    state, metrics = exp.compiled_step(exp.init_state(), batch)
+    from ndjax.train_step import train_step
+    step = functools.partial(train_step, exp.features, exp.optimizer, exp.schedule,
+                             exp.step_options, None)
+    with rules_lib.use(exp.rules):
+        _, metrics = jax.eval_shape(step, exp.abstract_state, exp.abstract_batch)
     assert {"aux_loss", "expert_load_min", "expert_load_max"} <= set(metrics)
 
 
@@ -199,6 +203,39 @@ def test_moe_trains_alike_however_its_layers_run(variant):
             first_step_grads(exp, ref_init)), jax.tree.leaves(ref_grads)):
         np.testing.assert_allclose(g, want, rtol=0, atol=GRAD_RTOL * np.abs(want).max(),
                                    err_msg=jax.tree_util.keystr(path))
+
+
+def _ragged_dots(remat):
+    """The grouped matmuls in the traced train step of a 2-layer MoE, unrolled."""
+    from jax._src import core as jcore
+
+    from ndjax.train_step import train_step
+    exp = Experiment.from_config(tiny_config(model=dict(MOE, scan_layers=False, remat=remat)),
+                                 jax.devices()[:1])
+    step = functools.partial(train_step, exp.features, exp.optimizer, exp.schedule,
+                             exp.step_options, None)
+    with rules_lib.use(exp.rules):
+        jaxpr = jax.make_jaxpr(step)(exp.abstract_state, exp.abstract_batch).jaxpr
+
+    def count(jaxpr):
+        n = 0
+        for eqn in jaxpr.eqns:
+            n += eqn.primitive.name.startswith("ragged_dot")
+            for value in eqn.params.values():
+                for sub in value if isinstance(value, (list, tuple)) else (value,):
+                    if isinstance(sub, (jcore.Jaxpr, jcore.ClosedJaxpr)):
+                        n += count(sub.jaxpr if isinstance(sub, jcore.ClosedJaxpr) else sub)
+        return n
+    return count(jaxpr)
+
+
+def test_remat_policies_rerun_the_experts_as_the_dense_mlp():
+    """Per layer, forward 3 grouped matmuls (gate, up, down) and backward 6 (each one's
+    input and weight gradients); none and save_proj keep what the backward pass reads
+    (mlp_gate, mlp_up, moe_out), so they rerun none of them; full reruns all 3."""
+    layers = 2
+    assert _ragged_dots("none") == _ragged_dots("save_proj") == 9 * layers
+    assert _ragged_dots("full") == 12 * layers
 
 
 def test_experts_per_token_below_one_is_refused():

@@ -148,7 +148,10 @@ class DecoderConfig:
 # full unsharded copy of the model per device). ``checkpoint_name`` tags below
 # mark the candidates.
 ACTIVATIONS = ("attn_norm", "q_proj", "k_proj", "v_proj", "attn_out", "attn_lse",
-               "attn_block_out", "mlp_norm", "mlp_gate", "mlp_up", "mlp_out")
+               "attn_block_out", "mlp_norm", "mlp_gate", "mlp_up", "mlp_out",
+               # MoE: the router's logits and each (token, expert) pair's output (its
+               # experts' gate and up are mlp_gate, mlp_up).
+               "router_logits", "moe_out")
 _save = jax.checkpoint_policies.save_only_these_names
 
 # The policies that keep only each layer's input (ndjax.ops.layer_scan).
@@ -189,7 +192,7 @@ REMAT_POLICIES = {
     # Save the projections (the expensive matmuls), recompute norms, RoPE,
     # softmax and the SwiGLU elementwise work.
     "save_proj": _save("q_proj", "k_proj", "v_proj", "attn_out", "attn_lse", "mlp_gate",
-                       "mlp_up", "mlp_out"),
+                       "mlp_up", "mlp_out", "router_logits", "moe_out"),
     # Save only the attention output: about half of "save_proj"'s memory,
     # recomputes the QKV and MLP matmuls.
     "save_attn": _save("attn_out", "attn_lse"),

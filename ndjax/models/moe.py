@@ -39,6 +39,7 @@ import math
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import NamedSharding, PartitionSpec
 
 from ndjax.models.layers import ACTIVATION_FNS, init_param, project, use_param
@@ -77,9 +78,12 @@ def dispatch(x: jax.Array, experts: jax.Array, weights: jax.Array, w_gate: jax.A
     order = jnp.argsort(flat, stable=True)  # the pairs, expert by expert
     rows = tokens[order // k]
     sizes = jnp.zeros((n_experts,), jnp.int32).at[flat].add(1)
-    gate = jax.lax.ragged_dot(rows, w_gate, sizes)
-    up = jax.lax.ragged_dot(rows, w_up, sizes)
-    out = jax.lax.ragged_dot(ACTIVATION_FNS[activation](gate) * up, w_down, sizes)
+    # Named as the dense MLP's, so that the remat policies save or rerun them alike.
+    gate = checkpoint_name(jax.lax.ragged_dot(rows, w_gate, sizes), "mlp_gate")
+    up = checkpoint_name(jax.lax.ragged_dot(rows, w_up, sizes), "mlp_up")
+    # Each pair's output, which the routing weights' gradient reads (k x dim per token).
+    out = checkpoint_name(
+        jax.lax.ragged_dot(ACTIVATION_FNS[activation](gate) * up, w_down, sizes), "moe_out")
     out = out[jnp.argsort(order)].reshape(*experts.shape, dim)  # back in token order
     mixed = jnp.einsum("...kd,...k->...d", out, weights.astype(out.dtype),
                        preferred_element_type=jnp.float32)
@@ -129,9 +133,10 @@ class MoE(nnx.Module):
 
     def __call__(self, x: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
         cfg = self.cfg
-        logits = constrain(project("bsd,de->bse", x.astype(jnp.float32),
-                                   *use_param(self.router, jnp.float32,
-                                              param_dtype=cfg.param_dtype)), ROUTER_LOGITS)
+        logits = checkpoint_name(constrain(project(
+            "bsd,de->bse", x.astype(jnp.float32),
+            *use_param(self.router, jnp.float32, param_dtype=cfg.param_dtype)),
+            ROUTER_LOGITS), "router_logits")
         probs = jax.nn.softmax(logits, axis=-1)  # float32, as the logits
         used = [use_param(v, cfg.dtype, param_dtype=cfg.param_dtype)
                 for v in (self.w_gate, self.w_up, self.w_down)]
