@@ -261,8 +261,11 @@ def open_checkpoint(directory: str) -> Checkpoint:
 
 
 def override_dims(model: ModelSettings, ckpt: Checkpoint) -> dict:
-    """The checkpoint's model, with a warning naming each config field it overrides."""
-    fields = ("family", *MODEL_DIMS, *registry.OPTION_FIELDS)
+    """The checkpoint's model, with a warning naming each config field it overrides;
+    training choices the checkpoint also records (``registry.TRAINING_FIELDS``: the
+    load-balancing loss's weight) are the config's where it sets them."""
+    fields = ("family", *MODEL_DIMS,
+              *(f for f in registry.OPTION_FIELDS if f not in registry.TRAINING_FIELDS))
     defaults = default_config().model
     set_ = {f: getattr(model, f) for f in fields
             if getattr(model, f) is not None and getattr(model, f) != defaults[f]}
@@ -281,7 +284,11 @@ def override_dims(model: ModelSettings, ckpt: Checkpoint) -> dict:
         warnings.warn(f"model.init_from={ckpt.directory!r}: config.json overrides "
                       f"{', '.join(changed)}. Drop those fields: the checkpoint sets the model.",
                       stacklevel=3)
-    return dict(ckpt.dims)
+    dims = dict(ckpt.dims)
+    chosen = {f: getattr(model, f) for f in registry.TRAINING_FIELDS
+              if getattr(model, f) is not None}
+    registry.check_options(registry.get(dims["family"]), chosen)
+    return {**dims, **chosen}
 
 
 def check_tokenizer(config: Settings, ckpt: Checkpoint) -> None:

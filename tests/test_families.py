@@ -8,6 +8,7 @@ bit-identical) and tests/test_layouts.py (helpers.assert_same_training).
 
 import importlib.util
 import json
+import warnings
 
 import jax
 import numpy as np
@@ -167,6 +168,28 @@ def test_packed_rows_equal_each_document_alone(saved, family):
                                             np.broadcast_to(segments, toks.shape)))
     np.testing.assert_allclose(out[:, :cut], hf_logits(model, toks[:, :cut]), rtol=0, atol=1e-4)
     np.testing.assert_allclose(out[:, cut:], hf_logits(model, toks[:, cut:]), rtol=0, atol=1e-4)
+
+
+@pytest.mark.parametrize("family", MOE_FAMILIES)
+def test_the_config_chooses_the_aux_loss_weight_over_the_checkpoints(saved, family):
+    """router_aux_loss_coef is a training choice: set in the config, it wins over
+    config.json's, without the warning an overridden model field gets; unset, the
+    checkpoint's holds. On a dense checkpoint it is refused."""
+    directory, model = saved(family)
+    config = config_for(directory)
+    assert Experiment.from_config(config, jax.devices()[:1]).model_cfg.router_aux_loss_coef \
+        == model.config.router_aux_loss_coef
+    config.model.router_aux_loss_coef = 0.25
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        exp = Experiment.from_config(config, jax.devices()[:1])
+    assert exp.model_cfg.router_aux_loss_coef == 0.25
+    assert exp.step_options.aux_loss_coef == 0.25
+    dense = config_for(saved("llama")[0])
+    dense.model.router_aux_loss_coef = 0.25
+    with pytest.raises(ConfigError, match="model.router_aux_loss_coef=0.25: model.family="
+                                          "'llama' has no experts"):
+        Experiment.from_config(dense, jax.devices()[:1])
 
 
 # The experts split over fsdp, each expert's width over tensor, the rows of the

@@ -26,6 +26,10 @@ FAMILY_MODULES = ("llama", "mistral", "qwen", "gemma", "mixtral", "qwen3_moe")
 MOE_FIELDS = ("n_experts", "experts_per_token", "moe_ffn_dim", "norm_topk_prob",
               "router_aux_loss_coef")
 
+# Of those, what is a choice of training rather than of the model: a config sets it over
+# model.init_from's config.json (ndjax.hf.override_dims).
+TRAINING_FIELDS = ("router_aux_loss_coef",)
+
 # DecoderConfig fields beyond the dims that some families have, as config fields
 # (ndjax.config.ModelSettings): set on a family that lacks them, they are refused.
 OPTION_FIELDS = ("qkv_bias", "qk_norm", "sliding_window", "sliding_window_pattern",
