@@ -235,7 +235,22 @@ def test_remat_policies_rerun_the_experts_as_the_dense_mlp():
     (mlp_gate, mlp_up, moe_out), so they rerun none of them; full reruns all 3."""
     layers = 2
     assert _ragged_dots("none") == _ragged_dots("save_proj") == 9 * layers
-    assert _ragged_dots("full") == 12 * layers
+    assert _ragged_dots("save_attn") == _ragged_dots("full") == 12 * layers
+
+
+def test_remat_prices_the_rerun_experts():
+    """The roofline prices what those policies rerun: k experts' gate, up and down and
+    the router under save_attn and full, nothing of the MLP under none and save_proj."""
+    from ndjax import roofline
+    cfg = registry.config_from_preset("qwen3_moe", "tiny")
+    active = 2 * cfg.dim * cfg.experts_per_token * cfg.expert_dim * cfg.n_layers
+    for remat in ("save_attn", "full"):
+        rerun = roofline.recomputed_forward_flops(cfg, 128, remat)
+        assert rerun["gate"] == rerun["up"] == rerun["expert_down"] == active
+        assert rerun["router"] == 2 * cfg.dim * cfg.n_experts * cfg.n_layers
+    for remat in ("none", "save_proj"):
+        assert not {"gate", "up", "expert_down", "router"} & set(
+            roofline.recomputed_forward_flops(cfg, 128, remat))
 
 
 def test_experts_per_token_below_one_is_refused():
