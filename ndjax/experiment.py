@@ -44,7 +44,8 @@ from ndjax.train_step import Batch, StepOptions, eval_step, train_step
 FIELD_OF_AXIS = {
     "vocab": "model.vocab_size", "embed": "model.dim", "q_heads": "model.n_heads",
     "kv_heads": "model.n_kv_heads", "head_dim": "model.head_dim", "mlp": "model.ffn_dim",
-    "layers": "model.n_layers", "norm": "model.dim",
+    "layers": "model.n_layers", "norm": "model.dim", "experts": "model.n_experts",
+    "expert_mlp": "model.moe_ffn_dim",
 }
 
 def slow_axes_warning(mesh: Mesh, host_of: Callable[[jax.Device], str]) -> str | None:
@@ -202,8 +203,10 @@ class Experiment:
             names = rules.stored_names(names, model_cfg.n_kv_heads)
             spec = rules.spec(names)
             try:
-                rules_lib.check_divisible(spec, shape.shape, names, mesh, what,
-                                          labels=FIELD_OF_AXIS)
+                # Mixtral's experts are model.ffn_dim wide (no moe_ffn_dim of its own).
+                labels = FIELD_OF_AXIS if model_cfg.moe_ffn_dim else {
+                    **FIELD_OF_AXIS, "expert_mlp": "model.ffn_dim"}
+                rules_lib.check_divisible(spec, shape.shape, names, mesh, what, labels=labels)
             except ConfigError as e:
                 if checkpoint is None:
                     raise

@@ -253,6 +253,17 @@ def test_remat_prices_the_rerun_experts():
             roofline.recomputed_forward_flops(cfg, 128, remat))
 
 
+@pytest.mark.parametrize("model, says", [
+    (dict(MOE, moe_ffn_dim=33), "model.moe_ffn_dim=33 (parameter layers/mlp/w_"),
+    (dict(family="mixtral", ffn_dim=129), "model.ffn_dim=129 (parameter layers/mlp/w_"),
+])
+def test_an_expert_width_tensor_cannot_split_names_its_field(model, says):
+    config = tiny_config(mesh=dict(fsdp=4, tensor=2), model=model)
+    with pytest.raises(ConfigError) as e:
+        Experiment.from_config(config)
+    assert str(e.value).startswith(says) and "\n" not in str(e.value)
+
+
 def test_experts_per_token_below_one_is_refused():
     config = tiny_config(model=dict(MOE, experts_per_token=0))
     with pytest.raises(ConfigError) as e:
