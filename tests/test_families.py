@@ -132,22 +132,29 @@ def test_logits_match_transformers(saved, family, mesh):
 MOE_FAMILIES = sorted(f for f in FAMILIES if registry.get(f).moe_names is not None)
 
 
-@pytest.mark.parametrize("mesh", ["one_device", "fsdp_tp"])
+@pytest.mark.parametrize("mesh, padded", [("one_device", False), ("fsdp_tp", False),
+                                          ("fsdp_tp", True)])
 @pytest.mark.parametrize("family", MOE_FAMILIES)
-def test_load_balancing_loss_matches_transformers(saved, family, mesh):
+def test_load_balancing_loss_matches_transformers(saved, family, mesh, padded):
     """The router's load-balancing loss over all layers equals transformers' aux_loss
-    (output_router_logits, no attention mask: rows without padding) on the same
-    weights and tokens."""
+    (output_router_logits) on the same weights and tokens: rows without padding and no
+    attention mask, or rows that end in padding (segment id 0), which it leaves out as
+    transformers' attention mask does."""
     directory, model = saved(family)
     devices = jax.devices()[:1] if mesh == "one_device" else None
     exp = Experiment.from_config(config_for(directory, None if devices else FSDP_TP), devices)
     toks = tokens(model.config.vocab_size)
+    real = np.ones_like(toks)
+    if padded:
+        real[:, S - 7:] = 0
+        real[1, S - 12:] = 0
     with torch.no_grad():
-        want = float(model(torch.tensor(toks, dtype=torch.long),
-                           output_router_logits=True).aux_loss)
+        mask = dict(attention_mask=torch.tensor(real)) if padded else {}
+        want = float(model(torch.tensor(toks, dtype=torch.long), output_router_logits=True,
+                           **mask).aux_loss)
     positions = np.broadcast_to(np.arange(S, dtype=np.int32), toks.shape)
     with rules_lib.use(exp.rules):
-        aux = jax.jit(exp.features)(load(exp), toks, positions, np.ones_like(toks))[2]
+        aux = jax.jit(exp.features)(load(exp), toks, positions, real)[2]
     # Balanced routing gives experts_per_token (2): the random router is not balanced.
     assert abs(want - 2.0) > 1e-3
     np.testing.assert_allclose(float(aux["aux_loss"]), want, rtol=1e-5)

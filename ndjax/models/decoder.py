@@ -296,19 +296,21 @@ class Block(nnx.Module):
         self.post_norms = cfg.post_norms
 
     def __call__(self, x, cos, sin, segment_ids, spec: AttentionSpec):
-        return self.around(x, lambda h: self.attn(h, cos, sin, segment_ids, spec))
+        return self.around(x, lambda h: self.attn(h, cos, sin, segment_ids, spec),
+                           real=segment_ids > 0)
 
-    def around(self, x, attend) -> tuple[jax.Array, dict]:
+    def around(self, x, attend, real=None) -> tuple[jax.Array, dict]:
         """The block with ``attend`` (normed input -> attention's projected output) as
         its attention: the KV-cache decode passes one that reads and writes the cache.
-        -> (output, the MoE router's statistics: ``moe.MoE``; {} for a dense MLP)."""
+        -> (output, the MoE router's statistics: ``moe.MoE``, over the tokens ``real``
+        marks, a row's padding left out; {} for a dense MLP)."""
         h = checkpoint_name(constrain(self.attn_norm(x), HIDDEN), "attn_norm")
         attn = attend(h)
         if self.post_norms:
             attn = self.post_attn_norm(attn)
         x = constrain(x + checkpoint_name(attn, "attn_block_out"), RESIDUAL)
         h = checkpoint_name(constrain(self.mlp_norm(x), HIDDEN), "mlp_norm")
-        out, stats = self.mlp(h) if isinstance(self.mlp, MoE) else (self.mlp(h), {})
+        out, stats = self.mlp(h, real) if isinstance(self.mlp, MoE) else (self.mlp(h), {})
         if self.post_norms:
             out = self.post_mlp_norm(out)
         return constrain(x + checkpoint_name(out, "mlp_out"), RESIDUAL), stats
@@ -446,8 +448,7 @@ class Decoder(nnx.Module):
                 x, part = body(x, jax.tree.map(lambda a, i=i: a[i], stacked),
                                (tables, segment_ids))
                 stats = add(stats, part)
-        aux = (aux_metrics(stats, cfg.n_experts, cfg.experts_per_token, n * tokens.size)
-               if cfg.n_experts else {})
+        aux = aux_metrics(stats, cfg.n_experts, cfg.experts_per_token) if cfg.n_experts else {}
 
         x = constrain(self.final_norm(x), HIDDEN)
         if cfg.tie_embeddings:

@@ -131,8 +131,14 @@ class MoE(nnx.Module):
         self.w_down = init_param(rngs, (e, f, d), ("experts", "expert_mlp", "embed"), std, pd)
         self.cfg = cfg
 
-    def __call__(self, x: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
+    def __call__(self, x: jax.Array, real: jax.Array | None = None
+                 ) -> tuple[jax.Array, dict[str, jax.Array]]:
+        """``real`` (b, s): 1 on tokens, 0 on a row's padding, which the router's
+        statistics leave out as transformers' attention mask does (None: all tokens).
+        Every position is computed either way."""
         cfg = self.cfg
+        real = (jnp.ones(x.shape[:2], jnp.float32) if real is None
+                else real.astype(jnp.float32))
         logits = checkpoint_name(constrain(project(
             "bsd,de->bse", x.astype(jnp.float32),
             *use_param(self.router, jnp.float32, param_dtype=cfg.param_dtype)),
@@ -142,7 +148,7 @@ class MoE(nnx.Module):
                 for v in (self.w_gate, self.w_up, self.w_down)]
         n, k = cfg.n_experts, cfg.experts_per_token
 
-        def local(x, probs, *w):
+        def local(x, probs, real, *w):
             """One device's tokens: top-k, dispatch, and its count of assignments per
             expert (leading axis 1, stacked over the devices). top_k runs here too: left
             to the partitioner, it gathers the whole batch's probabilities first."""
@@ -150,7 +156,8 @@ class MoE(nnx.Module):
             with suspended():
                 experts, weights = route(probs, k, cfg.norm_topk_prob)
                 out = dispatch(x, experts, weights, *w, cfg.activation)
-                assigned = jnp.zeros((n,), jnp.float32).at[experts.reshape(-1)].add(1.0)
+                assigned = jnp.zeros((n,), jnp.float32).at[experts.reshape(-1)].add(
+                    jnp.repeat(real.reshape(-1), k))
                 return out, assigned[None]
         rules = active()
         axes = data_axes(rules) if rules is not None else ()
@@ -161,22 +168,24 @@ class MoE(nnx.Module):
             w = [per_device(g, stored, use, axes) for g, stored, use in used]
             out, assigned = jax.shard_map(
                 local, mesh=rules.mesh, axis_names=set(axes),
-                in_specs=(tok, tok, *(PartitionSpec(*stacked_lead(u[2], axes)) for u in used)),
-                out_specs=(tok, PartitionSpec(axes)), check_vma=False)(x, probs, *w)
+                in_specs=(tok, tok, PartitionSpec(*rows),
+                          *(PartitionSpec(*stacked_lead(u[2], axes)) for u in used)),
+                out_specs=(tok, PartitionSpec(axes)), check_vma=False)(x, probs, real, *w)
         else:
-            out, assigned = local(x, probs, *(u[0] for u in used))
-        stats = {"assigned": jnp.sum(assigned, axis=0), "probs": jnp.sum(probs, axis=(0, 1))}
+            out, assigned = local(x, probs, real, *(u[0] for u in used))
+        stats = {"assigned": jnp.sum(assigned, axis=0),
+                 "probs": jnp.sum(probs * real[..., None], axis=(0, 1)), "rows": jnp.sum(real)}
         return out, stats
 
 
-def aux_metrics(stats: dict[str, jax.Array], n_experts: int, k: int, rows: float
-                ) -> dict[str, jax.Array]:
+def aux_metrics(stats: dict[str, jax.Array], n_experts: int, k: int) -> dict[str, jax.Array]:
     """The load-balancing loss of Switch Transformer as Mixtral's and Qwen3-MoE's
-    ``load_balancing_loss_func`` forms it, over every layer's router at once: the
-    experts' share of assignments times their mean probability, summed, times the
-    experts; ``stats`` summed over the layers, ``rows`` = layers x tokens. With it,
-    each expert's load (its assignments over the mean, summed over the layers; 1:
-    balanced), least and most."""
+    ``load_balancing_loss_func`` forms it, over every layer's router at once (padding
+    left out, as its attention mask does): the experts' share of assignments times
+    their mean probability, summed, times the experts; ``stats`` summed over the
+    layers (``rows``: layers x tokens). With it, each expert's load (its assignments
+    over the mean, summed over the layers; 1: balanced), least and most."""
+    rows = jnp.maximum(stats["rows"], 1.0)
     share = stats["assigned"] / rows
     aux = n_experts * jnp.sum(share * (stats["probs"] / rows))
     load = stats["assigned"] / (rows * k / n_experts)
