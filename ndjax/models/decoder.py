@@ -4,7 +4,8 @@ an LM head, speaking only logical axis names.
 A family (``ndjax.models.registry``) chooses the block's options in its
 ``DecoderConfig``: q/k/v biases (Qwen 2.5), per-head q/k norms (Qwen 3, Gemma 3),
 Gemma's ``(1 + w)`` norms, norms after attention and the MLP, scaled embeddings,
-the MLP's activation, the attention's scale and sliding window, and which layers
+the MLP's activation or a mixture of experts in its place (Mixtral, Qwen3-MoE:
+``ndjax.models.moe``), the attention's scale and sliding window, and which layers
 are local (windowed, with their own rotary base) or global
 (``sliding_window_pattern``).
 
