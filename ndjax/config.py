@@ -120,6 +120,15 @@ class ModelSettings:
     # With a window, every n-th layer global (Gemma 3: 6); unset: every layer local.
     sliding_window_pattern: int | None = setting(None, ge=1)
     query_pre_attn_scalar: float | None = setting(None, gt=0)
+    # Mixture of experts (the MoE families; ndjax.models.moe): the experts per layer,
+    # those each token runs through (top-k), each one's width (Qwen3-MoE's
+    # moe_intermediate_size; Mixtral's are ffn_dim wide), whether the top-k weights are
+    # renormalised to sum to 1, and the load-balancing loss's weight in the loss.
+    n_experts: int | None = setting(None, ge=0)
+    experts_per_token: int | None = setting(None, ge=1)
+    moe_ffn_dim: int | None = setting(None, ge=1)
+    norm_topk_prob: bool | None = setting(None)
+    router_aux_loss_coef: float | None = setting(None, ge=0)
     local_rope_theta: float | None = setting(None, gt=0)
     # compute dtype: auto = bfloat16 on GPU/TPU, float32 on CPU
     dtype: str = setting("auto", choices=("auto", "float32", "bfloat16", "float16"))

@@ -44,7 +44,8 @@ from ndjax.train_step import Batch, StepOptions, eval_step, train_step
 FIELD_OF_AXIS = {
     "vocab": "model.vocab_size", "embed": "model.dim", "q_heads": "model.n_heads",
     "kv_heads": "model.n_kv_heads", "head_dim": "model.head_dim", "mlp": "model.ffn_dim",
-    "layers": "model.n_layers", "norm": "model.dim",
+    "layers": "model.n_layers", "norm": "model.dim", "experts": "model.n_experts",
+    "expert_mlp": "model.moe_ffn_dim",
 }
 
 def slow_axes_warning(mesh: Mesh, host_of: Callable[[jax.Device], str]) -> str | None:
@@ -95,6 +96,7 @@ def model_config(model: ModelSettings, checkpoint: hf.Checkpoint | None = None,
             f"model.n_heads={dims['n_heads']} is not a multiple of model.n_kv_heads="
             f"{dims['n_kv_heads']}: grouped-query attention shares each kv head between "
             "n_heads / n_kv_heads query heads. Pick n_kv_heads dividing n_heads.")
+    registry.check_moe(dims)
     head_dim = dims.get("head_dim") or dims["dim"] // dims["n_heads"]
     if head_dim % 2 or (not dims.get("head_dim") and dims["dim"] % dims["n_heads"]):
         raise ConfigError(
@@ -201,8 +203,10 @@ class Experiment:
             names = rules.stored_names(names, model_cfg.n_kv_heads)
             spec = rules.spec(names)
             try:
-                rules_lib.check_divisible(spec, shape.shape, names, mesh, what,
-                                          labels=FIELD_OF_AXIS)
+                # Mixtral's experts are model.ffn_dim wide (no moe_ffn_dim of its own).
+                labels = FIELD_OF_AXIS if model_cfg.moe_ffn_dim else {
+                    **FIELD_OF_AXIS, "expert_mlp": "model.ffn_dim"}
+                rules_lib.check_divisible(spec, shape.shape, names, mesh, what, labels=labels)
             except ConfigError as e:
                 if checkpoint is None:
                     raise
@@ -243,8 +247,8 @@ class Experiment:
         return nnx.merge(self.graphdef, params)(inputs, positions, segment_ids)
 
     def features(self, params: Any, inputs: jax.Array, positions: jax.Array,
-                 segment_ids: jax.Array) -> tuple[jax.Array, jax.Array]:
-        """(final hidden states, LM head): what the chunked loss needs."""
+                 segment_ids: jax.Array) -> tuple[jax.Array, Any, dict[str, jax.Array]]:
+        """(final hidden states, LM head, MoE router metrics): what the loss needs."""
         return nnx.merge(self.graphdef, params).features(inputs, positions, segment_ids)
 
     @property
@@ -253,7 +257,8 @@ class Experiment:
         return StepOptions(skip_nonfinite=t.on_nan == "skip",
                            nan_at_step=int(self.settings.debug.nan_at_step),
                            loss_chunk=t.loss_chunk, grad_accum=t.grad_accum,
-                           grad_dtype=self.precision.grad_accum)
+                           grad_dtype=self.precision.grad_accum,
+                           aux_loss_coef=float(self.model_cfg.router_aux_loss_coef))
 
     # ----- state ---------------------------------------------------------------
 

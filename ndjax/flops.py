@@ -8,7 +8,9 @@ counted as 2 FLOPs):
   + 6 * n_layers * n_heads * head_dim * (seq_len + 1)   # attention, causal mask
 
 where N_matmul = n_layers * (dim * head_dim * (2 n_heads + 2 n_kv_heads)
-+ 3 * dim * ffn_dim), i.e. the non-embedding parameters less the norm scales.
++ 3 * dim * ffn_dim), i.e. the non-embedding parameters less the norm scales. A
+mixture-of-experts layer counts the parameters a token uses: its experts_per_token
+experts (3 * dim * expert width each) and the router (dim * n_experts).
 The attention term: per layer and head, QK^T and PV are each 2 * head_dim
 FLOPs per (query, key) pair; under the causal mask a query sees on average
 (seq_len + 1) / 2 keys; x3 for training gives 6 * head_dim * (seq_len + 1).
@@ -16,7 +18,7 @@ Packed documents attend to fewer keys than that; we count the causal row, as
 is usual, so MFU is comparable across data sets. A layer with a sliding window
 (Mistral, Gemma 3's local layers) counts the keys inside its window instead of
 (seq_len + 1) / 2. Each family states its figure (``registry.Family.flops_per_token``;
-the four families share ``decoder.train_flops_per_token``).
+every family uses ``decoder.train_flops_per_token``).
 
 MFU = achieved model FLOP/s per device / peak dense bf16 FLOP/s of that device.
 """

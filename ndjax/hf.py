@@ -175,8 +175,10 @@ def _expected_shapes(dims: dict) -> dict[str, tuple[int, ...]]:
     out = {name: _hf_shape(_at(shapes, path).shape, split) for path, (name, split) in top.items()}
     for path, (name, split) in layer.items():
         shape = _at(shapes["layers"], path).shape[1:]
-        out.update({f"model.layers.{i}.{name}": _hf_shape(shape, split)
-                    for i in range(cfg.n_layers)})
+        for each, e in registry.expert_names(name, shape):
+            one = shape if e is None else shape[1:]
+            out.update({f"model.layers.{i}.{each}": _hf_shape(one, split)
+                        for i in range(cfg.n_layers)})
     return out
 
 
@@ -259,8 +261,11 @@ def open_checkpoint(directory: str) -> Checkpoint:
 
 
 def override_dims(model: ModelSettings, ckpt: Checkpoint) -> dict:
-    """The checkpoint's model, with a warning naming each config field it overrides."""
-    fields = ("family", *MODEL_DIMS, *registry.OPTION_FIELDS)
+    """The checkpoint's model, with a warning naming each config field it overrides;
+    training choices the checkpoint also records (``registry.TRAINING_FIELDS``: the
+    load-balancing loss's weight) are the config's where it sets them."""
+    fields = ("family", *MODEL_DIMS,
+              *(f for f in registry.OPTION_FIELDS if f not in registry.TRAINING_FIELDS))
     defaults = default_config().model
     set_ = {f: getattr(model, f) for f in fields
             if getattr(model, f) is not None and getattr(model, f) != defaults[f]}
@@ -279,7 +284,11 @@ def override_dims(model: ModelSettings, ckpt: Checkpoint) -> dict:
         warnings.warn(f"model.init_from={ckpt.directory!r}: config.json overrides "
                       f"{', '.join(changed)}. Drop those fields: the checkpoint sets the model.",
                       stacklevel=3)
-    return dict(ckpt.dims)
+    dims = dict(ckpt.dims)
+    chosen = {f: getattr(model, f) for f in registry.TRAINING_FIELDS
+              if getattr(model, f) is not None}
+    registry.check_options(registry.get(dims["family"]), chosen)
+    return {**dims, **chosen}
 
 
 def check_tokenizer(config: Settings, ckpt: Checkpoint) -> None:
@@ -354,12 +363,20 @@ def load_params(ckpt: Checkpoint, shapes: Any, shardings: Any) -> Any:
                 return _put(shape.shape, sharding, read_top)
             hf_name, split = per_layer[keys[1:]]
 
+            experts = registry.expert_names(hf_name, shape.shape[1:])
+
             def read(index):
                 layers = range(shape.shape[0])[index[0]]
                 out = np.empty((len(layers), *shard[1:]), dtype)
                 for j, i in enumerate(layers):
-                    _fill(out[j], tensor(f"model.layers.{i}.{hf_name}"), shape.shape[1:], split,
-                          index[1:])
+                    if experts[0][1] is None:
+                        _fill(out[j], tensor(f"model.layers.{i}.{hf_name}"), shape.shape[1:],
+                              split, index[1:])
+                        continue
+                    # One tensor per expert: the parameter's leading axis.
+                    for m, e in enumerate(range(shape.shape[1])[index[1]]):
+                        _fill(out[j, m], tensor(f"model.layers.{i}.{experts[e][0]}"),
+                              shape.shape[2:], split, index[2:])
                 return out
             return _put(shape.shape, sharding, read)
 
@@ -449,11 +466,14 @@ def _host(x: jax.Array) -> np.ndarray:
 
 def _tensors(params: Any, cfg: DecoderConfig) -> Iterator[tuple[str, tuple[int, ...], Any]]:
     """(HF name, HF shape, () -> host array in HF layout), in HF's order."""
-    def entry(name, x, split, layer=None):
+    def entry(name, x, split, layer=None, expert=None):
         shape = x.shape if layer is None else x.shape[1:]
+        if expert is not None:
+            shape = shape[1:]
 
         def get():
-            a = _host(x if layer is None else x[layer])  # one layer on the host at a time
+            # One layer (one expert) on the host at a time.
+            a = _host(x if layer is None else x[layer] if expert is None else x[layer, expert])
             if split is None or split == registry.FLAT:
                 return a.reshape(_hf_shape(shape, split))
             return a.reshape(_hf_shape(shape, split)[::-1]).T
@@ -464,7 +484,9 @@ def _tensors(params: Any, cfg: DecoderConfig) -> Iterator[tuple[str, tuple[int, 
     layers = params["layers"]
     for i in range(cfg.n_layers):
         for path, (name, split) in per_layer.items():
-            yield entry(f"model.layers.{i}.{name}", _at(layers, path), split, i)
+            x = _at(layers, path)
+            for each, e in registry.expert_names(name, x.shape[1:]):
+                yield entry(f"model.layers.{i}.{each}", x, split, i, e)
     yield entry("model.norm.weight", params["final_norm"]["scale"], None)
     if "lm_head" in params:
         yield entry("lm_head.weight", params["lm_head"], 1)

@@ -131,12 +131,17 @@ HARDWARE: dict[str, Hardware] = {
 # (q_proj, k_proj, v_proj) attention's; and attention (attn_out, attn_lse) the
 # output projection's input. Tested against the traced train step
 # (tests/test_flops.py).
+# MoE layers (ndjax.models.moe) rerun their experts' down projection too where they
+# rerun gate and up (the routing weights' gradient reads each pair's output), and the
+# router where nothing keeps its logits.
+_MOE = ("expert_down", "router")
 RERUN = {
     "none": (),
     "save_proj": ("o",),
-    "save_attn": ("q", "k", "v", "o", "gate", "up"),
-    "full": ("q", "k", "v", "o", "gate", "up", "attention"),
-    "offload": ("q", "k", "v", "o", "gate", "up", "attention"),  # full's, inputs on the host
+    "save_attn": ("q", "k", "v", "o", "gate", "up", *_MOE),
+    "full": ("q", "k", "v", "o", "gate", "up", *_MOE, "attention"),
+    # full's, inputs on the host
+    "offload": ("q", "k", "v", "o", "gate", "up", *_MOE, "attention"),
 }
 
 
@@ -151,9 +156,13 @@ def recomputed_forward_flops(cfg: Any, seq_len: int, remat: str) -> dict[str, fl
     from ndjax.models.decoder import keys_per_query
 
     d, hd, layers = cfg.dim, cfg.hd, cfg.n_layers
+    # An MoE token runs through experts_per_token experts: their widths, summed.
+    width = cfg.experts_per_token * cfg.expert_dim if cfg.n_experts else cfg.ffn_dim
     per_layer = {"q": 2 * d * cfg.n_heads * hd, "k": 2 * d * cfg.n_kv_heads * hd,
                  "v": 2 * d * cfg.n_kv_heads * hd, "o": 2 * cfg.n_heads * hd * d,
-                 "gate": 2 * d * cfg.ffn_dim, "up": 2 * d * cfg.ffn_dim}
+                 "gate": 2 * d * width, "up": 2 * d * width}
+    if cfg.n_experts:
+        per_layer.update(expert_down=2 * width * d, router=2 * d * cfg.n_experts)
     out = {part: float(layers * per_layer[part]) for part in RERUN[remat] if part in per_layer}
     if "attention" in RERUN[remat]:
         out["attention"] = float(sum(4 * cfg.n_heads * hd * keys_per_query(

@@ -53,6 +53,7 @@ _ACTIVATIONS: Table = (
     ("act_head_dim", None),
     ("act_mlp", "tensor"),
     ("act_vocab", "tensor"),
+    ("act_experts", None),           # MoE router logits: every expert on every device
 )
 _PARAMS: Table = (
     ("layers", None),
@@ -62,6 +63,8 @@ _PARAMS: Table = (
     ("kv_heads", "tensor"),
     ("head_dim", None),
     ("mlp", "tensor"),                # gate/up column-parallel, down row-parallel
+    ("experts", None),                # MoE: every expert on every device (no expert axis yet)
+    ("expert_mlp", "tensor"),         # each expert's width, split as the dense MLP's
     ("norm", None),
 )
 
@@ -381,8 +384,31 @@ def partials_spec(use: ParamUse, axes: tuple[str, ...], ndim: int) -> PartitionS
     if _in_map(use):
         return PartitionSpec(*(None if not d else d[0] if len(d) == 1 else d
                                for d in _data_dims(spec, axes, ndim)))
-    lead = (*rest, shard) if shard else rest
-    return PartitionSpec(*lead, *(None,) * ndim)
+    return PartitionSpec(*stacked_lead(use, axes), *(None,) * ndim)
+
+
+def stacked_lead(use: ParamUse, axes: tuple[str, ...]) -> tuple:
+    """The leading dimensions of one value per device of the data axes ``axes`` for a
+    parameter used as ``use`` (its partial gradients, ``stacked_sum``): one per data
+    axis that does not shard the parameter, then one over those that do."""
+    rest, shard, _ = _split_data_axes(use, axes)
+    return (*rest, shard) if shard else rest
+
+
+def stacked_sum(out: jax.Array, use: ParamUse, axes: tuple[str, ...], dtype) -> jax.Array:
+    """Per-device partial gradients stacked along ``stacked_lead(use, axes)`` -> the
+    parameter's gradient in its storage layout, summed in float32 (a reduce-scatter
+    over the data axes that shard it, then an all-reduce over the others), cast to
+    ``dtype``."""
+    rest, shard, spec = _split_data_axes(use, axes)
+    g = out.astype(jnp.float32)
+    if shard:
+        g = jnp.sum(g, axis=len(rest))
+        if use.storage is not None:
+            ndim = g.ndim - len(rest)
+            g = jax.lax.with_sharding_constraint(g, NamedSharding(
+                use.storage.mesh, PartitionSpec(*rest, *spec, *(None,) * (ndim - len(spec)))))
+    return scatter(jnp.sum(g, axis=tuple(range(len(rest)))), use, dtype)
 
 
 def partials_out(g: jax.Array, use: ParamUse, axes: tuple[str, ...]) -> jax.Array:
@@ -408,15 +434,7 @@ def partials_sum(out: jax.Array, use: ParamUse, axes: tuple[str, ...], dtype) ->
     others (an all-reduce of the shard, HSDP's replicas)."""
     if _in_map(use):
         return scatter(out, use, dtype)
-    rest, shard, spec = _split_data_axes(use, axes)
-    g = out.astype(jnp.float32)
-    if shard:
-        g = jnp.sum(g, axis=len(rest))
-        if use.storage is not None:
-            ndim = g.ndim - len(rest)
-            g = jax.lax.with_sharding_constraint(g, NamedSharding(
-                use.storage.mesh, PartitionSpec(*rest, *spec, *(None,) * (ndim - len(spec)))))
-    return scatter(jnp.sum(g, axis=tuple(range(len(rest)))), use, dtype)
+    return stacked_sum(out, use, axes, dtype)
 
 
 @functools.partial(jax.tree_util.register_dataclass, data_fields=["gathered", "value"],

@@ -78,7 +78,8 @@ class Sinks:
         elif self.verbose:
             mfu = record.get("mfu")
             print(f"step {step}/{self.total_steps}  loss {record['loss']:.4f}  "
-                  f"grad_norm {record['grad_norm']:.3f}  lr {record['lr']:.2e}  "
+                  + (f"aux_loss {record['aux_loss']:.4f}  " if "aux_loss" in record else "")
+                  + f"grad_norm {record['grad_norm']:.3f}  lr {record['lr']:.2e}  "
                   f"{record['tokens_per_sec']:.0f} tok/s  "
                   f"{record['tflops_per_device']:.3g} TFLOP/s/device"
                   + (f"  MFU {100 * mfu:.1f}%" if mfu is not None else ""), flush=True)

@@ -16,21 +16,24 @@ from ndjax.state import TrainState
 
 Batch = dict[str, jax.Array]
 # (params, inputs, positions, segment_ids) -> (final hidden states (b, s, dim),
-# LM head (dim, vocab) as stored, rules.Weight); see Llama.features.
-FeaturesFn = Callable[[Any, jax.Array, jax.Array, jax.Array], tuple[jax.Array, Weight]]
+# LM head (dim, vocab) as stored, rules.Weight, the MoE router's metrics: {} or
+# aux_loss and the experts' loads); see Decoder.features.
+FeaturesFn = Callable[[Any, jax.Array, jax.Array, jax.Array],
+                      tuple[jax.Array, Weight, dict[str, jax.Array]]]
 
 
 def loss_sum(features: FeaturesFn, params: Any, batch: Batch, chunk: int
-             ) -> tuple[jax.Array, jax.Array]:
-    """(summed next-token cross-entropy over the unmasked tokens, their count)."""
-    x, head = features(params, batch["inputs"], batch["positions"], batch["segment_ids"])
-    return loss_sums(x, head, batch["targets"], batch["loss_mask"], chunk)
+             ) -> tuple[jax.Array, jax.Array, dict[str, jax.Array]]:
+    """(summed next-token cross-entropy over the unmasked tokens, their count, the
+    router's metrics: ``moe.aux_metrics``, {} for a dense model)."""
+    x, head, aux = features(params, batch["inputs"], batch["positions"], batch["segment_ids"])
+    return (*loss_sums(x, head, batch["targets"], batch["loss_mask"], chunk), aux)
 
 
 def eval_step(features: FeaturesFn, chunk: int, params: Any, batch: Batch
               ) -> dict[str, jax.Array]:
     """The train step's loss without the update: for the validation split."""
-    total, tokens = loss_sum(features, params, batch, chunk)
+    total, tokens, _ = loss_sum(features, params, batch, chunk)
     return {"loss": total / jnp.maximum(tokens, 1.0), "tokens": tokens}
 
 
@@ -43,6 +46,8 @@ class StepOptions:
     # What gradients are summed in (Precision.grad_accum): float32 whatever the
     # parameters' dtype, so grad_accum slices give the whole batch's update.
     grad_dtype: Any = jnp.float32
+    # The MoE load-balancing loss's weight in the loss (model.router_aux_loss_coef).
+    aux_loss_coef: float = 0.0
 
 
 BATCH_NAMES = ("act_batch", "act_seq")
@@ -64,8 +69,22 @@ def micro_batches(batch: Batch, k: int) -> Batch:
 
 def loss_and_grads(features: FeaturesFn, options: StepOptions, params: Any, batch: Batch,
                    grad_shardings: Any = None) -> tuple[jax.Array, jax.Array, Any]:
-    """(mean loss, tokens, float32 gradients) over the whole batch, token-weighted:
-    every real token counts once, whichever row or micro-batch it sits in.
+    """(mean loss, tokens, float32 gradients): ``loss_aux_and_grads`` without the MoE
+    router's metrics."""
+    loss, tokens, grads, _ = loss_aux_and_grads(features, options, params, batch,
+                                                grad_shardings)
+    return loss, tokens, grads
+
+
+def loss_aux_and_grads(features: FeaturesFn, options: StepOptions, params: Any, batch: Batch,
+                       grad_shardings: Any = None
+                       ) -> tuple[jax.Array, jax.Array, Any, dict[str, jax.Array]]:
+    """(mean loss, tokens, float32 gradients, the router's metrics) over the whole
+    batch, token-weighted: every real token counts once, whichever row or micro-batch
+    it sits in. The loss is the cross-entropy; the gradients are those of it plus
+    ``aux_loss_coef`` x the MoE's load-balancing loss (``aux_loss`` among the
+    metrics), which, like transformers', is formed per forward pass: under
+    ``grad_accum`` per micro-batch, and the step's is their mean.
 
     With ``grad_accum`` = k the batch runs as k micro-batches in a ``lax.scan``,
     their gradients summed in float32 in ``grad_shardings`` (the parameters'
@@ -78,14 +97,21 @@ def loss_and_grads(features: FeaturesFn, options: StepOptions, params: Any, batc
     tokens = jnp.sum(batch["loss_mask"].astype(jnp.float32))
     denom = jnp.maximum(tokens, 1.0)
 
-    def scaled_loss(p, b):
-        total, _ = loss_sum(features, p, b, options.loss_chunk)
-        return total / denom
+    k = options.grad_accum
 
+    def scaled_loss(p, b):
+        total, _, aux = loss_sum(features, p, b, options.loss_chunk)
+        loss = total / denom
+        objective = loss
+        if "aux_loss" in aux:
+            objective = objective + options.aux_loss_coef * aux["aux_loss"] / k
+        return objective, (loss, jax.tree.map(lambda a: a / k, aux))
+
+    grad_fn = jax.grad(scaled_loss, has_aux=True)
     to_f32 = lambda g: jax.tree.map(lambda a: a.astype(options.grad_dtype), g)  # noqa: E731
-    if options.grad_accum == 1:
-        loss, grads = jax.value_and_grad(scaled_loss)(params, batch)
-        return loss, tokens, to_f32(grads)
+    if k == 1:
+        grads, (loss, aux) = grad_fn(params, batch)
+        return loss, tokens, to_f32(grads), aux
 
     def place(g):
         if grad_shardings is None:
@@ -93,19 +119,22 @@ def loss_and_grads(features: FeaturesFn, options: StepOptions, params: Any, batc
         return jax.tree.map(jax.lax.with_sharding_constraint, g, grad_shardings)
 
     def body(carry, micro):
-        loss, acc = carry
+        loss, acc, aux_sum = carry
         # With bfloat16 parameters this holds a float32 copy of them (sharded like them)
         # while a micro-batch runs, and its float32 gradient: 8 bytes per parameter
         # where bfloat16 gradients took 2. The layer scan reads the copy; where weights
         # are used outside it, XLA folds the widening into the model's narrowing.
-        part, grads = jax.value_and_grad(scaled_loss)(place(to_f32(params)), micro)
+        grads, (part, aux) = grad_fn(place(to_f32(params)), micro)
         acc = place(jax.tree.map(jnp.add, acc, grads))
-        return (loss + part, acc), None
+        return (loss + part, acc, jax.tree.map(jnp.add, aux_sum, aux)), None
 
     zeros = place(jax.tree.map(lambda p: jnp.zeros(p.shape, options.grad_dtype), params))
-    (loss, grads), _ = jax.lax.scan(body, (jnp.zeros((), jnp.float32), zeros),
-                                    micro_batches(batch, options.grad_accum))
-    return loss, tokens, grads
+    micro = micro_batches(batch, k)
+    aux_zeros = jax.tree.map(jnp.zeros_like, jax.eval_shape(
+        lambda p, b: scaled_loss(p, b)[1][1], params, jax.tree.map(lambda a: a[0], micro)))
+    (loss, grads, aux), _ = jax.lax.scan(body, (jnp.zeros((), jnp.float32), zeros, aux_zeros),
+                                         micro)
+    return loss, tokens, grads, aux
 
 
 def _is_schedule_state(x: Any) -> bool:
@@ -148,8 +177,8 @@ def keep_unless_schedule(keep: Callable[[jax.Array, jax.Array], jax.Array],
 def train_step(features: FeaturesFn, optimizer: optax.GradientTransformation,
                schedule: optax.Schedule, options: StepOptions, grad_shardings: Any,
                state: TrainState, batch: Batch) -> tuple[TrainState, dict[str, jax.Array]]:
-    loss, tokens, grads = loss_and_grads(features, options, state.params, batch,
-                                         grad_shardings)
+    loss, tokens, grads, aux = loss_aux_and_grads(features, options, state.params, batch,
+                                                  grad_shardings)
     if options.nan_at_step >= 0:
         poison = jnp.where(state.step + 1 == options.nan_at_step, jnp.nan, 1.0)
         loss = loss * poison
@@ -176,5 +205,6 @@ def train_step(features: FeaturesFn, optimizer: optax.GradientTransformation,
         "lr": schedule(state.step),
         "tokens": tokens,
         "finite": finite,
+        **aux,  # MoE: aux_loss, expert_load_min, expert_load_max
     }
     return TrainState(step=state.step + 1, params=params, opt_state=opt_state), metrics

@@ -8,6 +8,7 @@ bit-identical) and tests/test_layouts.py (helpers.assert_same_training).
 
 import importlib.util
 import json
+import warnings
 
 import jax
 import numpy as np
@@ -37,10 +38,14 @@ from transformers import (
     LlamaForCausalLM,
     MistralConfig,
     MistralForCausalLM,
+    MixtralConfig,
+    MixtralForCausalLM,
     Qwen2Config,
     Qwen2ForCausalLM,
     Qwen3Config,
     Qwen3ForCausalLM,
+    Qwen3MoeConfig,
+    Qwen3MoeForCausalLM,
     TokenizersBackend,
 )
 
@@ -65,6 +70,13 @@ FAMILIES = {
         query_pre_attn_scalar=12, rope_parameters={
             "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1e6},
             "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}})),
+    # Mixtral renormalises its top-2 weights; this Qwen3-MoE does not (norm_topk_prob
+    # False, transformers' default; the released models set it).
+    "mixtral": (MixtralConfig, MixtralForCausalLM, dict(
+        num_local_experts=4, num_experts_per_tok=2, sliding_window=WINDOW)),
+    "qwen3_moe": (Qwen3MoeConfig, Qwen3MoeForCausalLM, dict(
+        head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+        norm_topk_prob=False)),
 }
 
 
@@ -117,6 +129,37 @@ def test_logits_match_transformers(saved, family, mesh):
     np.testing.assert_allclose(ndjax_logits(exp, load(exp), toks), ref, rtol=0, atol=1e-4)
 
 
+MOE_FAMILIES = sorted(f for f in FAMILIES if registry.get(f).moe_names is not None)
+
+
+@pytest.mark.parametrize("mesh, padded", [("one_device", False), ("fsdp_tp", False),
+                                          ("fsdp_tp", True)])
+@pytest.mark.parametrize("family", MOE_FAMILIES)
+def test_load_balancing_loss_matches_transformers(saved, family, mesh, padded):
+    """The router's load-balancing loss over all layers equals transformers' aux_loss
+    (output_router_logits) on the same weights and tokens: rows without padding and no
+    attention mask, or rows that end in padding (segment id 0), which it leaves out as
+    transformers' attention mask does."""
+    directory, model = saved(family)
+    devices = jax.devices()[:1] if mesh == "one_device" else None
+    exp = Experiment.from_config(config_for(directory, None if devices else FSDP_TP), devices)
+    toks = tokens(model.config.vocab_size)
+    real = np.ones_like(toks)
+    if padded:
+        real[:, S - 7:] = 0
+        real[1, S - 12:] = 0
+    with torch.no_grad():
+        mask = dict(attention_mask=torch.tensor(real)) if padded else {}
+        want = float(model(torch.tensor(toks, dtype=torch.long), output_router_logits=True,
+                           **mask).aux_loss)
+    positions = np.broadcast_to(np.arange(S, dtype=np.int32), toks.shape)
+    with rules_lib.use(exp.rules):
+        aux = jax.jit(exp.features)(load(exp), toks, positions, real)[2]
+    # Balanced routing gives experts_per_token (2): the random router is not balanced.
+    assert abs(want - 2.0) > 1e-3
+    np.testing.assert_allclose(float(aux["aux_loss"]), want, rtol=1e-5)
+
+
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_packed_rows_equal_each_document_alone(saved, family):
     """Two documents in one row (segment ids, positions restarting), each longer than
@@ -132,6 +175,68 @@ def test_packed_rows_equal_each_document_alone(saved, family):
                                             np.broadcast_to(segments, toks.shape)))
     np.testing.assert_allclose(out[:, :cut], hf_logits(model, toks[:, :cut]), rtol=0, atol=1e-4)
     np.testing.assert_allclose(out[:, cut:], hf_logits(model, toks[:, cut:]), rtol=0, atol=1e-4)
+
+
+@pytest.mark.parametrize("family", MOE_FAMILIES)
+def test_the_config_chooses_the_aux_loss_weight_over_the_checkpoints(saved, family):
+    """router_aux_loss_coef is a training choice: set in the config, it wins over
+    config.json's, without the warning an overridden model field gets; unset, the
+    checkpoint's holds. On a dense checkpoint it is refused."""
+    directory, model = saved(family)
+    config = config_for(directory)
+    assert Experiment.from_config(config, jax.devices()[:1]).model_cfg.router_aux_loss_coef \
+        == model.config.router_aux_loss_coef
+    config.model.router_aux_loss_coef = 0.25
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        exp = Experiment.from_config(config, jax.devices()[:1])
+    assert exp.model_cfg.router_aux_loss_coef == 0.25
+    assert exp.step_options.aux_loss_coef == 0.25
+    dense = config_for(saved("llama")[0])
+    dense.model.router_aux_loss_coef = 0.25
+    with pytest.raises(ConfigError, match="model.router_aux_loss_coef=0.25: model.family="
+                                          "'llama' has no experts"):
+        Experiment.from_config(dense, jax.devices()[:1])
+
+
+# The experts split over fsdp, each expert's width over tensor, the rows of the
+# checkpoint's matrices (embed) whole: each device reads its experts' tensors only.
+EXPERTS_SPLIT = tuple((name, {"experts": "fsdp", "embed": None}.get(name, axes))
+                      for name, axes in rules_lib.PRESETS["default"])
+
+
+@pytest.mark.parametrize("family", MOE_FAMILIES)
+def test_expert_shards_hold_transformers_experts(tmp_path, family):
+    """A bfloat16 checkpoint in several files, read with the experts split over fsdp and
+    their width over tensor: every device's shard of every MoE parameter holds
+    transformers' in-memory (fused) experts, router and all, rounded to bfloat16 as
+    saved. The fused tensors are read here independently of the checkpoint's names:
+    gate_up_proj is (experts, gate rows then up rows, dim), down_proj (experts, dim,
+    width)."""
+    model = make_family_hf(tmp_path, family, dtype=torch.bfloat16, max_shard_size="40KB")
+    assert len(list(tmp_path.glob("*.safetensors"))) > 1
+    exp = Experiment.from_config(config_for(tmp_path, FSDP_TP, rules=EXPERTS_SPLIT))
+    params = load(exp)
+    f = model.config.moe_intermediate_size if family == "qwen3_moe" else \
+        model.config.intermediate_size
+    layers = model.model.layers
+    bf16 = lambda t: t.detach().to(torch.bfloat16).float().numpy()  # noqa: E731
+    want = {
+        "router": np.stack([bf16(x.mlp.gate.weight).T for x in layers]),
+        "w_gate": np.stack([bf16(x.mlp.experts.gate_up_proj[:, :f]).transpose(0, 2, 1)
+                            for x in layers]),
+        "w_up": np.stack([bf16(x.mlp.experts.gate_up_proj[:, f:]).transpose(0, 2, 1)
+                          for x in layers]),
+        "w_down": np.stack([bf16(x.mlp.experts.down_proj).transpose(0, 2, 1)
+                            for x in layers]),
+    }
+    for name, value in want.items():
+        got = params["layers"]["mlp"][name]
+        if name != "router":
+            assert got.sharding.spec[1] == "fsdp"  # the experts are split
+        for shard in got.addressable_shards:
+            np.testing.assert_array_equal(np.asarray(shard.data, np.float32), value[shard.index],
+                                          err_msg=name)
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
@@ -231,6 +336,10 @@ FAMILY_MODELS = {
     "qwen3": dict(family="qwen3", head_dim=16),
     "gemma3": dict(family="gemma3", n_layers=3, head_dim=16, sliding_window=WINDOW,
                    sliding_window_pattern=2, query_pre_attn_scalar=12.0),
+    # The load-balancing loss in the loss, weighted so that it moves the router. One MoE
+    # family: Mixtral's block is the same code but for its names and renormalising.
+    "qwen3_moe": dict(family="qwen3_moe", head_dim=16, n_experts=4, experts_per_token=2,
+                      moe_ffn_dim=32, router_aux_loss_coef=0.1),
 }
 
 
@@ -250,12 +359,13 @@ def test_layout_matches_single_device(family):
 
 def test_an_unsupported_model_type_names_the_families(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(
-        {"model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"]}))
+        {"model_type": "deepseek_v3", "architectures": ["DeepseekV3ForCausalLM"]}))
     with pytest.raises(ConfigError) as e:
         hf.open_checkpoint(str(tmp_path))
     message = str(e.value)
-    assert "model_type='qwen3_moe'" in message and "\n" not in message
-    for model_type in ("llama", "mistral", "qwen2", "qwen3", "gemma3_text"):
+    assert "model_type='deepseek_v3'" in message and "\n" not in message
+    for model_type in ("llama", "mistral", "qwen2", "qwen3", "gemma3_text", "mixtral",
+                       "qwen3_moe"):
         assert f"'{model_type}'" in message
 
 
@@ -286,6 +396,8 @@ FAMILY_TOKENS = {
     "mistral": dict(special=("<unk>", "<s>", "</s>"), bos_token="<s>", eos_token="</s>"),
     "qwen2": dict(QWEN),
     "qwen3": dict(QWEN),
+    "qwen3_moe": dict(QWEN),
+    "mixtral": dict(special=("<unk>", "<s>", "</s>"), bos_token="<s>", eos_token="</s>"),
     "gemma3": dict(special=("<pad>", "<eos>", "<bos>", "<start_of_turn>", "<end_of_turn>"),
                    bos_token="<bos>", eos_token="<eos>", pad_token="<pad>"),
 }

@@ -592,10 +592,11 @@ BAD = {
     "layers vs config.json": (lambda d: edit_config(d, num_hidden_layers=1), {},
                               r"do not match config.json .*num_hidden_layers=1.*unexpected "
                               r"\['model.layers.1."),
-    "unsupported family": (lambda d: edit_config(d, model_type="mixtral",
-                                                 architectures=["MixtralForCausalLM"]), {},
-                           r"model_type='mixtral' \(architectures \['MixtralForCausalLM'\]\), "
-                           r"which ndjax does not implement; it reads the model_types"),
+    "unsupported family": (lambda d: edit_config(d, model_type="deepseek_v3",
+                                                 architectures=["DeepseekV3ForCausalLM"]), {},
+                           r"model_type='deepseek_v3' \(architectures "
+                           r"\['DeepseekV3ForCausalLM'\]\), which ndjax does not implement; "
+                           r"it reads the model_types"),
     "unsupported rope": (lambda d: edit_config(d, rope_parameters=dict(
         rope_type="yarn", factor=4.0, rope_theta=1e4)), {}, r"rope type 'yarn' is not supported"),
     "mesh cannot divide": (lambda d: None, dict(intermediate_size=129),

@@ -4,7 +4,8 @@ an LM head, speaking only logical axis names.
 A family (``ndjax.models.registry``) chooses the block's options in its
 ``DecoderConfig``: q/k/v biases (Qwen 2.5), per-head q/k norms (Qwen 3, Gemma 3),
 Gemma's ``(1 + w)`` norms, norms after attention and the MLP, scaled embeddings,
-the MLP's activation, the attention's scale and sliding window, and which layers
+the MLP's activation or a mixture of experts in its place (Mixtral, Qwen3-MoE:
+``ndjax.models.moe``), the attention's scale and sliding window, and which layers
 are local (windowed, with their own rotary base) or global
 (``sliding_window_pattern``).
 
@@ -44,6 +45,7 @@ from ndjax.models.layers import (
     rope_tables,
     use_param,
 )
+from ndjax.models.moe import MoE, aux_metrics
 from ndjax.ops.attention import HEADS, KV_HEADS, AttentionSpec, attention
 from ndjax.ops.layer_scan import scan_full_remat
 from ndjax.rules import Weight, constrain
@@ -80,6 +82,13 @@ class DecoderConfig:
     sliding_window_pattern: int | None = None
     local_rope_theta: float | None = None  # local layers' base, unscaled; None: as global
     attn_softcap: float | None = None
+    # Mixture of experts (ndjax.models.moe): every layer's MLP is n_experts SwiGLU experts,
+    # experts_per_token of them per token; 0: the dense MLP.
+    n_experts: int = 0
+    experts_per_token: int = 0      # top-k
+    moe_ffn_dim: int = 0            # each expert's width; 0: ffn_dim's (Mixtral)
+    norm_topk_prob: bool = False    # the top-k weights renormalised to sum to 1
+    router_aux_loss_coef: float = 0.0  # weight of the load-balancing loss in the loss
     init_std: float = 0.02
     dtype: Any = jnp.float32      # compute dtype
     param_dtype: Any = jnp.float32  # storage dtype of the parameters
@@ -94,6 +103,11 @@ class DecoderConfig:
     @property
     def hd(self) -> int:
         return self.head_dim or self.dim // self.n_heads
+
+    @property
+    def expert_dim(self) -> int:
+        """Each expert's width (MoE)."""
+        return self.moe_ffn_dim or self.ffn_dim
 
     @property
     def types(self) -> tuple[str, ...]:
@@ -135,7 +149,10 @@ class DecoderConfig:
 # full unsharded copy of the model per device). ``checkpoint_name`` tags below
 # mark the candidates.
 ACTIVATIONS = ("attn_norm", "q_proj", "k_proj", "v_proj", "attn_out", "attn_lse",
-               "attn_block_out", "mlp_norm", "mlp_gate", "mlp_up", "mlp_out")
+               "attn_block_out", "mlp_norm", "mlp_gate", "mlp_up", "mlp_out",
+               # MoE: the router's logits and each (token, expert) pair's output (its
+               # experts' gate and up are mlp_gate, mlp_up).
+               "router_logits", "moe_out")
 _save = jax.checkpoint_policies.save_only_these_names
 
 # The policies that keep only each layer's input (ndjax.ops.layer_scan).
@@ -176,7 +193,7 @@ REMAT_POLICIES = {
     # Save the projections (the expensive matmuls), recompute norms, RoPE,
     # softmax and the SwiGLU elementwise work.
     "save_proj": _save("q_proj", "k_proj", "v_proj", "attn_out", "attn_lse", "mlp_gate",
-                       "mlp_up", "mlp_out"),
+                       "mlp_up", "mlp_out", "router_logits", "moe_out"),
     # Save only the attention output: about half of "save_proj"'s memory,
     # recomputes the QKV and MLP matmuls.
     "save_attn": _save("attn_out", "attn_lse"),
@@ -273,28 +290,31 @@ class Block(nnx.Module):
         self.attn_norm = RMSNorm(cfg.dim, eps, pd, **norm)
         self.attn = Attention(cfg, rngs)
         self.mlp_norm = RMSNorm(cfg.dim, eps, pd, **norm)
-        self.mlp = MLP(cfg, rngs)
+        self.mlp = MoE(cfg, rngs) if cfg.n_experts else MLP(cfg, rngs)
         if cfg.post_norms:
             self.post_attn_norm = RMSNorm(cfg.dim, eps, pd, **norm)
             self.post_mlp_norm = RMSNorm(cfg.dim, eps, pd, **norm)
         self.post_norms = cfg.post_norms
 
     def __call__(self, x, cos, sin, segment_ids, spec: AttentionSpec):
-        return self.around(x, lambda h: self.attn(h, cos, sin, segment_ids, spec))
+        return self.around(x, lambda h: self.attn(h, cos, sin, segment_ids, spec),
+                           real=segment_ids > 0)
 
-    def around(self, x, attend):
+    def around(self, x, attend, real=None) -> tuple[jax.Array, dict]:
         """The block with ``attend`` (normed input -> attention's projected output) as
-        its attention: the KV-cache decode passes one that reads and writes the cache."""
+        its attention: the KV-cache decode passes one that reads and writes the cache.
+        -> (output, the MoE router's statistics: ``moe.MoE``, over the tokens ``real``
+        marks, a row's padding left out; {} for a dense MLP)."""
         h = checkpoint_name(constrain(self.attn_norm(x), HIDDEN), "attn_norm")
         attn = attend(h)
         if self.post_norms:
             attn = self.post_attn_norm(attn)
         x = constrain(x + checkpoint_name(attn, "attn_block_out"), RESIDUAL)
         h = checkpoint_name(constrain(self.mlp_norm(x), HIDDEN), "mlp_norm")
-        out = self.mlp(h)
+        out, stats = self.mlp(h, real) if isinstance(self.mlp, MoE) else (self.mlp(h), {})
         if self.post_norms:
             out = self.post_mlp_norm(out)
-        return constrain(x + checkpoint_name(out, "mlp_out"), RESIDUAL)
+        return constrain(x + checkpoint_name(out, "mlp_out"), RESIDUAL), stats
 
 
 def _layer_slice(stacked: Any, start: int, stop: int, group: int | None = None) -> Any:
@@ -345,10 +365,15 @@ class Decoder(nnx.Module):
         return {t: rope_tables(cfg.rope(t), cfg.hd, positions) for t in dict.fromkeys(cfg.types)}
 
     def features(self, tokens: jax.Array, positions: jax.Array, segment_ids: jax.Array
-                 ) -> tuple[jax.Array, Weight]:
+                 ) -> tuple[jax.Array, Weight, dict[str, jax.Array]]:
         """tokens, positions, segment_ids: (b, s) int32 -> (final hidden states (b, s, dim)
         in the compute dtype, LM head (dim, vocab): a ``rules.Weight``, gathered to its
-        compute layout and as stored).
+        compute layout and as stored, the MoE's router metrics: ``moe.aux_metrics``, the
+        load-balancing ``aux_loss`` among them; {} for a dense model).
+
+        The router's statistics leave each layer as the scan's per-layer output and
+        are summed over the layers, so the loss is formed over all layers' routers at
+        once, as transformers' ``load_balancing_loss_func`` forms it.
 
         The loss applies the head chunk by chunk (``ndjax.ops.cross_entropy``) so that
         the whole batch's logits never exist at once, and gives the head's gradient to
@@ -371,14 +396,20 @@ class Decoder(nnx.Module):
                                                    cfg.spec(layer_type))
             return run
 
+        def add(a, b):
+            return jax.tree.map(jnp.add, a, b) if a else b
+
         def group(pattern: tuple[str, ...], inner: bool):
-            """(h, parameters of len(pattern) layers, consts) -> h: the layers of one
-            period. ``inner``: the parameters have a leading axis over the pattern."""
+            """(h, parameters of len(pattern) layers, consts) -> (h, router statistics
+            summed over them): the layers of one period. ``inner``: the parameters have
+            a leading axis over the pattern."""
             def run(h, params, consts):
+                total = {}
                 for j, layer_type in enumerate(pattern):
                     p = jax.tree.map(lambda a, j=j: a[j], params) if inner else params
-                    h = block(layer_type)(h, p, consts)
-                return h
+                    h, stats = block(layer_type)(h, p, consts)
+                    total = add(total, stats)
+                return h, total
             return run
 
         def scanned(pattern, x, params):
@@ -392,30 +423,38 @@ class Decoder(nnx.Module):
             # jax hoists work that depends only on a scan's constants out of the loop,
             # and for the tiled attention kernel that work is every key tile's mask,
             # stacked: O(seq^2) memory (tests/test_attention.py).
-            body = jax.checkpoint(
-                lambda carry, p: ((run(carry[0], p, (tables, carry[1])), carry[1]), None),
-                policy=policy, prevent_cse=False)
-            return jax.lax.scan(body, (x, segment_ids), params)[0][0]
+            def step(carry, p):
+                h, stats = run(carry[0], p, (tables, carry[1]))
+                return (h, carry[1]), stats
+            body = jax.checkpoint(step, policy=policy, prevent_cse=False)
+            (x, _), stats = jax.lax.scan(body, (x, segment_ids), params)
+            return x, jax.tree.map(lambda a: jnp.sum(a, axis=0), stats)
 
         types, period, n = cfg.types, cfg.period, cfg.n_layers
+        stats: dict = {}
         if cfg.scan_layers:
             whole = n // period * period
             if whole:
-                x = scanned(types[:period], x,
-                            _layer_slice(stacked, 0, whole, period if period > 1 else None))
+                x, part = scanned(types[:period], x,
+                                  _layer_slice(stacked, 0, whole, period if period > 1 else None))
+                stats = add(stats, part)
             if whole < n:  # the layers after the last whole period, as one group
                 rest = n - whole
-                x = scanned(types[whole:], x,
-                            _layer_slice(stacked, whole, n, rest if rest > 1 else None))
+                x, part = scanned(types[whole:], x,
+                                  _layer_slice(stacked, whole, n, rest if rest > 1 else None))
+                stats = add(stats, part)
         else:
             for i in range(n):
                 body = jax.checkpoint(block(types[i]), policy=policy, prevent_cse=True)
-                x = body(x, jax.tree.map(lambda a, i=i: a[i], stacked), (tables, segment_ids))
+                x, part = body(x, jax.tree.map(lambda a, i=i: a[i], stacked),
+                               (tables, segment_ids))
+                stats = add(stats, part)
+        aux = aux_metrics(stats, cfg.n_experts, cfg.experts_per_token) if cfg.n_experts else {}
 
         x = constrain(self.final_norm(x), HIDDEN)
         if cfg.tie_embeddings:
-            return x, Weight(*embed).T
-        return x, Weight(*use_param(self.lm_head, cfg.dtype, param_dtype=cfg.param_dtype))
+            return x, Weight(*embed).T, aux
+        return x, Weight(*use_param(self.lm_head, cfg.dtype, param_dtype=cfg.param_dtype)), aux
 
     def __call__(self, tokens: jax.Array, positions: jax.Array,
                  segment_ids: jax.Array) -> jax.Array:
@@ -423,7 +462,7 @@ class Decoder(nnx.Module):
 
         For inspection and conversion tests; training never builds all the logits.
         """
-        x, head = self.features(tokens, positions, segment_ids)
+        x, head, _ = self.features(tokens, positions, segment_ids)
         logits = jnp.einsum("bsd,dv->bsv", x, head.gathered,
                             preferred_element_type=jnp.float32)
         return constrain(logits, ("act_batch", "act_seq", "act_vocab"))
@@ -440,10 +479,21 @@ def logical_axes(state: nnx.State) -> dict:
     return out
 
 
-def num_params(cfg: DecoderConfig, *, embeddings: bool = True) -> int:
-    d, f, hd = cfg.dim, cfg.ffn_dim, cfg.hd
+def mlp_params(cfg: DecoderConfig, *, active: bool = False) -> int:
+    """One layer's MLP weights: the dense MLP's, or the MoE's experts and router
+    (``active``: only the experts a token runs through, and the router)."""
+    if not cfg.n_experts:
+        return 3 * cfg.dim * cfg.ffn_dim
+    experts = cfg.experts_per_token if active else cfg.n_experts
+    return 3 * cfg.dim * cfg.expert_dim * experts + cfg.dim * cfg.n_experts
+
+
+def num_params(cfg: DecoderConfig, *, embeddings: bool = True, active: bool = False) -> int:
+    """The parameters; ``active``: those one token uses (MoE: its top-k experts)."""
+    d, hd = cfg.dim, cfg.hd
     heads = cfg.n_heads + 2 * cfg.n_kv_heads
-    per_layer = d * hd * (cfg.n_heads + heads) + 3 * d * f + (4 if cfg.post_norms else 2) * d
+    per_layer = (d * hd * (cfg.n_heads + heads) + mlp_params(cfg, active=active)
+                 + (4 if cfg.post_norms else 2) * d)
     per_layer += heads * hd * cfg.qkv_bias + 2 * hd * cfg.qk_norm
     n = cfg.n_layers * per_layer + d
     if embeddings:
@@ -464,6 +514,8 @@ def train_flops_per_token(cfg: DecoderConfig, seq_len: int) -> float:
     counted as 2:
 
         6 * (matmul weights of the blocks + dim * vocab)
+
+    (an MoE layer's: the router and the experts_per_token experts a token runs through)
       + 12 * n_heads * head_dim * sum over layers of keys_per_query(seq_len, window)
 
     (QK^T and PV are each 2 * head_dim FLOPs per query-key pair.) The causal row is
@@ -471,6 +523,7 @@ def train_flops_per_token(cfg: DecoderConfig, seq_len: int) -> float:
     comparable across data sets; a local layer counts the keys in its window.
     """
     d, hd = cfg.dim, cfg.hd
-    matmul = cfg.n_layers * (d * hd * (2 * cfg.n_heads + 2 * cfg.n_kv_heads) + 3 * d * cfg.ffn_dim)
+    matmul = cfg.n_layers * (d * hd * (2 * cfg.n_heads + 2 * cfg.n_kv_heads)
+                             + mlp_params(cfg, active=True))
     keys = sum(keys_per_query(seq_len, cfg.spec(t).window) for t in cfg.types)
     return 6.0 * (matmul + d * cfg.vocab_size) + 12.0 * cfg.n_heads * hd * keys

@@ -20,15 +20,26 @@ from ndjax.models import decoder
 from ndjax.models.decoder import DecoderConfig
 
 # The modules that register the families (imported on first use).
-FAMILY_MODULES = ("llama", "mistral", "qwen", "gemma")
+FAMILY_MODULES = ("llama", "mistral", "qwen", "gemma", "mixtral", "qwen3_moe")
+
+# The mixture-of-experts fields (ndjax.models.moe); 0 / False on a dense family.
+MOE_FIELDS = ("n_experts", "experts_per_token", "moe_ffn_dim", "norm_topk_prob",
+              "router_aux_loss_coef")
+
+# Of those, what is a choice of training rather than of the model: a config sets it over
+# model.init_from's config.json (ndjax.hf.override_dims).
+TRAINING_FIELDS = ("router_aux_loss_coef",)
 
 # DecoderConfig fields beyond the dims that some families have, as config fields
 # (ndjax.config.ModelSettings): set on a family that lacks them, they are refused.
 OPTION_FIELDS = ("qkv_bias", "qk_norm", "sliding_window", "sliding_window_pattern",
-                 "query_pre_attn_scalar", "local_rope_theta")
+                 "query_pre_attn_scalar", "local_rope_theta", *MOE_FIELDS)
 _WHAT = {"qkv_bias": "q/k/v biases", "qk_norm": "q/k norms", "sliding_window": "sliding window",
          "sliding_window_pattern": "pattern of local and global layers",
-         "query_pre_attn_scalar": "query scalar", "local_rope_theta": "local rotary base"}
+         "query_pre_attn_scalar": "query scalar", "local_rope_theta": "local rotary base",
+         **{f: "experts (it is dense)" for f in MOE_FIELDS},
+         "moe_ffn_dim": "expert width of its own (its experts are ffn_dim wide)",
+         "norm_topk_prob": "choice of renormalising the top-k weights"}
 
 # ndjax layer paths of the norms -> Hugging Face names, without ".weight".
 STANDARD_NORMS = {"attn_norm": "input_layernorm", "mlp_norm": "post_attention_layernorm"}
@@ -50,6 +61,10 @@ class Family:
     fixed: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     options: tuple[str, ...] = ()    # OPTION_FIELDS a config may change
     norm_names: Mapping[str, str] = dataclasses.field(default_factory=lambda: STANDARD_NORMS)
+    # MoE families: ndjax MLP parameter -> its Hugging Face name, "{expert}" standing for
+    # each expert's index where the checkpoint holds one tensor per expert (the ndjax
+    # parameter's leading axis), and the split as in ``hf_names``. None: a dense MLP.
+    moe_names: Mapping[str, tuple[str, Any]] | None = None
 
     def read_config_json(self, c: dict, where: str) -> dict:
         """The DecoderConfig fields of config.json ``c`` (``where``: its directory, for
@@ -70,7 +85,9 @@ class Family:
         """(top-level, per-layer) maps: ndjax parameter path -> (Hugging Face name,
         split). ``split`` None: the same layout; FLAT: the HF tensor is the parameter
         flattened; an int: the HF weight is a Linear's (out, in) matrix and the ndjax
-        parameter its transpose with in = shape[:split], out = shape[split:]."""
+        parameter its transpose with in = shape[:split], out = shape[split:]. A name with
+        "{expert}" is one tensor per expert: the parameter's leading axis, each slice
+        with that split (``expert_names``)."""
         top = {("embed",): ("model.embed_tokens.weight", None),
                ("final_norm", "scale"): ("model.norm.weight", None)}
         if not cfg.tie_embeddings:
@@ -78,10 +95,13 @@ class Family:
         layer = {("attn", "wq"): ("self_attn.q_proj.weight", 1),
                  ("attn", "wk"): ("self_attn.k_proj.weight", 1),
                  ("attn", "wv"): ("self_attn.v_proj.weight", 1),
-                 ("attn", "wo"): ("self_attn.o_proj.weight", 2),
-                 ("mlp", "w_gate"): ("mlp.gate_proj.weight", 1),
-                 ("mlp", "w_up"): ("mlp.up_proj.weight", 1),
-                 ("mlp", "w_down"): ("mlp.down_proj.weight", 1)}
+                 ("attn", "wo"): ("self_attn.o_proj.weight", 2)}
+        if cfg.n_experts:
+            layer.update({("mlp", p): entry for p, entry in (self.moe_names or {}).items()})
+        else:
+            layer.update({("mlp", "w_gate"): ("mlp.gate_proj.weight", 1),
+                          ("mlp", "w_up"): ("mlp.up_proj.weight", 1),
+                          ("mlp", "w_down"): ("mlp.down_proj.weight", 1)})
         for path, name in self.norm_names.items():
             if cfg.post_norms or not path.startswith("post_"):
                 layer[(path, "scale")] = (f"{name}.weight", None)
@@ -141,6 +161,39 @@ def preset_dims(family: Family, preset: str) -> dict:
         raise ConfigError(f"model.preset={preset!r}: choose one of {sorted(family.presets)} "
                           f"(the presets of model.family={family.name!r}).")
     return {**family.fixed, **family.presets[preset], "family": family.name}
+
+
+EXPERT = "{expert}"
+
+
+def expert_names(name: str, shape: tuple[int, ...]) -> list[tuple[str, int | None]]:
+    """The Hugging Face tensors of one layer's parameter named ``name`` (``hf_names``):
+    [(name, None)] for one tensor, else [(each expert's name, its index along the
+    leading axis)]."""
+    if EXPERT not in name:
+        return [(name, None)]
+    return [(name.replace(EXPERT, str(e)), e) for e in range(shape[0])]
+
+
+def check_moe(dims: Mapping[str, Any]) -> None:
+    """Refuses mixture-of-experts fields that do not make a model, in one line."""
+    n, k = dims.get("n_experts", 0), dims.get("experts_per_token", 0)
+    family = dims.get("family")
+    if not n:
+        if family is not None and get(family).moe_names is not None:
+            raise ConfigError(f"model.n_experts={n}: model.family={family!r} is a mixture of "
+                              "experts; set model.n_experts >= 1, or use a dense family.")
+        return
+    if n < 1:
+        raise ConfigError(f"model.n_experts={n} must be >= 1 (model.family={family!r}).")
+    if not 1 <= k <= n:
+        raise ConfigError(f"model.experts_per_token={k}: each token runs through between 1 "
+                          f"and model.n_experts={n} experts; pick one in that range.")
+    if dims.get("moe_ffn_dim", 0) < 0:
+        raise ConfigError(f"model.moe_ffn_dim={dims['moe_ffn_dim']} must be >= 1.")
+    if dims.get("router_aux_loss_coef", 0.0) < 0:
+        raise ConfigError(f"model.router_aux_loss_coef={dims['router_aux_loss_coef']} must "
+                          "be >= 0.")
 
 
 def check_options(family: Family, values: Mapping[str, Any]) -> None:

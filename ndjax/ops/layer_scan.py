@@ -28,7 +28,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-Layer = Callable[[jax.Array, Any, tuple], jax.Array]  # (h, layer params, consts) -> h
+# (h, layer params, consts) -> (h, aux): aux a pytree of the layer's statistics (the MoE
+# router's; {} for a dense layer), summed over the layers.
+Layer = Callable[[jax.Array, Any, tuple], tuple[jax.Array, Any]]
 
 
 def _to_bits(x: jax.Array) -> jax.Array:
@@ -55,9 +57,14 @@ def _zero_cotangent(x: jax.Array) -> Any:
     return np.zeros(x.shape, jax.dtypes.float0)
 
 
+def _add(a: Any, b: Any) -> Any:
+    return jax.tree.map(jnp.add, a, b)
+
+
 def scan_full_remat(layer: Layer | tuple[Layer, ...], h: jax.Array, params: Any,
-                    consts: tuple, offload: bool = False) -> jax.Array:
-    """``h`` through every layer of the stacked ``params`` (leading axis: layers).
+                    consts: tuple, offload: bool = False) -> tuple[jax.Array, Any]:
+    """``h`` through every layer of the stacked ``params`` (leading axis: layers) ->
+    (the output, the layers' aux summed).
 
     ``layer`` may be a tuple of P layers (a period of different layers: Gemma 3's five
     local ones and a global one); then ``params`` is (groups, P, ...) and each scan step
@@ -66,7 +73,8 @@ def scan_full_remat(layer: Layer | tuple[Layer, ...], h: jax.Array, params: Any,
 
     ``consts`` (RoPE tables, segment ids) are the same for every layer and get no
     gradient. ``layer`` must not close over traced values. ``offload``: the saved
-    inputs live in host memory between the passes.
+    inputs live in host memory between the passes. The aux sum's cotangent is every
+    layer's aux cotangent; each recomputed layer takes it with its output's.
     """
     layers = layer if isinstance(layer, tuple) else (layer,)
     inner = isinstance(layer, tuple)
@@ -74,26 +82,36 @@ def scan_full_remat(layer: Layer | tuple[Layer, ...], h: jax.Array, params: Any,
     def at(p, j):
         return jax.tree.map(lambda a: a[j], p) if inner else p
 
-    def run_group(c, p, keep):
+    def run_group(carry, p, keep):
+        c, total = carry
         saved = []
         for j, f in enumerate(layers):
             saved.append(_to_bits(c))
-            c = f(c, at(p, j), consts)
+            c, aux = f(c, at(p, j), consts)
+            total = _add(total, aux)
         if not keep:
-            return c, None
+            return (c, total), None
         kept = jnp.stack(saved) if inner else saved[0]
-        return c, _to_host(kept) if offload else kept
+        return (c, total), _to_host(kept) if offload else kept
+
+    def zeros(h, params, consts):
+        first = at(jax.tree.map(lambda a: a[0], params), 0)
+        aux = jax.eval_shape(layers[0], h, first, consts)[1]
+        return jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), aux)
 
     @jax.custom_vjp
     def run(h, params, consts):
-        return jax.lax.scan(lambda c, p: run_group(c, p, False), h, params)[0]
+        return jax.lax.scan(lambda c, p: run_group(c, p, False),
+                            (h, zeros(h, params, consts)), params)[0]
 
     def forward(h, params, consts):
-        out, inputs = jax.lax.scan(lambda c, p: run_group(c, p, True), h, params)
+        out, inputs = jax.lax.scan(lambda c, p: run_group(c, p, True),
+                                   (h, zeros(h, params, consts)), params)
         return out, (inputs, params, consts)
 
-    def backward(saved, g):
+    def backward(saved, cotangents):
         inputs, params, consts = saved
+        g, g_aux = cotangents
 
         def step(g, group_inputs):
             bits, p = group_inputs
@@ -108,7 +126,7 @@ def scan_full_remat(layer: Layer | tuple[Layer, ...], h: jax.Array, params: Any,
                     # (Gemma 3 12B at 32k tokens: 41.2 -> 38.6 GiB of temporaries).
                     x, g = jax.lax.optimization_barrier((x, g))
                 _, vjp = jax.vjp(lambda x, q, f=layers[j]: f(x, q, consts), x, at(p, j))
-                g, grads[j] = vjp(g)
+                g, grads[j] = vjp((g, g_aux))
             g_p = jax.tree.map(lambda *gs: jnp.stack(gs), *grads) if inner else grads[0]
             return g, g_p
 

@@ -1,0 +1,193 @@
+"""The mixture-of-experts MLP (Mixtral, Qwen3-MoE): a linear router, top-k experts per
+token, each expert a SwiGLU MLP, computed dropless with grouped matmuls.
+
+Routing, in float32: ``softmax(x @ router)`` over the experts, the top
+``experts_per_token`` of them per token (``jax.lax.top_k``), their weights
+renormalised to sum to one where the family does (``norm_topk_prob``: Mixtral
+always, Qwen3-MoE as its config says).
+
+Dispatch is dropless: every (token, chosen expert) pair is computed. The pairs are
+sorted by expert, each expert's run of rows goes through its gate, up and down
+matrices with ``jax.lax.ragged_dot`` (one grouped matmul per projection, the group
+sizes the experts' token counts), and the rows are unsorted, weighted and summed
+over the k choices. Under a mesh the top-k and the dispatch run in a ``shard_map``
+over the data axes, so that each device chooses, sorts and computes its own tokens
+(left to the partitioner, ``top_k`` and the sort gather the whole batch first); the
+tensor axis is left to the partitioner, which splits the experts' width as it
+splits the dense MLP's (gate and up column-parallel, down row-parallel, one
+all-reduce of the output).
+
+The expert weights enter the ``shard_map`` gathered (``layers.use_param``) as one
+copy per device (``per_device``), so that each device's partial gradient leaves it
+unsummed and is reduce-scattered in float32 into the storage layout, as the dense
+weights' are (``layers.project``). Unlike those, each device's partial is formed in
+the compute dtype (the transpose of ``ragged_dot``), so in bfloat16 it is rounded
+once before the float32 sum.
+
+The expert weights are stacked, ``[experts, dim, width]`` and ``[experts, width,
+dim]``, with the logical axis ``experts`` on the stacked dimension (the rule
+tables keep it unsplit for now). The router's statistics (assignments and
+probabilities summed over tokens, per expert) leave each layer for the
+load-balancing loss (``aux_loss``), which the decoder forms over all layers.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
+from jax.sharding import NamedSharding, PartitionSpec
+
+from ndjax.models.layers import ACTIVATION_FNS, init_param, project, use_param
+from ndjax.rules import (
+    ParamUse,
+    active,
+    axes_of,
+    constrain,
+    data_axes,
+    stacked_lead,
+    stacked_sum,
+    suspended,
+)
+
+ROUTER_LOGITS = ("act_batch", "act_seq", "act_experts")
+
+
+def route(probs: jax.Array, k: int, renormalise: bool) -> tuple[jax.Array, jax.Array]:
+    """Router probabilities (..., experts) -> (the top-k experts (..., k) int32, their
+    weights (..., k), renormalised to sum to 1 where ``renormalise``)."""
+    weights, experts = jax.lax.top_k(probs, k)
+    if renormalise:
+        weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+    return experts, weights
+
+
+def dispatch(x: jax.Array, experts: jax.Array, weights: jax.Array, w_gate: jax.Array,
+             w_up: jax.Array, w_down: jax.Array, activation: str = "silu") -> jax.Array:
+    """Every token of ``x`` (..., dim) through its ``experts`` (..., k), weighted by
+    ``weights`` (..., k) and summed: grouped matmuls over the (token, expert) pairs
+    sorted by expert. ``w_gate``, ``w_up``: (E, dim, width); ``w_down``: (E, width, dim)."""
+    n_experts, dim = w_gate.shape[0], x.shape[-1]
+    k = experts.shape[-1]
+    tokens = x.reshape(-1, dim)
+    flat = experts.reshape(-1)
+    order = jnp.argsort(flat, stable=True)  # the pairs, expert by expert
+    rows = tokens[order // k]
+    sizes = jnp.zeros((n_experts,), jnp.int32).at[flat].add(1)
+    # Named as the dense MLP's, so that the remat policies save or rerun them alike.
+    gate = checkpoint_name(jax.lax.ragged_dot(rows, w_gate, sizes), "mlp_gate")
+    up = checkpoint_name(jax.lax.ragged_dot(rows, w_up, sizes), "mlp_up")
+    # Each pair's output, which the routing weights' gradient reads (k x dim per token).
+    out = checkpoint_name(
+        jax.lax.ragged_dot(ACTIVATION_FNS[activation](gate) * up, w_down, sizes), "moe_out")
+    out = out[jnp.argsort(order)].reshape(*experts.shape, dim)  # back in token order
+    mixed = jnp.einsum("...kd,...k->...d", out, weights.astype(out.dtype),
+                       preferred_element_type=jnp.float32)
+    return mixed.astype(x.dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def per_device(w: jax.Array, stored: jax.Array, use: ParamUse, axes: tuple[str, ...]
+               ) -> jax.Array:
+    """``w`` (a parameter in its compute layout, ``gather(stored, use)``) as one copy per
+    device of the data axes ``axes``, stacked along ``rules.stacked_lead``: a value of
+    each device's own for a ``shard_map`` over those axes, so that its gradient leaves
+    the map per device rather than all-reduced inside it in the compute dtype.
+    Backward, those partial gradients are summed in float32 into the storage layout
+    (``rules.stacked_sum``: a reduce-scatter) and go to ``stored``, as the dense
+    weights' do (``layers.project``)."""
+    rules = active()
+    lead = stacked_lead(use, axes)
+    sizes = tuple(math.prod(rules.mesh.shape[a] for a in axes_of(x)) for x in lead)
+    compute = tuple(use.compute.spec) if use.compute is not None else ()
+    return jax.lax.with_sharding_constraint(
+        jnp.broadcast_to(w, (*sizes, *w.shape)),
+        NamedSharding(rules.mesh, PartitionSpec(*lead, *compute)))
+
+
+def _per_device_fwd(w, stored, use, axes):
+    return per_device(w, stored, use, axes), jnp.zeros((0,), stored.dtype)
+
+
+def _per_device_bwd(use, axes, dtype_of_stored, g):
+    return None, stacked_sum(g, use, axes, dtype_of_stored.dtype)
+
+
+per_device.defvjp(_per_device_fwd, _per_device_bwd)
+
+
+class MoE(nnx.Module):
+    """The MoE MLP: (b, s, dim) -> ((b, s, dim), router statistics per expert)."""
+
+    def __init__(self, cfg, rngs: nnx.Rngs):
+        d, f, e, std, pd = cfg.dim, cfg.expert_dim, cfg.n_experts, cfg.init_std, cfg.param_dtype
+        self.router = init_param(rngs, (d, e), ("embed", "experts"), std, pd)
+        self.w_gate = init_param(rngs, (e, d, f), ("experts", "embed", "expert_mlp"), std, pd)
+        self.w_up = init_param(rngs, (e, d, f), ("experts", "embed", "expert_mlp"), std, pd)
+        self.w_down = init_param(rngs, (e, f, d), ("experts", "expert_mlp", "embed"), std, pd)
+        self.cfg = cfg
+
+    def __call__(self, x: jax.Array, real: jax.Array | None = None
+                 ) -> tuple[jax.Array, dict[str, jax.Array]]:
+        """``real`` (b, s): 1 on tokens, 0 on a row's padding, which the router's
+        statistics leave out as transformers' attention mask does (None: all tokens).
+        Every position is computed either way."""
+        cfg = self.cfg
+        real = (jnp.ones(x.shape[:2], jnp.float32) if real is None
+                else real.astype(jnp.float32))
+        logits = checkpoint_name(constrain(project(
+            "bsd,de->bse", x.astype(jnp.float32),
+            *use_param(self.router, jnp.float32, param_dtype=cfg.param_dtype)),
+            ROUTER_LOGITS), "router_logits")
+        probs = jax.nn.softmax(logits, axis=-1)  # float32, as the logits
+        used = [use_param(v, cfg.dtype, param_dtype=cfg.param_dtype)
+                for v in (self.w_gate, self.w_up, self.w_down)]
+        n, k = cfg.n_experts, cfg.experts_per_token
+
+        def local(x, probs, real, *w):
+            """One device's tokens: top-k, dispatch, and its count of assignments per
+            expert (leading axis 1, stacked over the devices). top_k runs here too: left
+            to the partitioner, it gathers the whole batch's probabilities first."""
+            w = [a.reshape(a.shape[-3:]) for a in w]  # this device's copy (per_device)
+            with suspended():
+                experts, weights = route(probs, k, cfg.norm_topk_prob)
+                out = dispatch(x, experts, weights, *w, cfg.activation)
+                assigned = jnp.zeros((n,), jnp.float32).at[experts.reshape(-1)].add(
+                    jnp.repeat(real.reshape(-1), k))
+                return out, assigned[None]
+        rules = active()
+        axes = data_axes(rules) if rules is not None else ()
+        if axes:
+            rows = tuple(rules.spec(("act_batch", "act_seq")))
+            rows = rows + (None,) * (2 - len(rows))
+            tok = PartitionSpec(*rows, None)
+            w = [per_device(g, stored, use, axes) for g, stored, use in used]
+            out, assigned = jax.shard_map(
+                local, mesh=rules.mesh, axis_names=set(axes),
+                in_specs=(tok, tok, PartitionSpec(*rows),
+                          *(PartitionSpec(*stacked_lead(u[2], axes)) for u in used)),
+                out_specs=(tok, PartitionSpec(axes)), check_vma=False)(x, probs, real, *w)
+        else:
+            out, assigned = local(x, probs, real, *(u[0] for u in used))
+        stats = {"assigned": jnp.sum(assigned, axis=0),
+                 "probs": jnp.sum(probs * real[..., None], axis=(0, 1)), "rows": jnp.sum(real)}
+        return out, stats
+
+
+def aux_metrics(stats: dict[str, jax.Array], n_experts: int, k: int) -> dict[str, jax.Array]:
+    """The load-balancing loss of Switch Transformer as Mixtral's and Qwen3-MoE's
+    ``load_balancing_loss_func`` forms it, over every layer's router at once (padding
+    left out, as its attention mask does): the experts' share of assignments times
+    their mean probability, summed, times the experts; ``stats`` summed over the
+    layers (``rows``: layers x tokens). With it, each expert's load (its assignments
+    over the mean, summed over the layers; 1: balanced), least and most."""
+    rows = jnp.maximum(stats["rows"], 1.0)
+    share = stats["assigned"] / rows
+    aux = n_experts * jnp.sum(share * (stats["probs"] / rows))
+    load = stats["assigned"] / (rows * k / n_experts)
+    return {"aux_loss": aux, "expert_load_min": jnp.min(load),
+            "expert_load_max": jnp.max(load)}
