@@ -207,7 +207,7 @@ def test_moe_trains_alike_however_its_layers_run(variant):
 
 def _ragged_dots(remat):
     """The grouped matmuls in the traced train step of a 2-layer MoE, unrolled."""
-    from jax._src import core as jcore
+    from jax.extend import core as jcore  # (jax._src.core lost ClosedJaxpr in jax 0.12)
 
     from ndjax.train_step import train_step
     exp = Experiment.from_config(tiny_config(model=dict(MOE, scan_layers=False, remat=remat)),
