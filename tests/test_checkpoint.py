@@ -58,6 +58,18 @@ def losses_by_step(records):
     return {r["step"]: r["loss"] for r in records}
 
 
+def assert_resumed_like_uninterrupted(workdir, reference_dir, steps):
+    """``workdir``'s metrics hold steps 1..``steps`` (resumed part way) with the losses
+    of a run never interrupted, trained in-process on the subprocesses' mesh."""
+    config = tiny_config(mesh=dict(fsdp=8), train=dict(steps=steps))
+    config.log.tensorboard = False
+    reference = losses_by_step(train(config, str(reference_dir), verbose=False))
+    resumed = losses_by_step(logged_steps(workdir))
+    assert sorted(resumed) == list(range(1, steps + 1))
+    np.testing.assert_allclose([resumed[s] for s in sorted(resumed)],
+                               [reference[s] for s in sorted(resumed)], rtol=1e-6)
+
+
 def test_kill_9_and_resume_is_bitwise_exact(tmp_path):
     steps = 10
     config = tiny_config(mesh=dict(fsdp=8), train=dict(steps=steps))
@@ -159,13 +171,7 @@ def test_ctrl_c_saves_exits_130_and_the_rerun_resumes_exactly(tmp_path):
     out, err = rerun.communicate(timeout=240)
     assert rerun.returncode == 0, err[-2000:]
     assert f"resumed from checkpoint step {last}" in out
-    config = tiny_config(mesh=dict(fsdp=8), train=dict(steps=last + 2))
-    config.log.tensorboard = False
-    reference = losses_by_step(train(config, str(tmp_path / "reference"), verbose=False))
-    resumed = losses_by_step(logged_steps(workdir))
-    assert sorted(resumed) == list(range(1, last + 3))
-    np.testing.assert_allclose([resumed[i] for i in sorted(resumed)],
-                               [reference[i] for i in sorted(resumed)], rtol=1e-6)
+    assert_resumed_like_uninterrupted(workdir, tmp_path / "reference", last + 2)
 
 
 def test_a_second_ctrl_c_stops_at_once_without_a_traceback():
@@ -342,13 +348,8 @@ def test_a_live_runs_workdir_is_refused_and_a_dead_ones_lock_taken_over(tmp_path
     assert f"taking over the lock of a run that is gone (pid {dead.pid} on host" in warned[0]
     assert "metrics.jsonl: left out 1 line(s)" in warned[1]
 
-    config = tiny_config(mesh=dict(fsdp=8), train=dict(steps=last + 2))
-    config.log.tensorboard = False
-    reference = losses_by_step(train(config, str(tmp_path / "ref"), verbose=False))
-    resumed = losses_by_step(logged_steps(workdir))
-    assert sorted(resumed) == list(range(1, last + 3))
-    np.testing.assert_allclose([resumed[s] for s in sorted(resumed)],
-                               [reference[s] for s in sorted(resumed)], rtol=1e-6)
+
+    assert_resumed_like_uninterrupted(workdir, tmp_path / "ref", last + 2)
 
 
 # What limit_file_size runs before train.py, in the child: writes past 64 KiB in any
