@@ -62,6 +62,11 @@ def _attn_impls() -> Sequence[str]:
     return attention.IMPLS
 
 
+def _moe_impls() -> Sequence[str]:
+    from ndjax.ops import grouped_matmul
+    return grouped_matmul.IMPLS
+
+
 def _cp_impls() -> Sequence[str]:
     from ndjax.ops import attention
     return attention.CP_IMPLS
@@ -129,6 +134,10 @@ class ModelSettings:
     moe_ffn_dim: int | None = setting(None, ge=1)
     norm_topk_prob: bool | None = setting(None)
     router_aux_loss_coef: float | None = setting(None, ge=0)
+    # The experts' grouped matmuls (ndjax.ops.grouped_matmul): xla (jax.lax.ragged_dot),
+    # mosaic (jax's Mosaic GPU kernels for Hopper), auto: mosaic on Hopper GPUs.
+    moe_impl: str = setting("auto", choices=_moe_impls,
+                            hint=" (auto: mosaic on Hopper GPUs, else xla)")
     local_rope_theta: float | None = setting(None, gt=0)
     # compute dtype: auto = bfloat16 on GPU/TPU, float32 on CPU
     dtype: str = setting("auto", choices=("auto", "float32", "bfloat16", "float16"))

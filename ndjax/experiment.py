@@ -37,6 +37,7 @@ from ndjax.models import decoder, registry
 from ndjax.models.decoder import DecoderConfig
 from ndjax.models.layers import RopeScaling
 from ndjax.ops import attention as attention_ops
+from ndjax.ops import grouped_matmul
 from ndjax.precision import DTYPES, Precision
 from ndjax.train_step import Batch, StepOptions, eval_step, train_step
 
@@ -119,7 +120,7 @@ def model_config(model: ModelSettings, checkpoint: hf.Checkpoint | None = None,
                          remat=model.remat, attn_impl=model.attn_impl,
                          cp_layout=model.cp_layout, cp_impl=model.cp_impl,
                          attn_kv_tile=model.attn_kv_tile,
-                         attn_max_docs=model.attn_max_docs)
+                         attn_max_docs=model.attn_max_docs, moe_impl=model.moe_impl)
 
 
 def check_fields(config: ml_collections.ConfigDict | Settings, platform: str | None = None
@@ -190,6 +191,9 @@ class Experiment:
         model_cfg = dataclasses.replace(model_cfg, attn_impl=chosen.name,
                                         cp_impl=chosen.cp or "ring")
         seq_permutation = attention_ops.KERNELS[chosen.name].permutation(site)
+        if model_cfg.n_experts:  # the experts' grouped matmuls, likewise
+            model_cfg = dataclasses.replace(model_cfg, moe_impl=grouped_matmul.choose(
+                model_cfg.moe_impl, grouped_matmul.Site.of(model_cfg, devices)))
 
         abstract = nnx.eval_shape(lambda: decoder.Decoder(model_cfg, nnx.Rngs(0)))
         graphdef, abstract_state = nnx.split(abstract)

@@ -89,6 +89,7 @@ class DecoderConfig:
     moe_ffn_dim: int = 0            # each expert's width; 0: ffn_dim's (Mixtral)
     norm_topk_prob: bool = False    # the top-k weights renormalised to sum to 1
     router_aux_loss_coef: float = 0.0  # weight of the load-balancing loss in the loss
+    moe_impl: str = "auto"          # the experts' grouped matmuls: ndjax.ops.grouped_matmul
     init_std: float = 0.02
     dtype: Any = jnp.float32      # compute dtype
     param_dtype: Any = jnp.float32  # storage dtype of the parameters

@@ -43,6 +43,7 @@ from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import NamedSharding, PartitionSpec
 
 from ndjax.models.layers import ACTIVATION_FNS, init_param, project, use_param
+from ndjax.ops.grouped_matmul import grouped_matmul, resolved
 from ndjax.rules import (
     ParamUse,
     active,
@@ -67,10 +68,12 @@ def route(probs: jax.Array, k: int, renormalise: bool) -> tuple[jax.Array, jax.A
 
 
 def dispatch(x: jax.Array, experts: jax.Array, weights: jax.Array, w_gate: jax.Array,
-             w_up: jax.Array, w_down: jax.Array, activation: str = "silu") -> jax.Array:
+             w_up: jax.Array, w_down: jax.Array, activation: str = "silu",
+             impl: str = "xla") -> jax.Array:
     """Every token of ``x`` (..., dim) through its ``experts`` (..., k), weighted by
     ``weights`` (..., k) and summed: grouped matmuls over the (token, expert) pairs
-    sorted by expert. ``w_gate``, ``w_up``: (E, dim, width); ``w_down``: (E, width, dim)."""
+    sorted by expert. ``w_gate``, ``w_up``: (E, dim, width); ``w_down``: (E, width, dim);
+    ``impl``: the grouped matmuls' (``ndjax.ops.grouped_matmul``)."""
     n_experts, dim = w_gate.shape[0], x.shape[-1]
     k = experts.shape[-1]
     tokens = x.reshape(-1, dim)
@@ -79,11 +82,11 @@ def dispatch(x: jax.Array, experts: jax.Array, weights: jax.Array, w_gate: jax.A
     rows = tokens[order // k]
     sizes = jnp.zeros((n_experts,), jnp.int32).at[flat].add(1)
     # Named as the dense MLP's, so that the remat policies save or rerun them alike.
-    gate = checkpoint_name(jax.lax.ragged_dot(rows, w_gate, sizes), "mlp_gate")
-    up = checkpoint_name(jax.lax.ragged_dot(rows, w_up, sizes), "mlp_up")
+    matmul = functools.partial(grouped_matmul, sizes=sizes, impl=impl)
+    gate = checkpoint_name(matmul(rows, w_gate), "mlp_gate")
+    up = checkpoint_name(matmul(rows, w_up), "mlp_up")
     # Each pair's output, which the routing weights' gradient reads (k x dim per token).
-    out = checkpoint_name(
-        jax.lax.ragged_dot(ACTIVATION_FNS[activation](gate) * up, w_down, sizes), "moe_out")
+    out = checkpoint_name(matmul(ACTIVATION_FNS[activation](gate) * up, w_down), "moe_out")
     out = out[jnp.argsort(order)].reshape(*experts.shape, dim)  # back in token order
     mixed = jnp.einsum("...kd,...k->...d", out, weights.astype(out.dtype),
                        preferred_element_type=jnp.float32)
@@ -147,6 +150,7 @@ class MoE(nnx.Module):
         used = [use_param(v, cfg.dtype, param_dtype=cfg.param_dtype)
                 for v in (self.w_gate, self.w_up, self.w_down)]
         n, k = cfg.n_experts, cfg.experts_per_token
+        impl = resolved(cfg)
 
         def local(x, probs, real, *w):
             """One device's tokens: top-k, dispatch, and its count of assignments per
@@ -155,27 +159,51 @@ class MoE(nnx.Module):
             w = [a.reshape(a.shape[-3:]) for a in w]  # this device's copy (per_device)
             with suspended():
                 experts, weights = route(probs, k, cfg.norm_topk_prob)
-                out = dispatch(x, experts, weights, *w, cfg.activation)
+                out = dispatch(x, experts, weights, *w, cfg.activation, impl)
                 assigned = jnp.zeros((n,), jnp.float32).at[experts.reshape(-1)].add(
                     jnp.repeat(real.reshape(-1), k))
                 return out, assigned[None]
         rules = active()
         axes = data_axes(rules) if rules is not None else ()
-        if axes:
+        # The axes that split the experts' width (tensor), manual too: a custom call
+        # (model.moe_impl='mosaic') has no partitioning rule, and left to the
+        # partitioner its weights were gathered whole around it on every device.
+        width = tuple(dict.fromkeys(a for u in used for a in _compute_axes(u[2])))
+        if axes or width:
             rows = tuple(rules.spec(("act_batch", "act_seq")))
             rows = rows + (None,) * (2 - len(rows))
             tok = PartitionSpec(*rows, None)
             w = [per_device(g, stored, use, axes) for g, stored, use in used]
+            w_specs = [PartitionSpec(*stacked_lead(u[2], axes), *_compute_spec(u[2]))
+                       for u in used]
+            # Split over its width, each device's down projection is a partial sum:
+            # stacked along a leading dimension over those axes, summed outside.
+            part = PartitionSpec(width, *tok) if width else tok
+
+            def mapped(*args):
+                out, assigned = local(*args)
+                return (out[None] if width else out), assigned
             out, assigned = jax.shard_map(
-                local, mesh=rules.mesh, axis_names=set(axes),
-                in_specs=(tok, tok, PartitionSpec(*rows),
-                          *(PartitionSpec(*stacked_lead(u[2], axes)) for u in used)),
-                out_specs=(tok, PartitionSpec(axes)), check_vma=False)(x, probs, real, *w)
+                mapped, mesh=rules.mesh, axis_names=set(axes + width),
+                in_specs=(tok, tok, PartitionSpec(*rows), *w_specs),
+                out_specs=(part, PartitionSpec(axes or None)),
+                check_vma=False)(x, probs, real, *w)
+            if width:
+                out = jnp.sum(out.astype(jnp.float32), axis=0).astype(x.dtype)
         else:
             out, assigned = local(x, probs, real, *(u[0] for u in used))
         stats = {"assigned": jnp.sum(assigned, axis=0),
                  "probs": jnp.sum(probs * real[..., None], axis=(0, 1)), "rows": jnp.sum(real)}
         return out, stats
+
+
+def _compute_spec(use: ParamUse) -> tuple:
+    return tuple(use.compute.spec) if use.compute is not None else ()
+
+
+def _compute_axes(use: ParamUse) -> tuple[str, ...]:
+    """The mesh axes that split a weight where it is used (after FSDP's gather)."""
+    return tuple(a for s in _compute_spec(use) for a in axes_of(s))
 
 
 def aux_metrics(stats: dict[str, jax.Array], n_experts: int, k: int) -> dict[str, jax.Array]:
