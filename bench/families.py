@@ -9,10 +9,10 @@ Every row: fsdp=4 x tensor=2 (``configs/<family>_fsdp_tp.py``), bfloat16, the
 attention kernel ``auto`` picks on the GPU. Memory per device: arguments (the
 sharded parameters, optimizer state and batch) and temporaries (activations and
 everything else the step allocates), as the compile plans them (no cuBLAS/cuDNN
-workspaces: README, "Compiling for GPUs you don't have"); and the step's model
-FLOPs (``ndjax.flops``: a local layer counts the keys in its window), which is
-where a window saves with a flash kernel, whose memory is linear in the sequence
-with or without one.
+workspaces: docs/compile-and-plan.md, "Compiling for GPUs you don't have"); and the
+step's model FLOPs (``ndjax.flops``: a local layer counts the keys in its window),
+which is where a window saves with a flash kernel, whose memory is linear in the
+sequence with or without one.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Supervised fine-tuning of Llama 3.2 1B Instruct on chat data: FSDP x TP, 4 x 2 GPUs.
 
-The paths are placeholders to replace (README, "Fine-tuning on chat data"):
+The paths are placeholders to replace (docs/fine-tuning.md):
 ``CHECKPOINT`` (or --config.model.init_from and --config.data.tokenizer) is a
 local Hugging Face Llama directory with its tokenizer.json and chat template,
 e.g. from ``hf download meta-llama/Llama-3.2-1B-Instruct --local-dir

@@ -12,8 +12,8 @@ or run. It prints the memory per device (arguments, temporaries, output, total,
 against the GPU's memory and the budget), the attention kernel and why, every
 collective, and the compile time. ``--json``: one object on stdout.
 
-What the compile cannot see: autotuning, cuBLAS/cuDNN workspaces, speed (README,
-"Compiling for GPUs you don't have").
+What the compile cannot see: autotuning, cuBLAS/cuDNN workspaces, speed
+(docs/compile-and-plan.md, "Compiling for GPUs you don't have").
 """
 
 from __future__ import annotations

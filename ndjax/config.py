@@ -216,8 +216,8 @@ class RuntimeSettings:
     cpu_devices: int = setting(8, ge=1)
     # Several processes (one per host or per GPU) joined by jax.distributed. Left
     # unset, a launcher's environment (srun, mpirun, JAX_COORDINATOR_ADDRESS)
-    # decides, and a plain single-process run needs nothing. See the README's
-    # "Multiple hosts" section.
+    # decides, and a plain single-process run needs nothing. See
+    # docs/multi-host.md.
     coordinator: str | None = setting(None, hint=" (host:port of process 0)")
     num_processes: int | None = setting(None, ge=1)
     process_id: int | None = setting(None, ge=0)
@@ -274,7 +274,7 @@ class TrainSettings:
 
 @dataclasses.dataclass(frozen=True)
 class DataSettings:
-    # Where batches come from (see ndjax/data/ and the README's Data section).
+    # Where batches come from (see ndjax/data/ and docs/data.md).
     # builtin: this Python's standard library source | synthetic: a seeded Markov
     # chain | text | jsonl | parquet: local files | tokens: pre-tokenized files |
     # chat: conversations (JSON Lines or Parquet)
@@ -283,7 +283,7 @@ class DataSettings:
     eval_files: str = setting("")  # the validation split of those sources, same format
     text_field: str = setting("text")  # JSON Lines key / Parquet column holding the text
     # chat: JSON Lines / Parquet conversations, rendered with the tokenizer's chat
-    # template; only the assistant's tokens are learned (README "Fine-tuning on chat data").
+    # template; only the assistant's tokens are learned (docs/fine-tuning.md).
     messages_field: str = setting("messages")      # a list of {role, content}
     prompt_field: str = setting("prompt")          # or a prompt (user) ...
     completion_field: str = setting("completion")  # ... and completion (assistant) pair

@@ -8,9 +8,9 @@ them from ``ndjax.roofline.HARDWARE``, the one table of each GPU's figures, and
 train step for them: the GPU's own buffer assignment, kernels (cuDNN custom
 calls, Pallas/Triton), collectives and compiler options. Nothing runs.
 
-What it cannot see (README, "Compiling for GPUs you don't have"): nothing is
-autotuned (GEMMs get default tilings), cuDNN builds no graph, so neither cuBLAS nor
-cuDNN workspaces are in the memory figures; and there is no speed.
+What it cannot see (docs/compile-and-plan.md, "Compiling for GPUs you don't have"):
+nothing is autotuned (GEMMs get default tilings), cuDNN builds no graph, so neither
+cuBLAS nor cuDNN workspaces are in the memory figures; and there is no speed.
 
 Two places in jax ask the *default* backend (the CPU here) about the GPU:
 ``jax._src.cudnn.fused_attention_stablehlo`` decides cuDNN's Hopper features from

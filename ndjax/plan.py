@@ -8,8 +8,8 @@ Every factorisation of --devices into replica x fsdp x context x tensor, under
 each rule preset, is checked as train.py would check it (a failing layout is
 listed as rejected, with the reason), compiled ahead of time on simulated CPU
 devices in the target's dtypes, and priced with a roofline of the hardware
-(``ndjax/roofline.py``). See ``ndjax/planner.py`` for the method and the
-README's "Choosing a layout" for how to read the table. Progress goes to
+(``ndjax/roofline.py``). See ``ndjax/planner.py`` for the method and "Choosing a
+layout" in docs/compile-and-plan.md for how to read the table. Progress goes to
 stderr; with --json stdout holds only the JSON list of every layout.
 """
 

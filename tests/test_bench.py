@@ -4,7 +4,7 @@ BENCHMARKS.md figure that stops running shows up here, not at the next rerun.
 The scripts that compile for GPUs (the gpu-compile extra) have theirs in
 tests/test_gpu_compile.py, which CI runs once the extra is installed.
 
-Each runs as its README command does: a fresh process, from the repo root, with
+Each runs as its BENCHMARKS.md command does: a fresh process, from the repo root, with
 the repo on PYTHONPATH. Nothing is timed; the checks are that it ends with exit
 status 0 and prints its result table.
 """

@@ -216,7 +216,7 @@ def test_bf16_moments_follow_float32_through_a_gradient_drop(b2):
     mu_rel = _ema_error_bound(mu, 0.9, MU_BITS) / np.abs(mu)
     nu_rel = _ema_error_bound(nu, b2, NU_BITS) / nu
     update_rel = mu_rel + 0.5 * nu_rel / (1 - nu_rel) + 2.0 ** -20
-    assert update_rel.max() < 6e-3, update_rel.max()  # the README's "well under 1%"
+    assert update_rel.max() < 6e-3, update_rel.max()  # docs/memory.md: "0.54% at worst"
     err = np.abs(update / ref_update - 1)
     worst = np.unravel_index(np.argmax(err - update_rel), err.shape)
     assert np.all(err <= update_rel), (

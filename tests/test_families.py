@@ -481,7 +481,7 @@ def test_cli_generates_as_transformers(family, tmp_path):
 # configs/llama_fsdp_tp.py is the default experiment, which test_train_cli runs.
 @pytest.mark.parametrize("family", sorted(set(FAMILIES) - {"llama"}))
 def test_each_family_config_builds(family):
-    """configs/<family>_fsdp_tp.py (the README's command per family) checks and builds."""
+    """configs/<family>_fsdp_tp.py (docs/families.md's command per family) checks and builds."""
     spec = importlib.util.spec_from_file_location(family, f"configs/{family}_fsdp_tp.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)

@@ -159,12 +159,12 @@ def test_nan_stop_exits_non_zero_with_one_line(tmp_path):
     assert "Traceback" not in result.stderr
 
 
-def test_default_experiment_config_fits_the_readme_sampling_example():
-    """configs/llama_fsdp_tp.py (train.py's default) parses, and its rows hold the README's
+def test_default_experiment_config_fits_the_sampling_example():
+    """configs/llama_fsdp_tp.py (train.py's default) parses, and its rows hold docs/sampling.md's
     `python -m ndjax.generate --prompt='def main(' --max_new_tokens=64` (max_len is the run's
-    train.seq_len). Its model stays the preset's, so that the README's
-    `--config.model.preset=llama3_8b` and model.init_from runs of this config get their own
-    dims, not a demo's."""
+    train.seq_len). Its model stays the preset's, so that the
+    `--config.model.preset=llama3_8b` and model.init_from runs of this config in the README
+    and docs/ get their own dims, not a demo's."""
     import importlib.util
 
     from ndjax.config import ModelSettings, Settings

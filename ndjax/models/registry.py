@@ -49,7 +49,7 @@ FLAT = "flat"  # an HF tensor that is the ndjax parameter flattened (biases)
 @dataclasses.dataclass(frozen=True)
 class Family:
     name: str
-    description: str                 # a few words for the README table and errors
+    description: str                 # a few words for tables and errors
     model_types: tuple[str, ...]     # Hugging Face model_type values it reads
     architecture: str                # the class its exports name
     presets: Mapping[str, Mapping[str, Any]]  # every family has a "tiny" one for tests
