@@ -193,7 +193,8 @@ class Experiment:
         seq_permutation = attention_ops.KERNELS[chosen.name].permutation(site)
         if model_cfg.n_experts:  # the experts' grouped matmuls, likewise
             model_cfg = dataclasses.replace(model_cfg, moe_impl=grouped_matmul.choose(
-                model_cfg.moe_impl, grouped_matmul.Site.of(model_cfg, devices)))
+                model_cfg.moe_impl, grouped_matmul.Site.of(
+                    model_cfg, devices, grouped_matmul.width_shards(rules))))
 
         abstract = nnx.eval_shape(lambda: decoder.Decoder(model_cfg, nnx.Rngs(0)))
         graphdef, abstract_state = nnx.split(abstract)

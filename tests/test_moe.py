@@ -305,3 +305,64 @@ def test_flops_count_the_active_experts_and_the_router():
     router = 6.0 * cfg.n_layers * cfg.dim * cfg.n_experts
     assert (registry.of(cfg).flops_per_token(cfg, 128)
             == decoder.train_flops_per_token(dense, 128) + router)
+
+
+def test_mosaic_grouped_matmuls_equal_ragged_dot():
+    """jax's Mosaic GPU kernels (model.moe_impl='mosaic'), in Mosaic GPU's interpret
+    mode on CPU: the product and the rows' gradient equal ragged_dot's in bfloat16 on
+    uneven groups, one of them empty, and rows that are not a multiple of the kernels'
+    blocks. Both sum in float32 and round once, in another order: an entry may round
+    to the neighbouring bfloat16 (1 ulp, at most 2^-7 of it), and almost none does. The weights' gradient kernel does not run interpreted (XLA's
+    contraction stands in for it here, and must agree too); tests/test_gpu_compile.py
+    compiles it for H100s."""
+    from ndjax.ops.grouped_matmul import grouped_matmul
+    rng = np.random.default_rng(0)
+    m, k, n = 200, 128, 64
+    sizes = jnp.array([70, 0, 60, 70], jnp.int32)
+    x, dy = (jnp.asarray(rng.normal(size=s), jnp.bfloat16) for s in ((m, k), (m, n)))
+    w = jnp.asarray(rng.normal(size=(4, k, n)), jnp.bfloat16)
+
+    def run(impl):
+        def loss(x, w):
+            return jnp.sum(grouped_matmul(x, w, sizes, impl).astype(jnp.float32) * dy)
+        return grouped_matmul(x, w, sizes, impl), *jax.grad(loss, argnums=(0, 1))(x, w)
+    for name, got, want in zip(("product", "rows' gradient", "weights' gradient"),
+                               run("mosaic"), run("xla")):
+        got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
+        np.testing.assert_allclose(got, want, rtol=2**-7, atol=0, err_msg=name)
+        assert np.mean(got == want) > 0.99, name
+
+
+@pytest.mark.parametrize("site, impl, says", [
+    (dict(platform="cpu"), "auto", "xla"),
+    (dict(), "auto", "mosaic"),
+    (dict(compute_capability="8.0"), "auto", "xla"),
+    (dict(dtype="float32"), "auto", "xla"),
+    (dict(platform="cpu"), "mosaic",
+     "model.moe_impl='mosaic': jax's Mosaic GPU grouped matmuls run on NVIDIA Hopper GPUs, "
+     "and this step is built for CPUs"),
+    (dict(compute_capability="8.0"), "mosaic", "are written for Hopper GPUs"),
+    (dict(dtype="float32"), "mosaic", "they need bfloat16 or float16 compute"),
+    (dict(dims=(2048, 96)), "mosaic", "(model dim, width: 2048, 96) are not both multiples"),
+    (dict(), "fast", "model.moe_impl='fast': choose one of ('auto', 'xla', 'mosaic')"),
+])
+def test_the_grouped_matmuls_are_chosen_by_gpu_dtype_and_shape(site, impl, says):
+    """auto: the Mosaic GPU kernels on Hopper GPUs in bfloat16 with dims in whole
+    blocks, ragged_dot elsewhere; an explicit mosaic that cannot run is one line."""
+    from ndjax.ops import grouped_matmul as gm
+    site = gm.Site(**{**dict(platform="gpu", compute_capability="9.0", dtype="bfloat16",
+                             dims=(2048, 768)), **site})
+    if impl == "auto":
+        assert gm.choose(impl, site) == says
+        return
+    with pytest.raises(ConfigError) as e:
+        gm.choose(impl, site)
+    assert says in str(e.value) and "\n" not in str(e.value)
+
+
+def test_an_experiment_resolves_the_grouped_matmuls_up_front():
+    exp = Experiment.from_config(tiny_config(model=MOE), jax.devices()[:1])
+    assert exp.model_cfg.moe_impl == "xla"  # auto, on CPUs
+    with pytest.raises(ConfigError, match=r"^model.moe_impl='mosaic': .* built for CPUs"):
+        Experiment.from_config(tiny_config(model=dict(MOE, moe_impl="mosaic")),
+                               jax.devices()[:1])

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 import types
 from collections.abc import Iterable, Iterator
 from typing import Any
@@ -53,15 +54,17 @@ class Site:
     platform: str                   # of the step's devices: cpu | gpu | tpu
     compute_capability: str | None  # of the first GPU, e.g. "9.0"
     dtype: str                      # the compute dtype's name
-    dims: tuple[int, ...]           # the matrices' dims: model dim, expert width
+    dims: tuple[int, ...]           # the matrices' dims on one device: model dim, width
 
     @classmethod
-    def of(cls, cfg: Any, devices: Iterable[jax.Device]) -> Site:
-        """``cfg``: a ``DecoderConfig`` with experts; ``devices``: the step's."""
+    def of(cls, cfg: Any, devices: Iterable[jax.Device], width_shards: int = 1) -> Site:
+        """``cfg``: a ``DecoderConfig`` with experts; ``devices``: the step's;
+        ``width_shards``: the ways the rules split each expert's width (tensor)."""
         devices = list(devices)
         return cls(platform=platforms.of(devices),
                    compute_capability=platforms.compute_capability(devices),
-                   dtype=jnp.dtype(cfg.dtype).name, dims=(cfg.dim, cfg.expert_dim))
+                   dtype=jnp.dtype(cfg.dtype).name,
+                   dims=(cfg.dim, cfg.expert_dim // max(1, width_shards)))
 
 
 def _block(n: int) -> int | None:
@@ -83,8 +86,9 @@ def mosaic_refusal(site: Site) -> str | None:
         return f"they need bfloat16 or float16 compute, and model.dtype is {site.dtype}"
     bad = [d for d in site.dims if d % BLOCK_K]
     if bad:
-        return (f"they work in blocks of {BLOCK_K} and the experts' dims {site.dims} are not "
-                "all multiples of it")
+        return (f"they work in blocks of {BLOCK_K}, and the experts' dims on one device "
+                f"(model dim, width: {site.dims[0]}, {site.dims[1]}) are not both multiples "
+                "of it")
     return None
 
 
@@ -108,8 +112,14 @@ def resolved(cfg: Any) -> str:
     if cfg.moe_impl != "auto":
         return cfg.moe_impl
     rules = active()
-    devices = rules.mesh.devices.flat if rules is not None else jax.devices()
-    return choose("auto", Site.of(cfg, devices))
+    if rules is None:
+        return choose("auto", Site.of(cfg, jax.devices()))
+    return choose("auto", Site.of(cfg, rules.mesh.devices.flat, width_shards(rules)))
+
+
+def width_shards(rules: Any) -> int:
+    """The ways ``rules`` split each expert's width."""
+    return math.prod(rules.mesh.shape[a] for a in rules.axes_of("expert_mlp"))
 
 
 def grouped_matmul(x: jax.Array, w: jax.Array, sizes: jax.Array, impl: str = "xla"
