@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -40,36 +40,51 @@ class ParallelDims:
     def sizes(self) -> tuple[int, ...]:
         return tuple(getattr(self, a) for a in AXES)
 
-    def resolve(self, num_devices: int) -> ParallelDims:
-        """Checks the degrees against ``num_devices`` and fills a -1.
+    def check(self, labels: Mapping[str, str] | None = None, where: str = "mesh") -> None:
+        """The checks that need no device count: each degree an int >= 1 or -1, and at
+        most one -1. Raises ``ConfigError`` naming the field and a fix.
 
-        Raises ``ValueError`` naming the ``mesh.*`` field and a fix.
+        ``labels`` maps each axis to the field that set it (default ``mesh.<axis>``)
+        and ``where`` names the whole, so that callers with other names for the same
+        degrees (``ndjax.parallelism.ParallelismConfig``) get errors in their names.
         """
+        field = _fields(labels)
         for axis, size in zip(AXES, self.sizes):
             if isinstance(size, bool) or not isinstance(size, (int, np.integer)):
                 raise ConfigError(
-                    f"mesh.{axis}={size!r} must be an int (a degree >= 1, or -1 for "
+                    f"{field[axis]}={size!r} must be an int (a degree >= 1, or -1 for "
                     "'all remaining devices')")
             if size < 1 and size != -1:
                 raise ConfigError(
-                    f"mesh.{axis}={size} must be >= 1, or -1 for 'all remaining devices'")
+                    f"{field[axis]}={size} must be >= 1, or -1 for 'all remaining devices'")
         fill = [a for a, s in zip(AXES, self.sizes) if s == -1]
         if len(fill) > 1:
             raise ConfigError(
-                f"mesh: {', '.join('mesh.' + a for a in fill)} are all -1; at most one axis "
+                f"{where}: {', '.join(field[a] for a in fill)} are all -1; at most one axis "
                 "may be -1 (it takes the remaining devices). Set the others to explicit sizes.")
+
+    def resolve(self, num_devices: int, labels: Mapping[str, str] | None = None,
+                where: str = "mesh") -> ParallelDims:
+        """Checks the degrees against ``num_devices`` and fills a -1.
+
+        Raises ``ConfigError`` naming the field (``labels``, as for ``check``) and a fix.
+        """
+        self.check(labels, where)
+        field = _fields(labels)
+        fill = [a for a, s in zip(AXES, self.sizes) if s == -1]
         known = math.prod(s for s in self.sizes if s != -1)
-        desc = ", ".join(f"{a}={s}" for a, s in zip(AXES, self.sizes))
+        short = labels or {a: a for a in AXES}
+        desc = ", ".join(f"{short[a]}={s}" for a, s in zip(AXES, self.sizes))
         if fill:
             if num_devices % known:
                 raise ConfigError(
-                    f"mesh: {desc}: the fixed sizes multiply to {known}, which does not "
-                    f"divide the {num_devices} devices, so mesh.{fill[0]}=-1 cannot be "
+                    f"{where}: {desc}: the fixed sizes multiply to {known}, which does not "
+                    f"divide the {num_devices} devices, so {field[fill[0]]}=-1 cannot be "
                     f"filled. Choose sizes whose product divides {num_devices}.")
             return dataclasses.replace(self, **{fill[0]: num_devices // known})
         if known != num_devices:
             raise ConfigError(
-                f"mesh: {desc} multiply to {known}, but there are {num_devices} devices. "
+                f"{where}: {desc} multiply to {known}, but there are {num_devices} devices. "
                 "Make the product equal the device count, or set one axis to -1 to take "
                 "the remaining devices.")
         return self
@@ -78,25 +93,8 @@ class ParallelDims:
         return " x ".join(f"{a}={s}" for a, s in zip(AXES, self.sizes))
 
 
-@dataclasses.dataclass(frozen=True)
-class ParallelismConfig:
-    """Accelerate's names for the same degrees, for users coming from Accelerate.
-
-    ``dp_replicate_size`` -> replica, ``dp_shard_size`` -> fsdp, ``cp_size`` ->
-    context, ``tp_size`` -> tensor.
-    """
-
-    dp_replicate_size: int = 1
-    dp_shard_size: int = 1
-    tp_size: int = 1
-    cp_size: int = 1
-
-    def to_dims(self) -> ParallelDims:
-        return ParallelDims(replica=self.dp_replicate_size, fsdp=self.dp_shard_size,
-                            context=self.cp_size, tensor=self.tp_size)
-
-    def build_mesh(self, devices: Sequence[jax.Device] | None = None) -> Mesh:
-        return build_mesh(self.to_dims(), devices)
+def _fields(labels: Mapping[str, str] | None) -> Mapping[str, str]:
+    return labels or {a: f"mesh.{a}" for a in AXES}
 
 
 def _split_across_processes(sizes: tuple[int, ...], num_granules: int) -> tuple[int, ...]:
@@ -145,3 +143,12 @@ def cross_process_axes(mesh: Mesh, group_of: Callable[[jax.Device], Any] | None 
         if labels.shape[i] > 1 and not np.all(labels == first):
             crossing.append(name)
     return crossing
+
+
+def __getattr__(name: str) -> Any:
+    # ParallelismConfig lived here before it had a module of its own; the old
+    # name still works (ndjax.parallelism imports this module, hence lazily).
+    if name == "ParallelismConfig":
+        from ndjax.parallelism import ParallelismConfig
+        return ParallelismConfig
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
