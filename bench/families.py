@@ -4,6 +4,7 @@ next to the same model attending globally.
 
     PYTHONPATH=. python bench/families.py           # ~10 compiles, a few minutes on 2 cores
     PYTHONPATH=. python bench/families.py --tiny    # the tiny presets, a smoke run
+    PYTHONPATH=. python bench/families.py --moe     # the MoE families' grouped matmuls
 
 Every row: fsdp=4 x tensor=2 (``configs/<family>_fsdp_tp.py``), bfloat16, the
 attention kernel ``auto`` picks on the GPU. Memory per device: arguments (the
@@ -39,6 +40,14 @@ WINDOW_CASES = [
     ("gemma3", "gemma3_12b", 4, 32768, "full", {}, "5 local (window 1024) : 1 global"),
     ("gemma3", "gemma3_12b", 4, 32768, "full", {"sliding_window": 0}, "global"),
 ]
+# The MoE families' experts as jax's Mosaic GPU grouped matmuls and as ragged_dot (a
+# dense matmul over every expert on GPUs), 2 layers of each real size.
+MOE_CASES = [
+    (family, preset, 8, 4096, "full", {"n_layers": 2, "moe_impl": impl},
+     f"2 of {layers}; experts {impl}")
+    for family, preset, layers in (("qwen3_moe", "qwen3_30b_a3b", 48),
+                                   ("mixtral", "mixtral_8x7b", 32))
+    for impl in ("mosaic", "xla")]
 # Two families, the plainest and the one with local and global layers: the script's
 # every path in CI's smoke run (tests/test_gpu_compile.py) at two compiles, not five.
 TINY = [(family, "tiny", 8, 256, "full", {}, "") for family in ("llama", "gemma3")]
@@ -68,6 +77,8 @@ def row(case, hardware: str) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tiny", action="store_true", help="the tiny presets, a smoke run")
+    parser.add_argument("--moe", action="store_true",
+                        help="only the MoE families, their experts' two implementations")
     parser.add_argument("--hardware", default="h100")
     args = parser.parse_args()
     os.environ["JAX_PLATFORMS"] = "cpu"
@@ -80,7 +91,8 @@ def main() -> None:
     from ndjax import gpu_target, roofline
 
     gpu_target.require()
-    print(f"`PYTHONPATH=. python bench/families.py{' --tiny' if args.tiny else ''}` on "
+    flag = " --tiny" if args.tiny else " --moe" if args.moe else ""
+    print(f"`PYTHONPATH=. python bench/families.py{flag}` on "
           f"{platform.processor() or platform.machine()} ({os.cpu_count()} cores, no GPU), "
           f"jax {jax.__version__}, {datetime.date.today().isoformat()}; compiled for 8 x "
           f"{roofline.HARDWARE[args.hardware].name}, fsdp=4 x tensor=2, bfloat16")
@@ -88,8 +100,10 @@ def main() -> None:
     header = ("| family | preset | layers | batch x seq | remat | attention | arguments GiB | "
               "temporaries GiB | total GiB | model TFLOP per step | compile s |\n"
               "|:--|:--|:--|--:|:--|:--|--:|--:|--:|--:|--:|")
-    groups = [("", TINY)] if args.tiny else [("Each family's real size", FAMILY_CASES),
-                                             ("A sliding window at 32k tokens", WINDOW_CASES)]
+    groups = [("", TINY)] if args.tiny else [
+        ("The MoE families' grouped matmuls", MOE_CASES)] if args.moe else [
+        ("Each family's real size", FAMILY_CASES),
+        ("A sliding window at 32k tokens", WINDOW_CASES)]
     for title, cases in groups:
         if title:
             print(f"{title}:\n")

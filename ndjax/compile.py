@@ -35,6 +35,8 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import_jax_quietly()
 import jax  # noqa: E402
 
+from ndjax.ops import grouped_matmul  # noqa: E402
+
 PROGRAM = "ndjax.compile"
 STEPS = ("train", "eval", "decode")
 
@@ -132,6 +134,8 @@ def compile_for(config: Any, hardware: str, n: int, per_node: int = 8,
                                if step == "decode" else exp.attention.describe()),
                 programs={k: dict(argument_bytes=int(v.argument_size_in_bytes),
                                   temp_bytes=int(v.temp_size_in_bytes)) for k, v in memory.items()},
+                experts=(grouped_matmul.DESCRIPTIONS[exp.model_cfg.moe_impl]
+                         if exp.model_cfg.n_experts else None),
                 dtype=np.dtype(exp.model_cfg.dtype).name,
                 remat=exp.model_cfg.remat, scan_layers=exp.model_cfg.scan_layers,
                 argument_bytes=int(m.argument_size_in_bytes), temp_bytes=int(m.temp_size_in_bytes),
@@ -156,6 +160,7 @@ def report(r: dict[str, Any], config: Any) -> str:
         f"{r['dtype']} compute, remat {r['remat']}, layers "
         f"{'scanned' if r['scan_layers'] else 'unrolled'}",
         f"attention: {r['attention_why']}",
+        *([f"experts: {r['experts']}"] if r.get("experts") else []),
         f"memory per device: arguments {_gib(r['argument_bytes'])} + temporaries "
         f"{_gib(r['temp_bytes'])} = {_gib(r['memory_bytes'])} of {_gib(r['budget_bytes'])} "
         f"budget ({r['mem_fraction']:.0%} of {_gib(r['gpu_memory_bytes'])}): "

@@ -183,6 +183,8 @@ def check(config: ml_collections.ConfigDict, layout: Layout, devices: Sequence[j
     on_target = platforms.of(devices) == "gpu"  # the GPU compiler: no stand-ins
     cpu_impl = impl if on_target else attention_ops.stand_in(impl)
     cfg = target_config(config, layout, cpu_impl)
+    if not on_target and cfg.model.moe_impl == "mosaic":
+        cfg.model.moe_impl = "xla"  # the Mosaic GPU kernels compile for GPUs only
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         exp = Experiment.from_config(cfg, devices)

@@ -40,7 +40,8 @@ def startup(exp: Experiment, workdir: str, resume_step: int | None) -> list[str]
         f"{source}, {_size(decoder.num_params(cfg))} parameters "
         f"({_size(decoder.num_params(cfg, embeddings=False))} without embeddings"
         + (f"; {_size(decoder.num_params(cfg, active=True))} active per token: "
-           f"{cfg.experts_per_token} of {cfg.n_experts} experts" if cfg.n_experts else "")
+           f"{cfg.experts_per_token} of {cfg.n_experts} experts, grouped matmuls "
+           f"{cfg.moe_impl}" if cfg.n_experts else "")
         + "); "
         f"compute {np.dtype(cfg.dtype).name}, parameters {np.dtype(cfg.param_dtype).name}, "
         f"moments {t.opt_state_dtype}; remat {cfg.remat}; layers "

@@ -132,6 +132,8 @@ def test_gpu_tiny():
     lines = run_tiny("gpu.py").stdout.splitlines()
     numerics = table_rows(lines, "cudnn vs dense")[0]
     assert numerics[-1] == "skipped: cuDNN runs on a GPU only", lines
+    grouped = table_rows(lines, "mosaic vs ragged_dot")[0]
+    assert grouped[-1] == "skipped: the Mosaic GPU kernels run on a GPU only", lines
     rows = table_rows(lines, "remat none", "kernel tiled", "kernel cudnn")
     assert [r[:4] for r in rows] == [["remat none", "dense", "128", "8"],
                                      ["kernel tiled", "tiled", "256", "2"],
@@ -156,6 +158,22 @@ def test_gpu_kernel_numerics_measures_a_kernel_against_dense():
         assert all(0 < e < 0.1 for e in errs.values()), errors
 
 
+def test_gpu_grouped_numerics_measure_the_kernels_against_float32():
+    """bench/gpu.py's grouped-matmul check at a small size, the Mosaic GPU kernels
+    interpreted on CPU: their errors are bfloat16's, as ragged_dot's own in bfloat16
+    (within 2x), and not zero."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bench_gpu", os.path.join(ROOT, "bench/gpu.py"))
+    gpu = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gpu)
+    errors = gpu.grouped_numerics(rows=256, dim=128, width=64, experts=4)
+    assert list(errors) == ["mosaic", "ragged_dot bf16"]
+    for name in ("out", "dx", "dw"):
+        mosaic, xla = errors["mosaic"][name], errors["ragged_dot bf16"][name]
+        assert 0 < mosaic < 0.02 and mosaic < 2 * xla, errors
+
+
 def test_gpu_cases_are_valid_configs():
     """The GPU run's configs pass every check here too (no compiling), so the first
     GPU run does not find a typo; only the fused kernels refuse a CPU."""
@@ -173,6 +191,9 @@ def test_gpu_cases_are_valid_configs():
             continue
         if case["model"].get("attn_impl") in ("cudnn", "pallas"):
             with pytest.raises(ConfigError, match="runs on NVIDIA GPUs"):
+                gpu._experiment(case, case["ladder"][-1], jax.devices()[:1])
+        elif case["model"].get("moe_impl") == "mosaic":
+            with pytest.raises(ConfigError, match="run on NVIDIA Hopper GPUs"):
                 gpu._experiment(case, case["ladder"][-1], jax.devices()[:1])
         else:
             exp = gpu._experiment(case, case["ladder"][-1], jax.devices()[:1])

@@ -312,7 +312,8 @@ def test_mosaic_grouped_matmuls_equal_ragged_dot():
     mode on CPU: the product and the rows' gradient equal ragged_dot's in bfloat16 on
     uneven groups, one of them empty, and rows that are not a multiple of the kernels'
     blocks. Both sum in float32 and round once, in another order: an entry may round
-    to the neighbouring bfloat16 (1 ulp, at most 2^-7 of it), and almost none does. The weights' gradient kernel does not run interpreted (XLA's
+    to the neighbouring bfloat16 (1 ulp, at most 2^-7 of it), and almost none does.
+    The weights' gradient kernel does not run interpreted (XLA's
     contraction stands in for it here, and must agree too); tests/test_gpu_compile.py
     compiles it for H100s."""
     from ndjax.ops.grouped_matmul import grouped_matmul

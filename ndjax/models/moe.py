@@ -8,20 +8,21 @@ always, Qwen3-MoE as its config says).
 
 Dispatch is dropless: every (token, chosen expert) pair is computed. The pairs are
 sorted by expert, each expert's run of rows goes through its gate, up and down
-matrices with ``jax.lax.ragged_dot`` (one grouped matmul per projection, the group
-sizes the experts' token counts), and the rows are unsorted, weighted and summed
-over the k choices. Under a mesh the top-k and the dispatch run in a ``shard_map``
-over the data axes, so that each device chooses, sorts and computes its own tokens
-(left to the partitioner, ``top_k`` and the sort gather the whole batch first); the
-tensor axis is left to the partitioner, which splits the experts' width as it
-splits the dense MLP's (gate and up column-parallel, down row-parallel, one
-all-reduce of the output).
+matrices as grouped matmuls (one per projection, the group sizes the experts' token
+counts: ``ndjax.ops.grouped_matmul``, ``model.moe_impl``), and the rows are unsorted,
+weighted and summed over the k choices. Under a mesh the top-k and the dispatch run
+in a ``shard_map`` over the data axes, so that each device chooses, sorts and
+computes its own tokens (left to the partitioner, ``top_k`` and the sort gather the
+whole batch first), and over the axes that split the experts' width (tensor), as
+the dense MLP's are split: gate and up column-parallel, down row-parallel, its
+partial sums summed after the map (a Mosaic GPU kernel has no partitioning rule, so
+the partitioner would gather its weights whole).
 
 The expert weights enter the ``shard_map`` gathered (``layers.use_param``) as one
 copy per device (``per_device``), so that each device's partial gradient leaves it
 unsummed and is reduce-scattered in float32 into the storage layout, as the dense
 weights' are (``layers.project``). Unlike those, each device's partial is formed in
-the compute dtype (the transpose of ``ragged_dot``), so in bfloat16 it is rounded
+the compute dtype (the grouped matmul's transpose), so in bfloat16 it is rounded
 once before the float32 sum.
 
 The expert weights are stacked, ``[experts, dim, width]`` and ``[experts, width,

@@ -106,6 +106,10 @@ def choose(impl: str, site: Site) -> str:
     return impl
 
 
+DESCRIPTIONS = {"xla": "jax.lax.ragged_dot (on GPUs: a dense matmul over every expert)",
+                "mosaic": "jax's Mosaic GPU grouped matmuls for Hopper"}
+
+
 def resolved(cfg: Any) -> str:
     """``cfg.moe_impl``, with ``auto`` chosen for the active mesh's devices (a model
     built outside an ``Experiment``, which resolves it up front)."""
