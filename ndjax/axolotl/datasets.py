@@ -15,6 +15,8 @@ from ndjax.errors import ConfigError
 
 _HUB_ID = re.compile(r"[\w.-]+/[\w.-]+")
 _DATA_EXTS = (".jsonl", ".json", ".parquet")
+_NOTES = {"data.text_field": "datasets[].field", "data.messages_field": "datasets[].field_messages",
+          "data.chat_template": "chat_template, chat_template_jinja ('': the tokenizer's own)"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,7 +53,7 @@ def data(f: Fields, out: Out, steps: int, tokenizer: str, context: int) -> None:
     out.set("data.source", kind.source, "datasets[].type")
     out.set("data.files", ",".join(files), "datasets[].path")
     for path, value in kind.settings:
-        out.set(path, value, "datasets[]")
+        out.set(path, value, _NOTES[path])
     if kind.source == "chat":
         strategy = f.text("excess_length_strategy", "drop")
         if strategy in ("drop", "truncate"):

@@ -84,7 +84,7 @@ def schedule(f: Fields, out: Out, dp: int) -> int:
     out.set("train.steps", steps, "max_steps")
     if f.has("num_epochs"):
         out.skip("num_epochs", f.value("num_epochs"), "max_steps sets the length, as in Axolotl")
-    out.set("train.lr", f.number("learning_rate"), "learning_rate")
+    lr = f.number("learning_rate")
     for path, key, default in (("train.weight_decay", "weight_decay", 0.0),
                                ("train.b1", "adam_beta1", 0.9), ("train.b2", "adam_beta2", 0.999),
                                ("train.eps", "adam_epsilon", 1e-8),
@@ -93,6 +93,7 @@ def schedule(f: Fields, out: Out, dp: int) -> int:
         value = f.number(key, None, below=below)
         out.set(path, default if value is None else value, f.note(key, "Axolotl's default"))
     optimizer = f.text("optimizer", "adamw_torch_fused")
+    out.set("train.lr", lr, f"learning_rate, of ndjax's AdamW ({f.note('optimizer', optimizer)})")
     if optimizer not in ADAMW:
         low_bit = "adamw" in optimizer and re.search(r"8bit|4bit|fp8", optimizer)
         out.skip("optimizer", optimizer,
