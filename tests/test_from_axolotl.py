@@ -91,6 +91,8 @@ num_epochs: 3
 optimizer: adamw_torch_fused
 lr_scheduler: cosine
 learning_rate: 2e-5
+train_on_inputs: false
+fp16: false
 warmup_ratio: 0.1
 adam_beta2: 0.95
 weight_decay: 0.01
@@ -201,8 +203,10 @@ def test_sft_yaml_with_chat_template_datasets(files):
     unmapped = {u.field: u for u in conv.unmapped}
     assert set(unmapped) == {"model_type", "tokenizer_type", "load_in_8bit", "strict",
                              "datasets[0].drop_system_message", "dataset_prepared_path",
-                             "num_epochs", "wandb_project", "special_tokens"}, unmapped
-    assert unmapped["load_in_8bit"].reason == "off, nothing to map"
+                             "num_epochs", "train_on_inputs", "fp16", "wandb_project",
+                             "special_tokens"}, unmapped
+    for off in ("load_in_8bit", "train_on_inputs", "fp16", "wandb_project"):
+        assert unmapped[off].reason == "off, nothing to map", unmapped[off]
     # Listed in the YAML's order.
     assert [u.field for u in conv.unmapped][:3] == ["model_type", "tokenizer_type",
                                                     "load_in_8bit"]

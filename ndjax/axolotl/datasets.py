@@ -62,6 +62,8 @@ def data(f: Fields, out: Out, steps: int, tokenizer: str, context: int) -> None:
             out.skip("excess_length_strategy", strategy, "ndjax drops or truncates")
         if f.flag("train_on_inputs", False):
             out.skip("train_on_inputs", True, "ndjax learns only the assistant's tokens")
+        else:
+            f.read.discard("train_on_inputs")  # listed as off
     tests = f.value("test_datasets")
     _, eval_files = _datasets(f, out, "test_datasets", tests, kind) if tests else (None, [])
     if f.number("val_set_size", 0.0, maximum=1.0) > 0:

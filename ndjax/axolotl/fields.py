@@ -45,6 +45,8 @@ REASONS = (
      "ndjax resumes from the workdir's newest checkpoint by itself"),
     (("roles",), "ndjax reads the roles system, user, assistant and tool as they are"),
     (("tf32",), "ndjax has no TF32 switch: matmuls run in model.dtype"),
+    (("float16",), "ndjax has no float16 training with loss scaling; parameters are "
+     "float32 or bfloat16 (model.param_dtype)"),
     (("pad_to_sequence_len",), "ndjax's rows are always train.seq_len tokens"),
 )
 

@@ -145,8 +145,9 @@ def precision(f: Fields, out: Out) -> None:
     bf16 = f.value("bf16", "auto")
     if bf16 not in ("auto", "full", True, False):
         bad("bf16", bf16, "true, false, auto or full")
-    fp16 = f.flag("fp16", None)
-    if f.flag("bfloat16", None):  # no mixed precision: parameters in bfloat16 too
+    fp16, pure = f.flag("fp16", None), f.flag("bfloat16", None)
+    f.read -= {k for k, v in (("fp16", fp16), ("bfloat16", pure)) if not v}  # listed as off
+    if pure:  # no mixed precision: parameters in bfloat16 too
         out.set("model.param_dtype", "bfloat16", "bfloat16")
         out.set("model.dtype", "bfloat16", "bfloat16")
     elif bf16 in (True, "full"):
