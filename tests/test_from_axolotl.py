@@ -234,6 +234,24 @@ def test_bad_values_name_the_field(files, change, message):
         from_axolotl.convert(raw, devices=8)
 
 
+def test_chat_templates(files, tmp_path):
+    """A template file is data.chat_template; Axolotl's named templates and inline Jinja
+    are listed, and the tokenizer's own is used."""
+    jinja = tmp_path / "template.jinja"
+    jinja.write_text("{% for m in messages %}{{ m.content }}{% endfor %}")
+    sft = yaml_of(SFT_YAML, files)
+    for change, template, listed in [
+            ({"chat_template": "jinja", "chat_template_jinja": str(jinja)}, str(jinja), set()),
+            ({"chat_template": "chatml"}, "", {"chat_template"}),
+            ({"chat_template": None, "chat_template_jinja": "{{ messages }}"}, "",
+             {"chat_template_jinja"}),
+            ({"chat_template_jinja": "{{ messages }}"}, "", {"chat_template_jinja"})]:
+        conv = from_axolotl.convert({**sft, **change}, devices=8)
+        assert conv.overrides["data.chat_template"] == template, change
+        assert {u.field for u in conv.unmapped} & {"chat_template", "chat_template_jinja"} == \
+            listed, change
+
+
 def test_a_value_ndjax_refuses_fails_at_conversion_naming_its_axolotl_field(files):
     """The converter loads what it wrote and runs ndjax's checks, so a value ndjax
     refuses (a seed beyond 32 bits) fails there, not at train time."""

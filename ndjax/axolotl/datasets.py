@@ -213,6 +213,9 @@ def _template(root: Fields, d: Fields, where: str, skipped: list[Unmapped]
                                 "data.chat_template takes a file: save the template as a .jinja "
                                 "file and set chat_template_jinja to its path"))
         return "", used
+    if jinja is not None:  # Axolotl reads it only with chat_template: jinja (or none)
+        skipped.append(Unmapped(f"{prefix}chat_template_jinja", jinja, f"unused: chat_template "
+                                f"is {name!r}, and Axolotl reads this only with jinja"))
     if name is None or name == "tokenizer_default" or \
             str(name).startswith("tokenizer_default_fallback_"):
         return "", used

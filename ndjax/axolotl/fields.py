@@ -145,6 +145,9 @@ class Fields:
 
 
 class Out:
+    """What the conversion found: ndjax settings, each with a note saying where it came
+    from, and the Axolotl fields not mapped (one entry a field)."""
+
     def __init__(self) -> None:
         self.overrides: dict[str, Any] = {}
         self.notes: dict[str, str] = {}
@@ -159,9 +162,10 @@ class Out:
 
 
 def reason(key: str, value: Any) -> str:
+    """Why a field the conversion did not read is not mapped."""
     if value in (None, False, "", [], {}):
         return "off, nothing to map"
-    for names, reason in REASONS:
+    for names, why in REASONS:
         if key.startswith(names):
-            return reason
+            return why
     return "ndjax has no counterpart"

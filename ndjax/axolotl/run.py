@@ -144,7 +144,8 @@ def _lr_schedule(f: Fields, out: Out, steps: int) -> None:
 def precision(f: Fields, out: Out) -> None:
     bf16 = f.value("bf16", "auto")
     if bf16 not in ("auto", "full", True, False):
-        bad("bf16", bf16, "true, false, auto or full")
+        bad("bf16", bf16, "true, false, auto or full", "; write one of those, without quotes "
+            "for true and false")
     fp16, pure = f.flag("fp16", None), f.flag("bfloat16", None)
     f.read -= {k for k, v in (("fp16", fp16), ("bfloat16", pure)) if not v}  # listed as off
     if pure:  # no mixed precision: parameters in bfloat16 too
@@ -164,7 +165,8 @@ def precision(f: Fields, out: Out) -> None:
         if isinstance(checkpointing, bool | str) else None
     if remat is None:
         if checkpointing != "offload_disk":
-            bad("gradient_checkpointing", checkpointing, "true, false or offload")
+            bad("gradient_checkpointing", checkpointing, "true, false or offload",
+                "; write one of those")
         out.skip("gradient_checkpointing", checkpointing, "ndjax offloads to host memory, not "
                  "disk; the config recomputes every layer (model.remat=full)")
         remat = "full"
