@@ -1,0 +1,226 @@
+"""An Axolotl config's datasets as ndjax's data.* fields: local chat_template and
+completion files, one kind per run (data.* holds one source and one set of fields)."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+from collections.abc import Mapping
+from typing import Any
+
+from ndjax.axolotl.fields import Fields, Out, Unmapped, bad, reason
+from ndjax.axolotl.run import steps_of
+from ndjax.errors import ConfigError
+
+_HUB_ID = re.compile(r"[\w.-]+/[\w.-]+")
+_DATA_EXTS = (".jsonl", ".json", ".parquet")
+_NOTES = {"data.text_field": "datasets[].field", "data.messages_field": "datasets[].field_messages",
+          "data.chat_template": "chat_template, chat_template_jinja ('': the tokenizer's own)"}
+
+
+@dataclasses.dataclass(frozen=True)
+class _Kind:
+    """What ndjax reads a dataset as: one kind per run (data.* holds one of each)."""
+    source: str                           # data.source
+    settings: tuple[tuple[str, Any], ...]  # its other data.* fields
+
+    def describe(self) -> str:
+        return ", ".join([f"data.source={self.source!r}"] +
+                         [f"{p}={v!r}" for p, v in self.settings])
+
+
+def data(f: Fields, out: Out, steps: int, tokenizer: str, context: int) -> None:
+    """Rows (sequence_len, sample_packing), the tokenizer, and the training and validation
+    files (datasets, test_datasets) with what to read in them."""
+    seq_len = f.integer("sequence_len", 512, minimum=1)
+    out.set("train.seq_len", seq_len, f.note("sequence_len", "Axolotl's default"))
+    chunk = _loss_chunk(seq_len, context)
+    if chunk is not None:
+        out.set("train.loss_chunk", chunk, "divides sequence_len (ndjax's 1024 does not)")
+    out.set("data.packing", bool(f.flag("sample_packing", False)),
+            f.note("sample_packing", "false"))
+    out.set("data.tokenizer", tokenizer, "base_model's (or tokenizer_config's) tokenizer.json")
+    train = f.value("datasets")
+    if train is None:
+        raise ConfigError("datasets is not set: list the local chat_template or completion "
+                          "files to train on.")
+    kind, files = _datasets(f, out, "datasets", train, None)
+    if kind is None:
+        raise ConfigError("datasets: none of them is a local chat_template or completion "
+                          "file that ndjax reads (each is listed above); without one the run "
+                          "would train on ndjax's demo corpus.")
+    out.set("data.source", kind.source, "datasets[].type")
+    out.set("data.files", ",".join(files), "datasets[].path")
+    for path, value in kind.settings:
+        out.set(path, value, _NOTES[path])
+    if kind.source == "chat":
+        strategy = f.text("excess_length_strategy", "drop")
+        if strategy in ("drop", "truncate"):
+            out.set("data.overlong", strategy, "excess_length_strategy")
+        else:
+            out.skip("excess_length_strategy", strategy, "ndjax drops or truncates")
+        if f.flag("train_on_inputs", False):
+            out.skip("train_on_inputs", True, "ndjax learns only the assistant's tokens")
+        else:
+            f.read.discard("train_on_inputs")  # listed as off
+    tests = f.value("test_datasets")
+    _, eval_files = _datasets(f, out, "test_datasets", tests, kind) if tests else (None, [])
+    if f.number("val_set_size", 0.0, maximum=1.0) > 0:
+        out.skip("val_set_size", f.raw["val_set_size"], "ndjax splits off no fraction: put "
+                 "the validation rows in a file of their own under test_datasets")
+    every = steps_of(f, "eval_steps", steps)
+    if eval_files:
+        out.set("data.eval_files", ",".join(eval_files), "test_datasets[].path")
+        if every is None:
+            out.skip("eval_steps", None, "unset: Axolotl evaluates once an epoch, which ndjax "
+                     "cannot count; set eval_steps to evaluate on test_datasets")
+        else:
+            out.set("train.eval_every", every, "eval_steps")
+    elif every is not None:
+        out.skip("eval_steps", f.raw["eval_steps"], "no test_datasets to evaluate on")
+
+
+def _loss_chunk(seq_len: int, context: int) -> int | None:
+    """A train.loss_chunk that fits, where ndjax's default (1024) does not: the chunk must
+    divide seq_len and split over the context axis (ndjax.experiment._check_loss_chunk)."""
+    if seq_len <= 1024 or (seq_len % 1024 == 0 and 1024 % context == 0):
+        return None
+    fits = [c for c in range(1024, 0, -1) if seq_len % c == 0 and c % context == 0]
+    return fits[0] if fits else seq_len
+
+
+def _datasets(f: Fields, out: Out, name: str, entries: Any, kind: _Kind | None
+              ) -> tuple[_Kind | None, list[str]]:
+    """The files of the entries ndjax reads as ``kind`` (None: as the first one)."""
+    if not isinstance(entries, list):
+        bad(name, entries, "a list of datasets, each with path: and type:")
+    files = []
+    for i, entry in enumerate(entries):
+        where = f"{name}[{i}]"
+        got = _dataset(f, where, entry)
+        if isinstance(got, Unmapped):
+            out.skip(got.field, got.value, got.reason)
+            continue
+        this, path, skipped, root_keys = got
+        if kind is not None and this != kind:
+            out.skip(where, entry, f"ndjax reads one kind of dataset per run, and this is not "
+                     f"the first one's ({kind.describe()})")
+            continue
+        kind = this
+        files.append(path)
+        f.read.update(root_keys)  # the top-level chat template this dataset uses
+        for u in skipped:
+            out.skip(u.field, u.value, u.reason)
+    return kind, files
+
+
+def _dataset(root: Fields, where: str, entry: Any
+             ) -> Unmapped | tuple[_Kind, str, list[Unmapped], tuple[str, ...]]:
+    """One entry: (its kind, its files, the keys not mapped, the top-level keys it uses),
+    or why ndjax cannot read it."""
+    if not isinstance(entry, Mapping):
+        bad(where, entry, "a mapping with path: and type:")
+    d = Fields(entry, f"{where}.")
+    path, kind = d.text("path"), d.value("type")
+    if kind not in ("chat_template", "completion"):
+        return Unmapped(where, dict(entry), "ndjax reads datasets of type chat_template "
+                        "(conversations) and completion (text); convert this one's rows")
+    files = _local_files(where, path)
+    if isinstance(files, Unmapped):
+        return files
+    skipped: list[Unmapped] = []
+    root_keys: tuple[str, ...] = ()
+    if d.value("split") not in (None, "train"):
+        skipped.append(Unmapped(f"{where}.split", entry["split"], "ndjax reads every row"))
+    d.read.add("ds_type")  # the files' extensions say it
+    if kind == "completion":
+        source = "parquet" if files.endswith(".parquet") else "jsonl"
+        this = _Kind(source, (("data.text_field", d.text("field", "text")),))
+    else:
+        messages = d.text("field_messages", "messages")
+        mapping = d.value("message_property_mappings", {})
+        if not isinstance(mapping, Mapping):
+            bad(f"{where}.message_property_mappings", mapping, "a mapping such as {role: "
+                 "from, content: value}")
+        mapping = dict(mapping)
+        mapping.setdefault("role", d.value("message_field_role", "role"))
+        mapping.setdefault("content", d.value("message_field_content", "content"))
+        if mapping != {"role": "role", "content": "content"}:
+            skipped.append(Unmapped(f"{where}.message_property_mappings", mapping,
+                                    "ndjax reads each message's role and content keys; "
+                                    "rename the keys in the data"))
+        for key, same in (("roles_to_train", ["assistant"]), ("train_on_eos", "turn"),
+                          ("train_on_eot", "turn")):
+            value = d.value(key)
+            if value not in (None, same):
+                skipped.append(Unmapped(f"{where}.{key}", value, "ndjax learns each assistant "
+                                        "turn and its end-of-turn token only"))
+        template, root_keys = _template(root, d, where, skipped)
+        this = _Kind("chat", (("data.messages_field", messages),
+                              ("data.chat_template", template)))
+    skipped += [Unmapped(f"{where}.{k}", entry[k], reason(str(k), entry[k])) for k in d.rest()]
+    return this, files, skipped, root_keys
+
+
+def _local_files(where: str, path: str) -> str | Unmapped:
+    """``path`` as data.files: a JSON Lines or Parquet file, or a directory's files of one kind."""
+    if "," in path:
+        return Unmapped(f"{where}.path", path, "ndjax's data.files splits paths at commas")
+    if os.path.isdir(path):
+        kinds = sorted({os.path.splitext(n)[1] for n in os.listdir(path)} & set(_DATA_EXTS))
+        if len(kinds) != 1:
+            return Unmapped(f"{where}.path", path, f"a directory with {kinds or 'no'} data "
+                            "files; ndjax needs .jsonl or .parquet files, one kind")
+        pattern = os.path.join(path, "*" + kinds[0])
+        sample = sorted(os.path.join(path, n) for n in os.listdir(path) if n.endswith(kinds[0]))
+        if kinds[0] == ".json" and _json_array(sample[0]):
+            return Unmapped(f"{where}.path", path, "JSON arrays; ndjax reads JSON Lines")
+        return pattern
+    if not os.path.isfile(path):
+        if _HUB_ID.fullmatch(path) and not path.endswith(_DATA_EXTS):
+            return Unmapped(f"{where}.path", path, "a Hugging Face hub dataset; ndjax does not "
+                            "download: save it as JSON Lines and point path: at the file")
+        raise ConfigError(f"{where}.path: {path!r} is not a file or directory (relative paths "
+                          "are read from the directory you run in).")
+    if not path.endswith(_DATA_EXTS):
+        return Unmapped(f"{where}.path", path, "ndjax reads JSON Lines and Parquet files")
+    if path.endswith(".json") and _json_array(path):
+        return Unmapped(f"{where}.path", path, "a JSON array; ndjax reads JSON Lines (one "
+                        "record a line): convert it, e.g. jq -c '.[]'")
+    return path
+
+
+def _json_array(path: str) -> bool:
+    with open(path, "rb") as fh:
+        return fh.read(4096).lstrip()[:1] == b"["
+
+
+def _template(root: Fields, d: Fields, where: str, skipped: list[Unmapped]
+              ) -> tuple[str, tuple[str, ...]]:
+    """data.chat_template for a dataset (its own chat_template, else the top level's, as
+    in Axolotl) and the top-level keys that gave it. The top level's are only marked read
+    once the dataset is taken, so that they are reported if none is."""
+    keys = ("chat_template", "chat_template_jinja")
+    if d.has("chat_template") or d.has("chat_template_jinja"):
+        name, jinja, prefix, used = d.value(keys[0]), d.value(keys[1]), f"{where}.", ()
+    else:
+        name, jinja, prefix, used = root.raw.get(keys[0]), root.raw.get(keys[1]), "", keys
+    if jinja is not None and name in (None, "jinja"):
+        if isinstance(jinja, str) and os.path.isfile(jinja):
+            return jinja, used
+        skipped.append(Unmapped(f"{prefix}chat_template_jinja", jinja, "ndjax's "
+                                "data.chat_template takes a file: save the template as a .jinja "
+                                "file and set chat_template_jinja to its path"))
+        return "", used
+    if jinja is not None:  # Axolotl reads it only with chat_template: jinja (or none)
+        skipped.append(Unmapped(f"{prefix}chat_template_jinja", jinja, f"unused: chat_template "
+                                f"is {name!r}, and Axolotl reads this only with jinja"))
+    if name is None or name == "tokenizer_default" or \
+            str(name).startswith("tokenizer_default_fallback_"):
+        return "", used
+    skipped.append(Unmapped(f"{prefix}chat_template", name, "ndjax has no built-in templates "
+                            "and renders with the tokenizer's own; to keep this one, save it as "
+                            "a .jinja file and set chat_template: jinja, chat_template_jinja: "
+                            "FILE"))
+    return "", used

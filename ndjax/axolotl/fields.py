@@ -1,0 +1,171 @@
+"""Reading an Axolotl config: typed reads that remember what was read, and why the
+fields ndjax does not map are not mapped."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from collections.abc import Mapping
+from typing import Any, NoReturn
+
+from ndjax.errors import ConfigError
+
+UNSET = object()
+# Why common fields are not mapped, by exact name or prefix (first match wins).
+REASONS = (
+    (("adapter", "lora_", "peft_", "loraplus_", "relora_", "lisa_"),
+     "ndjax has no LoRA or adapters yet; it trains every weight"),
+    (("load_in_8bit", "load_in_4bit", "gptq", "bnb_", "fp8"), "ndjax has no quantized training"),
+    (("flash_attention", "flash_attn", "sdp_attention", "xformers_attention", "flex_attention",
+      "s2_attention", "sage_attention", "attn_implementation", "sample_packing_"),
+     "ndjax picks its attention kernel and packing itself (model.attn_impl=auto)"),
+    (("wandb_", "use_wandb", "mlflow_", "use_mlflow", "comet_", "use_comet", "use_tensorboard",
+      "trackio_", "use_trackio"), "ndjax logs to metrics.jsonl and TensorBoard in the workdir"),
+    (("deepspeed", "fsdp", "ddp"), "ndjax shards over its own mesh (dp_shard_size -> mesh.fsdp); "
+     "these options have no counterpart"),
+    (("hub_", "push_"), "ndjax does not upload"),
+    (("dataset_prepared_path", "dataset_processes", "dataset_num_proc", "shuffle_",
+      "dataset_shard", "skip_prepare_dataset", "pretraining_dataset"),
+     "ndjax reads and tokenizes its data files while it trains"),
+    (("special_tokens", "tokens", "added_tokens_overrides", "tokenizer_", "resize_token"),
+     "ndjax trains with the tokenizer as it is"),
+    (("torch_compile", "liger_", "cut_cross_entropy", "unsloth_", "plugins"),
+     "ndjax compiles with XLA and has its own kernels"),
+    (("model_type", "base_model_config", "cls_model_config", "trust_remote_code"),
+     "ndjax's family and model come from base_model's config.json"),
+    (("chat_template",), "no dataset of type chat_template uses it"),
+    (("save_strategy", "saves_per_epoch"),
+     "ndjax saves every checkpoint.every steps (save_steps), at the end and on SIGTERM"),
+    (("eval_strategy", "evals_per_epoch", "eval_batch_size"),
+     "ndjax evaluates train.eval_steps batches every train.eval_every steps (eval_steps)"),
+    (("batch_size",), "the global batch is micro_batch_size x gradient_accumulation_steps x "
+     "the data-parallel GPUs"),
+    (("resume_from_checkpoint", "auto_resume_from_checkpoints"),
+     "ndjax resumes from the workdir's newest checkpoint by itself"),
+    (("roles",), "ndjax reads the roles system, user, assistant and tool as they are"),
+    (("tf32",), "ndjax has no TF32 switch: matmuls run in model.dtype"),
+    (("float16",), "ndjax has no float16 training with loss scaling; parameters are "
+     "float32 or bfloat16 (model.param_dtype)"),
+    (("pad_to_sequence_len",), "ndjax's rows are always train.seq_len tokens"),
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class Unmapped:
+    field: str
+    value: Any
+    reason: str
+
+    def line(self) -> str:
+        return f"{self.field}: {show(self.value)} ({self.reason})"
+
+
+def show(value: Any) -> str:
+    try:
+        text = repr(value) if isinstance(value, str) else json.dumps(value, default=str)
+    except (TypeError, ValueError):  # YAML allows keys JSON does not
+        text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def bad(name: str, value: Any, what: str, fix: str = "") -> NoReturn:
+    raise ConfigError(f"{name}: {show(value)} must be {what}{fix}.")
+
+
+class Fields:
+    """One YAML mapping (the top level or a dataset entry): typed reads that remember
+    which keys were read, so that every other key can be reported."""
+
+    def __init__(self, raw: Mapping[str, Any], prefix: str = ""):
+        self.raw, self.prefix, self.read = raw, prefix, set()
+
+    def has(self, key: str) -> bool:
+        return self.raw.get(key) is not None
+
+    def value(self, key: str, default: Any = None) -> Any:
+        self.read.add(key)
+        value = self.raw.get(key)  # `key:` with nothing after it is unset, as in Axolotl
+        return default if value is None else value
+
+    def integer(self, key: str, default: Any = UNSET, minimum: int = 0) -> Any:
+        value = self._required(key, default)
+        if value is not default and (not isinstance(value, int) or isinstance(value, bool)
+                                     or value < minimum):
+            bad(self.prefix + key, value, f"a whole number >= {minimum}",
+                f"; write it without quotes, e.g. {key}: {max(minimum, 1)}")
+        return value
+
+    def number(self, key: str, default: Any = UNSET, minimum: float = 0.0,
+               maximum: float | None = None, below: float | None = None) -> Any:
+        value = self._required(key, default)
+        if value is default:
+            return value
+        number = value
+        if isinstance(value, str):  # YAML reads 2e-5 (no dot) as a string; Axolotl takes it
+            try:
+                number = float(value)
+            except ValueError:
+                number = None
+        ok = isinstance(number, int | float) and not isinstance(number, bool) \
+            and math.isfinite(number) and number >= minimum \
+            and (maximum is None or number <= maximum) and (below is None or number < below)
+        if not ok:
+            bound = (f" and <= {maximum:g}" if maximum is not None else "") + \
+                (f" and < {below:g}" if below is not None else "")
+            bad(self.prefix + key, value, f"a number >= {minimum:g}{bound}",
+                "; write it as a number, such as 2.0e-5 or 0.9")
+        return float(number)
+
+    def flag(self, key: str, default: Any = UNSET) -> Any:
+        value = self._required(key, default)
+        if value is not default and not isinstance(value, bool):
+            bad(self.prefix + key, value, "true or false", "; write it without quotes")
+        return value
+
+    def text(self, key: str, default: Any = UNSET) -> Any:
+        value = self._required(key, default)
+        if value is not default and (not isinstance(value, str) or not value):
+            bad(self.prefix + key, value, "a non-empty string", "; write the text after "
+                f"{key}:")
+        return value
+
+    def _required(self, key: str, default: Any) -> Any:
+        value = self.value(key, default)
+        if value is UNSET:
+            raise ConfigError(f"{self.prefix}{key} is not set; Axolotl needs it too.")
+        return value
+
+    def note(self, key: str, unset: str) -> str:
+        """Where a value came from, for the config file's comments."""
+        return key if self.has(key) else f"{key} unset: {unset}"
+
+    def rest(self) -> list[str]:
+        return [k for k in self.raw if k not in self.read]
+
+
+class Out:
+    """What the conversion found: ndjax settings, each with a note saying where it came
+    from, and the Axolotl fields not mapped (one entry a field)."""
+
+    def __init__(self) -> None:
+        self.overrides: dict[str, Any] = {}
+        self.notes: dict[str, str] = {}
+        self.unmapped: dict[str, Unmapped] = {}
+
+    def set(self, path: str, value: Any, note: str) -> None:
+        self.overrides[path] = value
+        self.notes[path] = note
+
+    def skip(self, field: str, value: Any, reason: str) -> None:
+        self.unmapped.setdefault(field, Unmapped(field, value, reason))
+
+
+def reason(key: str, value: Any) -> str:
+    """Why a field the conversion did not read is not mapped."""
+    if value in (None, False, "", [], {}):
+        return "off, nothing to map"
+    for names, why in REASONS:
+        if key.startswith(names):
+            return why
+    return "ndjax has no counterpart"

@@ -1,0 +1,317 @@
+"""python -m ndjax.from_axolotl: Axolotl YAML configs (in the shape Axolotl's docs give:
+docs/nd_parallelism.qmd, docs/dataset-formats/conversation.qmd) into ndjax config files
+that build, every unmapped field listed, bad input one line with exit 2."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+
+import jax
+import pytest
+import yaml
+from conftest import tiny_config
+from data_files import conversations, texts, write_chat_tokenizer, write_jsonl
+
+from ndjax import from_axolotl, hf
+from ndjax.errors import ConfigError
+from ndjax.experiment import Experiment
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+VOCAB = 384  # the chat tokenizer's 360 ids fit
+
+ND_YAML = """\
+base_model: {hf}
+datasets:
+  - path: {text}
+    type: completion
+    field: body
+  - path: mlabonne/FineTome-100k
+    type: chat_template
+  - path: {chats}
+    type: alpaca
+sequence_len: 64
+sample_packing: true
+fsdp_version: 2
+fsdp_config:
+  offload_params: false
+  state_dict_type: FULL_STATE_DICT
+  auto_wrap_policy: TRANSFORMER_BASED_WRAP
+  transformer_layer_cls_to_wrap: LlamaDecoderLayer
+  reshard_after_forward: true
+dp_shard_size: 2
+tensor_parallel_size: 2
+context_parallel_size: 2
+micro_batch_size: 2
+gradient_accumulation_steps: 2
+max_steps: 200
+learning_rate: 0.0002
+lr_scheduler: linear
+adapter: lora
+lora_r: 16
+lora_alpha: 32
+flash_attention: true
+bf16: true
+output_dir: ./outputs/nd
+seed: 7
+"""
+
+SFT_YAML = """\
+base_model: {hf}
+model_type: AutoModelForCausalLM
+tokenizer_type: AutoTokenizer
+load_in_8bit: false
+strict: false
+chat_template: tokenizer_default
+datasets:
+  - path: {chats}
+    type: chat_template
+    field_messages: conversations
+    message_property_mappings:
+      role: role
+      content: content
+    roles_to_train: ["assistant"]
+    drop_system_message: true
+test_datasets:
+  - path: {eval_chats}
+    type: chat_template
+    field_messages: conversations
+dataset_prepared_path: last_run_prepared
+output_dir: ./outputs/sft
+sequence_len: 96
+sample_packing: false
+micro_batch_size: 1
+gradient_accumulation_steps: 2
+max_steps: 50
+num_epochs: 3
+optimizer: adamw_torch_fused
+lr_scheduler: cosine
+learning_rate: 2e-5
+train_on_inputs: false
+fp16: false
+warmup_ratio: 0.1
+adam_beta2: 0.95
+weight_decay: 0.01
+gradient_checkpointing: true
+eval_steps: 10
+save_steps: 0.5
+logging_steps: 5
+wandb_project:
+special_tokens:
+  pad_token: <|end_of_text|>
+"""
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    """A tiny Hugging Face Llama directory with a chat tokenizer, chat and text files."""
+    root = tmp_path_factory.mktemp("axolotl")
+    tokenizer = write_chat_tokenizer(root / "tokenizer")
+    exp = Experiment.from_config(tiny_config(model=dict(vocab_size=VOCAB)), jax.devices()[:1])
+    zeros = jax.tree.map(lambda s: jax.numpy.zeros(s.shape, s.dtype), exp.param_shapes)
+    hf.export(zeros, exp.model_cfg, str(root / "hf"), "float32")  # nothing compiled
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(tokenizer.parent / name, root / "hf")
+    for name, chats in (("chats.jsonl", conversations(40)), ("eval.jsonl", conversations(8, 1))):
+        (root / name).write_text("".join(json.dumps({"conversations": c}) + "\n" for c in chats))
+    write_jsonl(root / "text.jsonl", texts(40), field="body")
+    return {"hf": str(root / "hf"), "chats": str(root / "chats.jsonl"),
+            "eval_chats": str(root / "eval.jsonl"), "text": str(root / "text.jsonl"),
+            "root": root}
+
+
+def yaml_of(template: str, files: dict) -> dict:
+    return yaml.safe_load(template.format(**files))
+
+
+def build(conv: from_axolotl.Conversion):
+    """The rendered file, checked as the CLI checks it, then built on 8 CPU devices."""
+    text = from_axolotl.render(conv, "config.yml")
+    from_axolotl.check(text, conv)
+    config = from_axolotl.load(text)
+    config.export.hf_dir = None  # the tests write no export
+    return config, Experiment.from_config(config)
+
+
+def assert_every_field_accounted_for(raw: dict, conv: from_axolotl.Conversion) -> None:
+    """Each Axolotl key (top level and in each dataset) is named by a mapped setting's
+    note or listed as unmapped: nothing is dropped silently."""
+    unmapped = {u.field for u in conv.unmapped}
+    notes = " ".join(conv.notes.values())
+    for key in raw:
+        listed = key in unmapped or any(u.startswith(f"{key}[") for u in unmapped)
+        assert listed or re.search(rf"\b{key}\b", notes), key
+    for group in ("datasets", "test_datasets"):
+        for i, entry in enumerate(raw.get(group) or []):
+            for key in entry:
+                where = f"{group}[{i}]"
+                assert where in unmapped or f"{where}.{key}" in unmapped or key in (
+                    "path", "type", "field", "field_messages", "message_property_mappings",
+                    "roles_to_train"), (where, key)
+
+
+def test_nd_parallel_yaml_maps_the_mesh_and_builds(files):
+    raw = yaml_of(ND_YAML, files)
+    conv = from_axolotl.convert(raw)
+    o = conv.overrides
+    assert {a: o[f"mesh.{a}"] for a in ("replica", "fsdp", "context", "tensor")} == dict(
+        replica=1, fsdp=2, context=2, tensor=2)
+    # Axolotl's global batch: micro_batch_size x accumulation x dp_replicate x dp_shard.
+    assert (o["train.batch_size"], o["train.grad_accum"]) == (2 * 2 * 2, 2)
+    assert (o["data.source"], o["data.files"], o["data.text_field"]) == (
+        "jsonl", files["text"], "body")
+    assert o["data.packing"] is True and o["model.dtype"] == "bfloat16"
+    assert (o["train.steps"], o["train.lr"], o["train.seed"]) == (200, 2e-4, 7)
+    assert o["train.warmup_steps"] == 6  # Axolotl's default: 3% of the steps
+    # Axolotl's defaults where ndjax's differ.
+    assert (o["train.weight_decay"], o["train.b2"], o["train.min_lr_ratio"]) == (0.0, 0.999, 0.0)
+    assert conv.workdir == "./outputs/nd"
+    reasons = {u.field: u.reason for u in conv.unmapped}
+    assert set(reasons) >= {"datasets[1].path", "datasets[2]", "fsdp_version", "fsdp_config",
+                            "lr_scheduler", "adapter", "lora_r", "lora_alpha",
+                            "flash_attention"}, reasons
+    assert "LoRA" in reasons["lora_r"] and "download" in reasons["datasets[1].path"]
+    assert "cosine" in reasons["lr_scheduler"]  # linear is not ndjax's; it says what is used
+    assert_every_field_accounted_for(raw, conv)
+
+    config, exp = build(conv)
+    assert dict(exp.mesh.shape) == {"replica": 1, "fsdp": 2, "context": 2, "tensor": 2}
+    assert exp.model_cfg.family == "llama" and exp.model_cfg.vocab_size == VOCAB
+    assert config.model.init_from == files["hf"]
+
+
+def test_sft_yaml_with_chat_template_datasets(files):
+    raw = yaml_of(SFT_YAML, files)
+    conv = from_axolotl.convert(raw, devices=8)
+    o = conv.overrides
+    assert (o["mesh.fsdp"], o["mesh.replica"]) == (8, 1)  # dp_shard_size: Axolotl's inference
+    assert (o["train.batch_size"], o["train.grad_accum"]) == (1 * 2 * 8, 2)
+    assert (o["data.source"], o["data.files"], o["data.eval_files"]) == (
+        "chat", files["chats"], files["eval_chats"])
+    assert (o["data.messages_field"], o["data.chat_template"]) == ("conversations", "")
+    assert o["data.tokenizer"] == os.path.join(files["hf"], "tokenizer.json")
+    assert o["data.packing"] is False and o["model.remat"] == "full"
+    assert o["train.lr"] == 2e-5  # YAML reads 2e-5 as a string; Axolotl takes it
+    assert (o["train.b2"], o["train.weight_decay"]) == (0.95, 0.01)
+    assert o["train.warmup_steps"] == 5  # warmup_ratio x max_steps
+    assert (o["train.eval_every"], o["checkpoint.every"], o["log.every"]) == (10, 25, 5)
+    assert o["export.hf_dir"] == os.path.join("./outputs/sft", "hf")
+    unmapped = {u.field: u for u in conv.unmapped}
+    assert set(unmapped) == {"model_type", "tokenizer_type", "load_in_8bit", "strict",
+                             "datasets[0].drop_system_message", "dataset_prepared_path",
+                             "num_epochs", "train_on_inputs", "fp16", "wandb_project",
+                             "special_tokens"}, unmapped
+    for off in ("load_in_8bit", "train_on_inputs", "fp16", "wandb_project"):
+        assert unmapped[off].reason == "off, nothing to map", unmapped[off]
+    # Listed in the YAML's order.
+    assert [u.field for u in conv.unmapped][:3] == ["model_type", "tokenizer_type",
+                                                    "load_in_8bit"]
+    assert_every_field_accounted_for(raw, conv)
+
+    _, exp = build(conv)
+    assert dict(exp.mesh.shape) == {"replica": 1, "fsdp": 8, "context": 1, "tensor": 1}
+    assert exp.settings.train.eval_every == 10 and exp.settings.data.source == "chat"
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"max_steps": None, "num_epochs": 2}, "max_steps is not set"),
+    ({"dp_shard_size": 3}, "--devices=8: dp_replicate_size 2 x dp_shard_size 3 x "
+     "context_parallel_size 1 x tensor_parallel_size 1 is 6 GPUs"),
+    ({"warmup_steps": 3}, "warmup_steps: 3 and warmup_ratio: 0.1 are both set"),
+    ({"sample_packing": "yes"}, "sample_packing: 'yes' must be true or false"),
+    ({"datasets": [{"path": "missing.jsonl", "type": "chat_template"}]},
+     "datasets[0].path: 'missing.jsonl' is not a file or directory"),
+    ({"datasets": [{"path": "org/data", "type": "chat_template"}]},
+     "datasets: none of them is a local chat_template or completion file"),
+])
+def test_bad_values_name_the_field(files, change, message):
+    raw = {**yaml_of(SFT_YAML, files), **change}
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        from_axolotl.convert(raw, devices=8)
+
+
+def test_chat_templates(files, tmp_path):
+    """A template file is data.chat_template; Axolotl's named templates and inline Jinja
+    are listed, and the tokenizer's own is used."""
+    jinja = tmp_path / "template.jinja"
+    jinja.write_text("{% for m in messages %}{{ m.content }}{% endfor %}")
+    sft = yaml_of(SFT_YAML, files)
+    for change, template, listed in [
+            ({"chat_template": "jinja", "chat_template_jinja": str(jinja)}, str(jinja), set()),
+            ({"chat_template": "chatml"}, "", {"chat_template"}),
+            ({"chat_template": None, "chat_template_jinja": "{{ messages }}"}, "",
+             {"chat_template_jinja"}),
+            ({"chat_template_jinja": "{{ messages }}"}, "", {"chat_template_jinja"})]:
+        conv = from_axolotl.convert({**sft, **change}, devices=8)
+        assert conv.overrides["data.chat_template"] == template, change
+        assert {u.field for u in conv.unmapped} & {"chat_template", "chat_template_jinja"} == \
+            listed, change
+
+
+def test_a_value_ndjax_refuses_fails_at_conversion_naming_its_axolotl_field(files):
+    """The converter loads what it wrote and runs ndjax's checks, so a value ndjax
+    refuses (a seed beyond 32 bits) fails there, not at train time."""
+    conv = from_axolotl.convert({**yaml_of(SFT_YAML, files), "seed": 2**33}, devices=8)
+    with pytest.raises(ConfigError, match=r"train\.seed=8589934592 .* \(train\.seed from seed\)"):
+        from_axolotl.check(from_axolotl.render(conv, "config.yml"), conv)
+
+
+def cli(*args, cwd=ROOT):
+    env = {**os.environ, "PYTHONPATH": ROOT}
+    return subprocess.run([sys.executable, "-m", "ndjax.from_axolotl", *args], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_cli_writes_the_config_and_lists_what_it_left_out(files):
+    root = files["root"]
+    (root / "nd.yml").write_text(ND_YAML.format(**files))
+    out = root / "nd_config.py"
+    result = cli(str(root / "nd.yml"), f"--out={out}")
+    assert result.returncode == 0, result.stderr
+    lines = result.stderr.splitlines()
+    assert "ndjax.from_axolotl: not mapped: lora_r: 16 (ndjax has no LoRA or adapters yet; it " \
+           "trains every weight)" in lines, lines
+    assert lines[-1].endswith(f"train with: python train.py --config={out} "
+                              "--workdir=./outputs/nd"), lines
+    assert not result.stdout and "Traceback" not in result.stderr
+    assert "#   lora_r: 16 (" in out.read_text()  # the file lists them too
+    # Another conversion does not replace it, unless asked to.
+    before = out.read_text()
+    refused = cli(str(root / "nd.yml"), f"--out={out}")
+    assert refused.returncode == 2 and out.read_text() == before
+    assert refused.stderr.strip() == f"ndjax.from_axolotl: error: --out={out} exists; pass " \
+                                     "--force to overwrite it."
+    out.write_text("stale")
+    assert cli(str(root / "nd.yml"), f"--out={out}", "--force").returncode == 0
+    assert out.read_text() == before
+
+
+@pytest.mark.parametrize("case, text, message", [
+    ("not_yaml", "base_model: [unclosed\n", "is not valid YAML at line 2"),
+    ("not_a_mapping", "- base_model\n", "holds a list, not a mapping of Axolotl fields"),
+    ("wrong_type", "base_model: x\ndp_shard_size: 1\nmicro_batch_size: two\n",
+     "micro_batch_size: 'two' must be a whole number >= 1; write it without quotes"),
+    ("hub_model", "base_model: meta-llama/Llama-3.2-1B\ndp_shard_size: 1\nmax_steps: 1\n"
+     "learning_rate: 1.0e-5\n", "`hf download meta-llama/Llama-3.2-1B --local-dir DIR`"),
+    ("expert_parallel", "base_model: x\nexpert_parallel_size: 2\n",
+     "expert_parallel_size: 2: ndjax does not have expert parallelism yet"),
+])
+def test_bad_input_is_one_line_exit_2_and_nothing_written(tmp_path, case, text, message):
+    config, out = tmp_path / f"{case}.yml", tmp_path / "out.py"
+    config.write_text(text)
+    result = cli(str(config), f"--out={out}")
+    assert result.returncode == 2, result.stderr
+    assert len(result.stderr.splitlines()) == 1, result.stderr
+    assert result.stderr.startswith("ndjax.from_axolotl: error: ") and message in result.stderr
+    assert not out.exists() and not result.stdout
+
+
+def test_help_is_short():
+    result = cli("--help")
+    assert result.returncode == 0 and len(result.stdout.splitlines()) < 40, result.stdout
+    for flag in ("--out", "--force", "--devices", "config"):
+        assert flag in result.stdout
