@@ -202,10 +202,13 @@ class ModelSettings:
 
 @dataclasses.dataclass(frozen=True)
 class MeshSettings:
-    # Degrees of the four axes; -1 (one axis at most): all remaining devices. The
+    # Degrees of the axes; -1 (one axis at most): all remaining devices. The
     # values are checked against the device count in ndjax.mesh.ParallelDims.
     replica: int = setting(1)
     fsdp: int = setting(-1)
+    # A mixture of experts' experts split over it (each device holds n_experts / expert
+    # of them, tokens travel to them and back); the other layers see one more data axis.
+    expert: int = setting(1)
     context: int = setting(1)
     tensor: int = setting(1)
 

@@ -173,7 +173,8 @@ class Experiment:
         devices = list(jax.devices() if devices is None else devices)
         settings = Settings.parse(config)
         m = settings.mesh
-        dims = ParallelDims(m.replica, m.fsdp, m.context, m.tensor).resolve(len(devices))
+        dims = ParallelDims(m.replica, m.fsdp, m.context, m.tensor, m.expert).resolve(
+            len(devices))
         settings, model_cfg, checkpoint = check_fields(settings, platforms.of(devices))
         init_from = settings.model.init_from
         mesh = build_mesh(dims, devices)
@@ -181,6 +182,7 @@ class Experiment:
         if warning and jax.process_index() == 0:
             warnings.warn(warning, stacklevel=2)
         rules = rules_lib.Rules(settings.rules, mesh)
+        _check_experts(model_cfg, rules, settings.model.family)
         t = settings.train
         _check_batch(t, rules, mesh)
         _check_loss_chunk(t, rules, mesh)
@@ -404,6 +406,28 @@ class Experiment:
                                  idx[1]])
 
         return {k: field(batch[k]) for k in BATCH_FIELDS}
+
+
+def _check_experts(model_cfg: DecoderConfig, rules: rules_lib.Rules, family: str) -> None:
+    """The expert axis: only a mixture of experts has experts to split, and its axis
+    must divide them (each device holds n_experts / ways of them)."""
+    from ndjax.models.moe import expert_axes
+
+    split = expert_axes(rules)
+    ways = math.prod(rules.mesh.shape[a] for a in split)
+    if ways == 1:
+        return
+    field = "mesh.expert" if split == ("expert",) else f"rules' 'experts' axes {split}"
+    if not model_cfg.n_experts:
+        raise ConfigError(f"{field}={ways}: model.family={family!r} is dense (it has no "
+                          "experts to split). Set mesh.expert=1, or train a mixture of "
+                          "experts (model.family='mixtral' or 'qwen3_moe').")
+    n = model_cfg.n_experts
+    if n % ways:
+        fit = max(d for d in range(1, ways + 1) if n % d == 0)
+        raise ConfigError(f"{field}={ways} does not divide model.n_experts={n}: each device "
+                          f"holds n_experts / {ways} experts. Use a divisor of {n}, e.g. "
+                          f"mesh.expert={fit}.")
 
 
 def _check_kv_heads(model_cfg: DecoderConfig, rules: rules_lib.Rules, mesh: Mesh,

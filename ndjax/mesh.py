@@ -1,6 +1,8 @@
-"""The device mesh: four named axes, validated degrees, hybrid layout across hosts.
+"""The device mesh: five named axes, validated degrees, hybrid layout across hosts.
 
-Axis order is ``replica, fsdp, context, tensor`` from outermost to innermost.
+Axis order is ``replica, fsdp, expert, context, tensor`` from outermost to innermost
+(``expert`` splits a mixture of experts' experts, and is one more data axis for
+everything else).
 Devices that are neighbours in ``jax.devices()`` (same node, fast NVLink) end up
 on the innermost axes, so the chattiest collectives stay inside a node:
 tensor parallelism all-reduces activations in every layer, context parallelism
@@ -24,17 +26,20 @@ from jax.sharding import AxisType, Mesh
 
 from ndjax.errors import ConfigError
 
-AXES: tuple[str, ...] = ("replica", "fsdp", "context", "tensor")
+AXES: tuple[str, ...] = ("replica", "fsdp", "expert", "context", "tensor")
 
 
 @dataclasses.dataclass(frozen=True)
 class ParallelDims:
-    """Degrees of the four mesh axes. At most one may be -1 ("the rest")."""
+    """Degrees of the mesh axes. At most one may be -1 ("the rest"). ``expert`` comes
+    last among the fields (positional calls name the other four), first-but-two in
+    ``AXES``."""
 
     replica: int = 1
     fsdp: int = -1
     context: int = 1
     tensor: int = 1
+    expert: int = 1
 
     @property
     def sizes(self) -> tuple[int, ...]:
@@ -90,7 +95,9 @@ class ParallelDims:
         return self
 
     def __str__(self) -> str:
-        return " x ".join(f"{a}={s}" for a, s in zip(AXES, self.sizes))
+        # expert only where it splits (a dense model never does).
+        return " x ".join(f"{a}={s}" for a, s in zip(AXES, self.sizes)
+                          if a != "expert" or s != 1)
 
 
 def _fields(labels: Mapping[str, str] | None) -> Mapping[str, str]:
@@ -117,7 +124,7 @@ def _split_across_processes(sizes: tuple[int, ...], num_granules: int) -> tuple[
 
 
 def build_mesh(dims: ParallelDims, devices: Sequence[jax.Device] | None = None) -> Mesh:
-    """Builds the 4-axis mesh with Auto axis types (GSPMD-style propagation)."""
+    """Builds the mesh (``AXES``) with Auto axis types (GSPMD-style propagation)."""
     devices = list(jax.devices() if devices is None else devices)
     dims = dims.resolve(len(devices))
     axis_types = (AxisType.Auto,) * len(AXES)

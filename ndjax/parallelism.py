@@ -1,13 +1,15 @@
 """Hugging Face Accelerate's ``ParallelismConfig`` names for ndjax's mesh degrees.
 
 Accelerate (``accelerate.ParallelismConfig``) and ndjax split devices the same
-four ways; only the names differ:
+four ways, and ndjax a fifth (``ep_size``, Axolotl's ``expert_parallel_size``:
+Accelerate has none); only the names differ:
 
 ==================  ================  =====================================
 Accelerate          ndjax             what it splits
 ==================  ================  =====================================
 dp_replicate_size   ``mesh.replica``  the batch; parameters replicated (DDP/HSDP's outer axis)
 dp_shard_size       ``mesh.fsdp``     the batch; parameters sharded (FSDP)
+ep_size             ``mesh.expert``   a mixture of experts' experts; the batch elsewhere
 cp_size             ``mesh.context``  the sequence (context parallelism)
 tp_size             ``mesh.tensor``   heads and MLP width (Megatron tensor parallelism)
 ==================  ================  =====================================
@@ -37,8 +39,8 @@ from ndjax.errors import ConfigError
 from ndjax.mesh import ParallelDims, build_mesh
 
 # mesh axis -> the field that sets it, for errors in the user's names.
-FIELDS = {"replica": "dp_replicate_size", "fsdp": "dp_shard_size", "context": "cp_size",
-          "tensor": "tp_size"}
+FIELDS = {"replica": "dp_replicate_size", "fsdp": "dp_shard_size", "expert": "ep_size",
+          "context": "cp_size", "tensor": "tp_size"}
 # Accelerate's cp_comm_strategy (and ndjax's own names) -> model.cp_impl. Accelerate's
 # default, "allgather" (every shard gathers all keys and values), has no ndjax kernel.
 CP_STRATEGIES = {"ring": "ring", "alltoall": "all_to_all", "all_to_all": "all_to_all",
@@ -95,7 +97,8 @@ def _check_tp_handler(handler: Any) -> None:
 @dataclasses.dataclass(frozen=True)
 class ParallelismConfig:
     """Mesh degrees in Accelerate's names: ``dp_replicate_size`` -> replica,
-    ``dp_shard_size`` -> fsdp, ``cp_size`` -> context, ``tp_size`` -> tensor.
+    ``dp_shard_size`` -> fsdp, ``cp_size`` -> context, ``tp_size`` -> tensor, and
+    ``ep_size`` -> expert (ndjax's; Accelerate has no expert axis).
 
     Each size is an int >= 1 (None: 1, as Accelerate without its launcher), or -1
     for one of them: the devices the others leave. Checked on construction, and
@@ -112,8 +115,7 @@ class ParallelismConfig:
     dp_shard_size: int | None = 1
     tp_size: int | None = 1
     cp_size: int | None = 1
-    # ep_size (expert parallelism): being added separately (issue 35). It goes here,
-    # in to_dims / FIELDS (its mesh axis), total_size and apply_to.
+    ep_size: int | None = 1
     tp_handler: Any = None
     cp_handler: Any = None
 
@@ -142,17 +144,18 @@ class ParallelismConfig:
 
     def to_dims(self) -> ParallelDims:
         return ParallelDims(replica=self.dp_replicate_size, fsdp=self.dp_shard_size,
-                            context=self.cp_size, tensor=self.tp_size)
+                            context=self.cp_size, tensor=self.tp_size, expert=self.ep_size)
 
     def resolve(self, num_devices: int) -> ParallelismConfig:
         """The same sizes with a -1 filled for ``num_devices``; ``ConfigError`` when
         they do not fit that many devices."""
         dims = self.to_dims().resolve(num_devices, FIELDS, "ParallelismConfig")
         return dataclasses.replace(self, dp_replicate_size=dims.replica, dp_shard_size=dims.fsdp,
-                                   cp_size=dims.context, tp_size=dims.tensor)
+                                   cp_size=dims.context, tp_size=dims.tensor,
+                                   ep_size=dims.expert)
 
     def build_mesh(self, devices: Sequence[jax.Device] | None = None) -> Mesh:
-        """ndjax's 4-axis mesh (``ndjax.mesh.build_mesh``: Auto axis types, tensor
+        """ndjax's mesh (``ndjax.mesh.build_mesh``: Auto axis types, tensor
         innermost) over ``devices`` (default: all of them)."""
         devices = list(jax.devices() if devices is None else devices)
         return build_mesh(self.resolve(len(devices)).to_dims(), devices)

@@ -87,10 +87,12 @@ class Layout:
     remat: str = "none"
     grad_accum: int = 1
     cp_impl: str = "auto"        # model.cp_impl: how context shards meet (context > 1)
+    expert: int = 1              # mesh.expert (positional calls name the other four)
 
     @property
-    def degrees(self) -> tuple[int, int, int, int]:
-        return (self.replica, self.fsdp, self.context, self.tensor)
+    def degrees(self) -> tuple[int, ...]:
+        """In ``AXES``' order."""
+        return tuple(getattr(self, a) for a in AXES)
 
     @property
     def mesh(self) -> str:
@@ -105,16 +107,19 @@ class Layout:
         return dataclasses.replace(self, **changes)
 
 
-def factorizations(n: int) -> list[tuple[int, int, int, int]]:
-    """(replica, fsdp, context, tensor) with product n, tensor and context first
-    growing (the usual reading order of a plan)."""
+def factorizations(n: int, experts: int = 0) -> list[tuple[int, ...]]:
+    """Degrees in ``AXES``' order (replica, fsdp, expert, context, tensor) with product
+    n, tensor, context and expert first growing (the usual reading order of a plan).
+    ``expert`` > 1 only for a mixture of ``experts`` experts, dividing them."""
     divisors = [d for d in range(1, n + 1) if n % d == 0]
+    splits = [e for e in divisors if e == 1 or (experts and experts % e == 0)]
     out = []
-    for t in divisors:
-        for c in divisors:
-            for f in divisors:
-                if n % (t * c * f) == 0:
-                    out.append((n // (t * c * f), f, c, t))
+    for e in splits:
+        for t in divisors:
+            for c in divisors:
+                for f in divisors:
+                    if n % (e * t * c * f) == 0:
+                        out.append((n // (e * t * c * f), f, e, c, t))
     return out
 
 
@@ -129,10 +134,26 @@ def layouts(config: ml_collections.ConfigDict, n: int,
     else:
         tables = [CONFIG_RULES]
     cp = config.model.cp_impl
-    return [Layout(*degrees, rules=rules, remat=config.model.remat,
-                   grad_accum=config.train.grad_accum, cp_impl=algorithm)
-            for degrees in factorizations(n) for rules in tables
-            for algorithm in (CP_ALGORITHMS if degrees[2] > 1 and cp == "auto" else (cp,))]
+    out = []
+    for degrees in factorizations(n, _experts(config)):
+        mesh = dict(zip(AXES, degrees))
+        for rules in tables:
+            for algorithm in (CP_ALGORITHMS if mesh["context"] > 1 and cp == "auto"
+                              else (cp,)):
+                out.append(Layout(**mesh, rules=rules, remat=config.model.remat,
+                                  grad_accum=config.train.grad_accum, cp_impl=algorithm))
+    return out
+
+
+def _experts(config: ml_collections.ConfigDict) -> int:
+    """The model's experts (0: dense), as ``Experiment`` reads them; 0 where the config
+    does not check (each layout's check then says why)."""
+    from ndjax.experiment import check_fields
+
+    try:
+        return check_fields(config)[1].n_experts
+    except ConfigError:
+        return 0
 
 
 def target_config(config: ml_collections.ConfigDict, layout: Layout,

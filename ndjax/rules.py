@@ -44,7 +44,7 @@ Table = tuple[tuple[str, MeshAxes], ...]
 # Activation names carry an ``act_`` prefix so that parameters and activations
 # with the same meaning can be laid out differently.
 _ACTIVATIONS: Table = (
-    ("act_batch", ("replica", "fsdp")),
+    ("act_batch", ("replica", "fsdp", "expert")),
     ("act_seq", "context"),          # sequence inside attention / MLP
     ("act_res_seq", "context"),      # sequence of the residual stream between blocks
     ("act_embed", None),
@@ -58,12 +58,14 @@ _ACTIVATIONS: Table = (
 _PARAMS: Table = (
     ("layers", None),
     ("vocab", "tensor"),              # vocab-parallel embedding and LM head
-    ("embed", ("fsdp", "context")),   # FSDP over Accelerate's dp_shard x cp group
+    # FSDP over Accelerate's dp_shard x cp group, and the expert axis (a data axis
+    # outside the experts; the experts' own weights take it for their experts first).
+    ("embed", ("fsdp", "context", "expert")),
     ("q_heads", "tensor"),            # q/k/v column-parallel ...
     ("kv_heads", "tensor"),
     ("head_dim", None),
     ("mlp", "tensor"),                # gate/up column-parallel, down row-parallel
-    ("experts", None),                # MoE: every expert on every device (no expert axis yet)
+    ("experts", "expert"),            # MoE: the experts split over the expert axis
     ("expert_mlp", "tensor"),         # each expert's width, split as the dense MLP's
     ("norm", None),
 )
@@ -83,7 +85,8 @@ PRESETS: dict[str, Table] = {
     "megatron_sp": _replace(_ACTIVATIONS, act_res_seq=("context", "tensor")) + _PARAMS,
     # ZeRO-3 across replicas too: parameters and optimizer state are sharded
     # over every data axis (less memory, gathers cross the replica axis).
-    "zero3_everywhere": _ACTIVATIONS + _replace(_PARAMS, embed=("replica", "fsdp", "context")),
+    "zero3_everywhere": _ACTIVATIONS + _replace(_PARAMS,
+                                                embed=("replica", "fsdp", "context", "expert")),
 }
 
 DATA_NAMES = ("act_batch", "act_seq")
@@ -175,8 +178,18 @@ class Rules:
         return tuple(None if n == "kv_heads" else n for n in names)
 
     def compute_spec(self, names: Sequence[str | None]) -> PartitionSpec:
-        """Spec of a parameter while it is used: gathered over the data axes."""
-        return self.spec(names, drop=self.data_axes)
+        """Spec of a parameter while it is used: gathered over the data axes, but for
+        the axes that split the experts (a data axis elsewhere: each device computes
+        its own experts)."""
+        spec = self.spec(names, drop=self.data_axes)
+        if "experts" not in names:
+            return spec
+        split = tuple(a for a in self.axes_of("experts") if a in self.data_axes)
+        if not split:
+            return spec
+        out = list(spec) + [None] * (len(names) - len(spec))
+        out[list(names).index("experts")] = split[0] if len(split) == 1 else split
+        return PartitionSpec(*out)
 
 
 def check_divisible(spec: PartitionSpec, shape: Sequence[int], names: Sequence[str | None],

@@ -357,6 +357,20 @@ def test_layout_matches_single_device(family):
     assert_same_training(exp, model)
 
 
+@pytest.mark.parametrize("mesh", [dict(fsdp=2, expert=4), dict(fsdp=1, expert=4, tensor=2),
+                                  dict(replica=2, fsdp=2, expert=2)],
+                         ids=["fsdp_expert", "expert_tensor", "replica_fsdp_expert"])
+def test_expert_parallel_layouts_match_single_device(mesh):
+    """The experts split over mesh.expert (each device holds its share; the (token,
+    expert) pairs travel to them and back in ragged all-to-alls, emulated on CPU from
+    an all-gather), beside FSDP, tensor parallelism and replicas."""
+    model = FAMILY_MODELS["qwen3_moe"]
+    exp = Experiment.from_config(tiny_config(mesh=mesh, model=model))
+    spec = exp.state_sharding.params["layers"]["mlp"]["w_gate"].spec
+    assert "expert" in jax.tree.leaves(tuple(spec)), spec
+    assert_same_training(exp, model)
+
+
 def test_an_unsupported_model_type_names_the_families(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(
         {"model_type": "deepseek_v3", "architectures": ["DeepseekV3ForCausalLM"]}))

@@ -162,6 +162,9 @@ def test_nd_parallel_yaml_maps_the_mesh_and_builds(files):
         replica=1, fsdp=2, context=2, tensor=2)
     # Axolotl's global batch: micro_batch_size x accumulation x dp_replicate x dp_shard.
     assert (o["train.batch_size"], o["train.grad_accum"]) == (2 * 2 * 2, 2)
+    # Expert parallelism takes its GPUs out of dp_shard: the same GPUs and batch.
+    ep = from_axolotl.convert({**raw, "expert_parallel_size": 2}).overrides
+    assert (ep["mesh.expert"], ep["mesh.fsdp"], ep["train.batch_size"]) == (2, 1, 8)
     assert (o["data.source"], o["data.files"], o["data.text_field"]) == (
         "jsonl", files["text"], "body")
     assert o["data.packing"] is True and o["model.dtype"] == "bfloat16"
@@ -179,7 +182,7 @@ def test_nd_parallel_yaml_maps_the_mesh_and_builds(files):
     assert_every_field_accounted_for(raw, conv)
 
     config, exp = build(conv)
-    assert dict(exp.mesh.shape) == {"replica": 1, "fsdp": 2, "context": 2, "tensor": 2}
+    assert dict(exp.mesh.shape) == {"replica": 1, "fsdp": 2, "expert": 1, "context": 2, "tensor": 2}
     assert exp.model_cfg.family == "llama" and exp.model_cfg.vocab_size == VOCAB
     assert config.model.init_from == files["hf"]
 
@@ -213,7 +216,7 @@ def test_sft_yaml_with_chat_template_datasets(files):
     assert_every_field_accounted_for(raw, conv)
 
     _, exp = build(conv)
-    assert dict(exp.mesh.shape) == {"replica": 1, "fsdp": 8, "context": 1, "tensor": 1}
+    assert dict(exp.mesh.shape) == {"replica": 1, "fsdp": 8, "expert": 1, "context": 1, "tensor": 1}
     assert exp.settings.train.eval_every == 10 and exp.settings.data.source == "chat"
 
 
@@ -297,8 +300,8 @@ def test_cli_writes_the_config_and_lists_what_it_left_out(files):
      "micro_batch_size: 'two' must be a whole number >= 1; write it without quotes"),
     ("hub_model", "base_model: meta-llama/Llama-3.2-1B\ndp_shard_size: 1\nmax_steps: 1\n"
      "learning_rate: 1.0e-5\n", "`hf download meta-llama/Llama-3.2-1B --local-dir DIR`"),
-    ("expert_parallel", "base_model: x\nexpert_parallel_size: 2\n",
-     "expert_parallel_size: 2: ndjax does not have expert parallelism yet"),
+    ("expert_parallel", "base_model: x\ndp_shard_size: 3\nexpert_parallel_size: 2\n",
+     "expert_parallel_size: 2 does not divide dp_shard_size: 3"),
 ])
 def test_bad_input_is_one_line_exit_2_and_nothing_written(tmp_path, case, text, message):
     config, out = tmp_path / f"{case}.yml", tmp_path / "out.py"

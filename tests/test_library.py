@@ -62,7 +62,7 @@ def test_accelerate_names_map_to_mesh_axes(cpu_devices):
 def test_apply_to_an_ndjax_config():
     config = ParallelismConfig(dp_shard_size=-1, tp_size=2, cp_size=2,
                                cp_handler=ContextParallelConfig("alltoall")).apply_to(tiny_config())
-    assert dict(config.mesh) == dict(replica=1, fsdp=-1, context=2, tensor=2)
+    assert dict(config.mesh) == dict(replica=1, fsdp=-1, expert=1, context=2, tensor=2)
     assert config.model.cp_impl == "all_to_all"
     Settings.parse(config)  # a config ndjax accepts
     # Accelerate's own handler object is read the same way (only cp_comm_strategy).
@@ -90,7 +90,8 @@ def test_bad_values_are_one_line_errors(kwargs, match):
 
 def test_sizes_that_do_not_fit_the_devices(cpu_devices):
     with pytest.raises(ConfigError, match=r"ParallelismConfig: dp_replicate_size=1, "
-                       r"dp_shard_size=4, cp_size=1, tp_size=1 multiply to 4, but there are 8"):
+                       r"dp_shard_size=4, ep_size=1, cp_size=1, tp_size=1 multiply to 4, "
+                       r"but there are 8"):
         ParallelismConfig(dp_shard_size=4).build_mesh(cpu_devices)
     with pytest.raises(ConfigError, match=r"dp_shard_size=-1 takes the remaining devices"):
         _ = ParallelismConfig(dp_shard_size=-1).total_size

@@ -68,11 +68,14 @@ def mesh_of(**sizes):
     return jax.make_mesh(shape, AXES, axis_types=(jax.sharding.AxisType.Auto,) * len(AXES))
 
 
-@pytest.mark.parametrize("mesh", [None, dict(fsdp=4, tensor=2)], ids=["one_device", "fsdp_tp"])
+@pytest.mark.parametrize("mesh", [None, dict(fsdp=4, tensor=2), dict(fsdp=2, expert=4)],
+                         ids=["one_device", "fsdp_tp", "fsdp_expert"])
 def test_all_tokens_on_one_expert_equal_its_dense_mlp(mesh):
     """A router that sends every token to expert 2 (top-1, renormalised: weight 1): the
     MoE's output is expert 2's SwiGLU on every token, and its statistics count them all
-    there. Under fsdp x tensor each device's tokens form one group of its own."""
+    there. Under fsdp x tensor each device's tokens form one group of its own; under
+    expert=4 every device's tokens travel to the one that holds experts 2 and 3, which
+    receives the worst case its buffer is sized for, and no token is lost."""
     cfg, layer = make_moe(experts_per_token=1, norm_topk_prob=True)
     x = np.abs(np.random.default_rng(1).normal(size=(8, 16, cfg.dim))).astype(np.float32)
     router = np.full((cfg.dim, cfg.n_experts), -1.0, np.float32)
@@ -185,6 +188,20 @@ def test_bf16_experts_gather_bf16_and_reduce_f32():
 def test_a_bad_moe_config_is_refused_in_one_line(model, says):
     with pytest.raises(ConfigError) as e:
         Experiment.from_config(tiny_config(model=model), jax.devices()[:1])
+    assert str(e.value).startswith(says) and "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("mesh, model, says", [
+    (dict(fsdp=2, expert=4), dict(family="llama"),
+     "mesh.expert=4: model.family='llama' is dense (it has no experts to split)"),
+    (dict(fsdp=1, expert=8), MOE,
+     "mesh.expert=8 does not divide model.n_experts=4: each device holds n_experts / 8 "
+     "experts. Use a divisor of 4, e.g. mesh.expert=4."),
+    (dict(fsdp=1, expert=0), MOE, "mesh.expert=0 must be >= 1"),
+])
+def test_a_bad_expert_axis_is_refused_in_one_line(mesh, model, says):
+    with pytest.raises(ConfigError) as e:
+        Experiment.from_config(tiny_config(mesh=mesh, model=model))
     assert str(e.value).startswith(says) and "\n" not in str(e.value)
 
 

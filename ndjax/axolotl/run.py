@@ -19,11 +19,6 @@ ADAMW = ("adamw_torch", "adamw_torch_fused", "adamw_hf", "adamw_apex_fused",
 def mesh(f: Fields, out: Out, devices: int | None) -> tuple[int, int]:
     """Sets the mesh as Axolotl lays out its ranks; returns (data-parallel GPUs, context)."""
     expert = f.integer("expert_parallel_size", 1, minimum=1)
-    if expert > 1:
-        # TODO(expert axis, issue 35): mesh.expert = expert, once ndjax has that axis.
-        raise ConfigError(f"expert_parallel_size: {expert}: ndjax does not have expert "
-                          "parallelism yet (every device holds every expert); set it to 1 "
-                          "to convert without it.")
     tensor = f.integer("tensor_parallel_size", 1, minimum=1)
     context = f.integer("context_parallel_size", None, minimum=1)
     old = f.integer("sequence_parallel_degree", None, minimum=1)  # its deprecated name
@@ -53,8 +48,18 @@ def mesh(f: Fields, out: Out, devices: int | None) -> tuple[int, int]:
         raise ConfigError(f"--devices={devices}: {layout} is {total} GPUs; change a size or "
                           "--devices.")
     inferred = f"inferred as Axolotl does from --devices={devices}" if devices else "unset: 1"
+    if expert > 1:
+        # ndjax's expert axis is one more data axis outside the experts: it takes its
+        # degree out of the sharded data-parallel group (as torchtitan's EP does), so the
+        # GPU count and the global batch stay Axolotl's.
+        if shard % expert:
+            raise ConfigError(
+                f"expert_parallel_size: {expert} does not divide dp_shard_size: {shard}: "
+                "ndjax's expert axis takes its GPUs out of the dp_shard group. Use a "
+                f"divisor of {shard}.")
+        out.set("mesh.expert", expert, "expert_parallel_size (out of dp_shard_size's GPUs)")
     for axis, size, source in (("replica", replica, "dp_replicate_size"),
-                               ("fsdp", shard, "dp_shard_size"),
+                               ("fsdp", shard // expert, "dp_shard_size"),
                                ("context", context, "context_parallel_size"),
                                ("tensor", tensor, "tensor_parallel_size")):
         if f.has(source):

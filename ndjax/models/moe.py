@@ -43,8 +43,11 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import NamedSharding, PartitionSpec
 
+from ndjax import platforms
+from ndjax.errors import ConfigError
 from ndjax.models.layers import ACTIVATION_FNS, init_param, project, use_param
 from ndjax.ops.grouped_matmul import grouped_matmul, resolved
+from ndjax.ops.ragged_exchange import exchange, exclusive_cumsum
 from ndjax.rules import (
     ParamUse,
     active,
@@ -90,6 +93,60 @@ def dispatch(x: jax.Array, experts: jax.Array, weights: jax.Array, w_gate: jax.A
     out = checkpoint_name(matmul(ACTIVATION_FNS[activation](gate) * up, w_down), "moe_out")
     out = out[jnp.argsort(order)].reshape(*experts.shape, dim)  # back in token order
     mixed = jnp.einsum("...kd,...k->...d", out, weights.astype(out.dtype),
+                       preferred_element_type=jnp.float32)
+    return mixed.astype(x.dtype)
+
+
+def dispatch_over(axis: str, ways: int, x: jax.Array, experts: jax.Array,
+                  weights: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array,
+                  activation: str = "silu", impl: str = "xla",
+                  platform: str = "cpu") -> jax.Array:
+    """``dispatch`` with the experts split ``ways`` ways over the mesh axis ``axis``
+    (inside a ``shard_map`` manual over it): this device holds experts ``[i E/ways,
+    (i + 1) E/ways)`` (``w_*``: those), and each (token, expert) pair travels to its
+    expert's device and back in two ragged all-to-alls (``ops.ragged_exchange``), the
+    counts exchanged first (an all-gather of (ways x E/ways) counts per device).
+
+    Dropless at static shapes: a device may receive every pair of every device, so
+    its buffer has ``ways x`` its own pairs' rows; only the received ones are in a
+    group, and the grouped matmuls compute those."""
+    local, dim, k = w_gate.shape[0], x.shape[-1], experts.shape[-1]
+    tokens, flat = x.reshape(-1, dim), experts.reshape(-1)
+    order = jnp.argsort(flat, stable=True)  # the pairs, expert by expert
+    rows = tokens[order // k]
+    pairs = rows.shape[0]
+    per_device = jnp.zeros((ways * local,), jnp.int32).at[flat].add(1).reshape(ways, local)
+    counts = jax.lax.all_gather(per_device, axis)      # (from, to, expert of to)
+    me = jax.lax.axis_index(axis)
+    mine = counts[:, me]                               # (from, my expert): what I receive
+    send, recv = jnp.sum(per_device, axis=1), jnp.sum(mine, axis=1)
+    before_me = jnp.arange(ways)[:, None] < me         # the senders ahead of me
+    to_total = jnp.sum(counts, axis=2)                 # (from, to)
+    out_at = jnp.sum(jnp.where(before_me, to_total, 0), axis=0)  # my runs' place, per to
+    buffer = pairs * ways
+    got = exchange(rows, buffer, exclusive_cumsum(send), send, out_at, recv, axis, platform)
+    # Received: run by run (sender order), each sorted by my experts. Regrouped expert
+    # by expert across the senders; the buffer's unfilled rows last, in no group.
+    run_ends = jnp.cumsum(mine.reshape(-1))            # (from, expert) runs, sender-major
+    run = jnp.searchsorted(run_ends, jnp.arange(buffer), side="right")
+    key = jnp.where(run < ways * local, (run % local) * ways + run // local, ways * local)
+    regroup = jnp.argsort(key, stable=True)
+    grouped = got[regroup]
+    sizes = jnp.sum(mine, axis=0)
+    matmul = functools.partial(grouped_matmul, sizes=sizes, impl=impl)
+    gate = checkpoint_name(matmul(grouped, w_gate), "mlp_gate")
+    up = checkpoint_name(matmul(grouped, w_up), "mlp_up")
+    out = matmul(ACTIVATION_FNS[activation](gate) * up, w_down)
+    # Rows in no group: zeros from ragged_dot, unwritten by a Mosaic kernel.
+    filled = (jnp.arange(buffer) < jnp.sum(sizes))[:, None]
+    out = jnp.where(filled, out, jnp.zeros_like(out))[jnp.argsort(regroup)]
+    # Back: my runs return to their senders, to the rows they came from.
+    mine_before = jnp.sum(jnp.where(jnp.arange(ways)[None, :] < me, to_total, 0), axis=1)
+    back = exchange(out, pairs, exclusive_cumsum(recv), recv, mine_before, send, axis,
+                    platform)
+    back = checkpoint_name(back, "moe_out")
+    back = back[jnp.argsort(order)].reshape(*experts.shape, dim)  # back in token order
+    mixed = jnp.einsum("...kd,...k->...d", back, weights.astype(back.dtype),
                        preferred_element_type=jnp.float32)
     return mixed.astype(x.dtype)
 
@@ -160,22 +217,33 @@ class MoE(nnx.Module):
             w = [a.reshape(a.shape[-3:]) for a in w]  # this device's copy (per_device)
             with suspended():
                 experts, weights = route(probs, k, cfg.norm_topk_prob)
-                out = dispatch(x, experts, weights, *w, cfg.activation, impl)
+                if split:
+                    out = dispatch_over(split[0], ways, x, experts, weights, *w,
+                                        cfg.activation, impl, platform)
+                else:
+                    out = dispatch(x, experts, weights, *w, cfg.activation, impl)
                 assigned = jnp.zeros((n,), jnp.float32).at[experts.reshape(-1)].add(
                     jnp.repeat(real.reshape(-1), k))
                 return out, assigned[None]
         rules = active()
         axes = data_axes(rules) if rules is not None else ()
+        # The axes that split the experts themselves (mesh.expert): a data axis for the
+        # tokens, and the weights stay split over it where they are used.
+        split = expert_axes(rules) if rules is not None else ()
+        ways = math.prod(rules.mesh.shape[a] for a in split) if split else 1
+        platform = platforms.current()  # (inside the shard_map no rules are active)
         # The axes that split the experts' width (tensor), manual too: a custom call
         # (model.moe_impl='mosaic') has no partitioning rule, and left to the
         # partitioner its weights were gathered whole around it on every device.
-        width = tuple(dict.fromkeys(a for u in used for a in _compute_axes(u[2])))
+        width = tuple(dict.fromkeys(a for u in used for a in _compute_axes(u[2])
+                                    if a not in split))
+        w_axes = tuple(a for a in axes if a not in split)  # the weights' per-device copies
         if axes or width:
             rows = tuple(rules.spec(("act_batch", "act_seq")))
             rows = rows + (None,) * (2 - len(rows))
             tok = PartitionSpec(*rows, None)
-            w = [per_device(g, stored, use, axes) for g, stored, use in used]
-            w_specs = [PartitionSpec(*stacked_lead(u[2], axes), *_compute_spec(u[2]))
+            w = [per_device(g, stored, use, w_axes) for g, stored, use in used]
+            w_specs = [PartitionSpec(*stacked_lead(u[2], w_axes), *_compute_spec(u[2]))
                        for u in used]
             # Split over its width, each device's down projection is a partial sum:
             # stacked along a leading dimension over those axes, summed outside.
@@ -196,6 +264,18 @@ class MoE(nnx.Module):
         stats = {"assigned": jnp.sum(assigned, axis=0),
                  "probs": jnp.sum(probs * real[..., None], axis=(0, 1)), "rows": jnp.sum(real)}
         return out, stats
+
+
+def expert_axes(rules) -> tuple[str, ...]:
+    """The mesh axes (size > 1) that split the experts; one at most (the exchange runs
+    over one axis): ConfigError otherwise."""
+    if not any(name == "experts" for name, _ in rules.table):
+        return ()  # a table for dense models only
+    split = rules.axes_of("experts")
+    if len(split) > 1:
+        raise ConfigError(f"rules: 'experts' maps to mesh axes {split}; the experts' "
+                          "exchange runs over one axis. Map 'experts' to 'expert' alone.")
+    return split
 
 
 def _compute_spec(use: ParamUse) -> tuple:
