@@ -531,3 +531,22 @@ def test_an_moe_step_runs_the_mosaic_kernels_on_each_devices_share(remat, per_la
         gathers = [sorted((c.kind, c.bytes) for c in collectives(t) if c.kind == "all-gather")
                    for t in (text, reference)]
         assert gathers[0] == gathers[1]
+
+
+@needs_extra
+def test_expert_parallelism_compiles_to_ragged_all_to_alls():
+    """fsdp=2 x expert=2 on H100s: each layer's (token, expert) pairs go to their
+    experts' devices and back in XLA's ragged-all-to-all (2 forward, their transposes
+    2 backward), not in the all-gather that stands in for it on CPUs; the experts run
+    as the Mosaic kernels, one chunk of the receive buffer at a time (lax.cond)."""
+    c = tiny_config(mesh=dict(fsdp=2, expert=2), model=dict(MOE_SMALL, remat="none"),
+                    train=dict(batch_size=4, seq_len=1024))
+    exp = Experiment.from_config(c, gpu_target.devices(H100, 4))
+    text = exp.compiled_step.as_text()
+    # Asynchronous on GPUs (start/done pairs), in the scanned layers' loop bodies.
+    ragged = sum(" ragged-all-to-all-start(" in line and "double_buffer_clone" not in line
+                 for line in text.splitlines())
+    assert ragged >= 4, ragged
+    # The CPU stand-in would gather every device's (pairs, dim) rows: (2, 2048, 512).
+    assert "bf16[2,2048,512]" not in text
+    assert exp.model_cfg.moe_impl == "mosaic" and _mosaic_calls(text) > 0

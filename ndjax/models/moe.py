@@ -108,8 +108,11 @@ def dispatch_over(axis: str, ways: int, x: jax.Array, experts: jax.Array,
     counts exchanged first (an all-gather of (ways x E/ways) counts per device).
 
     Dropless at static shapes: a device may receive every pair of every device, so
-    its buffer has ``ways x`` its own pairs' rows; only the received ones are in a
-    group, and the grouped matmuls compute those."""
+    its buffer has ``ways x`` its own pairs' rows, the received ones first. A grouped
+    matmul kernel still visits rows in no group (jax's Mosaic kernels run every block
+    of their rows), so the buffer is computed in ``ways`` chunks of this device's
+    pair count, and a chunk that holds no received row is skipped (``lax.cond``):
+    balanced routing computes one or two chunks, the worst case all of them."""
     local, dim, k = w_gate.shape[0], x.shape[-1], experts.shape[-1]
     tokens, flat = x.reshape(-1, dim), experts.reshape(-1)
     order = jnp.argsort(flat, stable=True)  # the pairs, expert by expert
@@ -133,7 +136,7 @@ def dispatch_over(axis: str, ways: int, x: jax.Array, experts: jax.Array,
     regroup = jnp.argsort(key, stable=True)
     grouped = got[regroup]
     sizes = jnp.sum(mine, axis=0)
-    matmul = functools.partial(grouped_matmul, sizes=sizes, impl=impl)
+    matmul = functools.partial(_in_chunks, sizes=sizes, impl=impl, chunks=ways)
     gate = checkpoint_name(matmul(grouped, w_gate), "mlp_gate")
     up = checkpoint_name(matmul(grouped, w_up), "mlp_up")
     out = matmul(ACTIVATION_FNS[activation](gate) * up, w_down)
@@ -149,6 +152,25 @@ def dispatch_over(axis: str, ways: int, x: jax.Array, experts: jax.Array,
     mixed = jnp.einsum("...kd,...k->...d", back, weights.astype(back.dtype),
                        preferred_element_type=jnp.float32)
     return mixed.astype(x.dtype)
+
+
+def _in_chunks(x: jax.Array, w: jax.Array, sizes: jax.Array, impl: str, chunks: int
+               ) -> jax.Array:
+    """``grouped_matmul(x, w, sizes)`` over ``chunks`` equal runs of ``x``'s rows, each
+    with the part of every group inside it; a run with none is zeros, not computed."""
+    rows = x.shape[0] // chunks
+    start = exclusive_cumsum(sizes)
+    end = start + sizes
+    out = []
+    for c in range(chunks):
+        lo, hi = c * rows, (c + 1) * rows
+        part = jnp.clip(end, lo, hi) - jnp.clip(start, lo, hi)
+        out.append(jax.lax.cond(
+            jnp.sum(part) > 0,
+            lambda x, part: grouped_matmul(x, w, part, impl),
+            lambda x, part: jnp.zeros((rows, w.shape[-1]), x.dtype),
+            x[lo:hi], part))
+    return jnp.concatenate(out)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
