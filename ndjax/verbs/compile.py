@@ -28,7 +28,14 @@ import numpy as np
 from absl import app, flags
 from ml_collections import config_flags
 
-from ndjax.cli import BAD_OVERRIDE, config_flags_parser, fail, innermost, loaded_config
+from ndjax.cli import (
+    BAD_OVERRIDE,
+    config_flags_parser,
+    fail,
+    innermost,
+    loaded_config,
+    show_in_help,
+)
 from ndjax.console import import_jax_quietly, native_stderr
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -40,53 +47,62 @@ from ndjax.ops import grouped_matmul  # noqa: E402
 PROGRAM = "ndjax.compile"
 STEPS = ("train", "eval", "decode")
 
-try:
-    _CONFIG = config_flags.DEFINE_config_file(
-        "config", None, "Experiment config file (configs/*.py), as for train.py.")
-except BAD_OVERRIDE as e:
-    fail(PROGRAM, f"bad --config override: {innermost(e)}")
-_HARDWARE = flags.DEFINE_string("hardware", "h100", "a100 | h100 | h200 | b200.")
-_DEVICES = flags.DEFINE_integer("devices", None, "GPUs to compile for (the mesh's product).")
-_PER_NODE = flags.DEFINE_integer("devices_per_node", 8, "GPUs per node (NVLink domain).")
-_STEP = flags.DEFINE_string(
-    "step", "train", "train | eval | decode: which step to compile. decode: generation's "
-    "prefill and decode loop (python -m ndjax.generate) for train.batch_size prompts of "
-    "train.seq_len - --max_new_tokens tokens, with a KV cache of train.seq_len.")
-_MAX_NEW = flags.DEFINE_integer("max_new_tokens", 256, "--step=decode: tokens to generate.")
-_JSON = flags.DEFINE_bool("json", False, "Print one JSON object on stdout, nothing else.")
-_DUMP = flags.DEFINE_string("dump_hlo", None, "Write the optimized HLO text to this directory.")
-_MEM_FRACTION = flags.DEFINE_float(
-    "mem_fraction", None, "Share of GPU memory a step may use; default: "
-    "XLA_PYTHON_CLIENT_MEM_FRACTION, else 0.75 (what jax's allocator takes).")
-flags.mark_flag_as_required("config")
-flags.mark_flag_as_required("devices")
+
+def define_flags() -> list[flags.FlagHolder]:
+    """The command line's flags (read as ``flags.FLAGS.name``), defined by ``main``, not
+    on import: see ndjax/verbs/__init__.py."""
+    try:
+        config = config_flags.DEFINE_config_file(
+            "config", None, "Experiment config file (configs/*.py), as for train.py.")
+    except BAD_OVERRIDE as e:
+        fail(PROGRAM, f"bad --config override: {innermost(e)}")
+    f = flags
+    holders = [
+        config,
+        f.DEFINE_string("hardware", "h100", "a100 | h100 | h200 | b200."),
+        f.DEFINE_integer("devices", None, "GPUs to compile for (the mesh's product)."),
+        f.DEFINE_integer("devices_per_node", 8, "GPUs per node (NVLink domain)."),
+        f.DEFINE_string("step", "train", "train | eval | decode: which step to compile. "
+                        "decode: generation's prefill and decode loop (python -m "
+                        "ndjax.generate) for train.batch_size prompts of train.seq_len - "
+                        "--max_new_tokens tokens, with a KV cache of train.seq_len."),
+        f.DEFINE_integer("max_new_tokens", 256, "--step=decode: tokens to generate."),
+        f.DEFINE_bool("json", False, "Print one JSON object on stdout, nothing else."),
+        f.DEFINE_string("dump_hlo", None, "Write the optimized HLO text to this directory."),
+        f.DEFINE_float("mem_fraction", None, "Share of GPU memory a step may use; default: "
+                       "XLA_PYTHON_CLIENT_MEM_FRACTION, else 0.75 (jax's)."),
+    ]
+    flags.mark_flag_as_required("config")
+    flags.mark_flag_as_required("devices")
+    return holders
 
 
 def _check_flags() -> None:
     from ndjax import gpu_target
     from ndjax.errors import ConfigError
 
-    gpu_target.hardware(_HARDWARE.value)
-    if _DEVICES.value < 1:
-        raise ConfigError(f"--devices={_DEVICES.value} must be >= 1.")
-    if _STEP.value not in STEPS:
-        raise ConfigError(f"--step={_STEP.value!r}: choose one of {STEPS}.")
-    fraction = _MEM_FRACTION.value
+    args = flags.FLAGS  # the parsed command line
+    gpu_target.hardware(args.hardware)
+    if args.devices < 1:
+        raise ConfigError(f"--devices={args.devices} must be >= 1.")
+    if args.step not in STEPS:
+        raise ConfigError(f"--step={args.step!r}: choose one of {STEPS}.")
+    fraction = args.mem_fraction
     if fraction is not None and not 0 < fraction <= 1:
         raise ConfigError(f"--mem_fraction={fraction} must be in (0, 1].")
-    if _STEP.value == "decode" and _MAX_NEW.value < 1:
-        raise ConfigError(f"--max_new_tokens={_MAX_NEW.value} must be >= 1.")
-    if _DUMP.value is not None and os.path.exists(_DUMP.value) \
-            and not os.path.isdir(_DUMP.value):
-        raise ConfigError(f"--dump_hlo={_DUMP.value!r} exists and is not a directory.")
+    if args.step == "decode" and args.max_new_tokens < 1:
+        raise ConfigError(f"--max_new_tokens={args.max_new_tokens} must be >= 1.")
+    if args.dump_hlo is not None and os.path.exists(args.dump_hlo) \
+            and not os.path.isdir(args.dump_hlo):
+        raise ConfigError(f"--dump_hlo={args.dump_hlo!r} exists and is not a directory.")
 
 
 def _decode_programs(config: Any, devices: list, max_new_tokens: int) -> tuple[Any, dict]:
     """Generation's two programs, as ``python -m ndjax.generate`` builds them."""
     from ndjax.errors import ConfigError
     from ndjax.experiment import Experiment
-    from ndjax.generate import for_generation
     from ndjax.sampling import Generator
+    from ndjax.verbs.generate import for_generation
 
     t = config.train
     if max_new_tokens >= t.seq_len:
@@ -192,10 +208,12 @@ def report(r: dict[str, Any], config: Any) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str]) -> None:
+def run(argv: list[str]) -> None:
+    """The program, on the parsed flags."""
+    args = flags.FLAGS  # the parsed command line
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-    config = loaded_config(PROGRAM, _CONFIG)
+    config = loaded_config(PROGRAM, args["config"])
     from ndjax.console import quiet_libraries
     quiet_libraries(PROGRAM)
 
@@ -213,27 +231,33 @@ def main(argv: list[str]) -> None:
             check_keys(config)
             gpu_target.require()
             jax.devices()
-        result = compile_for(config, _HARDWARE.value, _DEVICES.value, _PER_NODE.value,
-                             _STEP.value, _MAX_NEW.value)
+        result = compile_for(config, args.hardware, args.devices, args.devices_per_node,
+                             args.step, args.max_new_tokens)
     except ConfigError as e:
         fail(PROGRAM, e)
-    fraction = _MEM_FRACTION.value or mem_fraction_default()
+    fraction = args.mem_fraction or mem_fraction_default()
     hlo = result.pop("hlo")
     total = result["argument_bytes"] + result["temp_bytes"]
     budget = result["gpu_memory_bytes"] * fraction
     result.update(memory_bytes=total, mem_fraction=fraction, budget_bytes=int(budget),
                   host_budget_bytes=int(result["host_memory_bytes"] * fraction),
-                  fits=gpu_target.hardware(_HARDWARE.value).fits(total, result["host_bytes"],
+                  fits=gpu_target.hardware(args.hardware).fits(total, result["host_bytes"],
                                                                  fraction))
-    if _DUMP.value:
-        os.makedirs(_DUMP.value, exist_ok=True)
-        path = os.path.join(_DUMP.value, f"{_STEP.value}_step.{_HARDWARE.value}.hlo.txt")
+    if args.dump_hlo:
+        os.makedirs(args.dump_hlo, exist_ok=True)
+        path = os.path.join(args.dump_hlo, f"{args.step}_step.{args.hardware}.hlo.txt")
         with open(path, "w") as f:
             f.write(hlo)
         result["hlo_file"] = path
-    print(json.dumps(result, indent=1) if _JSON.value else report(result, config))
+    print(json.dumps(result, indent=1) if args.json else report(result, config))
     sys.stdout.flush()
 
 
+def main() -> None:
+    """``python -m ndjax.compile``."""
+    show_in_help(define_flags())
+    app.run(run, flags_parser=config_flags_parser(PROGRAM))
+
+
 if __name__ == "__main__":
-    app.run(main, flags_parser=config_flags_parser(PROGRAM))
+    main()

@@ -22,6 +22,7 @@ from absl import app, flags
 from ndjax import hf
 from ndjax import workdir as workdir_lib
 from ndjax.checkpoint import saved_step
+from ndjax.cli import show_in_help
 from ndjax.console import quiet_libraries
 from ndjax.errors import ConfigError
 from ndjax.experiment import Experiment
@@ -47,30 +48,44 @@ def export_checkpoint(workdir: str, out: str, step: int | None = None,
     return step
 
 
-_WORKDIR = flags.DEFINE_string("workdir", None, "The --workdir of a train.py run.")
-_OUT = flags.DEFINE_string("out", None, "The Hugging Face directory to write (must not exist "
-                           "or be empty).")
-_STEP = flags.DEFINE_integer("step", None, "Checkpoint step; default: the newest.")
-_DTYPE = flags.DEFINE_string("dtype", None, "bfloat16, float16 or float32; default: the run's "
-                             "export.dtype.")
+def define_flags() -> list[flags.FlagHolder]:
+    """The command line's flags (read as ``flags.FLAGS.name``), defined by ``main``, not
+    on import: see ndjax/verbs/__init__.py."""
+    f = flags
+    return [
+        f.DEFINE_string("workdir", None, "The --workdir of a train.py run."),
+        f.DEFINE_string("out", None, "The Hugging Face directory to write (must not exist "
+                        "or be empty)."),
+        f.DEFINE_integer("step", None, "Checkpoint step; default: the newest."),
+        f.DEFINE_string("dtype", None, "bfloat16, float16 or float32; default: the run's "
+                        "export.dtype."),
+    ]
 
 
-def main(argv: list[str]) -> None:
+def run(argv: list[str]) -> None:
+    """The program, on the parsed flags."""
+    args = flags.FLAGS  # the parsed command line
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
     quiet_libraries("ndjax.export")
     try:
-        if not _WORKDIR.value or not _OUT.value:
+        if not args.workdir or not args.out:
             raise ConfigError("--workdir and --out are required.")
-        config = workdir_lib.run_config(_WORKDIR.value)
+        config = workdir_lib.run_config(args.workdir)
         # Before JAX creates its backends, as train.py does (CPU hosts only).
         jax.config.update("jax_num_cpu_devices", int(config.runtime.cpu_devices))
-        step = export_checkpoint(_WORKDIR.value, _OUT.value, _STEP.value, _DTYPE.value)
+        step = export_checkpoint(args.workdir, args.out, args.step, args.dtype)
     except ConfigError as e:
         print(f"ndjax.export: error: {' '.join(str(e).split())}", file=sys.stderr)
         sys.exit(2)
-    print(f"exported checkpoint step {step} of {_WORKDIR.value} to {_OUT.value}")
+    print(f"exported checkpoint step {step} of {args.workdir} to {args.out}")
+
+
+def main() -> None:
+    """``python -m ndjax.export``."""
+    show_in_help(define_flags())
+    app.run(run)
 
 
 if __name__ == "__main__":
-    app.run(main)
+    main()

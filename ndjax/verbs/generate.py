@@ -35,6 +35,7 @@ from ml_collections import config_flags
 from ndjax import hf
 from ndjax import workdir as workdir_lib
 from ndjax.checkpoint import saved_step
+from ndjax.cli import show_in_help
 from ndjax.config import default_config
 from ndjax.console import quiet_libraries
 from ndjax.data.chat_template import (
@@ -295,8 +296,8 @@ def read_prompts(prompts: Sequence[str], prompts_file: str | None) -> list[str]:
 
 
 def define_flags() -> dict[str, Any]:
-    """The command line's flags, defined only when this runs as a program (ndjax.export,
-    which tests import alongside, defines some of the same names)."""
+    """The command line's flags, defined by main(), not on import (see
+    ndjax/verbs/__init__.py)."""
     f = flags
     return dict(
         workdir=f.DEFINE_string("workdir", None, "The --workdir of a train.py run."),
@@ -314,13 +315,12 @@ def define_flags() -> dict[str, Any]:
                                  "default: the run's train.seq_len, or "
                                  "max_position_embeddings."),
         temperature=f.DEFINE_float("temperature", 0.0, "0: greedy; else sample at it."),
-        top_p=f.DEFINE_float("top_p", 1.0, "Keep the likeliest tokens up to this probability "
+        top_p=f.DEFINE_float("top_p", 1.0, "Keep tokens up to this total probability "
                              "(1: off)."),
         top_k=f.DEFINE_integer("top_k", 0, "Keep the k most likely tokens (0: off)."),
         seed=f.DEFINE_integer("seed", 0, "Sampling seed."),
         batch_size=f.DEFINE_integer("batch_size", 8, "Prompts generated together."),
-        json=f.DEFINE_bool("json", False, "One JSON line per prompt (prompt, completion, "
-                           "token counts)."),
+        json=f.DEFINE_bool("json", False, "One JSON line per prompt, with token counts."),
         # --config.a.b=value: fields of the run's config (or the defaults, with --hf_dir).
         config=_config_flag(),
     )
@@ -366,7 +366,8 @@ def parse_flags(argv: list[str]) -> list[str]:
     return []
 
 
-def main(argv: list[str]) -> None:
+def run(argv: list[str]) -> None:
+    """The program, on the parsed flags."""
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
     quiet_libraries("ndjax.generate")
@@ -402,10 +403,16 @@ def main(argv: list[str]) -> None:
                   f"tokens ---\n{text}", flush=True)
 
 
-if __name__ == "__main__":
+def main() -> None:
+    """``python -m ndjax.generate``."""
     try:
         # config_flags applies --config.* overrides as soon as the flag is defined.
         FLAGS.update(define_flags())
     except _BAD_OVERRIDE as e:
         _bad_override(e)
-    app.run(main, flags_parser=parse_flags)
+    show_in_help(FLAGS.values())
+    app.run(run, flags_parser=parse_flags)
+
+
+if __name__ == "__main__":
+    main()

@@ -23,61 +23,75 @@ import numpy as np
 from absl import app, flags
 from ml_collections import config_flags
 
-from ndjax.cli import BAD_OVERRIDE, config_flags_parser, fail, innermost, loaded_config
+from ndjax.cli import (
+    BAD_OVERRIDE,
+    config_flags_parser,
+    fail,
+    innermost,
+    loaded_config,
+    show_in_help,
+)
 from ndjax.console import import_jax_quietly
 
 import_jax_quietly()
 
 PROGRAM = "ndjax.plan"
 
-try:
-    _CONFIG = config_flags.DEFINE_config_file(
-        "config", None, "Experiment config file (configs/*.py), as for train.py.")
-except BAD_OVERRIDE as e:
-    fail(PROGRAM, f"bad --config override: {innermost(e)}")
-_DEVICES = flags.DEFINE_integer("devices", None, "GPUs to plan for.")
-_PER_NODE = flags.DEFINE_integer("devices_per_node", 8, "GPUs per node (NVLink domain).")
-_HARDWARE = flags.DEFINE_string("hardware", "h100", "a100 | h100 | h200 | b200.")
-_TOP = flags.DEFINE_integer("top", 5, "Fitting layouts to print (all with --json).")
-_JSON = flags.DEFINE_bool("json", False, "Print only a JSON list of every layout on stdout.")
-_RULES = flags.DEFINE_list("rules", None, "Rule presets to try; default: all (a config with "
-                           "its own rule table uses that).")
-_MEM_FRACTION = flags.DEFINE_float(
-    "mem_fraction", None, "Share of GPU memory a step may use; default: "
-    "XLA_PYTHON_CLIENT_MEM_FRACTION, else 0.75 (what jax's allocator takes).")
-_WORKERS = flags.DEFINE_integer("workers", None, "Processes compiling at once; default: "
-                                "min(cores, 4); 0 compiles in this process.")
-_EXHAUSTIVE = flags.DEFINE_bool(
-    "exhaustive", False, "Compile every remedy of every layout, also those that cannot "
-    "rank among the --top best (slower; --json then has every layout's best fit).")
-_COMPILER = flags.DEFINE_enum(
-    "compiler", "auto", ["auto", "gpu", "cpu"], "Which XLA compiler measures each layout: "
-    "gpu (XLA's GPU compiler for --hardware, needs the gpu-compile extra), cpu (simulated "
-    "CPU devices, a stand-in), auto: gpu where the extra is installed.")
-_CACHE_DIR = flags.DEFINE_string("cache_dir", None, "Where compiled measurements are kept; "
-                                 "default ~/.cache/ndjax/plan; '' for none.")
-flags.mark_flag_as_required("config")
-flags.mark_flag_as_required("devices")
+
+def define_flags() -> list[flags.FlagHolder]:
+    """The command line's flags (read as ``flags.FLAGS.name``), defined by ``main``, not
+    on import: see ndjax/verbs/__init__.py."""
+    try:
+        config = config_flags.DEFINE_config_file(
+            "config", None, "Experiment config file (configs/*.py), as for train.py.")
+    except BAD_OVERRIDE as e:
+        fail(PROGRAM, f"bad --config override: {innermost(e)}")
+    f = flags
+    holders = [
+        config,
+        f.DEFINE_integer("devices", None, "GPUs to plan for."),
+        f.DEFINE_integer("devices_per_node", 8, "GPUs per node (NVLink domain)."),
+        f.DEFINE_string("hardware", "h100", "a100 | h100 | h200 | b200."),
+        f.DEFINE_integer("top", 5, "Fitting layouts to print (all with --json)."),
+        f.DEFINE_bool("json", False, "Print only a JSON list of every layout on stdout."),
+        f.DEFINE_list("rules", None, "Rule presets to try; default: all (or the config's "
+                      "own table)."),
+        f.DEFINE_float("mem_fraction", None, "Share of GPU memory a step may use; default: "
+                       "XLA_PYTHON_CLIENT_MEM_FRACTION, else 0.75 (jax's)."),
+        f.DEFINE_integer("workers", None, "Compiling processes; default min(cores, 4); 0: "
+                         "this one."),
+        f.DEFINE_bool("exhaustive", False, "Compile every remedy of every layout, also "
+                      "those that cannot rank in --top (slower)."),
+        f.DEFINE_enum("compiler", "auto", ["auto", "gpu", "cpu"], "What measures each "
+                      "layout. gpu: XLA's GPU compiler (the gpu-compile extra); cpu: "
+                      "simulated CPU devices; auto: gpu where installed."),
+        f.DEFINE_string("cache_dir", None, "Where measurements are kept; default "
+                        "~/.cache/ndjax/plan; '' for none."),
+    ]
+    flags.mark_flag_as_required("config")
+    flags.mark_flag_as_required("devices")
+    return holders
 
 
 def _check_flags(hardware_names: list[str], presets: list[str]) -> None:
     from ndjax.errors import ConfigError
 
-    n, per_node = _DEVICES.value, _PER_NODE.value
+    args = flags.FLAGS  # the parsed command line
+    n, per_node = args.devices, args.devices_per_node
     if n < 1:
         raise ConfigError(f"--devices={n} must be >= 1.")
     if per_node < 1:
         raise ConfigError(f"--devices_per_node={per_node} must be >= 1.")
-    if _HARDWARE.value not in hardware_names:
-        raise ConfigError(f"--hardware={_HARDWARE.value!r}: choose one of {hardware_names}.")
-    if _TOP.value < 1:
-        raise ConfigError(f"--top={_TOP.value} must be >= 1.")
-    fraction = _MEM_FRACTION.value
+    if args.hardware not in hardware_names:
+        raise ConfigError(f"--hardware={args.hardware!r}: choose one of {hardware_names}.")
+    if args.top < 1:
+        raise ConfigError(f"--top={args.top} must be >= 1.")
+    fraction = args.mem_fraction
     if fraction is not None and not 0 < fraction <= 1:
         raise ConfigError(f"--mem_fraction={fraction} must be in (0, 1].")
-    if _WORKERS.value is not None and _WORKERS.value < 0:
-        raise ConfigError(f"--workers={_WORKERS.value} must be >= 0.")
-    unknown = [r for r in _RULES.value or [] if r not in presets]
+    if args.workers is not None and args.workers < 0:
+        raise ConfigError(f"--workers={args.workers} must be >= 0.")
+    unknown = [r for r in args.rules or [] if r not in presets]
     if unknown:
         raise ConfigError(f"--rules: {unknown} are not rule presets; choose from {presets}.")
 
@@ -165,12 +179,14 @@ def report(plan, config, top: int) -> str:  # noqa: ANN001 -- planner.Plan, Conf
     return "\n".join(lines)
 
 
-def main(argv: list[str]) -> None:
+def run(argv: list[str]) -> None:
+    """The program, on the parsed flags."""
+    args = flags.FLAGS  # the parsed command line
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
     from ndjax.console import quiet_libraries
     quiet_libraries(PROGRAM)
-    config = loaded_config(PROGRAM, _CONFIG)
+    config = loaded_config(PROGRAM, args["config"])
 
     import jax
 
@@ -187,7 +203,7 @@ def main(argv: list[str]) -> None:
         check_keys(config)
     except ConfigError as e:
         fail(PROGRAM, e)
-    n = _DEVICES.value
+    n = args.devices
     # Simulated CPU devices, before any backend exists, even on a GPU host; GPUs, if
     # any, are the CUDA plugin's compile-only devices.
     jax.config.update("jax_platforms", "cpu")
@@ -196,38 +212,43 @@ def main(argv: list[str]) -> None:
     from ndjax.console import native_stderr
 
     target = None
-    if _COMPILER.value == "gpu" or (_COMPILER.value == "auto" and not gpu_target.missing()):
-        target = _HARDWARE.value
+    if args.compiler == "gpu" or (args.compiler == "auto" and not gpu_target.missing()):
+        target = args.hardware
         try:
             with native_stderr():
-                devices = gpu_target.devices(roofline.HARDWARE[target], n, _PER_NODE.value)
+                devices = gpu_target.devices(roofline.HARDWARE[target], n, args.devices_per_node)
         except ConfigError as e:
             fail(PROGRAM, e)
     else:
         devices = jax.devices()[:n]
-    workers = _WORKERS.value if _WORKERS.value is not None else min(os.cpu_count() or 1, 4)
+    workers = args.workers if args.workers is not None else min(os.cpu_count() or 1, 4)
     if workers:
         # Not with workers=0: a handler waits for the compile in this process to return,
         # where the default action ends it at once.
         children.stop_children_on_signals()
-    cache_dir = planner.default_cache_dir() if _CACHE_DIR.value is None else _CACHE_DIR.value
+    cache_dir = planner.default_cache_dir() if args.cache_dir is None else args.cache_dir
     compiler = planner.Compiler(n, workers, planner.Cache(cache_dir or None), progress,
-                                target, _PER_NODE.value)
-    fraction = _MEM_FRACTION.value or planner.mem_fraction_default()
+                                target, args.devices_per_node)
+    fraction = args.mem_fraction or planner.mem_fraction_default()
     try:
-        plan = planner.make_plan(config, n, roofline.HARDWARE[_HARDWARE.value],
-                                 _PER_NODE.value, fraction, compiler, devices,
-                                 _RULES.value, progress,
-                                 None if _EXHAUSTIVE.value else _TOP.value)
+        plan = planner.make_plan(config, n, roofline.HARDWARE[args.hardware],
+                                 args.devices_per_node, fraction, compiler, devices,
+                                 args.rules, progress, None if args.exhaustive else args.top)
     except ConfigError as e:  # a field no layout changes (model dims, data, ...)
         fail(PROGRAM, e)
     finally:
         compiler.close()
-    if _JSON.value:
+    if args.json:
         print(json.dumps([c.as_dict() for c in plan.candidates], indent=1))
     else:
-        print(report(plan, config, _TOP.value))
+        print(report(plan, config, args.top))
+
+
+def main() -> None:
+    """``python -m ndjax.plan``."""
+    show_in_help(define_flags())
+    app.run(run, flags_parser=config_flags_parser(PROGRAM))
 
 
 if __name__ == "__main__":
-    app.run(main, flags_parser=config_flags_parser(PROGRAM))
+    main()
