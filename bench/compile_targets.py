@@ -44,8 +44,8 @@ TINY = [("tiny", 8, 8, 256, "full", [(1, 4, 1, 2)])]
 
 
 def kernels(hardware: str) -> None:
-    from ndjax.compile import compile_for
     from ndjax.config import default_config
+    from ndjax.verbs.compile import compile_for
 
     print("| remat | seq | kernel | arguments GiB | temporaries GiB | temp / tiled's | "
           "compile s |")

@@ -54,10 +54,10 @@ TINY = [(family, "tiny", 8, 256, "full", {}, "") for family in ("llama", "gemma3
 
 
 def row(case, hardware: str) -> str:
-    from ndjax.compile import compile_for
     from ndjax.config import Settings, default_config
     from ndjax.experiment import model_config
     from ndjax.flops import flops_per_token
+    from ndjax.verbs.compile import compile_for
 
     family, preset, batch, seq, remat, extra, label = case
     c = default_config()

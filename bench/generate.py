@@ -44,8 +44,8 @@ def one(devices: int, mesh: dict[str, int], a: argparse.Namespace) -> dict[str, 
     from ndjax import rules as rules_lib
     from ndjax.config import default_config
     from ndjax.experiment import Experiment
-    from ndjax.generate import for_generation
     from ndjax.sampling import Generator
+    from ndjax.verbs.generate import for_generation
 
     c = default_config()
     c.model.preset = "tiny"

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from absl import flags
@@ -28,7 +28,7 @@ def fail(program: str, message: object, exit: Callable[[int], object] = sys.exit
     exit(2)
 
 
-def loaded_config(program: str, flag: flags.FlagHolder) -> Any:
+def loaded_config(program: str, flag: flags.FlagHolder | flags.Flag) -> Any:
     """The ``--config`` ConfigDict; a config file that failed to load or a bad
     override (both surface on first access) is one line, exit 2."""
     try:
@@ -39,6 +39,20 @@ def loaded_config(program: str, flag: flags.FlagHolder) -> Any:
     except BAD_OVERRIDE as e:
         fail(program, f"bad --config override: {innermost(e)}")
     return config
+
+
+def show_in_help(holders: Iterable[flags.FlagHolder]) -> None:
+    """Lists a verb's flags under ``--help``, which shows only the flags of the program's
+    own file (``sys.argv[0]``): ``python -m ndjax.plan`` runs ndjax/plan.py, a shim,
+    while ndjax/verbs/plan.py defines the flags. Each default joins its flag's text
+    (absl gives it a line of its own), and "None" is left out, so that a verb's help
+    fits on a screen."""
+    for holder in holders:
+        flag = flags.FLAGS[holder.name]
+        if flag.default is not None and flag.default_as_str is not None:
+            flag.help = f"{flag.help} (default: {flag.default_as_str})"
+        flag.default_as_str = None
+        flags.FLAGS.register_key_flag_for_module(sys.argv[0], flag)
 
 
 def config_path(argv: list[str]) -> str | None:

@@ -20,6 +20,7 @@ import functools
 import json
 import math
 import os
+import re
 import typing
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -27,6 +28,7 @@ from typing import Any
 import ml_collections
 from ml_collections import config_dict
 
+from ndjax.data import SOURCES
 from ndjax.errors import ConfigError
 
 
@@ -75,16 +77,6 @@ def _cp_impls() -> Sequence[str]:
 def _cp_layouts() -> Sequence[str]:
     from ndjax.ops import ring_attention
     return ring_attention.LAYOUTS
-
-
-def _sources() -> Sequence[str]:
-    from ndjax.data import loader
-    return loader.SOURCES
-
-
-def _export_dtypes() -> Sequence[str]:
-    from ndjax import hf
-    return tuple(hf.EXPORT_DTYPES)
 
 
 _DIMS = dict(ge=1, hint=" (or unset: the preset's)")
@@ -281,7 +273,7 @@ class DataSettings:
     # builtin: this Python's standard library source | synthetic: a seeded Markov
     # chain | text | jsonl | parquet: local files | tokens: pre-tokenized files |
     # chat: conversations (JSON Lines or Parquet)
-    source: str = setting("builtin", choices=_sources)
+    source: str = setting("builtin", choices=SOURCES)
     files: str = setting("", hint=" (comma-separated paths or globs)")
     eval_files: str = setting("")  # the validation split of those sources, same format
     text_field: str = setting("text")  # JSON Lines key / Parquet column holding the text
@@ -359,20 +351,40 @@ class DebugSettings:
     nan_at_step: int = setting(-1)  # poison the loss at this step (tests of train.on_nan)
 
 
+# export.dtype's values -> the safetensors dtype code ndjax.hf writes them as.
+EXPORT_DTYPES = {"float32": "F32", "bfloat16": "BF16", "float16": "F16"}
+# export.max_shard_size's default: Hugging Face's own before transformers 5 (which
+# went to 50GB); a file's tensors are all on the host while it is written.
+SHARD_BYTES = 5 * 10**9
+_SIZE_UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+               "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+
+
+def shard_size(value: Any) -> int:
+    """``export.max_shard_size`` in bytes: an int, or a string like "5GB", "500MB", "2GiB"."""
+    size = value
+    if isinstance(value, str):
+        m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B)?\s*", value, re.IGNORECASE)
+        size = int(float(m[1]) * _SIZE_UNITS[(m[2] or "B").upper()]) if m else None
+    if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+        raise ConfigError(f"export.max_shard_size={value!r}: write a positive number of bytes "
+                          "or a size like '5GB' or '500MB'.")
+    return size
+
+
 @dataclasses.dataclass(frozen=True)
 class ExportSettings:
     # At the end of training, write a directory that transformers loads
     # (AutoModelForCausalLM.from_pretrained); None: no export.
     hf_dir: str | None = setting(None)
     # of the exported weights
-    dtype: str = setting("bfloat16", choices=_export_dtypes)
+    dtype: str = setting("bfloat16", choices=tuple(EXPORT_DTYPES))
     # Largest weight file, bytes (int) or "5GB" / "500MB" / "2GiB"; bigger models are split
     # into files with an index, as transformers does. The host holds one file while writing.
     max_shard_size: Any = setting("5GB")
 
     def check(self) -> None:
-        from ndjax import hf
-        hf.shard_size(self.max_shard_size)
+        shard_size(self.max_shard_size)
 
 
 SECTIONS: dict[str, type] = {

@@ -1,76 +1,16 @@
-"""Export a training checkpoint as a Hugging Face Llama directory.
+r"""Export a training checkpoint as a Hugging Face directory.
 
     python -m ndjax.export --workdir=runs/llama_fsdp_tp --out=hf/llama [--step=N] \
         [--dtype=bfloat16]
 
-The run's experiment is rebuilt from ``<workdir>/config.json`` (written by
-train.py): the same model, mesh and rules, so run this where the run's devices
-are (on a CPU host, ``runtime.cpu_devices`` of that config simulates them).
-Step N (default: the newest complete checkpoint) is restored and written as
-``export.hf_dir`` would have been, with the token ids and tokenizer files of the
-run's ``data.tokenizer``. Bad input is one line on stderr, exit code 2.
+The run's experiment is rebuilt from <workdir>/config.json, so run this where the
+run's devices are. Bad input is one line on stderr, exit code 2.
 """
 
-from __future__ import annotations
-
-import sys
-from collections.abc import Sequence
-
-import jax
-from absl import app, flags
-
-from ndjax import hf
-from ndjax import workdir as workdir_lib
-from ndjax.checkpoint import saved_step
-from ndjax.console import quiet_libraries
-from ndjax.errors import ConfigError
-from ndjax.experiment import Experiment
-
-
-def export_checkpoint(workdir: str, out: str, step: int | None = None,
-                      dtype: str | None = None,
-                      devices: Sequence[jax.Device] | None = None) -> int:
-    """Writes checkpoint ``step`` (None: the newest) of the run in ``workdir`` to ``out``
-    as a Hugging Face directory; returns the step."""
-    config = workdir_lib.run_config(workdir)  # the copies the run keeps, not its sources
-    config.export.hf_dir = out
-    if dtype is not None:
-        config.export.dtype = dtype
-    exp = Experiment.from_config(config, devices)  # checks out and dtype too
-    with saved_step(workdir, exp.settings.checkpoint, step) as (checkpointer, step):
-        state, _ = checkpointer.restore(step, exp.abstract_state)
-    # The run's tokenizer: its ids and files describe what the weights were trained on.
-    hf.export(state.params, exp.model_cfg, out, config.export.dtype,
-              source=workdir_lib.source(workdir),
-              shard_bytes=hf.shard_size(config.export.max_shard_size),
-              tokenizer=hf.run_tokenizer(config.data))
-    return step
-
-
-_WORKDIR = flags.DEFINE_string("workdir", None, "The --workdir of a train.py run.")
-_OUT = flags.DEFINE_string("out", None, "The Hugging Face directory to write (must not exist "
-                           "or be empty).")
-_STEP = flags.DEFINE_integer("step", None, "Checkpoint step; default: the newest.")
-_DTYPE = flags.DEFINE_string("dtype", None, "bfloat16, float16 or float32; default: the run's "
-                             "export.dtype.")
-
-
-def main(argv: list[str]) -> None:
-    if len(argv) > 1:
-        raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-    quiet_libraries("ndjax.export")
-    try:
-        if not _WORKDIR.value or not _OUT.value:
-            raise ConfigError("--workdir and --out are required.")
-        config = workdir_lib.run_config(_WORKDIR.value)
-        # Before JAX creates its backends, as train.py does (CPU hosts only).
-        jax.config.update("jax_num_cpu_devices", int(config.runtime.cpu_devices))
-        step = export_checkpoint(_WORKDIR.value, _OUT.value, _STEP.value, _DTYPE.value)
-    except ConfigError as e:
-        print(f"ndjax.export: error: {' '.join(str(e).split())}", file=sys.stderr)
-        sys.exit(2)
-    print(f"exported checkpoint step {step} of {_WORKDIR.value} to {_OUT.value}")
-
+# The program is ndjax/verbs/export.py; --help prints the docstring above (absl reads
+# __main__'s). Why verbs live in ndjax/verbs/: ndjax/verbs/__init__.py.
+from ndjax.verbs.export import *  # noqa: F403 -- the old import path keeps working
+from ndjax.verbs.export import main
 
 if __name__ == "__main__":
-    app.run(main)
+    main()

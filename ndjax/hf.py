@@ -46,7 +46,18 @@ import safetensors.numpy
 from jax.experimental import multihost_utils
 from safetensors import SafetensorError, safe_open
 
-from ndjax.config import MODEL_DIMS, ExportSettings, ModelSettings, Settings, default_config
+# The export fields' forms (dtypes, shard size) are ndjax.config's, which checks them
+# without importing this module; shard_size keeps its name here too (hf.shard_size).
+from ndjax.config import (  # noqa: F401
+    EXPORT_DTYPES,
+    MODEL_DIMS,
+    SHARD_BYTES,
+    ExportSettings,
+    ModelSettings,
+    Settings,
+    default_config,
+    shard_size,
+)
 from ndjax.data.tokenizers import HFTokenizer, Tokenizer, load_tokenizer
 from ndjax.errors import ConfigError
 from ndjax.models import decoder, registry
@@ -54,12 +65,6 @@ from ndjax.models.decoder import DecoderConfig
 
 _DTYPES = {"F32": np.dtype(np.float32), "F16": np.dtype(np.float16),
            "BF16": np.dtype(jnp.bfloat16)}
-EXPORT_DTYPES = {"float32": "F32", "bfloat16": "BF16", "float16": "F16"}
-# export.max_shard_size's default: Hugging Face's own before transformers 5 (which
-# went to 50GB); a file's tensors are all on the host while it is written.
-SHARD_BYTES = 5 * 10**9
-_SIZE_UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
-               "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
 # A shard is read in this many chunks (of at most _CHUNK_CAP bytes each), so that
 # the host holds the shard plus one chunk of the file, not two copies of the shard.
 _CHUNKS = 32
@@ -384,18 +389,6 @@ def load_params(ckpt: Checkpoint, shapes: Any, shardings: Any) -> Any:
 
 
 # ----- export ---------------------------------------------------------------------
-
-
-def shard_size(value: Any) -> int:
-    """``export.max_shard_size`` in bytes: an int, or a string like "5GB", "500MB", "2GiB"."""
-    size = value
-    if isinstance(value, str):
-        m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B)?\s*", value, re.IGNORECASE)
-        size = int(float(m[1]) * _SIZE_UNITS[(m[2] or "B").upper()]) if m else None
-    if isinstance(size, bool) or not isinstance(size, int) or size < 1:
-        raise ConfigError(f"export.max_shard_size={value!r}: write a positive number of bytes "
-                          "or a size like '5GB' or '500MB'.")
-    return size
 
 
 def check_export(export: ExportSettings) -> None:

@@ -1,9 +1,11 @@
 """The loop's periodic work, one small unit each: a ``Hook`` is called around every
 step by ``ndjax.loop.Trainer`` and does its work when it is due.
 
-A hook reads and changes the run only through the trainer it is given (its
-experiment, state, sinks, records, checkpointer, ``flush`` and ``stop``), so adding
-one (``Sample``, which prints a completion every N steps) touches no other.
+A hook reads and changes the run only through the trainer it is given, as
+``TrainerView`` describes it (its experiment, state, sinks, records, checkpointer,
+``flush`` and ``stop``), so adding one (``Sample``, which prints a completion every N
+steps) touches no other. This module knows the trainer only by that protocol: the
+loop imports the hooks, never the other way round.
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import jax
 import numpy as np
@@ -21,8 +23,34 @@ from ndjax.flops import flops_per_token, peak_tflops
 from ndjax.stop_signals import StopSignals
 
 if TYPE_CHECKING:
-    from ndjax.loop import Trainer
+    from ndjax.checkpoint import Checkpointer
+    from ndjax.experiment import Experiment
+    from ndjax.sinks import Sinks
+    from ndjax.state import TrainState
     from ndjax.train_step import Batch
+
+
+class TrainerView(Protocol):
+    """What a hook may read and change of the run (``ndjax.loop.Trainer`` is one)."""
+
+    exp: Experiment
+    state: TrainState
+    data: Any  # the batch iterator; get_state() is its position, saved with a checkpoint
+    sinks: Sinks
+    checkpointer: Checkpointer
+    records: list[dict[str, Any]]  # what the run returns: metrics and eval records
+    saved: int | None              # the newest checkpoint's step
+    exported: str | None           # where the export went
+    stop_reason: str               # set by stop(): the run ends after this step
+
+    def flush(self) -> None:
+        """Delivers every step's metrics read so far to the hooks, in step order."""
+
+    def stop(self, reason: str) -> None:
+        """Ends the run after the current step."""
+
+    def restart_clock(self) -> None:
+        """The next step_time counts from now."""
 
 
 class NonFiniteError(RuntimeError):
@@ -43,19 +71,19 @@ class Hook:
     device idle); ``flush`` on the trainer delivers every held-back step now.
     """
 
-    def start(self, trainer: Trainer) -> None:
+    def start(self, trainer: TrainerView) -> None:
         """Before the first step (after the state is restored or initialised)."""
 
-    def before_step(self, trainer: Trainer, step: int) -> None:
+    def before_step(self, trainer: TrainerView, step: int) -> None:
         """With the step's batch ready, before the step is dispatched."""
 
-    def after_step(self, trainer: Trainer, step: int, outputs: Any) -> None:
+    def after_step(self, trainer: TrainerView, step: int, outputs: Any) -> None:
         """After the step is dispatched; ``outputs``: its metrics, still on device."""
 
-    def on_metrics(self, trainer: Trainer, step: int, values: dict[str, Any]) -> None:
+    def on_metrics(self, trainer: TrainerView, step: int, values: dict[str, Any]) -> None:
         """A finished step's metrics; a hook may add to ``values`` for those after it."""
 
-    def end(self, trainer: Trainer) -> None:
+    def end(self, trainer: TrainerView) -> None:
         """After the last step (or a stop), before the run's summary."""
 
     def close(self) -> None:
@@ -70,7 +98,7 @@ class NonFinite(Hook):
         self.on_nan = on_nan
         self.last_good = self.skipped = 0
 
-    def on_metrics(self, trainer: Trainer, step: int, values: dict[str, Any]) -> None:
+    def on_metrics(self, trainer: TrainerView, step: int, values: dict[str, Any]) -> None:
         if values.pop("finite"):
             self.last_good = step
         elif self.on_nan == "stop":
@@ -99,7 +127,7 @@ class Log(Hook):
     def __init__(self, every: int, last_step: int, data_counts: dict[str, int]):
         self.every, self.last_step, self.data_counts = every, last_step, data_counts
 
-    def start(self, trainer: Trainer) -> None:
+    def start(self, trainer: TrainerView) -> None:
         exp, t = trainer.exp, trainer.exp.settings.train
         self.devices = exp.mesh.devices.size
         self.tokens_per_step = t.batch_size * t.seq_len
@@ -107,7 +135,7 @@ class Log(Hook):
         self.peak = peak_tflops(exp.mesh.devices.flat[0].device_kind,
                                 exp.settings.log.peak_tflops)
 
-    def on_metrics(self, trainer: Trainer, step: int, values: dict[str, Any]) -> None:
+    def on_metrics(self, trainer: TrainerView, step: int, values: dict[str, Any]) -> None:
         if not due(self.every, step) and step != self.last_step:
             return
         elapsed = values.pop("step_time")
@@ -137,7 +165,7 @@ class Evaluate(Hook):
     def __init__(self, every: int, batches: Sequence[Batch]):
         self.every, self.batches = every, batches
 
-    def after_step(self, trainer: Trainer, step: int, outputs: Any) -> None:
+    def after_step(self, trainer: TrainerView, step: int, outputs: Any) -> None:
         if not due(self.every, step):
             return
         trainer.flush()  # records stay in step order
@@ -155,12 +183,12 @@ class Profile(Hook):
         self.logdir = logdir
         self.tracing = False
 
-    def before_step(self, trainer: Trainer, step: int) -> None:
+    def before_step(self, trainer: TrainerView, step: int) -> None:
         if step == self.first:
             jax.profiler.start_trace(self.logdir)
             self.tracing = True
 
-    def after_step(self, trainer: Trainer, step: int, outputs: Any) -> None:
+    def after_step(self, trainer: TrainerView, step: int, outputs: Any) -> None:
         if step == self.last:
             jax.block_until_ready(outputs)
             self.close()
@@ -179,7 +207,7 @@ class StopOnSignal(Hook):
     def __init__(self):
         self.signals = StopSignals()
 
-    def after_step(self, trainer: Trainer, step: int, outputs: Any) -> None:
+    def after_step(self, trainer: TrainerView, step: int, outputs: Any) -> None:
         reason = self.signals.should_stop(step)
         if reason:
             trainer.stop(reason)
@@ -194,7 +222,7 @@ class Checkpoint(Hook):
     def __init__(self, every: int, last_step: int):
         self.every, self.last_step = every, last_step
 
-    def after_step(self, trainer: Trainer, step: int, outputs: Any) -> None:
+    def after_step(self, trainer: TrainerView, step: int, outputs: Any) -> None:
         if not (trainer.stop_reason or step == self.last_step or due(self.every, step)):
             return
         trainer.flush()  # a NaN stops the run before the state is saved
@@ -205,7 +233,7 @@ class Checkpoint(Hook):
             trainer.sinks.message(f"{trainer.stop_reason}: saved checkpoint step {step} in "
                                   f"{trainer.checkpointer.directory}; exiting")
 
-    def end(self, trainer: Trainer) -> None:
+    def end(self, trainer: TrainerView) -> None:
         trainer.checkpointer.wait()  # the path the summary prints is complete
 
 
@@ -217,7 +245,7 @@ class Export(Hook):
         self.hf_dir, self.dtype, self.shard_bytes, self.source = hf_dir, dtype, shard_bytes, source
         self.kw = kw
 
-    def end(self, trainer: Trainer) -> None:
+    def end(self, trainer: TrainerView) -> None:
         if trainer.stop_reason:
             return
         from ndjax import hf
@@ -252,7 +280,7 @@ class Sample(Hook):
                 f"train.seq_len={t.seq_len}, the longest sequence the model trains on. "
                 "Shorten the prompt or lower log.sample_tokens.")
 
-    def after_step(self, trainer: Trainer, step: int, outputs: Any) -> None:
+    def after_step(self, trainer: TrainerView, step: int, outputs: Any) -> None:
         if not due(self.every, step):
             return
         trainer.flush()

@@ -34,7 +34,8 @@ from ndjax.train_step import Batch
 
 class Trainer:
     """Runs the compiled step from ``first_step`` to ``last_step`` on batches from
-    ``data``, calling ``hooks`` around each step (see ndjax.hooks.Hook).
+    ``data``, calling ``hooks`` around each step (see ndjax.hooks.Hook; what they see of
+    the trainer is ndjax.hooks.TrainerView).
 
     Metrics stay on the device until a step is due for reading, every
     ``read_every`` steps (train.py: log.every) and at the last one; then every step

@@ -150,12 +150,3 @@ def cross_process_axes(mesh: Mesh, group_of: Callable[[jax.Device], Any] | None 
         if labels.shape[i] > 1 and not np.all(labels == first):
             crossing.append(name)
     return crossing
-
-
-def __getattr__(name: str) -> Any:
-    # ParallelismConfig lived here before it had a module of its own; the old
-    # name still works (ndjax.parallelism imports this module, hence lazily).
-    if name == "ParallelismConfig":
-        from ndjax.parallelism import ParallelismConfig
-        return ParallelismConfig
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -35,6 +35,7 @@ import jax
 import ml_collections
 from jax.sharding import Mesh
 
+from ndjax import mesh as mesh_lib
 from ndjax.errors import ConfigError
 from ndjax.mesh import ParallelDims, build_mesh
 
@@ -170,3 +171,10 @@ class ParallelismConfig:
         if cp_impl is not None:
             config.model.cp_impl = cp_impl
         return config
+
+
+# ParallelismConfig lived in ndjax.mesh before it had this module; its old name still
+# works once this module is imported (``import ndjax`` then ``ndjax.ParallelismConfig``
+# does it). Set from here because ndjax.mesh importing this module back would be an
+# import circle (tests/test_imports.py).
+mesh_lib.ParallelismConfig = ParallelismConfig

@@ -17,9 +17,10 @@ import yaml
 from conftest import tiny_config
 from data_files import conversations, texts, write_chat_tokenizer, write_jsonl
 
-from ndjax import from_axolotl, hf
+from ndjax import hf
 from ndjax.errors import ConfigError
 from ndjax.experiment import Experiment
+from ndjax.verbs import from_axolotl
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 VOCAB = 384  # the chat tokenizer's 360 ids fit

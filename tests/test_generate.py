@@ -23,9 +23,9 @@ from test_hf import CASES, make_hf
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
 from ndjax.errors import ConfigError
-from ndjax.generate import load, read_prompts, render_chat
 from ndjax.loop import train
 from ndjax.sampling import Sampling, sample
+from ndjax.verbs.generate import load, read_prompts, render_chat
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 N_NEW = 10

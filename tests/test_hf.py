@@ -36,9 +36,9 @@ from ndjax import rules as rules_lib
 from ndjax.data.tokenizers import load_tokenizer
 from ndjax.errors import ConfigError
 from ndjax.experiment import Experiment
-from ndjax.export import export_checkpoint
 from ndjax.loop import train
 from ndjax.models import registry
+from ndjax.verbs.export import export_checkpoint
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BASE = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,

@@ -211,7 +211,7 @@ def test_trainer_delivers_metrics_one_step_late_and_in_order():
 
 
 def test_sample_hook_writes_what_generate_gives_for_that_checkpoint(tmp_path, cpu_devices):
-    from ndjax import generate
+    from ndjax.verbs import generate
     c = tiny_config(mesh=dict(fsdp=8), model=dict(vocab_size=264), train=dict(steps=4))
     c.log.update(sample_every=2, sample_prompt="import os", sample_tokens=6)
     train(c, str(tmp_path), cpu_devices, verbose=False)

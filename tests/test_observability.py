@@ -16,9 +16,9 @@ from helpers import host_batches, run_steps
 
 from ndjax.experiment import Experiment
 from ndjax.loop import NonFiniteError, train
-from ndjax.plot import plot
 from ndjax.state import make_optimizer
 from ndjax.train_step import loss_and_grads
+from ndjax.verbs.plot import plot
 
 FIELDS = {"step": int, "loss": float, "grad_norm": float, "lr": float, "tokens": float,
           "step_time": float, "tokens_per_sec": float, "tokens_per_sec_per_device": float,

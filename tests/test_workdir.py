@@ -11,10 +11,10 @@ from conftest import tiny_config
 from data_files import texts, write_jsonl, write_tokenizer
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
-from ndjax import generate, plot
 from ndjax.data.tokenizers import load_tokenizer
-from ndjax.export import export_checkpoint
 from ndjax.loop import _keep_metrics_until, train
+from ndjax.verbs import generate, plot
+from ndjax.verbs.export import export_checkpoint
 from ndjax.workdir import SOURCE, TOKENIZER, run_config
 
 SCALING = dict(factor=4.0, low_freq_factor=1.0, high_freq_factor=4.0,

@@ -15,3 +15,7 @@ Every batch is a dict of int32 arrays ``(rows, train.seq_len)`` with the fields 
 """
 
 BATCH_FIELDS = ("inputs", "targets", "positions", "segment_ids", "loss_mask")
+# data.source's values, here and not in ``loader`` so that ndjax.config can check the
+# field without importing the pipeline (which imports ndjax.config).
+SOURCES = ("builtin", "synthetic", "text", "jsonl", "parquet", "tokens", "chat")
+FILE_SOURCES = ("text", "jsonl", "parquet", "tokens", "chat")  # those that read data.files

@@ -23,15 +23,13 @@ import numpy as np
 from jax.experimental import multihost_utils
 
 from ndjax.config import Settings, as_settings
-from ndjax.data import chat, sources
+from ndjax.data import FILE_SOURCES, chat, sources
 from ndjax.data.chat_template import ChatTemplate, load_chat_template
 from ndjax.data.streams import ChatRows, RowSource, TextRows, TokenRows
 from ndjax.data.synthetic import SyntheticSource
 from ndjax.data.tokenizers import Tokenizer, load_tokenizer
 from ndjax.errors import ConfigError
 
-SOURCES = ("builtin", "synthetic", "text", "jsonl", "parquet", "tokens", "chat")
-FILE_SOURCES = ("text", "jsonl", "parquet", "tokens", "chat")
 STATE_VERSION = 1
 _TOKENIZE_BATCH = 256  # documents per encode_batch call (the HF tokenizer threads over them)
 

@@ -1,0 +1,91 @@
+"""Export a training checkpoint as a Hugging Face Llama directory.
+
+    python -m ndjax.export --workdir=runs/llama_fsdp_tp --out=hf/llama [--step=N] \
+        [--dtype=bfloat16]
+
+The run's experiment is rebuilt from ``<workdir>/config.json`` (written by
+train.py): the same model, mesh and rules, so run this where the run's devices
+are (on a CPU host, ``runtime.cpu_devices`` of that config simulates them).
+Step N (default: the newest complete checkpoint) is restored and written as
+``export.hf_dir`` would have been, with the token ids and tokenizer files of the
+run's ``data.tokenizer``. Bad input is one line on stderr, exit code 2.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Sequence
+
+import jax
+from absl import app, flags
+
+from ndjax import hf
+from ndjax import workdir as workdir_lib
+from ndjax.checkpoint import saved_step
+from ndjax.cli import show_in_help
+from ndjax.console import quiet_libraries
+from ndjax.errors import ConfigError
+from ndjax.experiment import Experiment
+
+
+def export_checkpoint(workdir: str, out: str, step: int | None = None,
+                      dtype: str | None = None,
+                      devices: Sequence[jax.Device] | None = None) -> int:
+    """Writes checkpoint ``step`` (None: the newest) of the run in ``workdir`` to ``out``
+    as a Hugging Face directory; returns the step."""
+    config = workdir_lib.run_config(workdir)  # the copies the run keeps, not its sources
+    config.export.hf_dir = out
+    if dtype is not None:
+        config.export.dtype = dtype
+    exp = Experiment.from_config(config, devices)  # checks out and dtype too
+    with saved_step(workdir, exp.settings.checkpoint, step) as (checkpointer, step):
+        state, _ = checkpointer.restore(step, exp.abstract_state)
+    # The run's tokenizer: its ids and files describe what the weights were trained on.
+    hf.export(state.params, exp.model_cfg, out, config.export.dtype,
+              source=workdir_lib.source(workdir),
+              shard_bytes=hf.shard_size(config.export.max_shard_size),
+              tokenizer=hf.run_tokenizer(config.data))
+    return step
+
+
+def define_flags() -> list[flags.FlagHolder]:
+    """The command line's flags (read as ``flags.FLAGS.name``), defined by ``main``, not
+    on import: see ndjax/verbs/__init__.py."""
+    f = flags
+    return [
+        f.DEFINE_string("workdir", None, "The --workdir of a train.py run."),
+        f.DEFINE_string("out", None, "The Hugging Face directory to write (must not exist "
+                        "or be empty)."),
+        f.DEFINE_integer("step", None, "Checkpoint step; default: the newest."),
+        f.DEFINE_string("dtype", None, "bfloat16, float16 or float32; default: the run's "
+                        "export.dtype."),
+    ]
+
+
+def run(argv: list[str]) -> None:
+    """The program, on the parsed flags."""
+    args = flags.FLAGS  # the parsed command line
+    if len(argv) > 1:
+        raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+    quiet_libraries("ndjax.export")
+    try:
+        if not args.workdir or not args.out:
+            raise ConfigError("--workdir and --out are required.")
+        config = workdir_lib.run_config(args.workdir)
+        # Before JAX creates its backends, as train.py does (CPU hosts only).
+        jax.config.update("jax_num_cpu_devices", int(config.runtime.cpu_devices))
+        step = export_checkpoint(args.workdir, args.out, args.step, args.dtype)
+    except ConfigError as e:
+        print(f"ndjax.export: error: {' '.join(str(e).split())}", file=sys.stderr)
+        sys.exit(2)
+    print(f"exported checkpoint step {step} of {args.workdir} to {args.out}")
+
+
+def main() -> None:
+    """``python -m ndjax.export``."""
+    show_in_help(define_flags())
+    app.run(run)
+
+
+if __name__ == "__main__":
+    main()

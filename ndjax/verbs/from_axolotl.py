@@ -1,0 +1,203 @@
+"""Convert an Axolotl YAML config into an ndjax config file.
+
+    python -m ndjax.from_axolotl config.yml [--out=configs/mine.py] [--force] [--devices=N]
+
+``convert`` maps the fields ndjax has (mesh, model, data, optimiser, schedule,
+checkpoints) and lists every other one with the reason; ``render`` writes the result
+as a ``configs/*.py``-style file, which ``main`` loads and checks as train.py would
+(every field's type and range, the checkpoint, tokenizer, chat template and data
+files) before it writes anything. docs/from-axolotl.md has the whole mapping.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib.util
+import os
+import re
+import sys
+import tempfile
+from collections.abc import Mapping, Sequence
+from typing import Any, NoReturn
+
+from ndjax.axolotl import datasets, run
+from ndjax.axolotl.fields import Fields, Out, Unmapped, reason
+from ndjax.cli import fail
+from ndjax.errors import ConfigError
+
+PROGRAM = "ndjax.from_axolotl"
+
+
+@dataclasses.dataclass
+class Conversion:
+    overrides: dict[str, Any]   # "section.field" -> value, in the order they were mapped
+    notes: dict[str, str]       # "section.field" -> the Axolotl fields it comes from
+    unmapped: list[Unmapped]
+    workdir: str                # train.py's --workdir (output_dir)
+
+
+def convert(raw: Mapping[str, Any], devices: int | None = None) -> Conversion:
+    """An Axolotl config (the YAML's top-level mapping) as ndjax config overrides and
+    the fields left unmapped. Reads base_model's config.json and lists the data files'
+    directories; writes nothing. ``devices``: the GPUs the run will use (Axolotl's world
+    size), needed where Axolotl would infer dp_shard_size or dp_replicate_size from it."""
+    f, out = Fields(raw), Out()
+    dp, context = run.mesh(f, out, devices)
+    steps = run.schedule(f, out, dp)
+    run.precision(f, out)
+    run.outputs(f, out, steps)
+    base = run.base_model(f)
+    datasets.data(f, out, steps, run.tokenizer(f, base), context)
+    # Last: the family's look-up imports the model registry (jax), so bad input above is
+    # reported without that wait.
+    out.set("model.family", run.family(base), "from base_model's config.json (model_type)")
+    out.set("model.init_from", base, "base_model: its config.json and safetensors")
+    workdir = run.workdir(f, out)
+    for key in f.rest():
+        out.skip(str(key), f.raw[key], reason(str(key), f.raw[key]))
+    order = {str(key): i for i, key in enumerate(raw)}  # as the YAML lists them
+    unmapped = sorted(out.unmapped.values(),
+                      key=lambda u: order.get(re.split(r"[.\[]", u.field)[0], len(order)))
+    return Conversion(out.overrides, out.notes, unmapped, workdir)
+
+
+# ----- the config file ----------------------------------------------------------
+
+def render(conv: Conversion, source: str) -> str:
+    """The ndjax config file: ``get_config()`` over ``default_config()``, each line
+    commented with the Axolotl fields it comes from, the unmapped ones listed on top."""
+    sections = ("mesh", "runtime", "model", "data", "train", "checkpoint", "log", "export")
+    lines = [
+        '"""ndjax config converted from an Axolotl config by python -m ndjax.from_axolotl."""',
+        "",
+        f"# Converted from: {_one_line(source)}",
+        f"# Train: python train.py --config=THIS_FILE --workdir={_one_line(conv.workdir)}",
+        f"# Axolotl fields not mapped ({len(conv.unmapped)}; docs/from-axolotl.md says why):",
+        *(f"#   {_one_line(u.line())}" for u in conv.unmapped),
+        "",
+        "from ndjax.config import default_config",
+        "",
+        "",
+        "def get_config():",
+        "    c = default_config()",
+    ]
+    for section in sections:
+        for path in (p for p in conv.overrides if p.split(".")[0] == section):
+            note = _one_line(conv.notes[path])
+            lines.append(f"    c.{path} = {conv.overrides[path]!r}  # {note}")
+    lines += ["    return c", ""]
+    return "\n".join(lines)
+
+
+def _one_line(text: str) -> str:
+    return " ".join(str(text).split())
+
+
+def load(text: str) -> Any:
+    """The ConfigDict of a rendered config file, imported as train.py imports one."""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "converted.py")
+        with open(path, "w") as fh:
+            fh.write(text)
+        spec = importlib.util.spec_from_file_location("ndjax_converted_config", path)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module.get_config()
+
+
+def check(text: str, conv: Conversion) -> None:
+    """Loads the rendered file and runs ndjax's checks that need no devices
+    (``Settings.parse`` and ``experiment.check_fields``: the checkpoint, tokenizer, chat
+    template and data files); a failure names the Axolotl fields the value came from."""
+    from ndjax.console import import_jax_quietly
+
+    import_jax_quietly()
+    from ndjax.experiment import check_fields
+    try:
+        check_fields(load(text), platform="gpu")
+    except ConfigError as e:
+        sources = [f"{p} from {conv.notes[p]}" for p in conv.overrides
+                   if re.search(rf"\b{re.escape(p)}\b", str(e))]
+        where = f" ({'; '.join(sources)})" if sources else ""
+        raise ConfigError(f"the converted config fails ndjax's checks: {e}{where}") from None
+
+
+# ----- command line -------------------------------------------------------------
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:  # one line, exit 2, as every ndjax tool
+        fail(PROGRAM, f"{message} (see --help)")
+        raise AssertionError  # fail exits
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = _Parser(prog=f"python -m {PROGRAM}", description="Write an ndjax config file (for "
+                "train.py --config) from an Axolotl YAML config. Every Axolotl field it does "
+                "not map is listed on stderr with the reason; docs/from-axolotl.md has the "
+                "mapping.")
+    p.add_argument("config", help="the Axolotl YAML file")
+    p.add_argument("--out", help="the ndjax config file to write (default: print it)")
+    p.add_argument("--force", action="store_true", help="overwrite --out if it exists")
+    p.add_argument("--devices", type=int, help="GPUs the run will use (Axolotl's world size); "
+                   "needed when dp_shard_size is not set")
+    return p
+
+
+def read_yaml(path: str) -> Mapping[str, Any]:
+    import yaml
+
+    try:
+        with open(path) as fh:
+            raw = yaml.safe_load(fh)
+    except OSError as e:
+        raise ConfigError(f"cannot read {path}: {e.strerror}.") from None
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{path} is not UTF-8 text ({e.reason} at byte {e.start}); is it "
+                          "the Axolotl YAML file?") from None
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        problem = getattr(e, "problem", None) or e
+        raise ConfigError(f"{path} is not valid YAML{at}: {problem}; fix the file.") from None
+    if not isinstance(raw, Mapping):
+        raise ConfigError(f"{path} holds a {type(raw).__name__}, not a mapping of Axolotl "
+                          "fields (base_model: ..., datasets: ...).")
+    return raw
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    args = _parser().parse_args(argv)
+    from ndjax.console import one_line_warnings
+
+    one_line_warnings(PROGRAM)
+    try:
+        if args.out and os.path.exists(args.out) and not args.force:
+            raise ConfigError(f"--out={args.out} exists; pass --force to overwrite it.")
+        if args.devices is not None and args.devices < 1:
+            raise ConfigError(f"--devices={args.devices} must be >= 1.")
+        conv = convert(read_yaml(args.config), args.devices)
+        text = render(conv, args.config)
+        check(text, conv)
+    except ConfigError as e:
+        fail(PROGRAM, e)
+    for u in conv.unmapped:
+        print(f"{PROGRAM}: not mapped: {_one_line(u.line())}", file=sys.stderr)
+    target = args.out or "<the file you save it as>"
+    if args.out:
+        tmp = f"{args.out}.tmp"
+        try:
+            with open(tmp, "w") as fh:
+                fh.write(text)
+            os.replace(tmp, args.out)  # whole or absent
+        except OSError as e:
+            fail(PROGRAM, f"cannot write --out={args.out}: {e.strerror}.")
+    else:
+        sys.stdout.write(text)
+    print(f"{PROGRAM}: {len(conv.overrides)} settings mapped, {len(conv.unmapped)} fields not "
+          f"mapped; train with: python train.py --config={target} --workdir={conv.workdir}",
+          file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()
