@@ -44,7 +44,11 @@ def _gathered_exchange(rows, out_rows, input_offsets, send_sizes, output_offsets
     """The exchange from an all-gather of every device's rows and offsets (CPUs)."""
     del recv_sizes  # implied by the senders' sizes
     me = jax.lax.axis_index(axis)
-    every = jax.lax.all_gather(rows, axis)                     # (devices, n, ...)
+    # In float32: XLA:CPU aborts compiling the bfloat16 reduce-scatter that is this
+    # all-gather's transpose (jax 0.10-0.11: "Invalid binary instruction opcode copy").
+    # The CPU compiler widens bf16 collectives to f32 anyway, so nothing is lost.
+    every = jax.lax.all_gather(rows.astype(jnp.promote_types(rows.dtype, jnp.float32)),
+                               axis)                           # (devices, n, ...)
     starts = jax.lax.all_gather(input_offsets, axis)[:, me]   # each sender's run for me
     sizes = jax.lax.all_gather(send_sizes, axis)[:, me]
     at = jax.lax.all_gather(output_offsets, axis)[:, me]      # where each run lands
@@ -53,4 +57,5 @@ def _gathered_exchange(rows, out_rows, input_offsets, send_sizes, output_offsets
     valid = r < jnp.sum(sizes)
     index = jnp.clip(starts[sender] + r - at[sender], 0, rows.shape[0] - 1)
     got = every[sender, index]
-    return jnp.where(valid.reshape(-1, *(1,) * (rows.ndim - 1)), got, jnp.zeros_like(got))
+    return jnp.where(valid.reshape(-1, *(1,) * (rows.ndim - 1)), got,
+                     jnp.zeros_like(got)).astype(rows.dtype)
