@@ -123,21 +123,113 @@ def model_config(model: ModelSettings, checkpoint: hf.Checkpoint | None = None,
                          attn_max_docs=model.attn_max_docs, moe_impl=model.moe_impl)
 
 
-def check_fields(config: ml_collections.ConfigDict | Settings, platform: str | None = None
-                 ) -> tuple[Settings, DecoderConfig, hf.Checkpoint | None]:
-    """The checks that do not depend on the mesh: every field's type and range
-    (``Settings.parse``), the export and data fields, and the checkpoint of
-    ``model.init_from``. Returns the typed settings, the model's dims and that
-    checkpoint (opened, not read); ``platform`` as for ``model_config``."""
-    settings = config if isinstance(config, Settings) else Settings.parse(config)
+@dataclasses.dataclass(frozen=True)
+class Inputs:
+    """What the config names outside itself, opened and checked once: the checkpoint of
+    model.init_from (opened, not read) and the data, with its tokenizer loaded
+    (``ndjax.data.loader.check``). No layout changes them: the planner checks them
+    once and builds every layout's experiment on them."""
+
+    checkpoint: hf.Checkpoint | None
+    data: loader.DataInput
+
+
+def check_inputs(settings: Settings, platform: str | None = None
+                 ) -> tuple[DecoderConfig, Inputs]:
+    """Checks step 1 of 5, what does not depend on the mesh: the export fields, the
+    checkpoint of model.init_from, the model's dims and the data. Returns the model
+    (``platform`` as for ``model_config``) and the inputs."""
     hf.check_export(settings.export)
     init_from = settings.model.init_from
     checkpoint = hf.open_checkpoint(init_from) if init_from else None
     model_cfg = model_config(settings.model, checkpoint, platform)
     if checkpoint is not None:
         hf.check_tokenizer(settings, checkpoint)
-    loader.check_config(settings, model_cfg.vocab_size)  # names, sizes, tokenizer vs vocab
-    return settings, model_cfg, checkpoint
+    t = settings.train
+    data = loader.check(settings.data, loader.Batches(t.batch_size, t.seq_len, t.seed),
+                        model_cfg.vocab_size, t.eval_every)
+    return model_cfg, Inputs(checkpoint, data)
+
+
+def check_fields(config: ml_collections.ConfigDict | Settings, platform: str | None = None
+                 ) -> tuple[Settings, DecoderConfig, hf.Checkpoint | None]:
+    """The checks that do not depend on the mesh: every field's type and range
+    (``Settings.parse``), then ``check_inputs``. Returns the typed settings, the
+    model's dims and the checkpoint of model.init_from (opened, not read)."""
+    settings = config if isinstance(config, Settings) else Settings.parse(config)
+    model_cfg, inputs = check_inputs(settings, platform)
+    return settings, model_cfg, inputs.checkpoint
+
+
+def degrees(settings: Settings, devices: Sequence[jax.Device]) -> ParallelDims:
+    """The mesh's degrees for these devices (checked before anything else)."""
+    m = settings.mesh
+    return ParallelDims(m.replica, m.fsdp, m.context, m.tensor, m.expert).resolve(len(devices))
+
+
+def build_layout(settings: Settings, dims: ParallelDims, devices: Sequence[jax.Device]
+                 ) -> tuple[Mesh, rules_lib.Rules]:
+    """Step 2: the mesh of these degrees over these devices, and the rule table."""
+    mesh = build_mesh(dims, devices)
+    warning = slow_axes_warning(mesh, distributed.host_of)
+    if warning and jax.process_index() == 0:
+        warnings.warn(warning, stacklevel=3)
+    return mesh, rules_lib.Rules(settings.rules, mesh)
+
+
+def place_model(model_cfg: DecoderConfig, settings: Settings, rules: rules_lib.Rules,
+                devices: Sequence[jax.Device]
+                ) -> tuple[DecoderConfig, attention_ops.Choice, np.ndarray | None]:
+    """Step 3: the model on this layout. Checks the batch, the loss chunks and the
+    experts against the mesh, and decides the kernels once (the model then runs them
+    by name): the attention kernel, which sees one micro-batch's rows at once
+    (``_check_batch``: they divide evenly), with the sequence order it needs, and
+    the experts' grouped matmuls."""
+    t, mesh = settings.train, rules.mesh
+    _check_experts(model_cfg, rules, settings.model.family)
+    _check_batch(t, rules, mesh)
+    _check_loss_chunk(t, rules, mesh)
+    site = attention_ops.Site.of(model_cfg, t.seq_len, rules, t.batch_size // t.grad_accum)
+    chosen = attention_ops.choose(model_cfg.attn_impl, site)
+    model_cfg = dataclasses.replace(model_cfg, attn_impl=chosen.name,
+                                    cp_impl=chosen.cp or "ring")
+    seq_permutation = attention_ops.KERNELS[chosen.name].permutation(site)
+    if model_cfg.n_experts:
+        model_cfg = dataclasses.replace(model_cfg, moe_impl=grouped_matmul.choose(
+            model_cfg.moe_impl, grouped_matmul.Site.of(
+                model_cfg, devices, grouped_matmul.width_shards(rules))))
+    return model_cfg, chosen, seq_permutation
+
+
+def parameter_shardings(model_cfg: DecoderConfig, rules: rules_lib.Rules,
+                        init_from: str | None) -> tuple[Any, Any, Any, Any]:
+    """Step 4: the model's graph, its parameters' shapes and logical names, and their
+    shardings, each dimension checked against the mesh axes the rules split it over."""
+    mesh = rules.mesh
+    abstract = nnx.eval_shape(lambda: decoder.Decoder(model_cfg, nnx.Rngs(0)))
+    graphdef, abstract_state = nnx.split(abstract)
+    param_shapes = nnx.to_pure_dict(abstract_state)
+    param_names = decoder.logical_axes(abstract_state)
+    _check_kv_heads(model_cfg, rules, mesh, init_from)
+    # Mixtral's experts are model.ffn_dim wide (no moe_ffn_dim of its own).
+    labels = FIELD_OF_AXIS if model_cfg.moe_ffn_dim else {**FIELD_OF_AXIS,
+                                                          "expert_mlp": "model.ffn_dim"}
+
+    def param_sharding(path, shape, names):
+        names = rules.stored_names(names, model_cfg.n_kv_heads)
+        spec = rules.spec(names)
+        try:
+            rules_lib.check_divisible(spec, shape.shape, names, mesh,
+                                      f"parameter {_path(path)}", labels=labels)
+        except ConfigError as e:
+            if init_from is None:
+                raise
+            raise ConfigError(f"{e} (The model's dims come from model.init_from="
+                              f"{init_from!r}, config.json.)") from None
+        return NamedSharding(mesh, spec)
+
+    shardings = jax.tree_util.tree_map_with_path(param_sharding, param_shapes, param_names)
+    return graphdef, param_shapes, param_names, shardings
 
 
 def _path(keys: Sequence[Any]) -> str:
@@ -166,75 +258,42 @@ class Experiment:
     # zigzag); None keeps the data's order. ``device_batch`` applies it.
     seq_permutation: np.ndarray | None = None
     checkpoint: hf.Checkpoint | None = None  # model.init_from, checked
+    data: loader.DataInput | None = None     # what the data loader is opened with
 
     @classmethod
-    def from_config(cls, config: ml_collections.ConfigDict,
-                    devices: Sequence[jax.Device] | None = None) -> Experiment:
+    def from_config(cls, config: ml_collections.ConfigDict | Settings,
+                    devices: Sequence[jax.Device] | None = None,
+                    inputs: Inputs | None = None) -> Experiment:
+        """Every check, then the experiment, in five named steps: ``check_inputs`` (what
+        no mesh changes; given ``inputs``, already done), ``build_layout``,
+        ``place_model``, ``parameter_shardings`` and the optimizer state's
+        (``state.state_shardings``). The step compiles when first asked for."""
         devices = list(jax.devices() if devices is None else devices)
-        settings = Settings.parse(config)
-        m = settings.mesh
-        dims = ParallelDims(m.replica, m.fsdp, m.context, m.tensor, m.expert).resolve(
-            len(devices))
-        settings, model_cfg, checkpoint = check_fields(settings, platforms.of(devices))
-        init_from = settings.model.init_from
-        mesh = build_mesh(dims, devices)
-        warning = slow_axes_warning(mesh, distributed.host_of)
-        if warning and jax.process_index() == 0:
-            warnings.warn(warning, stacklevel=2)
-        rules = rules_lib.Rules(settings.rules, mesh)
-        _check_experts(model_cfg, rules, settings.model.family)
+        settings = config if isinstance(config, Settings) else Settings.parse(config)
+        if isinstance(config, Settings):  # what is saved with the run, sent to workers
+            config = ml_collections.ConfigDict(settings.to_dict())
+        dims = degrees(settings, devices)
+        platform = platforms.of(devices)
+        if inputs is None:
+            model_cfg, inputs = check_inputs(settings, platform)
+        else:
+            model_cfg = model_config(settings.model, inputs.checkpoint, platform)
+        mesh, rules = build_layout(settings, dims, devices)
+        model_cfg, chosen, seq_permutation = place_model(model_cfg, settings, rules, devices)
+        graphdef, param_shapes, param_names, param_shardings = parameter_shardings(
+            model_cfg, rules, settings.model.init_from)
         t = settings.train
-        _check_batch(t, rules, mesh)
-        _check_loss_chunk(t, rules, mesh)
-        # The attention kernel, decided once here: the model then runs it by name. It
-        # sees one micro-batch's rows at once (_check_batch: they divide evenly).
-        site = attention_ops.Site.of(model_cfg, t.seq_len, rules, t.batch_size // t.grad_accum)
-        chosen = attention_ops.choose(model_cfg.attn_impl, site)
-        model_cfg = dataclasses.replace(model_cfg, attn_impl=chosen.name,
-                                        cp_impl=chosen.cp or "ring")
-        seq_permutation = attention_ops.KERNELS[chosen.name].permutation(site)
-        if model_cfg.n_experts:  # the experts' grouped matmuls, likewise
-            model_cfg = dataclasses.replace(model_cfg, moe_impl=grouped_matmul.choose(
-                model_cfg.moe_impl, grouped_matmul.Site.of(
-                    model_cfg, devices, grouped_matmul.width_shards(rules))))
-
-        abstract = nnx.eval_shape(lambda: decoder.Decoder(model_cfg, nnx.Rngs(0)))
-        graphdef, abstract_state = nnx.split(abstract)
-        param_shapes = nnx.to_pure_dict(abstract_state)
-        param_names = decoder.logical_axes(abstract_state)
-
-        _check_kv_heads(model_cfg, rules, mesh, init_from)
-
-        def param_sharding(path, shape, names):
-            what = f"parameter {_path(path)}"
-            names = rules.stored_names(names, model_cfg.n_kv_heads)
-            spec = rules.spec(names)
-            try:
-                # Mixtral's experts are model.ffn_dim wide (no moe_ffn_dim of its own).
-                labels = FIELD_OF_AXIS if model_cfg.moe_ffn_dim else {
-                    **FIELD_OF_AXIS, "expert_mlp": "model.ffn_dim"}
-                rules_lib.check_divisible(spec, shape.shape, names, mesh, what, labels=labels)
-            except ConfigError as e:
-                if checkpoint is None:
-                    raise
-                raise ConfigError(f"{e} (The model's dims come from model.init_from="
-                                  f"{init_from!r}, config.json.)") from None
-            return NamedSharding(mesh, spec)
-
-        param_shardings = jax.tree_util.tree_map_with_path(
-            param_sharding, param_shapes, param_names)
-
         schedule = state_lib.make_schedule(t)
         precision = Precision(params=model_cfg.param_dtype, compute=model_cfg.dtype,
                               moments=DTYPES[t.opt_state_dtype])
         optimizer = state_lib.make_optimizer(t, param_names, schedule, precision.moments)
-        replicated = NamedSharding(mesh, PartitionSpec())
         state_sharding = state_lib.state_shardings(optimizer, param_shapes, param_shardings,
-                                                   replicated)
+                                                   NamedSharding(mesh, PartitionSpec()))
         batch_sharding = rules.sharding(("act_batch", "act_seq"))
         return cls(config, settings, dims, mesh, rules, model_cfg, graphdef, param_shapes,
                    param_names, schedule, optimizer, state_sharding, batch_sharding, precision,
-                   attention=chosen, seq_permutation=seq_permutation, checkpoint=checkpoint)
+                   attention=chosen, seq_permutation=seq_permutation,
+                   checkpoint=inputs.checkpoint, data=inputs.data)
 
     @property
     def platform(self) -> str:

@@ -124,16 +124,19 @@ class Log(Hook):
     time, throughput, TFLOP/s and MFU (6 x parameters + attention FLOPs per token,
     ndjax.flops, over the device's peak), data counts and device memory."""
 
-    def __init__(self, every: int, last_step: int, data_counts: dict[str, int]):
+    def __init__(self, every: int, last_step: int, data_counts: dict[str, int],
+                 batch: tuple[int, int] = (0, 0), peak: float | None = None):
+        """``batch``: (train.batch_size, train.seq_len); ``peak``: log.peak_tflops (None:
+        the device's from ndjax.flops' table)."""
         self.every, self.last_step, self.data_counts = every, last_step, data_counts
+        self.batch, self.peak_setting = batch, peak
 
     def start(self, trainer: TrainerView) -> None:
-        exp, t = trainer.exp, trainer.exp.settings.train
+        exp, (batch_size, seq_len) = trainer.exp, self.batch
         self.devices = exp.mesh.devices.size
-        self.tokens_per_step = t.batch_size * t.seq_len
-        self.flops_per_step = flops_per_token(exp.model_cfg, t.seq_len) * self.tokens_per_step
-        self.peak = peak_tflops(exp.mesh.devices.flat[0].device_kind,
-                                exp.settings.log.peak_tflops)
+        self.tokens_per_step = batch_size * seq_len
+        self.flops_per_step = flops_per_token(exp.model_cfg, seq_len) * self.tokens_per_step
+        self.peak = peak_tflops(exp.mesh.devices.flat[0].device_kind, self.peak_setting)
 
     def on_metrics(self, trainer: TrainerView, step: int, values: dict[str, Any]) -> None:
         if not due(self.every, step) and step != self.last_step:
@@ -262,22 +265,23 @@ class Sample(Hook):
     training data was (no BOS) and checked against train.seq_len when the hook is
     made, before anything compiles; the decode programs compile at the first sample."""
 
-    def __init__(self, exp: Any, every: int, prompt: str, max_new_tokens: int, path: str):
-        from ndjax.data.tokenizers import load_tokenizer
+    def __init__(self, exp: Any, every: int, prompt: str, max_new_tokens: int, path: str,
+                 tokenizer: Any, seq_len: int):
+        """``exp``: the model and its layout; ``tokenizer``: the training data's;
+        ``seq_len``: train.seq_len."""
         from ndjax.sampling import Generator
-        d, t = exp.settings.data, exp.settings.train
         self.every, self.prompt, self.path = every, prompt, path
-        self.tokenizer = load_tokenizer(d.tokenizer, d.eos_token)
+        self.tokenizer = tokenizer
         self.ids = self.tokenizer.encode(prompt)
         self.generator = Generator(
             exp.graphdef, None, exp.model_cfg, exp.rules, max_new_tokens=max_new_tokens,
-            max_len=t.seq_len, eos_ids=(self.tokenizer.eos_id,),
+            max_len=seq_len, eos_ids=(self.tokenizer.eos_id,),
             pad_id=self.tokenizer.pad_id, max_len_what="train.seq_len")
-        if len(self.ids) + max_new_tokens > t.seq_len:
+        if len(self.ids) + max_new_tokens > seq_len:
             raise ConfigError(
                 f"log.sample_prompt has {len(self.ids)} tokens; with log.sample_tokens="
                 f"{max_new_tokens} that is {len(self.ids) + max_new_tokens}, more than "
-                f"train.seq_len={t.seq_len}, the longest sequence the model trains on. "
+                f"train.seq_len={seq_len}, the longest sequence the model trains on. "
                 "Shorten the prompt or lower log.sample_tokens.")
 
     def after_step(self, trainer: TrainerView, step: int, outputs: Any) -> None:

@@ -23,7 +23,8 @@ from ndjax import sinks as sinks_lib
 from ndjax import workdir as workdir_lib
 from ndjax.checkpoint import Checkpointer, check_resume
 from ndjax.config import Settings
-from ndjax.data.loader import dropped_overlong, make_loader
+from ndjax.data.loader import dropped_overlong, open_loader
+from ndjax.data.tokenizers import load_tokenizer
 from ndjax.experiment import Experiment
 from ndjax.hooks import NonFiniteError  # noqa: F401 -- train.py and tests catch it from here
 from ndjax.lock import claim
@@ -114,8 +115,8 @@ class Trainer:
 def _eval_batches(exp: Experiment) -> list[Batch]:
     """The first train.eval_steps batches of the validation split, on device. The same
     batches every time, so evaluations are comparable."""
-    with make_loader(exp.settings, exp.model_cfg.vocab_size, "eval", rows=exp.local_rows,
-                     prefetch=0, max_runs=exp.max_runs) as held_out:
+    with open_loader(exp.data, "eval", rows=exp.local_rows, prefetch=0,
+                     max_runs=exp.max_runs) as held_out:
         return [exp.device_batch(held_out.batch(i))
                 for i in range(exp.settings.train.eval_steps)]
 
@@ -129,14 +130,18 @@ def default_hooks(exp: Experiment, workdir: str, data_counts: dict[str, int],
     s = exp.settings
     hooks: list[hooks_lib.Hook] = [
         hooks_lib.NonFinite(s.train.on_nan),
-        hooks_lib.Log(s.log.every, s.train.steps, data_counts),
+        hooks_lib.Log(s.log.every, s.train.steps, data_counts,
+                      (s.train.batch_size, s.train.seq_len), s.log.peak_tflops),
         hooks_lib.Profile(s.log.profile_steps, os.path.join(workdir, "profile")),
     ]
     if s.train.eval_every:
         hooks.append(hooks_lib.Evaluate(s.train.eval_every, _eval_batches(exp)))
     if s.log.sample_every:
+        # The data's tokenizer (checked with it), or for synthetic data data.tokenizer's.
+        tokenizer = exp.data.tokenizer or load_tokenizer(s.data.tokenizer, s.data.eos_token)
         hooks.append(hooks_lib.Sample(exp, s.log.sample_every, s.log.sample_prompt,
-                                      s.log.sample_tokens, os.path.join(workdir, "samples.jsonl")))
+                                      s.log.sample_tokens, os.path.join(workdir, "samples.jsonl"),
+                                      tokenizer, s.train.seq_len))
     hooks += [*extra, hooks_lib.StopOnSignal(),
               hooks_lib.Checkpoint(s.checkpoint.every, s.train.steps)]
     if s.export.hf_dir:
@@ -196,8 +201,8 @@ def train(config: ml_collections.ConfigDict, workdir: str,
         # This process reads and tokenizes its share now, before anything compiles
         # or is written, so bad data fails fast; a thread then prepares batches
         # (already on the devices) ahead of the steps.
-        data = make_loader(s, exp.model_cfg.vocab_size, rows=exp.local_rows,
-                           transform=exp.device_batch, max_runs=exp.max_runs)
+        data = open_loader(exp.data, rows=exp.local_rows, transform=exp.device_batch,
+                           max_runs=exp.max_runs)
         cleanup.callback(data.close)
         # Chat conversations too long for a row (data.overlong), over all processes;
         # known once the shares are read, logged with every step.

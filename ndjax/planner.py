@@ -59,7 +59,7 @@ import ml_collections
 
 from ndjax import children, compiler, platforms, roofline
 from ndjax.collectives import collectives
-from ndjax.config import default_config
+from ndjax.config import Settings, as_settings, default_config
 from ndjax.errors import ConfigError
 from ndjax.mesh import AXES
 from ndjax.rules import PRESETS
@@ -156,32 +156,35 @@ def _experts(config: ml_collections.ConfigDict) -> int:
         return 0
 
 
-def target_config(config: ml_collections.ConfigDict, layout: Layout,
+def target_settings(config: ml_collections.ConfigDict | Settings, layout: Layout,
+                    attn_impl: str | None = None) -> Settings:
+    """The settings of one layout, in the target's dtypes (a new object: the config
+    given is not changed)."""
+    s = as_settings(config)
+    model = dataclasses.replace(
+        s.model, remat=layout.remat, cp_impl=layout.cp_impl,
+        dtype="bfloat16" if s.model.dtype == "auto" else s.model.dtype,
+        # What a GPU runs (decoder.default_scan_layers).
+        scan_layers=True if s.model.scan_layers is None else s.model.scan_layers,
+        attn_impl=s.model.attn_impl if attn_impl is None else attn_impl)
+    return dataclasses.replace(
+        s, model=model, mesh=dataclasses.replace(s.mesh, **dict(zip(AXES, layout.degrees))),
+        train=dataclasses.replace(s.train, grad_accum=layout.grad_accum),
+        rules=s.rules if layout.rules == CONFIG_RULES else layout.rules)
+
+
+def target_config(config: ml_collections.ConfigDict | Settings, layout: Layout,
                   attn_impl: str | None = None) -> ml_collections.ConfigDict:
-    """The config of one layout, in the target's dtypes."""
-    c = config.copy_and_resolve_references()
-    for axis, size in zip(AXES, layout.degrees):
-        c.mesh[axis] = size
-    if layout.rules != CONFIG_RULES:
-        c.rules = layout.rules
-    c.model.remat = layout.remat
-    c.model.cp_impl = layout.cp_impl
-    c.train.grad_accum = layout.grad_accum
-    if c.model.dtype == "auto":
-        c.model.dtype = "bfloat16"
-    if c.model.scan_layers is None:  # what a GPU runs (decoder.default_scan_layers)
-        c.model.scan_layers = True
-    if attn_impl is not None:
-        c.model.attn_impl = attn_impl
-    return c
+    """``target_settings`` as a config (what a worker process is sent)."""
+    return ml_collections.ConfigDict(target_settings(config, layout, attn_impl).to_dict())
 
 
 @dataclasses.dataclass
 class Checked:
-    """A layout that passed every check: the config to compile and what it runs."""
+    """A layout that passed every check: the settings to compile and what it runs."""
 
     layout: Layout
-    config: ml_collections.ConfigDict
+    settings: Settings
     attention: str           # the kernel on the GPU, and what stands in for it here
     model_flops: float       # training FLOPs of one step, all devices
     tokens: int
@@ -192,44 +195,54 @@ class Checked:
     # What the layout's remat reruns in the backward pass, FLOPs of one step, all devices.
     recompute_flops: float = 0.0
 
+    @property
+    def config(self) -> ml_collections.ConfigDict:
+        """The settings as a config (what a worker process is sent)."""
+        return ml_collections.ConfigDict(self.settings.to_dict())
 
-def check(config: ml_collections.ConfigDict, layout: Layout, devices: Sequence[jax.Device],
-          hardware: roofline.Hardware) -> Checked:
-    """``Experiment.from_config``'s checks for this layout; ConfigError if one fails."""
+
+def check(config: ml_collections.ConfigDict | Settings, layout: Layout,
+          devices: Sequence[jax.Device], hardware: roofline.Hardware,
+          inputs: Any = None) -> Checked:
+    """``Experiment.from_config``'s checks for this layout; ConfigError if one fails.
+    ``inputs`` (``experiment.Inputs``): the checkpoint and data, checked once for all
+    layouts (None: checked here)."""
     from ndjax.experiment import Experiment
     from ndjax.flops import flops_per_token
     from ndjax.ops import attention as attention_ops
 
-    impl = config.model.attn_impl
+    settings = as_settings(config)
+    impl = settings.model.attn_impl
     on_target = platforms.of(devices) == "gpu"  # the GPU compiler: no stand-ins
-    cpu_impl = impl if on_target else attention_ops.stand_in(impl)
-    cfg = target_config(config, layout, cpu_impl)
-    if not on_target and cfg.model.moe_impl == "mosaic":
-        cfg.model.moe_impl = "xla"  # the Mosaic GPU kernels compile for GPUs only
+    target = target_settings(settings, layout, impl if on_target
+                             else attention_ops.stand_in(impl))
+    if not on_target and target.model.moe_impl == "mosaic":
+        # The Mosaic GPU kernels compile for GPUs only.
+        target = dataclasses.replace(target, model=dataclasses.replace(target.model,
+                                                                       moe_impl="xla"))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        exp = Experiment.from_config(cfg, devices)
+        exp = Experiment.from_config(target, devices, inputs)
     # What a GPU runs: the config's own choices (the CPU experiment above resolved
     # auto for a CPU), cuDNN or Pallas compiled as their CPU stand-in here.
+    t = target.train
     site = dataclasses.replace(
-        attention_ops.Site.of(exp.model_cfg, cfg.train.seq_len, exp.rules,
-                              cfg.train.batch_size // cfg.train.grad_accum),
+        attention_ops.Site.of(exp.model_cfg, t.seq_len, exp.rules,
+                              t.batch_size // t.grad_accum),
         platform="gpu", compute_capability=hardware.compute_capability,
         cp_impl=layout.cp_impl)
     choice = attention_ops.choose(impl, site)
     on_gpu = choice.name
     stand_in = on_gpu if on_target else attention_ops.stand_in(on_gpu)
-    cfg.model.attn_impl = stand_in
-    if choice.cp:
-        cfg.model.cp_impl = choice.cp
+    target = dataclasses.replace(target, model=dataclasses.replace(
+        target.model, attn_impl=stand_in, cp_impl=choice.cp or target.model.cp_impl))
     attention = choice.label if stand_in == on_gpu else f"{choice.label} (compiled as {stand_in})"
-    t = cfg.train
     tokens = t.batch_size * t.seq_len
-    signature = (layout.remat, layout.grad_accum, cfg.model.attn_impl, cfg.model.cp_impl,
+    signature = (layout.remat, layout.grad_accum, target.model.attn_impl, target.model.cp_impl,
                  program_signature(exp.rules, exp.mesh))
     rerun = sum(roofline.recomputed_forward_flops(exp.model_cfg, t.seq_len,
                                                   layout.remat).values())
-    return Checked(layout, cfg, attention, flops_per_token(exp.model_cfg, t.seq_len) * tokens,
+    return Checked(layout, target, attention, flops_per_token(exp.model_cfg, t.seq_len) * tokens,
                    tokens, signature, argument_bytes(exp), recompute_flops=rerun * tokens)
 
 
@@ -512,8 +525,8 @@ def _gib(n: float) -> str:
     return f"{n / 2**30:.1f} GiB"
 
 
-def _check_all(config: ml_collections.ConfigDict, n: int, hardware: roofline.Hardware,
-               devices: Sequence[jax.Device], presets: Sequence[str] | None
+def _check_all(config: Settings, n: int, hardware: roofline.Hardware,
+               devices: Sequence[jax.Device], presets: Sequence[str] | None, inputs: Any
                ) -> tuple[list[Candidate], dict[int, Checked], int]:
     """Every layout through the checks: rejected ones with their reason, and one
     candidate per distinct program, under its plainest name (the default rules, then
@@ -524,7 +537,7 @@ def _check_all(config: ml_collections.ConfigDict, n: int, hardware: roofline.Har
     for layout in layouts(config, n, presets):
         cand = Candidate(layout)
         try:
-            c = check(config, layout, devices, hardware)
+            c = check(config, layout, devices, hardware, inputs)
         except ConfigError as e:
             cand.reason = " ".join(str(e).split())
             rejected.append(cand)
@@ -585,10 +598,10 @@ def _at_least(cand: Candidate, c: Checked, hardware: roofline.Hardware) -> float
                              c.recompute_flops, host_bytes=cand.host).serial_s
 
 
-def _remedy(config: ml_collections.ConfigDict, over: list[Candidate],
+def _remedy(config: Settings, over: list[Candidate],
             checked: dict[int, Checked], compiler: Compiler, hardware: roofline.Hardware,
             devices: Sequence[jax.Device], devices_per_node: int, budget: float,
-            ranked: Sequence[Candidate], top: int | None) -> None:
+            ranked: Sequence[Candidate], top: int | None, inputs: Any) -> None:
     """Candidates over the budget whose parameters, optimizer state and batch fit are
     retried with more remat, then grad_accum, one rung per round (so that each
     round compiles in parallel), until they fit or nothing is left to try. A rung
@@ -610,7 +623,7 @@ def _remedy(config: ml_collections.ConfigDict, over: list[Candidate],
             chosen = None
             while queue and chosen is None:
                 try:
-                    c = check(config, queue.pop(0), devices, hardware)
+                    c = check(config, queue.pop(0), devices, hardware, inputs)
                 except ConfigError:  # e.g. a grad_accum the batch does not split into
                     continue
                 bound, best = _at_least(cand, c, hardware), _kth_best([*ranked, *over], top)
@@ -664,14 +677,17 @@ def make_plan(config: ml_collections.ConfigDict, n: int, hardware: roofline.Hard
     what cannot rank among the ``top`` best is not compiled: a layout whose
     parameters, optimizer state and batch alone overflow the budget, and remedies
     that could not beat the ``top``-th best step time."""
-    from ndjax.experiment import check_fields
+    from ndjax.experiment import check_inputs
 
-    # What no layout changes is checked once: a bad field there is the user's error.
-    base = Layout(n, 1, 1, 1, remat=config.model.remat, grad_accum=config.train.grad_accum)
-    _, model, _ = check_fields(target_config(config, base))
+    # What no layout changes is checked once (a bad field there is the user's error),
+    # and its inputs (checkpoint, data, tokenizer) opened once for every layout.
+    settings = as_settings(config)
+    base = Layout(n, 1, 1, 1, remat=settings.model.remat,
+                  grad_accum=settings.train.grad_accum)
+    model, inputs = check_inputs(target_settings(settings, base))
     budget = hardware.memory_bytes * mem_fraction
     progress(compiler.describe())
-    candidates, checked, aliases = _check_all(config, n, hardware, devices, presets)
+    candidates, checked, aliases = _check_all(settings, n, hardware, devices, presets, inputs)
     pending = [c for c in candidates if id(c) in checked]
     progress(f"{len(pending) + aliases} layouts pass the checks ({len(pending)} distinct "
              f"programs), {len(candidates) - len(pending)} rejected")
@@ -684,8 +700,8 @@ def make_plan(config: ml_collections.ConfigDict, n: int, hardware: roofline.Hard
         _fill(cand, r, checked[id(cand)], hardware, devices_per_node, budget)
     over = [c for c in pending if c.status == "over" and c.arguments <= budget]
     ranked = [c for c in pending if c.status == "ranked"]
-    _remedy(config, over, checked, compiler, hardware, devices, devices_per_node, budget,
-            ranked, top)
+    _remedy(settings, over, checked, compiler, hardware, devices, devices_per_node, budget,
+            ranked, top, inputs)
     for cand in candidates:
         if cand.status == "over":
             cand.reason = _why_over(cand, budget)

@@ -1,16 +1,20 @@
-"""config -> this process's batches: the one object the training loop consumes.
+"""data.* -> this process's batches: the one object the training loop consumes.
 
-``check_config`` runs the cheap checks of ``data.*`` (file names and sizes,
-tokenizer against the model's vocabulary); ``Experiment.from_config`` calls it
-before anything compiles. ``make_loader`` then reads and tokenizes this
-process's share (its rows of every global batch) and returns a ``Loader``: an
-iterator of batches (numpy, or on device after ``transform``), prepared ahead
-by a thread, whose position is a small dict of ints (``get_state`` /
-``set_state``).
+The loader is handed its own section of the config and nothing else: ``check``
+takes ``DataSettings``, the batches' shape (``Batches``: train.batch_size, seq_len,
+seed) and the model's vocabulary, runs the cheap checks (file names and sizes,
+tokenizer against the vocabulary), loads the tokenizer and chat template once and
+returns them as a ``DataInput``; ``Experiment.from_config`` calls it before anything
+compiles. ``open_loader`` then reads and tokenizes this process's share (its rows
+of every global batch) and returns a ``Loader``: an iterator of batches (numpy, or
+on device after ``transform``), prepared ahead by a thread, whose position is a
+small dict of ints (``get_state`` / ``set_state``). ``make_loader`` is both at once,
+from a whole config (scripts and tests).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import queue
 import threading
 import zlib
@@ -22,7 +26,7 @@ import ml_collections
 import numpy as np
 from jax.experimental import multihost_utils
 
-from ndjax.config import Settings, as_settings
+from ndjax.config import DataSettings, Settings, as_settings
 from ndjax.data import FILE_SOURCES, chat, sources
 from ndjax.data.chat_template import ChatTemplate, load_chat_template
 from ndjax.data.streams import ChatRows, RowSource, TextRows, TokenRows
@@ -34,24 +38,45 @@ STATE_VERSION = 1
 _TOKENIZE_BATCH = 256  # documents per encode_batch call (the HF tokenizer threads over them)
 
 
+@dataclasses.dataclass(frozen=True)
+class Batches:
+    """The shape of the global batches (train.*): what every row depends on."""
+
+    batch_size: int
+    seq_len: int
+    seed: int
+
+
+@dataclasses.dataclass(frozen=True)
+class DataInput:
+    """All the loader reads, checked (``check``): its own section, the batches'
+    shape, the model's vocabulary, and the tokenizer and chat template, loaded once
+    (None where the source needs none)."""
+
+    data: DataSettings
+    batches: Batches
+    vocab_size: int
+    tokenizer: Tokenizer | None = None
+    template: ChatTemplate | None = None
+
+
 def _files_field(split: str) -> str:
     return "data.files" if split == "train" else "data.eval_files"
 
 
-def _files(config: Settings, split: str) -> str:
-    return config.data.files if split == "train" else config.data.eval_files
+def _files(d: DataSettings, split: str) -> str:
+    return d.files if split == "train" else d.eval_files
 
 
-def _check_source(config: Settings) -> None:
+def _check_source(d: DataSettings, eval_every: int) -> None:
     # Each field's type and allowed values: ndjax.config. Here: how they combine.
-    d, t = config.data, config.train
     if d.source in FILE_SOURCES:
         if not sources.split_patterns(d.files):
             raise ConfigError(f"data.source={d.source!r} reads data.files, which is empty: set "
                               "it to comma-separated paths or globs, e.g. "
                               "--config.data.files='corpus/*.txt'.")
-        if t.eval_every and not sources.split_patterns(d.eval_files):
-            raise ConfigError(f"train.eval_every={t.eval_every} needs a validation split: set "
+        if eval_every and not sources.split_patterns(d.eval_files):
+            raise ConfigError(f"train.eval_every={eval_every} needs a validation split: set "
                               f"data.eval_files (paths or globs of {d.source} files, like "
                               "data.files) or train.eval_every=0.")
     elif sources.split_patterns(d.files) or sources.split_patterns(d.eval_files):
@@ -71,12 +96,8 @@ def _check_source(config: Settings) -> None:
                           "use data.packing=True or a text source.")
 
 
-def splits(config: Settings) -> tuple[str, ...]:
-    return ("train", "eval") if config.train.eval_every else ("train",)
-
-
-def _tokenizer(config: Settings, vocab_size: int) -> Tokenizer:
-    tok = load_tokenizer(config.data.tokenizer, config.data.eos_token)
+def _tokenizer(d: DataSettings, vocab_size: int) -> Tokenizer:
+    tok = load_tokenizer(d.tokenizer, d.eos_token)
     if tok.vocab_size > vocab_size:
         fit = -(-tok.vocab_size // 128) * 128
         raise ConfigError(
@@ -98,50 +119,55 @@ def _token_eos(files: list[sources.TokenFile], tok: Tokenizer, field: str) -> in
     return tok.eos_id
 
 
-def check_config(config: Settings | ml_collections.ConfigDict, vocab_size: int) -> None:
-    """Every check of ``data.*`` that reads no file contents (sizes, names, footers)."""
-    config = as_settings(config)
-    _check_source(config)
-    d, t = config.data, config.train
+def check(d: DataSettings, batches: Batches, vocab_size: int, eval_every: int = 0
+          ) -> DataInput:
+    """Every check of ``data.*`` that reads no file contents (sizes, names, footers);
+    ``eval_every`` (train.eval_every) > 0: there is a validation split to check too.
+    Returns what the loader is then opened with."""
+    _check_source(d, eval_every)
+    b = batches
     if d.source == "synthetic":
-        return
-    tok = _tokenizer(config, vocab_size)
-    if d.source == "chat":
-        _chat_template(config)
-    for split in splits(config):
+        return DataInput(d, b, vocab_size)
+    tok = _tokenizer(d, vocab_size)
+    template = load_chat_template(d.tokenizer, d.chat_template) if d.source == "chat" else None
+    for split in ("train", "eval") if eval_every else ("train",):
         field = _files_field(split)
         if d.source == "tokens":
-            files = sources.open_token_files(_files(config, split), field, d.token_dtype)
+            files = sources.open_token_files(_files(d, split), field, d.token_dtype)
             _token_eos(files, tok, field)
             for f in files:
                 if f.max_id is not None and f.max_id >= vocab_size:
                     raise ConfigError(
                         f"{field}: {f.path} holds token id {f.max_id} (its sidecar), not below "
                         f"model.vocab_size={vocab_size}; set model.vocab_size > {f.max_id}.")
-            windows = sum((f.n_tokens - 1) // t.seq_len for f in files)
-            if windows < t.batch_size:
+            windows = sum((f.n_tokens - 1) // b.seq_len for f in files)
+            if windows < b.batch_size:
                 raise ConfigError(
                     f"{field}: {_names(tuple(f.path for f in files))} hold {windows} rows of "
-                    f"train.seq_len={t.seq_len} (+1) tokens, shorter than one batch "
-                    f"(train.batch_size={t.batch_size} rows); use more data or a smaller "
+                    f"train.seq_len={b.seq_len} (+1) tokens, shorter than one batch "
+                    f"(train.batch_size={b.batch_size} rows); use more data or a smaller "
                     "batch_size/seq_len.")
         else:
-            corpus = sources.open_corpus(d.source, _files(config, split), field,
-                                         d.text_field, split, columns=_chat_columns(config))
-            if corpus.total < t.batch_size:
+            corpus = sources.open_corpus(d.source, _files(d, split), field,
+                                         d.text_field, split, columns=_chat_columns(d))
+            if corpus.total < b.batch_size:
                 raise ConfigError(
                     f"{corpus.field}: the corpus ({_names(corpus.files)}) has {corpus.total} "
                     f"{_unit(corpus)} in all, shorter than one batch: each of the "
-                    f"train.batch_size={t.batch_size} rows reads its own share of the corpus. "
+                    f"train.batch_size={b.batch_size} rows reads its own share of the corpus. "
                     "Use more data or a smaller batch_size.")
+    return DataInput(d, b, vocab_size, tok, template)
 
 
-def _chat_template(config: Settings) -> ChatTemplate:
-    return load_chat_template(config.data.tokenizer, config.data.chat_template)
+def check_config(config: Settings | ml_collections.ConfigDict, vocab_size: int) -> DataInput:
+    """``check`` from a whole config."""
+    config = as_settings(config)
+    t = config.train
+    return check(config.data, Batches(t.batch_size, t.seq_len, t.seed), vocab_size,
+                 t.eval_every)
 
 
-def _chat_columns(config: Settings) -> tuple[str, ...]:
-    d = config.data
+def _chat_columns(d: DataSettings) -> tuple[str, ...]:
     return (d.messages_field, d.prompt_field, d.completion_field) if d.source == "chat" else ()
 
 
@@ -166,12 +192,12 @@ def process_rows(batch_size: int, process_index: int | None = None,
     return index * per_process, per_process
 
 
-def _text_rows(config: Settings, tok: Tokenizer, split: str, slots: range,
+def _text_rows(inp: DataInput, split: str, slots: range,
                max_runs: int | None) -> tuple[TextRows, int]:
     """Reads and tokenizes the shares of ``slots`` only; checks each is long enough."""
-    d, t = config.data, config.train
+    d, t, tok = inp.data, inp.batches, inp.tokenizer
     field = _files_field(split)
-    corpus = sources.open_corpus(d.source, _files(config, split), field, d.text_field,
+    corpus = sources.open_corpus(d.source, _files(d, split), field, d.text_field,
                                  split, seed=t.seed)
     cuts = {j: (j * corpus.total // t.batch_size, (j + 1) * corpus.total // t.batch_size)
             for j in slots}
@@ -192,14 +218,13 @@ def _text_rows(config: Settings, tok: Tokenizer, split: str, slots: range,
     return rows, corpus.fingerprint()
 
 
-def _chat_rows(config: Settings, tok: Tokenizer, split: str, slots: range,
+def _chat_rows(inp: DataInput, split: str, slots: range,
                max_runs: int | None) -> tuple[ChatRows, int]:
     """Renders, tokenizes and fits the conversations of ``slots`` only; checks each slot
     keeps at least one."""
-    d, t = config.data, config.train
-    template = _chat_template(config)
-    corpus = sources.open_corpus(d.source, _files(config, split), _files_field(split),
-                                 d.text_field, split, seed=t.seed, columns=_chat_columns(config))
+    d, t, tok, template = inp.data, inp.batches, inp.tokenizer, inp.template
+    corpus = sources.open_corpus(d.source, _files(d, split), _files_field(split),
+                                 d.text_field, split, seed=t.seed, columns=_chat_columns(d))
     cuts = {j: (j * corpus.total // t.batch_size, (j + 1) * corpus.total // t.batch_size)
             for j in slots}
     convs, dropped = {}, {}
@@ -245,7 +270,13 @@ def _tokenize(documents: Iterator[sources.Document], tok: Tokenizer) -> list[np.
 
 
 def make_loader(config: Settings | ml_collections.ConfigDict, vocab_size: int,
-                split: str = "train", *,
+                split: str = "train", **kwargs: Any) -> Loader:
+    """``check`` then ``open_loader``, from a whole config (scripts and tests; the
+    training loop opens the ``DataInput`` its experiment checked)."""
+    return open_loader(check_config(config, vocab_size), split, **kwargs)
+
+
+def open_loader(inp: DataInput, split: str = "train", *,
                 rows: tuple[int, int] | None = None,
                 process_index: int | None = None, process_count: int | None = None,
                 prefetch: int | None = None,
@@ -265,9 +296,7 @@ def make_loader(config: Settings | ml_collections.ConfigDict, vocab_size: int,
     runs on each batch in the loader thread, so the host-to-device copy is off
     the step's path too.
     """
-    config = as_settings(config)
-    check_config(config, vocab_size)
-    d, t = config.data, config.train
+    d, t, vocab_size = inp.data, inp.batches, inp.vocab_size
     if max_runs is not None and max_runs < 2:
         raise ValueError(f"max_runs={max_runs}: a row needs room for a document and the "
                          "padding after it")  # model.attn_max_docs >= 2 (ndjax.config)
@@ -278,8 +307,8 @@ def make_loader(config: Settings | ml_collections.ConfigDict, vocab_size: int,
                                             split=int(split != "train"), max_runs=max_runs)
     elif d.source == "tokens":
         field = _files_field(split)
-        files = sources.open_token_files(_files(config, split), field, d.token_dtype)
-        tok = _tokenizer(config, vocab_size)
+        files = sources.open_token_files(_files(d, split), field, d.token_dtype)
+        tok = inp.tokenizer
         eos = _token_eos(files, tok, field)
         source = TokenRows(files, t.seq_len, t.batch_size, t.seed, eos, vocab_size, field,
                            max_runs=max_runs, pad_id=tok.pad_id)
@@ -287,8 +316,7 @@ def make_loader(config: Settings | ml_collections.ConfigDict, vocab_size: int,
                                      tuple(f.n_tokens for f in files), field, "").fingerprint()
     else:
         make_rows = _chat_rows if d.source == "chat" else _text_rows
-        source, fingerprint = make_rows(config, _tokenizer(config, vocab_size), split,
-                                        range(start, start + count), max_runs)
+        source, fingerprint = make_rows(inp, split, range(start, start + count), max_runs)
     state_key = {"batch_size": t.batch_size, "seq_len": t.seq_len, "seed": t.seed,
                  "corpus": fingerprint}
     return Loader(source, start, count, state_key,
