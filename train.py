@@ -52,8 +52,9 @@ def main(argv: list[str]) -> None:
     except BAD_OVERRIDE as e:
         _fail(f"bad --config override: {innermost(e)}")
 
-    from ndjax import distributed, xla_cache
+    from ndjax import xla_cache
     from ndjax.errors import ConfigError
+    from ndjax.parallel import distributed
     try:
         # Before anything compiles: a second run of the same step loads it.
         # (distributed.initialize may turn it off again: multi-process CPU runs.)
@@ -66,9 +67,9 @@ def main(argv: list[str]) -> None:
 
     from ndjax.checkpoint_faults import SaveError
     from ndjax.experiment import Experiment
-    from ndjax.loop import NonFiniteError, train
     from ndjax.report import sharding_table
-    from ndjax.stop_signals import Interrupted
+    from ndjax.training.loop import NonFiniteError, train
+    from ndjax.training.stop_signals import Interrupted
 
     config_name = os.path.splitext(os.path.basename(
         config_flags.get_config_filename(flags.FLAGS["config"])))[0]
@@ -122,7 +123,7 @@ def main(argv: list[str]) -> None:
         stop_with_the_others()
         # Without the interpreter's shutdown: it would collect the failed save's
         # unfinished write futures and print each one's error. Everything the run
-        # opened was closed on the way here (ndjax.loop.train's ExitStack).
+        # opened was closed on the way here (ndjax.training.loop.train's ExitStack).
         sys.stdout.flush()
         os._exit(1)
     except Exception as e:

@@ -38,11 +38,11 @@ jax.config.update("jax_num_cpu_devices", 8)
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from ndjax.collectives import collectives  # noqa: E402
 from ndjax.config import default_config  # noqa: E402
 from ndjax.experiment import Experiment  # noqa: E402
-from ndjax.mesh import ParallelDims, build_mesh  # noqa: E402
 from ndjax.ops import ring_attention as ra  # noqa: E402
+from ndjax.parallel.collectives import collectives  # noqa: E402
+from ndjax.parallel.mesh import ParallelDims, build_mesh  # noqa: E402
 
 MODEL = dict(vocab_size=256, dim=64, n_layers=2, n_heads=8, n_kv_heads=4, ffn_dim=128)
 CONTEXTS = (1, 2, 4, 8)
@@ -64,7 +64,7 @@ def experiment(context: int, seq_len: int, impl: str, layout: str = "zigzag") ->
 def executed_collective_permutes(hlo: str) -> dict[str, tuple[int, int]]:
     """Collective-permutes of float (keys, values, their gradients) and integer
     (segment ids) arrays: (static count in the text, count executed per step),
-    from ``ndjax.collectives`` (while loops times their known trip counts)."""
+    from ``ndjax.parallel.collectives`` (while loops times their known trip counts)."""
     out = {"float": [0, 0], "int": [0, 0]}
     for c in collectives(hlo):
         if c.kind == "collective-permute":

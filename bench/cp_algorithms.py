@@ -6,7 +6,7 @@ alternating rounds: ``model.cp_impl=ring`` (key/value blocks around the context
 axis, tiled) and ``model.cp_impl=all_to_all`` (sequence shards to head shards,
 the one-shard kernel ``auto`` picks for the whole sequence, back). For each: the
 median ms per step, tokens/s, the ratio to ring, the bytes each device sends per
-step by collective kind (``ndjax.collectives``: ring bytes times executions, from
+step by collective kind (``ndjax.parallel.collectives``: ring bytes times executions, from
 the compiled HLO) and the step's temp memory per device.
 
     PYTHONPATH=. python bench/cp_algorithms.py
@@ -37,9 +37,9 @@ def worker(args) -> None:
 
     jax.config.update("jax_num_cpu_devices", DEVICES)
 
-    from ndjax.collectives import collectives
     from ndjax.config import default_config
     from ndjax.experiment import Experiment
+    from ndjax.parallel.collectives import collectives
 
     c = default_config()
     c.model.update(dict(json.loads(args.model), cp_impl=args.cp))

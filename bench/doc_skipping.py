@@ -36,9 +36,9 @@ jax.config.update("jax_num_cpu_devices", 8)
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from ndjax.mesh import ParallelDims, build_mesh  # noqa: E402
 from ndjax.ops import attention as attn  # noqa: E402
 from ndjax.ops import ring_attention as ra  # noqa: E402
+from ndjax.parallel.mesh import ParallelDims, build_mesh  # noqa: E402
 
 HEADS, KV_HEADS, HEAD_DIM = 4, 2, 64
 CONTEXT = 4

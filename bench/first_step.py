@@ -59,8 +59,8 @@ def child(out_path: str, argv: list[str]) -> None:
     import jax
     from jax import monitoring
 
-    import ndjax.loop
-    from ndjax.hooks import Hook
+    import ndjax.training.loop
+    from ndjax.training.hooks import Hook
     imported = time.time()
     spans: list[tuple[str, str, float, float]] = []
     counts: dict[str, int] = defaultdict(int)
@@ -96,13 +96,13 @@ def child(out_path: str, argv: list[str]) -> None:
             cpu = os.times()
             reads.append((step, time.time(), cpu.user + cpu.system))
 
-    train = ndjax.loop.train
+    train = ndjax.training.loop.train
 
     def marked(*args: Any, **kw: Any) -> Any:
         marks["train"] = time.time()
         return train(*args, **kw, extra_hooks=[Marks()])
 
-    ndjax.loop.train = marked  # train.py imports it from here when main runs
+    ndjax.training.loop.train = marked  # train.py imports it from here when main runs
     sys.argv = [os.path.join(ROOT, "train.py"), *argv]
     try:
         runpy.run_path(sys.argv[0], run_name="__main__")

@@ -41,9 +41,9 @@ def one(devices: int, mesh: dict[str, int], a: argparse.Namespace) -> dict[str, 
     jax.config.update("jax_num_cpu_devices", devices)
     import numpy as np
 
-    from ndjax import rules as rules_lib
     from ndjax.config import default_config
     from ndjax.experiment import Experiment
+    from ndjax.parallel import rules as rules_lib
     from ndjax.sampling import Generator
     from ndjax.verbs.generate import for_generation
 

@@ -1,7 +1,7 @@
 """How often a 2-process CPU run hangs, with and without the persistent compilation cache.
 
 ndjax turns jax's persistent compilation cache off in multi-process CPU runs
-(ndjax/distributed.py) because executables loaded from it hung gloo's set-up.
+(ndjax/parallel/distributed.py) because executables loaded from it hung gloo's set-up.
 This script measures it, so the workaround can be re-checked on a newer jax:
 each run is 2 train.py processes x 4 CPU devices (context=4 x tensor=2, the
 ring crossing processes) sharing one cache directory, warmed by the first run.

@@ -19,14 +19,14 @@ shards: DP's N is 1, HSDP's is 4, 4D's is 8). What stays above the ideal is
 listed by cause: leaves replicated on all N devices (norm scales, step counts),
 kv weights replicated over tensor when tensor > n_kv_heads, and the rest.
 
-Communication. ``ndjax.collectives`` lists every collective with its result bytes
+Communication. ``ndjax.parallel.collectives`` lists every collective with its result bytes
 per device and executions per step (layer-scan trips included); each is keyed
 by (kind, mesh axes), the axes read from its first group against
 ``exp.mesh.devices``. Two CPU habits are undone: the CPU compiler widens bfloat16
 collectives to float32 (its operand is a convert from bf16), so "bytes" here
 counts such operands at 2 bytes an element, as a GPU compile moves them (the
 CPU-HLO figure is printed too); and its all-reduce + dynamic-slice is a
-reduce-scatter (``ndjax.collectives``). Bookkeeping is listed apart: integer
+reduce-scatter (``ndjax.parallel.collectives``). Bookkeeping is listed apart: integer
 collectives (segment ids), and all-reduces no bigger than 2 float32 per local
 token of one loss chunk that run fewer times than there are layers (loss sums, token
 count, grad norm, the vocab-parallel loss's max / sum / target logit; a small
@@ -88,9 +88,9 @@ jax.config.update("jax_num_cpu_devices", 16)
 import numpy as np  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 
-from ndjax import collectives as coll  # noqa: E402
 from ndjax.config import default_config  # noqa: E402
 from ndjax.experiment import Experiment  # noqa: E402
+from ndjax.parallel import collectives as coll  # noqa: E402
 
 MiB = 2**20
 LAYOUTS = {

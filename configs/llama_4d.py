@@ -2,7 +2,7 @@
 
 On a CPU-only host 16 devices are simulated (runtime.cpu_devices=16). Context
 (ring attention) and tensor groups sit on neighbouring devices, replicas
-outermost; see ndjax/mesh.py.
+outermost; see ndjax/parallel/mesh.py.
 """
 
 from ndjax.config import default_config

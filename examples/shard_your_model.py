@@ -13,7 +13,7 @@ import optax
 from flax import nnx
 
 from ndjax import ParallelismConfig, make_train_step, shard_model
-from ndjax.rules import PRESETS, constrain
+from ndjax.parallel.rules import PRESETS, constrain
 
 RULES = PRESETS["default"] + (("classes", None),)
 FEATURES, HIDDEN, CLASSES = 32, 128, 16

@@ -20,7 +20,7 @@ from typing import Any
 
 import jax
 
-from ndjax import distributed
+from ndjax.parallel import distributed
 
 QUARANTINE_SUFFIX = ".unreadable"
 _AGREE_TIMEOUT_MS = 10 * 60 * 1000  # reading a large checkpoint takes a while

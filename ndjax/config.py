@@ -195,7 +195,7 @@ class ModelSettings:
 @dataclasses.dataclass(frozen=True)
 class MeshSettings:
     # Degrees of the axes; -1 (one axis at most): all remaining devices. The
-    # values are checked against the device count in ndjax.mesh.ParallelDims.
+    # values are checked against the device count in ndjax.parallel.mesh.ParallelDims.
     replica: int = setting(1)
     fsdp: int = setting(-1)
     # A mixture of experts' experts split over it (each device holds n_experts / expert
@@ -399,8 +399,8 @@ RENAMED = {("checkpoint", "async"): "async_save"}
 @dataclasses.dataclass(frozen=True)
 class Settings:
     """The whole experiment, typed and checked. ``rules`` is a preset name from
-    ndjax.rules.PRESETS or a full table of (logical_name, mesh_axes) pairs, checked
-    against the mesh by ndjax.rules.Rules."""
+    ndjax.parallel.rules.PRESETS or a full table of (logical_name, mesh_axes) pairs, checked
+    against the mesh by ndjax.parallel.rules.Rules."""
 
     model: ModelSettings
     mesh: MeshSettings

@@ -26,18 +26,19 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from ndjax import compiler, distributed, gpu_target, hf, platforms
-from ndjax import rules as rules_lib
+from ndjax import compiler, gpu_target, hf, platforms
 from ndjax import state as state_lib
 from ndjax.config import MODEL_DIMS, ModelSettings, Settings, TrainSettings
 from ndjax.data import BATCH_FIELDS, loader
 from ndjax.errors import ConfigError
-from ndjax.mesh import ParallelDims, build_mesh, cross_process_axes
 from ndjax.models import decoder, registry
 from ndjax.models.decoder import DecoderConfig
 from ndjax.models.layers import RopeScaling
 from ndjax.ops import attention as attention_ops
 from ndjax.ops import grouped_matmul
+from ndjax.parallel import distributed
+from ndjax.parallel import rules as rules_lib
+from ndjax.parallel.mesh import ParallelDims, build_mesh, cross_process_axes
 from ndjax.precision import DTYPES, Precision
 from ndjax.train_step import Batch, StepOptions, eval_step, train_step
 
@@ -433,7 +434,7 @@ class Experiment:
         covered = set().union(*(range(*r) for r in rows))
         if covered != set(range(start, stop)):  # a mesh from build_mesh never does this
             raise ConfigError(f"this process's devices hold batch rows {rows}, not one "
-                              "contiguous range; use a mesh from ndjax.mesh.build_mesh.")
+                              "contiguous range; use a mesh from ndjax.parallel.mesh.build_mesh.")
         return start, stop - start
 
     @property

@@ -108,7 +108,7 @@ def target_config(hw: Hardware) -> str:
 
 def devices(hw: Hardware, n: int, per_node: int = 8) -> list[jax.Device]:
     """``n`` compile-only GPUs of kind ``hw``, ``per_node`` to a node (in jax's
-    order: a node's GPUs are neighbours, as ``ndjax.mesh.build_mesh`` expects)."""
+    order: a node's GPUs are neighbours, as ``ndjax.parallel.mesh.build_mesh`` expects)."""
     require()
     if n < 1 or per_node < 1:
         raise ConfigError(f"--devices={n} and --devices_per_node={per_node} must be >= 1.")

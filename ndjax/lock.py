@@ -27,8 +27,8 @@ from collections.abc import Callable
 
 import jax
 
-from ndjax import distributed
 from ndjax.errors import ConfigError
+from ndjax.parallel import distributed
 
 NAME = ".lock"
 

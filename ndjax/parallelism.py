@@ -35,9 +35,8 @@ import jax
 import ml_collections
 from jax.sharding import Mesh
 
-from ndjax import mesh as mesh_lib
 from ndjax.errors import ConfigError
-from ndjax.mesh import ParallelDims, build_mesh
+from ndjax.parallel.mesh import ParallelDims, build_mesh
 
 # mesh axis -> the field that sets it, for errors in the user's names.
 FIELDS = {"replica": "dp_replicate_size", "fsdp": "dp_shard_size", "expert": "ep_size",
@@ -156,7 +155,7 @@ class ParallelismConfig:
                                    ep_size=dims.expert)
 
     def build_mesh(self, devices: Sequence[jax.Device] | None = None) -> Mesh:
-        """ndjax's mesh (``ndjax.mesh.build_mesh``: Auto axis types, tensor
+        """ndjax's mesh (``ndjax.parallel.mesh.build_mesh``: Auto axis types, tensor
         innermost) over ``devices`` (default: all of them)."""
         devices = list(jax.devices() if devices is None else devices)
         return build_mesh(self.resolve(len(devices)).to_dims(), devices)
@@ -172,9 +171,3 @@ class ParallelismConfig:
             config.model.cp_impl = cp_impl
         return config
 
-
-# ParallelismConfig lived in ndjax.mesh before it had this module; its old name still
-# works once this module is imported (``import ndjax`` then ``ndjax.ParallelismConfig``
-# does it). Set from here because ndjax.mesh importing this module back would be an
-# import circle (tests/test_imports.py).
-mesh_lib.ParallelismConfig = ParallelismConfig

@@ -20,7 +20,7 @@ For one config and N devices:
    kernels compiled for real, with the train step's GPU options), else on N
    simulated CPU devices, in worker processes; from the compiled module: argument
    and temporary bytes per device (``memory_analysis``), every collective
-   (``ndjax.collectives``) and the partitioner's involuntary rematerialisations.
+   (``ndjax.parallel.collectives``) and the partitioner's involuntary rematerialisations.
    A layout whose inputs alone (parameters, optimizer state, batch: known from
    their shardings) overflow the budget is not compiled. Results are cached on
    disk, keyed by the config, N, the compiler, the jax version and ndjax's source.
@@ -58,11 +58,11 @@ import jax
 import ml_collections
 
 from ndjax import children, compiler, platforms, roofline
-from ndjax.collectives import collectives
 from ndjax.config import Settings, as_settings, default_config
 from ndjax.errors import ConfigError
-from ndjax.mesh import AXES
-from ndjax.rules import PRESETS
+from ndjax.parallel.collectives import collectives
+from ndjax.parallel.mesh import AXES
+from ndjax.parallel.rules import PRESETS
 
 CONFIG_RULES = "config"          # the config's own rule table (not a preset name)
 REMAT_LADDER = ("none", "save_proj", "full")

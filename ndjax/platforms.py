@@ -12,7 +12,7 @@ from collections.abc import Iterable, Sequence
 
 import jax
 
-from ndjax.rules import active
+from ndjax.parallel.rules import active
 
 
 def _first(devices: Iterable[jax.Device]) -> jax.Device:

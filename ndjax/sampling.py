@@ -33,10 +33,10 @@ from flax import nnx
 from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding
 
-from ndjax import rules as rules_lib
 from ndjax.errors import ConfigError
 from ndjax.models import registry
 from ndjax.models.decoder import DecoderConfig
+from ndjax.parallel import rules as rules_lib
 
 MIN_PROMPT_SLOTS = 8
 

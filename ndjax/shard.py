@@ -6,7 +6,7 @@ The model's parameters carry logical axis names, as ndjax's decoders' do::
     nnx.Linear(..., kernel_metadata={"logical_axes": ("embed", "mlp")},
                bias_metadata={"logical_axes": ("mlp",)})
 
-and a rule table (``ndjax.rules``: a preset such as ``"default"``, or a table of
+and a rule table (``ndjax.parallel.rules``: a preset such as ``"default"``, or a table of
 ``(logical_name, mesh_axes)`` pairs) maps each name to mesh axes. Then::
 
     mesh = ParallelismConfig(dp_shard_size=4, tp_size=2).build_mesh()
@@ -19,8 +19,8 @@ Parameters are created already sharded (no device holds a whole copy), the
 optimizer's moments are laid out like their parameters (``ndjax.state.state_shardings``),
 gradients are constrained to the parameters' layout (the partitioner sums them
 with a reduce-scatter), and the step is one ``jax.jit`` traced under the mesh and
-the rules (``ndjax.rules.use``), so that ``ndjax.rules.constrain`` inside the model
-applies: outside them it is a no-op, and a constraint on a bare PartitionSpec
+the rules (``ndjax.parallel.rules.use``), so that ``ndjax.parallel.rules.constrain``
+inside the model applies: outside them it is a no-op, and a constraint on a bare PartitionSpec
 has no mesh.
 
 This is the general part of what ``Experiment`` does for the decoder (whose step
@@ -42,9 +42,9 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from ndjax import rules as rules_lib
 from ndjax import state as state_lib
 from ndjax.errors import ConfigError
+from ndjax.parallel import rules as rules_lib
 
 M = TypeVar("M", bound=nnx.Module)
 # A preset name, a table of (logical_name, mesh_axes) pairs, or a table bound to a mesh.
@@ -53,7 +53,7 @@ LossFn = Callable[[Any, Any], jax.Array]  # (model, batch) -> scalar loss
 
 
 def bind_rules(rules: RulesLike, mesh: Mesh) -> rules_lib.Rules:
-    """``rules`` as a table bound to ``mesh`` (checked by ``ndjax.rules.get_table``)."""
+    """``rules`` as a table bound to ``mesh`` (checked by ``ndjax.parallel.rules.get_table``)."""
     if isinstance(rules, rules_lib.Rules):
         if rules.mesh != mesh:
             raise ConfigError("rules: this Rules object is bound to another mesh; pass its "

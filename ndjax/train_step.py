@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import optax
 
 from ndjax.ops.cross_entropy import loss_sums
-from ndjax.rules import Weight, constrain
+from ndjax.parallel.rules import Weight, constrain
 from ndjax.state import TrainState
 
 Batch = dict[str, jax.Array]

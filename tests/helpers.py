@@ -8,10 +8,10 @@ import jax
 import numpy as np
 from conftest import TINY_MODEL, tiny_config
 
-from ndjax import rules as rules_lib
 from ndjax.data.loader import make_loader
 from ndjax.data.synthetic import SyntheticSource
 from ndjax.experiment import Experiment
+from ndjax.parallel import rules as rules_lib
 from ndjax.train_step import loss_and_grads
 
 

@@ -126,9 +126,9 @@ def test_skipping_kernels_on_each_devices_rows_and_heads(impl, mesh):
     """Under the default rule table each device attends on its own rows and heads (a
     shard_map manual over every mesh axis), skipping by its own rows' documents:
     outputs and gradients are dense's."""
-    from ndjax.mesh import ParallelDims, build_mesh
     from ndjax.ops import ring_attention as ra
-    from ndjax.rules import Rules, use
+    from ndjax.parallel.mesh import ParallelDims, build_mesh
+    from ndjax.parallel.rules import Rules, use
 
     b, s = 4, 64
     seg = _short_documents(b, s, 10)

@@ -22,7 +22,7 @@ from helpers import host_batches, train_py_flags
 from ndjax.checkpoint import Checkpointer
 from ndjax.errors import ConfigError
 from ndjax.experiment import Experiment
-from ndjax.loop import train
+from ndjax.training.loop import train
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY_FLAGS = [*train_py_flags(), "--config.log.tensorboard=False"]
@@ -175,10 +175,10 @@ def test_ctrl_c_saves_exits_130_and_the_rerun_resumes_exactly(tmp_path):
 
 
 def test_a_second_ctrl_c_stops_at_once_without_a_traceback():
-    """What train.py's loop listens with (ndjax.stop_signals), in a process of its own:
+    """What train.py's loop listens with (ndjax.training.stop_signals), in a process of its own:
     the second Ctrl-C ends it at once (exit 130), one line each, no traceback."""
     code = ("import os, signal, time\n"
-            "from ndjax.stop_signals import StopSignals\n"
+            "from ndjax.training.stop_signals import StopSignals\n"
             "s = StopSignals()\n"
             "os.kill(os.getpid(), signal.SIGINT)\n"
             "time.sleep(0.2)\n"

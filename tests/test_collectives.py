@@ -1,14 +1,20 @@
 # ruff: noqa: E501  (the HLO module below keeps XLA's one-line instructions)
-"""ndjax.collectives: every collective of a compiled step, with bytes, groups and
+"""ndjax.parallel.collectives: every collective of a compiled step, with bytes, groups and
 executions per step, on a hand-made HLO module (exact answers known) and on
 real compiled tiny steps (counts that must scale with the layer scan)."""
 
 import pytest
 from conftest import tiny_config
 
-from ndjax.collectives import LOWERED_RS, Collective, collectives, in_conditionals, summarize
 from ndjax.experiment import Experiment
 from ndjax.ops.ring_attention import expected_collective_permutes
+from ndjax.parallel.collectives import (
+    LOWERED_RS,
+    Collective,
+    collectives,
+    in_conditionals,
+    summarize,
+)
 
 # A while loop (4 trips) whose body all-gathers a bf16 weight over iota groups and
 # calls a computation that all-reduces an f32 gradient and keeps 1/4 of it through

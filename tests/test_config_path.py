@@ -12,7 +12,7 @@ import pytest
 from conftest import tiny_config
 
 from ndjax import config as config_lib
-from ndjax import loop
+from ndjax.training import loop
 
 SECTIONS = tuple(t for t in vars(config_lib).values()
                  if isinstance(t, type) and dataclasses.is_dataclass(t)
@@ -67,4 +67,4 @@ def test_the_config_runs_down_the_layers(tmp_path, reads):
     data_reads = {kind for module, kind, _ in reads if module.startswith("ndjax.data")}
     assert data_reads == {"DataSettings"}, data_reads
     # And the hooks only what they are given: no section of the config.
-    assert not {kind for module, kind, _ in reads if module == "ndjax.hooks"}
+    assert not {kind for module, kind, _ in reads if module == "ndjax.training.hooks"}

@@ -50,10 +50,10 @@ from transformers import (
 )
 
 from ndjax import hf
-from ndjax import rules as rules_lib
 from ndjax.errors import ConfigError
 from ndjax.experiment import Experiment
 from ndjax.models import hf_config, registry
+from ndjax.parallel import rules as rules_lib
 
 WINDOW = 8  # < S, and < each packed document below
 GEMMA_TYPES = ["sliding_attention", "full_attention"] * 2 + ["sliding_attention"]

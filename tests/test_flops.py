@@ -7,11 +7,11 @@ from conftest import tiny_config
 from jax.extend import core as jcore
 
 from ndjax import roofline
-from ndjax import rules as rules_lib
 from ndjax.experiment import Experiment
 from ndjax.flops import flops_per_token, peak_tflops
 from ndjax.models.decoder import DecoderConfig
 from ndjax.models.registry import config_from_preset
+from ndjax.parallel import rules as rules_lib
 from ndjax.train_step import train_step
 
 

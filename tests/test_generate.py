@@ -23,8 +23,8 @@ from test_hf import CASES, make_hf
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
 from ndjax.errors import ConfigError
-from ndjax.loop import train
 from ndjax.sampling import Sampling, sample
+from ndjax.training.loop import train
 from ndjax.verbs.generate import load, read_prompts, render_chat
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -109,7 +109,7 @@ def test_cache_layout_follows_the_rules(hf_dirs):
     m = load(hf_dir=str(directory), overrides={"mesh.fsdp": 4, "mesh.tensor": 2})
     g = m.generator(N_NEW)
     assert g.shapes(3, 17) == (4, 32) and g.shapes(5, 9) == (8, 16) and g.shapes(1, 2) == (4, 8)
-    from ndjax import rules as rules_lib
+    from ndjax.parallel import rules as rules_lib
     with rules_lib.use(g.rules):
         tokens, pad = g.inputs(prompts())
         _, cache = g.prefill(g.params, tokens, pad, g.key)

@@ -27,10 +27,10 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from test_bench import run_tiny, table_rows
 
 from ndjax import compiler, gpu_target, roofline
-from ndjax.collectives import collectives, in_conditionals
 from ndjax.errors import ConfigError
 from ndjax.experiment import Experiment
 from ndjax.ops import attention as attn
+from ndjax.parallel.collectives import collectives, in_conditionals
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HAVE_EXTRA = not gpu_target.missing()
@@ -243,7 +243,7 @@ def test_one_row_on_several_gpus_takes_pallas_and_compiles():
 def test_the_kernels_bound_reaches_the_loader_of_a_gpu_run(tmp_path, monkeypatch):
     """model.attn_max_docs reaches make_loader (train and eval) where cuDNN runs, so its
     rows are packed within it; no bound where the kernel needs none."""
-    from ndjax import loop
+    from ndjax.training import loop
 
     def config(impl):
         return tiny_config(mesh=dict(fsdp=2), model={**SMALL, "attn_impl": impl,

@@ -32,12 +32,12 @@ from test_tokenizer_files import QWEN, write_hf_tokenizer
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 from ndjax import hf
-from ndjax import rules as rules_lib
 from ndjax.data.tokenizers import load_tokenizer
 from ndjax.errors import ConfigError
 from ndjax.experiment import Experiment
-from ndjax.loop import train
 from ndjax.models import registry
+from ndjax.parallel import rules as rules_lib
+from ndjax.training.loop import train
 from ndjax.verbs.export import export_checkpoint
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

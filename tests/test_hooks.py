@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 from conftest import tiny_config
 
-from ndjax import hooks
-from ndjax.loop import Trainer, train
+from ndjax.training import hooks
+from ndjax.training.loop import Trainer, train
 
 
 class FakeSinks:

@@ -150,13 +150,15 @@ def test_no_import_cycles():
 
 @pytest.mark.parametrize("source, expected", [
     ("from ndjax import hf", {"ndjax.hf"}),
-    ("from ndjax import hooks as hooks_lib, errors", {"ndjax.hooks", "ndjax.errors"}),
+    ("from ndjax import hf as hf_lib, errors", {"ndjax.hf", "ndjax.errors"}),
+    ("from ndjax.training import hooks as hooks_lib, sinks",
+     {"ndjax.training.hooks", "ndjax.training.sinks"}),
     ("from ndjax.data.loader import make_loader", {"ndjax.data.loader"}),
     ("from ndjax.data import SOURCES, loader", {"ndjax.data", "ndjax.data.loader"}),
     ("import ndjax.models.decoder as d", {"ndjax.models.decoder"}),
-    ("def f():\n    from ndjax import hooks", {"ndjax.hooks"}),
-    ("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from ndjax import loop",
-     {"ndjax.loop"}),
+    ("def f():\n    from ndjax.training import hooks", {"ndjax.training.hooks"}),
+    ("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from ndjax.training import loop",
+     {"ndjax.training.loop"}),
     ("from . import registry", {"ndjax.models.registry"}),
     ("import numpy, jax", set()),
 ])

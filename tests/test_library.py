@@ -18,11 +18,11 @@ from flax import nnx
 from jax.sharding import AxisType, PartitionSpec
 
 import ndjax
-from ndjax import rules as rules_lib
 from ndjax.config import Settings
 from ndjax.errors import ConfigError
-from ndjax.mesh import AXES, ParallelDims, build_mesh
 from ndjax.ops import attention
+from ndjax.parallel import rules as rules_lib
+from ndjax.parallel.mesh import AXES, ParallelDims, build_mesh
 from ndjax.parallelism import CP_STRATEGIES, ContextParallelConfig, ParallelismConfig
 from ndjax.shard import loss_and_grads, shard_model, split_params
 
@@ -55,7 +55,7 @@ def test_accelerate_names_map_to_mesh_axes(cpu_devices):
     assert ParallelismConfig(dp_shard_size=None).dp_shard_size == 1
     filled = ParallelismConfig(dp_shard_size=-1, cp_size=2).resolve(8)
     assert (filled.dp_shard_size, filled.total_size) == (4, 8)
-    assert ndjax.ParallelismConfig is ParallelismConfig is ndjax.mesh.ParallelismConfig
+    assert ndjax.ParallelismConfig is ParallelismConfig
     assert dict(ParallelismConfig(dp_shard_size=-1).build_mesh(cpu_devices[:2]).shape)["fsdp"] == 2
 
 

@@ -102,8 +102,8 @@ def test_fsdp_reduce_scatters_every_weight_gradient_in_f32():
     layout forced the partitioner to finish the sum first: an all-reduce of every
     layer's whole gradient (2x a reduce-scatter's ring bytes), rounded on the way.
     """
-    from ndjax import collectives as coll
-    from ndjax import rules as rules_lib
+    from ndjax.parallel import collectives as coll
+    from ndjax.parallel import rules as rules_lib
     from ndjax.train_step import loss_and_grads
 
     exp = Experiment.from_config(tiny_config(mesh=dict(fsdp=8), model=dict(dtype="bfloat16")))

@@ -25,9 +25,9 @@ from helpers import (
     run_steps,
 )
 
-from ndjax import rules as rules_lib
 from ndjax.experiment import Experiment
 from ndjax.ops.cross_entropy import cross_entropy, loss_sums
+from ndjax.parallel import rules as rules_lib
 from ndjax.train_step import loss_and_grads
 
 

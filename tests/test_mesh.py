@@ -3,14 +3,14 @@ import pytest
 from jax.sharding import AxisType
 
 from ndjax.errors import ConfigError
-from ndjax.mesh import (
+from ndjax.parallel.mesh import (
     AXES,
     ParallelDims,
-    ParallelismConfig,
     _split_across_processes,
     build_mesh,
     cross_process_axes,
 )
+from ndjax.parallelism import ParallelismConfig
 
 
 def test_axis_order_and_auto_types(cpu_devices):

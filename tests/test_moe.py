@@ -18,11 +18,11 @@ from flax import nnx
 from helpers import assert_same_training, host_batches
 
 from ndjax import hf
-from ndjax import rules as rules_lib
 from ndjax.errors import ConfigError
 from ndjax.experiment import Experiment
-from ndjax.mesh import AXES
 from ndjax.models import decoder, moe, registry
+from ndjax.parallel import rules as rules_lib
+from ndjax.parallel.mesh import AXES
 from ndjax.train_step import loss_aux_and_grads
 
 MOE = dict(family="qwen3_moe", head_dim=16, n_experts=4, experts_per_token=2, moe_ffn_dim=32)

@@ -25,7 +25,7 @@ from safetensors.numpy import load_file
 
 from ndjax import hf
 from ndjax.experiment import Experiment
-from ndjax.loop import train
+from ndjax.training.loop import train
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FLAGS = [*train_py_flags(), "--config.log.tensorboard=False", "--config.runtime.cpu_devices=4"]
@@ -175,7 +175,7 @@ def test_two_processes_train_like_one(tmp_path, mesh):
         one_fields = {**fields, "export.hf_dir": str(tmp_path / "one_hf")}
     else:
         two_fields = one_fields = {"model.init_from": hf_checkpoint(tmp_path / "source_hf")}
-    # The context run is also ndjax's guard against a gloo hang (ndjax/distributed.py):
+    # The context run is also ndjax's guard against a gloo hang (ndjax/parallel/distributed.py):
     # two-process CPU runs that loaded executables from a shared persistent compilation
     # cache hung in gloo's set-up, so ndjax turns the cache off in them. This run is set
     # up as those were (a shared cache, every compile cached, the ring crossing

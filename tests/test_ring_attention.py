@@ -11,10 +11,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from ndjax.mesh import ParallelDims, build_mesh
 from ndjax.ops import ring_attention as ra
 from ndjax.ops.attention import AttentionSpec
 from ndjax.ops.attention import dense as dot_product_attention
+from ndjax.parallel.mesh import ParallelDims, build_mesh
 
 # (context, layout, seq_len, n_heads, n_kv_heads, kv_tile, packed documents). Together:
 # both layouts at context 2, 4 and 8; kv heads = heads, fewer, and 1; with and

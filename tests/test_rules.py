@@ -3,8 +3,8 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from ndjax.errors import ConfigError
-from ndjax.mesh import ParallelDims, build_mesh
-from ndjax.rules import PRESETS, Rules, constrain, get_table, use
+from ndjax.parallel.mesh import ParallelDims, build_mesh
+from ndjax.parallel.rules import PRESETS, Rules, constrain, get_table, use
 
 
 @pytest.fixture(scope="module")

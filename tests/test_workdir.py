@@ -12,7 +12,7 @@ from data_files import texts, write_jsonl, write_tokenizer
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 from ndjax.data.tokenizers import load_tokenizer
-from ndjax.loop import _keep_metrics_until, train
+from ndjax.training.loop import _keep_metrics_until, train
 from ndjax.verbs import generate, plot
 from ndjax.verbs.export import export_checkpoint
 from ndjax.workdir import SOURCE, TOKENIZER, run_config

@@ -29,7 +29,7 @@ from flax import nnx
 from ndjax.models.decoder import FULL, HIDDEN, RESIDUAL, SLIDING, Block, Decoder, DecoderConfig
 from ndjax.models.layers import weight
 from ndjax.ops.attention import masked_attention
-from ndjax.rules import active, constrain
+from ndjax.parallel.rules import active, constrain
 
 CACHE_NAMES = ("layers", "act_batch", None, "act_kv_heads", "act_head_dim")
 

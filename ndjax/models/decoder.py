@@ -48,7 +48,7 @@ from ndjax.models.layers import (
 from ndjax.models.moe import MoE, aux_metrics
 from ndjax.ops.attention import HEADS, KV_HEADS, AttentionSpec, attention
 from ndjax.ops.layer_scan import scan_full_remat
-from ndjax.rules import Weight, constrain
+from ndjax.parallel.rules import Weight, constrain
 
 FULL, SLIDING = "full_attention", "sliding_attention"
 LAYER_TYPES = (FULL, SLIDING)

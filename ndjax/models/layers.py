@@ -21,7 +21,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec
 
-from ndjax.rules import (
+from ndjax.parallel.rules import (
     ParamUse,
     active,
     data_axes,

@@ -48,7 +48,7 @@ from ndjax.errors import ConfigError
 from ndjax.models.layers import ACTIVATION_FNS, init_param, project, use_param
 from ndjax.ops.grouped_matmul import grouped_matmul, resolved
 from ndjax.ops.ragged_exchange import exchange, exclusive_cumsum
-from ndjax.rules import (
+from ndjax.parallel.rules import (
     ParamUse,
     active,
     axes_of,

@@ -38,7 +38,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import PartitionSpec
 
-from ndjax.rules import Rules, suspended
+from ndjax.parallel.rules import Rules, suspended
 
 AXIS = "context"
 

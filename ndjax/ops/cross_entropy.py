@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec
 
-from ndjax.rules import (
+from ndjax.parallel.rules import (
     ParamUse,
     Weight,
     active,

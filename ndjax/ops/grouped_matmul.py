@@ -32,7 +32,7 @@ import jax.numpy as jnp
 
 from ndjax import platforms
 from ndjax.errors import ConfigError
-from ndjax.rules import active
+from ndjax.parallel.rules import active
 
 IMPLS = ("auto", "xla", "mosaic")
 # The contraction block (64 bfloat16 values: one 128-byte swizzle row) and the

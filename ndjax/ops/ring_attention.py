@@ -88,7 +88,7 @@ from jax import lax
 from jax.sharding import Mesh, PartitionSpec
 
 from ndjax.ops import kernel_vjp
-from ndjax.rules import MeshAxes, Rules, axes_of
+from ndjax.parallel.rules import MeshAxes, Rules, axes_of
 
 LAYOUTS = ("zigzag", "contiguous")
 PIECES = {"zigzag": 2, "contiguous": 1}

@@ -193,7 +193,7 @@ def run(argv: list[str]) -> None:
     from ndjax import children, planner, roofline
     from ndjax.config import check_keys
     from ndjax.errors import ConfigError
-    from ndjax.rules import PRESETS
+    from ndjax.parallel.rules import PRESETS
 
     def progress(message: str) -> None:
         print(f"{PROGRAM}: {message}", file=sys.stderr, flush=True)

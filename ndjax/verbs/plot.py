@@ -9,7 +9,7 @@ import argparse
 import os
 from collections.abc import Sequence
 
-from ndjax.sinks import read_records
+from ndjax.training.sinks import read_records
 
 PANELS = (("loss", "loss"), ("tokens_per_sec", "tokens/s (global)"), ("mfu", "MFU"))
 

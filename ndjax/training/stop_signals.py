@@ -25,7 +25,7 @@ import sys
 
 import jax
 
-from ndjax import distributed
+from ndjax.parallel import distributed
 
 # The reason a run stopped, as the messages name it.
 NAMES = {signal.SIGTERM: "SIGTERM", signal.SIGINT: "Ctrl-C"}

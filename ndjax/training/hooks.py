@@ -1,5 +1,5 @@
 """The loop's periodic work, one small unit each: a ``Hook`` is called around every
-step by ``ndjax.loop.Trainer`` and does its work when it is due.
+step by ``ndjax.training.loop.Trainer`` and does its work when it is due.
 
 A hook reads and changes the run only through the trainer it is given, as
 ``TrainerView`` describes it (its experiment, state, sinks, records, checkpointer,
@@ -20,18 +20,18 @@ import numpy as np
 
 from ndjax.errors import ConfigError
 from ndjax.flops import flops_per_token, peak_tflops
-from ndjax.stop_signals import StopSignals
+from ndjax.training.stop_signals import StopSignals
 
 if TYPE_CHECKING:
     from ndjax.checkpoint import Checkpointer
     from ndjax.experiment import Experiment
-    from ndjax.sinks import Sinks
     from ndjax.state import TrainState
     from ndjax.train_step import Batch
+    from ndjax.training.sinks import Sinks
 
 
 class TrainerView(Protocol):
-    """What a hook may read and change of the run (``ndjax.loop.Trainer`` is one)."""
+    """What a hook may read and change of the run (``ndjax.training.loop.Trainer`` is one)."""
 
     exp: Experiment
     state: TrainState
@@ -204,7 +204,7 @@ class Profile(Hook):
 
 class StopOnSignal(Hook):
     """SIGTERM (SLURM, Kubernetes, spot VMs) or Ctrl-C stops the run after the current
-    step, on every process at the same step (ndjax.stop_signals); the checkpoint hook
+    step, on every process at the same step (ndjax.training.stop_signals); the checkpoint hook
     after this one saves it. A second signal exits at once."""
 
     def __init__(self):

@@ -31,7 +31,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from ndjax.errors import ConfigError
-from ndjax.mesh import AXES
+from ndjax.parallel.mesh import AXES
 
 MeshAxes = None | str | tuple[str, ...]
 

@@ -1,7 +1,7 @@
 """The training loop: data in, metrics, checkpoints and exports out.
 
 ``train`` builds the experiment and a ``Trainer`` with the hooks the config asks
-for (ndjax.hooks: non-finite checks, logging, evaluation, profiling, SIGTERM and Ctrl-C,
+for (ndjax.training.hooks: non-finite checks, logging, evaluation, profiling, SIGTERM and Ctrl-C,
 checkpoints, export); the trainer only runs steps and calls its hooks.
 """
 
@@ -17,26 +17,27 @@ from typing import Any
 import jax
 import ml_collections
 
-from ndjax import hf, stop_signals, summary
-from ndjax import hooks as hooks_lib
-from ndjax import sinks as sinks_lib
+from ndjax import hf, summary
 from ndjax import workdir as workdir_lib
 from ndjax.checkpoint import Checkpointer, check_resume
 from ndjax.config import Settings
 from ndjax.data.loader import dropped_overlong, open_loader
 from ndjax.data.tokenizers import load_tokenizer
 from ndjax.experiment import Experiment
-from ndjax.hooks import NonFiniteError  # noqa: F401 -- train.py and tests catch it from here
 from ndjax.lock import claim
-from ndjax.sinks import Sinks
 from ndjax.state import TrainState
 from ndjax.train_step import Batch
+from ndjax.training import hooks as hooks_lib
+from ndjax.training import sinks as sinks_lib
+from ndjax.training import stop_signals
+from ndjax.training.hooks import NonFiniteError  # noqa: F401 -- train.py and tests catch it from here
+from ndjax.training.sinks import Sinks
 
 
 class Trainer:
     """Runs the compiled step from ``first_step`` to ``last_step`` on batches from
-    ``data``, calling ``hooks`` around each step (see ndjax.hooks.Hook; what they see of
-    the trainer is ndjax.hooks.TrainerView).
+    ``data``, calling ``hooks`` around each step (see ndjax.training.hooks.Hook; what they see of
+    the trainer is ndjax.training.hooks.TrainerView).
 
     Metrics stay on the device until a step is due for reading, every
     ``read_every`` steps (train.py: log.every) and at the last one; then every step
