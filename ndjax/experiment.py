@@ -325,7 +325,8 @@ class Experiment:
                            nan_at_step=int(self.settings.debug.nan_at_step),
                            loss_chunk=t.loss_chunk, grad_accum=t.grad_accum,
                            grad_dtype=self.precision.grad_accum,
-                           aux_loss_coef=float(self.model_cfg.router_aux_loss_coef))
+                           aux_loss_coef=float(self.model_cfg.router_aux_loss_coef),
+                           z_loss_coef=float(self.settings.model.router_z_loss_coef))
 
     # ----- state ---------------------------------------------------------------
 

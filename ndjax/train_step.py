@@ -48,6 +48,8 @@ class StepOptions:
     grad_dtype: Any = jnp.float32
     # The MoE load-balancing loss's weight in the loss (model.router_aux_loss_coef).
     aux_loss_coef: float = 0.0
+    # The router z-loss's weight in the loss (model.router_z_loss_coef).
+    z_loss_coef: float = 0.0
 
 
 BATCH_NAMES = ("act_batch", "act_seq")
@@ -83,7 +85,8 @@ def loss_aux_and_grads(features: FeaturesFn, options: StepOptions, params: Any, 
     batch, token-weighted: every real token counts once, whichever row or micro-batch
     it sits in. The loss is the cross-entropy; the gradients are those of it plus
     ``aux_loss_coef`` x the MoE's load-balancing loss (``aux_loss`` among the
-    metrics), which, like transformers', is formed per forward pass: under
+    metrics) and ``z_loss_coef`` x its router z-loss (``router_z_loss``), which,
+    like transformers' load-balancing loss, are formed per forward pass: under
     ``grad_accum`` per micro-batch, and the step's is their mean.
 
     With ``grad_accum`` = k the batch runs as k micro-batches in a ``lax.scan``,
@@ -104,7 +107,8 @@ def loss_aux_and_grads(features: FeaturesFn, options: StepOptions, params: Any, 
         loss = total / denom
         objective = loss
         if "aux_loss" in aux:
-            objective = objective + options.aux_loss_coef * aux["aux_loss"] / k
+            objective = objective + (options.aux_loss_coef * aux["aux_loss"]
+                                     + options.z_loss_coef * aux["router_z_loss"]) / k
         return objective, (loss, jax.tree.map(lambda a: a / k, aux))
 
     grad_fn = jax.grad(scaled_loss, has_aux=True)
@@ -205,6 +209,6 @@ def train_step(features: FeaturesFn, optimizer: optax.GradientTransformation,
         "lr": schedule(state.step),
         "tokens": tokens,
         "finite": finite,
-        **aux,  # MoE: aux_loss, expert_load_min, expert_load_max
+        **aux,  # MoE: aux_loss, router_z_loss, expert_load_min, expert_load_max
     }
     return TrainState(step=state.step + 1, params=params, opt_state=opt_state), metrics

@@ -155,6 +155,47 @@ def test_load_balancing_loss_is_in_the_training_loss():
     assert {"aux_loss", "expert_load_min", "expert_load_max"} <= set(metrics)
 
 
+def test_router_z_loss_is_the_mean_squared_logsumexp_and_in_the_training_loss():
+    """router_z_loss: the squared logsumexp of each real token's router logits, averaged
+    (ST-MoE), padding left out; the step's gradient is the cross-entropy's plus
+    router_z_loss_coef x the z-loss's, and the logged loss stays the cross-entropy."""
+    cfg, block = make_moe()
+    rng = np.random.default_rng(3)
+    x = rng.normal(size=(2, 8, cfg.dim)).astype(np.float32)
+    real = np.ones((2, 8), np.float32)
+    real[1, 5:] = 0  # a row's padding
+    _, stats = block(jnp.asarray(x), jnp.asarray(real))
+    z = moe.aux_metrics(stats, cfg.n_experts, cfg.experts_per_token)["router_z_loss"]
+    logits = x.astype(np.float64) @ np.asarray(block.router[...], np.float64)
+    lse = np.log(np.exp(logits).sum(-1))
+    np.testing.assert_allclose(float(z), (lse ** 2 * real).sum() / real.sum(), rtol=1e-5)
+
+    coef = 0.25
+    exp = Experiment.from_config(tiny_config(model={**MOE, "router_z_loss_coef": coef}),
+                                 jax.devices()[:1])
+    assert exp.step_options.z_loss_coef == coef
+    params = exp.init_state().params
+    batch = exp.device_batch(host_batches(exp.config, 1)[0])
+    step = jax.jit(functools.partial(loss_aux_and_grads, exp.features, exp.step_options))
+    without = jax.jit(functools.partial(
+        loss_aux_and_grads, exp.features, dataclasses.replace(exp.step_options,
+                                                              z_loss_coef=0.0)))
+
+    def z_loss(p):
+        return exp.features(p, batch["inputs"], batch["positions"],
+                            batch["segment_ids"])[2]["router_z_loss"]
+    with rules_lib.use(exp.rules):
+        loss, _, grads, aux = step(params, batch)
+        loss0, _, grads0, _ = without(params, batch)
+        z_grads = jax.jit(jax.grad(z_loss))(params)
+    assert float(loss) == float(loss0) and float(aux["router_z_loss"]) > 0
+    got = np.asarray(grads["layers"]["mlp"]["router"]) - np.asarray(
+        grads0["layers"]["mlp"]["router"])
+    want = coef * np.asarray(z_grads["layers"]["mlp"]["router"])
+    assert np.abs(want).max() > 1e-6
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-4 * np.abs(want).max())
+
+
 def test_bf16_experts_gather_bf16_and_reduce_f32():
     """Under FSDP the expert weights are gathered in bfloat16 and their gradients leave
     each device's tokens unsummed, to be reduce-scattered in float32 as the dense

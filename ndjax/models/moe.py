@@ -28,8 +28,9 @@ once before the float32 sum.
 The expert weights are stacked, ``[experts, dim, width]`` and ``[experts, width,
 dim]``, with the logical axis ``experts`` on the stacked dimension (the rule
 tables keep it unsplit for now). The router's statistics (assignments and
-probabilities summed over tokens, per expert) leave each layer for the
-load-balancing loss (``aux_loss``), which the decoder forms over all layers.
+probabilities summed over tokens, per expert, and the router z-loss's sum) leave
+each layer for the load-balancing loss (``aux_loss``) and the z-loss
+(``router_z_loss``), which the decoder forms over all layers.
 """
 
 from __future__ import annotations
@@ -283,8 +284,11 @@ class MoE(nnx.Module):
                 out = jnp.sum(out.astype(jnp.float32), axis=0).astype(x.dtype)
         else:
             out, assigned = local(x, probs, real, *(u[0] for u in used))
+        # ST-MoE's router z-loss term per token: the squared log-partition of its logits.
+        z = jnp.square(jax.nn.logsumexp(logits, axis=-1))
         stats = {"assigned": jnp.sum(assigned, axis=0),
-                 "probs": jnp.sum(probs * real[..., None], axis=(0, 1)), "rows": jnp.sum(real)}
+                 "probs": jnp.sum(probs * real[..., None], axis=(0, 1)), "rows": jnp.sum(real),
+                 "z": jnp.sum(z * real)}
         return out, stats
 
 
@@ -315,10 +319,12 @@ def aux_metrics(stats: dict[str, jax.Array], n_experts: int, k: int) -> dict[str
     left out, as its attention mask does): the experts' share of assignments times
     their mean probability, summed, times the experts; ``stats`` summed over the
     layers (``rows``: layers x tokens). With it, each expert's load (its assignments
-    over the mean, summed over the layers; 1: balanced), least and most."""
+    over the mean, summed over the layers; 1: balanced), least and most. And ST-MoE's
+    router z-loss (``router_z_loss``): the mean over layers and tokens of the squared
+    logsumexp of the router's logits, which keeps the logits small."""
     rows = jnp.maximum(stats["rows"], 1.0)
     share = stats["assigned"] / rows
     aux = n_experts * jnp.sum(share * (stats["probs"] / rows))
     load = stats["assigned"] / (rows * k / n_experts)
-    return {"aux_loss": aux, "expert_load_min": jnp.min(load),
-            "expert_load_max": jnp.max(load)}
+    return {"aux_loss": aux, "router_z_loss": stats["z"] / rows,
+            "expert_load_min": jnp.min(load), "expert_load_max": jnp.max(load)}
