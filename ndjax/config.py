@@ -129,6 +129,12 @@ class ModelSettings:
     # ST-MoE's router z-loss (the squared logsumexp of the router's logits, averaged
     # over tokens and layers) in the loss: its weight, 0 = off (ST-MoE used 1e-3).
     router_z_loss_coef: float = setting(0.0, ge=0)
+    # Unset: dropless (every (token, expert) pair computed). Set: capacity mode, each
+    # expert takes at most ceil(capacity_factor x seq_len x experts_per_token /
+    # n_experts) of a row's pairs, earliest first, the others dropped (their tokens
+    # keep the residual only), as Switch Transformer and MaxText do; under mesh.expert
+    # the exchange's buffers shrink to that bound.
+    capacity_factor: float | None = setting(None, gt=0, hint=" (unset: dropless)")
     # The experts' grouped matmuls (ndjax.ops.grouped_matmul): xla (jax.lax.ragged_dot),
     # mosaic (jax's Mosaic GPU kernels for Hopper), auto: mosaic on Hopper GPUs.
     moe_impl: str = setting("auto", choices=_moe_impls,

@@ -121,7 +121,8 @@ def model_config(model: ModelSettings, checkpoint: hf.Checkpoint | None = None,
                          remat=model.remat, attn_impl=model.attn_impl,
                          cp_layout=model.cp_layout, cp_impl=model.cp_impl,
                          attn_kv_tile=model.attn_kv_tile,
-                         attn_max_docs=model.attn_max_docs, moe_impl=model.moe_impl)
+                         attn_max_docs=model.attn_max_docs, moe_impl=model.moe_impl,
+                         capacity_factor=model.capacity_factor)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -474,6 +475,18 @@ def _check_experts(model_cfg: DecoderConfig, rules: rules_lib.Rules, family: str
     must divide them (each device holds n_experts / ways of them)."""
     from ndjax.models.moe import expert_axes
 
+    if model_cfg.capacity_factor is not None:
+        if not model_cfg.n_experts:
+            raise ConfigError(f"model.capacity_factor={model_cfg.capacity_factor}: "
+                              f"model.family={family!r} is dense (it has no experts). "
+                              "Unset model.capacity_factor.")
+        seq = [a for a in rules.axes_of("act_seq") if rules.mesh.shape[a] > 1]
+        if seq:
+            raise ConfigError(
+                f"model.capacity_factor={model_cfg.capacity_factor}: capacity mode ranks each "
+                f"row's tokens per expert, and the rules split the sequence over {seq} "
+                "(act_seq). Unset model.capacity_factor (dropless), or keep the sequence "
+                "whole (mesh.context=1).")
     split = expert_axes(rules)
     ways = math.prod(rules.mesh.shape[a] for a in split)
     if ways == 1:

@@ -16,7 +16,14 @@ import pytest
 import torch
 from conftest import tiny_config
 from data_files import WORDS
-from helpers import GRAD_RTOL, _reference, assert_same_training, first_step_grads, run_steps
+from helpers import (
+    GRAD_RTOL,
+    _reference,
+    assert_same_training,
+    first_step_grads,
+    host_batches,
+    run_steps,
+)
 from test_generate import N_NEW, run_generate
 from test_hf import (
     BASE,
@@ -357,17 +364,25 @@ def test_layout_matches_single_device(family):
     assert_same_training(exp, model)
 
 
-@pytest.mark.parametrize("mesh", [dict(fsdp=2, expert=4), dict(fsdp=1, expert=4, tensor=2),
-                                  dict(replica=2, fsdp=2, expert=2)],
-                         ids=["fsdp_expert", "expert_tensor", "replica_fsdp_expert"])
-def test_expert_parallel_layouts_match_single_device(mesh):
+@pytest.mark.parametrize("mesh, capacity", [
+    (dict(fsdp=2, expert=4), None), (dict(fsdp=1, expert=4, tensor=2), None),
+    (dict(replica=2, fsdp=2, expert=2), None), (dict(fsdp=2, expert=4), 1.0)],
+    ids=["fsdp_expert", "expert_tensor", "replica_fsdp_expert", "fsdp_expert_capacity"])
+def test_expert_parallel_layouts_match_single_device(mesh, capacity):
     """The experts split over mesh.expert (each device holds its share; the (token,
     expert) pairs travel to them and back in ragged all-to-alls, emulated on CPU from
-    an all-gather), beside FSDP, tensor parallelism and replicas."""
-    model = FAMILY_MODELS["qwen3_moe"]
+    an all-gather), beside FSDP, tensor parallelism and replicas; in capacity mode too,
+    which drops the same pairs on every layout (each row's first, per expert)."""
+    model = dict(FAMILY_MODELS["qwen3_moe"], capacity_factor=capacity)
     exp = Experiment.from_config(tiny_config(mesh=mesh, model=model))
     spec = exp.state_sharding.params["layers"]["mlp"]["w_gate"].spec
     assert "expert" in jax.tree.leaves(tuple(spec)), spec
+    if capacity is not None:  # pairs are dropped, or this would only test dropless
+        batch = exp.device_batch(host_batches(exp.config, 1)[0])
+        with rules_lib.use(exp.rules):
+            aux = jax.jit(exp.features)(exp.init_state().params, batch["inputs"],
+                                        batch["positions"], batch["segment_ids"])[2]
+        assert float(aux["expert_dropped"]) > 0.01, aux
     assert_same_training(exp, model)
 
 

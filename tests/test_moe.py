@@ -4,6 +4,7 @@ the refused configurations, and the active parameters in the FLOPs. The families
 against transformers (logits, the load-balancing loss, HF import and export, layouts)
 are in tests/test_families.py."""
 
+import collections
 import dataclasses
 import functools
 import json
@@ -97,6 +98,64 @@ def test_all_tokens_on_one_expert_equal_its_dense_mlp(mesh):
     np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-6)
     np.testing.assert_array_equal(stats["assigned"], [0, 0, x.shape[0] * x.shape[1], 0, 0, 0,
                                                       0, 0])
+
+
+def test_within_capacity_keeps_each_rows_first_pairs_per_expert():
+    rng = np.random.default_rng(4)
+    experts = rng.integers(0, 5, size=(3, 10, 2))
+    got = np.asarray(moe.within_capacity(jnp.asarray(experts, jnp.int32), 5, 3))
+    want = np.zeros_like(got)
+    for r in range(3):
+        seen = collections.Counter()
+        for t in range(10):
+            for j in range(2):
+                want[r, t, j] = seen[experts[r, t, j]] < 3
+                seen[experts[r, t, j]] += 1
+    np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("mesh", [None, dict(fsdp=4, tensor=2), dict(fsdp=2, expert=4)],
+                         ids=["one_device", "fsdp_tp", "fsdp_expert"])
+def test_capacity_mode_drops_exactly_the_overflow_it_reports(mesh):
+    """Every token to expert 2 (top-1) with capacity_factor 2 over 8 experts: each row's
+    first ceil(2 x 16 / 8) = 4 tokens get expert 2's SwiGLU, the other 12 are dropped
+    (zeros), and the step reports 12 / 16 of the pairs dropped. Under expert=4 the
+    device holding expert 2 receives every device's first 4 tokens per row, within the
+    buffer capacity mode sizes (half of dropless's here)."""
+    cfg, layer = make_moe(experts_per_token=1, norm_topk_prob=True, capacity_factor=2.0)
+    assert moe.capacity(cfg, 16) == 4
+    x = np.abs(np.random.default_rng(1).normal(size=(8, 16, cfg.dim))).astype(np.float32)
+    router = np.full((cfg.dim, cfg.n_experts), -1.0, np.float32)
+    router[:, 2] = 1.0
+    layer.router[...] = jnp.asarray(router)
+    graphdef, params = nnx.split(layer)
+
+    def run(params, x):
+        return nnx.merge(graphdef, params)(x)
+    if mesh is None:
+        out, stats = jax.jit(run)(params, x)
+    else:
+        with rules_lib.use(rules_lib.Rules("default", mesh_of(**mesh))):
+            out, stats = jax.jit(run)(params, x)
+    w = [np.asarray(v[...])[2] for v in (layer.w_gate, layer.w_up, layer.w_down)]
+    h = x @ w[0]
+    want = (h / (1 + np.exp(-h)) * (x @ w[1])) @ w[2]
+    want[:, 4:] = 0.0
+    np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-6)
+    metrics = moe.aux_metrics(stats, cfg.n_experts, cfg.experts_per_token)
+    assert float(stats["dropped"]) == 8 * 12
+    assert float(metrics["expert_dropped"]) == 12 / 16
+
+
+def test_a_capacity_no_row_fills_equals_dropless():
+    cfg, layer = make_moe()
+    roomy = dataclasses.replace(cfg, capacity_factor=float(cfg.n_experts))  # C = seq x k
+    x = jnp.asarray(np.random.default_rng(2).normal(size=(2, 8, cfg.dim)), jnp.float32)
+    out, stats = layer(x)
+    layer.cfg = roomy
+    out2, stats2 = layer(x)
+    np.testing.assert_array_equal(out, out2)
+    assert float(stats2["dropped"]) == 0
 
 
 def test_routing_renormalises_as_the_family_says():
@@ -254,6 +313,13 @@ def test_a_bad_moe_config_is_refused_in_one_line(model, says):
      "mesh.expert=8 does not divide model.n_experts=4: each device holds n_experts / 8 "
      "experts. Use a divisor of 4, e.g. mesh.expert=4."),
     (dict(fsdp=1, expert=0), MOE, "mesh.expert=0 must be >= 1"),
+    (dict(fsdp=8), dict(MOE, capacity_factor=0.0), "model.capacity_factor=0.0 must be a "
+     "number > 0"),
+    (dict(fsdp=8), dict(family="llama", capacity_factor=1.25),
+     "model.capacity_factor=1.25: model.family='llama' is dense (it has no experts)"),
+    (dict(fsdp=4, context=2), dict(MOE, capacity_factor=1.25),
+     "model.capacity_factor=1.25: capacity mode ranks each row's tokens per expert, and "
+     "the rules split the sequence over ['context']"),
 ])
 def test_a_bad_expert_axis_is_refused_in_one_line(mesh, model, says):
     with pytest.raises(ConfigError) as e:

@@ -120,5 +120,5 @@ def _block(block: Block, cfg: DecoderConfig, x, cos, sin, mask, k_all, v_all, la
                                scale=spec.scale, softcap=spec.softcap)
         return block.attn.output(out)
 
-    x, _ = block.around(x, attend)
+    x, _ = block.around(x, attend, dropless=True)
     return x, cache["k"], cache["v"]

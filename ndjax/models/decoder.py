@@ -90,6 +90,10 @@ class DecoderConfig:
     norm_topk_prob: bool = False    # the top-k weights renormalised to sum to 1
     router_aux_loss_coef: float = 0.0  # weight of the load-balancing loss in the loss
     moe_impl: str = "auto"          # the experts' grouped matmuls: ndjax.ops.grouped_matmul
+    # None: dropless. Else each expert takes at most ceil(capacity_factor x seq_len x
+    # experts_per_token / n_experts) of a row's (token, expert) pairs, earliest first
+    # (ndjax.models.moe.within_capacity); the rest are dropped.
+    capacity_factor: float | None = None
     init_std: float = 0.02
     dtype: Any = jnp.float32      # compute dtype
     param_dtype: Any = jnp.float32  # storage dtype of the parameters
@@ -301,18 +305,20 @@ class Block(nnx.Module):
         return self.around(x, lambda h: self.attn(h, cos, sin, segment_ids, spec),
                            real=segment_ids > 0)
 
-    def around(self, x, attend, real=None) -> tuple[jax.Array, dict]:
+    def around(self, x, attend, real=None, dropless: bool = False) -> tuple[jax.Array, dict]:
         """The block with ``attend`` (normed input -> attention's projected output) as
-        its attention: the KV-cache decode passes one that reads and writes the cache.
-        -> (output, the MoE router's statistics: ``moe.MoE``, over the tokens ``real``
-        marks, a row's padding left out; {} for a dense MLP)."""
+        its attention: the KV-cache decode passes one that reads and writes the cache,
+        and ``dropless`` (generation computes every token, whatever capacity the model
+        trains with). -> (output, the MoE router's statistics: ``moe.MoE``, over the
+        tokens ``real`` marks, a row's padding left out; {} for a dense MLP)."""
         h = checkpoint_name(constrain(self.attn_norm(x), HIDDEN), "attn_norm")
         attn = attend(h)
         if self.post_norms:
             attn = self.post_attn_norm(attn)
         x = constrain(x + checkpoint_name(attn, "attn_block_out"), RESIDUAL)
         h = checkpoint_name(constrain(self.mlp_norm(x), HIDDEN), "mlp_norm")
-        out, stats = self.mlp(h, real) if isinstance(self.mlp, MoE) else (self.mlp(h), {})
+        out, stats = (self.mlp(h, real, dropless) if isinstance(self.mlp, MoE)
+                      else (self.mlp(h), {}))
         if self.post_norms:
             out = self.post_mlp_norm(out)
         return constrain(x + checkpoint_name(out, "mlp_out"), RESIDUAL), stats

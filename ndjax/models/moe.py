@@ -6,7 +6,13 @@ Routing, in float32: ``softmax(x @ router)`` over the experts, the top
 renormalised to sum to one where the family does (``norm_topk_prob``: Mixtral
 always, Qwen3-MoE as its config says).
 
-Dispatch is dropless: every (token, chosen expert) pair is computed. The pairs are
+Dispatch is dropless unless ``model.capacity_factor`` is set: every (token, chosen
+expert) pair is computed. In capacity mode each expert takes at most ceil(factor x
+seq_len x k / experts) of a row's pairs, the row's earliest first
+(``within_capacity``); the others give zeros, so their tokens keep the residual alone,
+and the share dropped is reported (``expert_dropped``). Capacity is per row, so the
+same pairs are dropped however the batch is split (a split sequence is refused), and
+under ``mesh.expert`` the exchange's receive buffer shrinks to that bound. The pairs are
 sorted by expert, each expert's run of rows goes through its gate, up and down
 matrices as grouped matmuls (one per projection, the group sizes the experts' token
 counts: ``ndjax.ops.grouped_matmul``, ``model.moe_impl``), and the rows are unsorted,
@@ -72,26 +78,62 @@ def route(probs: jax.Array, k: int, renormalise: bool) -> tuple[jax.Array, jax.A
     return experts, weights
 
 
+def capacity(cfg, seq_len: int) -> int | None:
+    """The most (token, expert) pairs of one row an expert takes (model.capacity_factor:
+    ceil(factor x seq_len x k / experts)); None: dropless."""
+    if cfg.capacity_factor is None:
+        return None
+    return max(1, math.ceil(cfg.capacity_factor * seq_len * cfg.experts_per_token
+                            / cfg.n_experts))
+
+
+def within_capacity(experts: jax.Array, n_experts: int, limit: int) -> jax.Array:
+    """(rows, seq, k) experts -> (rows, seq, k) bool: whether each (token, expert) pair is
+    among its row's first ``limit`` pairs for that expert, in (position, choice) order.
+    Per row, so that what is kept does not depend on how the batch is split."""
+    b = experts.shape[0]
+    onehot = jax.nn.one_hot(experts.reshape(b, -1), n_experts, dtype=jnp.int32)
+    before = jnp.cumsum(onehot, axis=1) - onehot  # the row's earlier pairs, per expert
+    return (jnp.sum(before * onehot, axis=-1) < limit).reshape(experts.shape)
+
+
+def _sort_kept(flat: jax.Array, keep: jax.Array | None, n_experts: int) -> jax.Array:
+    """The pairs' order: the kept ones expert by expert, the dropped ones after them
+    (in no group: computed as no row, returned as zeros)."""
+    key = flat if keep is None else jnp.where(keep.reshape(-1), flat, n_experts)
+    return jnp.argsort(key, stable=True)
+
+
+def _counts(flat: jax.Array, keep: jax.Array | None, n_experts: int) -> jax.Array:
+    ones = (jnp.ones(flat.shape, jnp.int32) if keep is None
+            else keep.reshape(-1).astype(jnp.int32))
+    return jnp.zeros((n_experts,), jnp.int32).at[flat].add(ones)
+
+
 def dispatch(x: jax.Array, experts: jax.Array, weights: jax.Array, w_gate: jax.Array,
              w_up: jax.Array, w_down: jax.Array, activation: str = "silu",
-             impl: str = "xla") -> jax.Array:
+             impl: str = "xla", keep: jax.Array | None = None) -> jax.Array:
     """Every token of ``x`` (..., dim) through its ``experts`` (..., k), weighted by
     ``weights`` (..., k) and summed: grouped matmuls over the (token, expert) pairs
     sorted by expert. ``w_gate``, ``w_up``: (E, dim, width); ``w_down``: (E, width, dim);
-    ``impl``: the grouped matmuls' (``ndjax.ops.grouped_matmul``)."""
+    ``impl``: the grouped matmuls' (``ndjax.ops.grouped_matmul``); ``keep`` (..., k):
+    the pairs computed (capacity mode, ``within_capacity``), the others give zeros."""
     n_experts, dim = w_gate.shape[0], x.shape[-1]
     k = experts.shape[-1]
     tokens = x.reshape(-1, dim)
     flat = experts.reshape(-1)
-    order = jnp.argsort(flat, stable=True)  # the pairs, expert by expert
+    order = _sort_kept(flat, keep, n_experts)  # the pairs, expert by expert
     rows = tokens[order // k]
-    sizes = jnp.zeros((n_experts,), jnp.int32).at[flat].add(1)
+    sizes = _counts(flat, keep, n_experts)
     # Named as the dense MLP's, so that the remat policies save or rerun them alike.
     matmul = functools.partial(grouped_matmul, sizes=sizes, impl=impl)
     gate = checkpoint_name(matmul(rows, w_gate), "mlp_gate")
     up = checkpoint_name(matmul(rows, w_up), "mlp_up")
     # Each pair's output, which the routing weights' gradient reads (k x dim per token).
     out = checkpoint_name(matmul(ACTIVATION_FNS[activation](gate) * up, w_down), "moe_out")
+    if keep is not None:  # rows in no group: zeros from ragged_dot, unwritten by Mosaic
+        out = jnp.where((jnp.arange(out.shape[0]) < jnp.sum(sizes))[:, None], out,
+                        jnp.zeros_like(out))
     out = out[jnp.argsort(order)].reshape(*experts.shape, dim)  # back in token order
     mixed = jnp.einsum("...kd,...k->...d", out, weights.astype(out.dtype),
                        preferred_element_type=jnp.float32)
@@ -101,7 +143,8 @@ def dispatch(x: jax.Array, experts: jax.Array, weights: jax.Array, w_gate: jax.A
 def dispatch_over(axis: str, ways: int, x: jax.Array, experts: jax.Array,
                   weights: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array,
                   activation: str = "silu", impl: str = "xla",
-                  platform: str = "cpu") -> jax.Array:
+                  platform: str = "cpu", keep: jax.Array | None = None,
+                  limit: int | None = None) -> jax.Array:
     """``dispatch`` with the experts split ``ways`` ways over the mesh axis ``axis``
     (inside a ``shard_map`` manual over it): this device holds experts ``[i E/ways,
     (i + 1) E/ways)`` (``w_*``: those), and each (token, expert) pair travels to its
@@ -113,13 +156,17 @@ def dispatch_over(axis: str, ways: int, x: jax.Array, experts: jax.Array,
     matmul kernel still visits rows in no group (jax's Mosaic kernels run every block
     of their rows), so the buffer is computed in ``ways`` chunks of this device's
     pair count, and a chunk that holds no received row is skipped (``lax.cond``):
-    balanced routing computes one or two chunks, the worst case all of them."""
+    balanced routing computes one or two chunks, the worst case all of them.
+
+    In capacity mode (``keep``, ``within_capacity`` of ``limit`` pairs per row and
+    expert) the dropped pairs are not sent, and a device receives at most ``ways x
+    rows x E/ways x limit`` pairs: its buffer is that, when smaller."""
     local, dim, k = w_gate.shape[0], x.shape[-1], experts.shape[-1]
     tokens, flat = x.reshape(-1, dim), experts.reshape(-1)
-    order = jnp.argsort(flat, stable=True)  # the pairs, expert by expert
+    order = _sort_kept(flat, keep, ways * local)  # the kept pairs, expert by expert
     rows = tokens[order // k]
     pairs = rows.shape[0]
-    per_device = jnp.zeros((ways * local,), jnp.int32).at[flat].add(1).reshape(ways, local)
+    per_device = _counts(flat, keep, ways * local).reshape(ways, local)
     counts = jax.lax.all_gather(per_device, axis)      # (from, to, expert of to)
     me = jax.lax.axis_index(axis)
     mine = counts[:, me]                               # (from, my expert): what I receive
@@ -127,7 +174,8 @@ def dispatch_over(axis: str, ways: int, x: jax.Array, experts: jax.Array,
     before_me = jnp.arange(ways)[:, None] < me         # the senders ahead of me
     to_total = jnp.sum(counts, axis=2)                 # (from, to)
     out_at = jnp.sum(jnp.where(before_me, to_total, 0), axis=0)  # my runs' place, per to
-    buffer = pairs * ways
+    per_sender = pairs if limit is None else min(pairs, x.shape[0] * local * limit)
+    buffer = per_sender * ways
     got = exchange(rows, buffer, exclusive_cumsum(send), send, out_at, recv, axis, platform)
     # Received: run by run (sender order), each sorted by my experts. Regrouped expert
     # by expert across the senders; the buffer's unfilled rows last, in no group.
@@ -215,11 +263,12 @@ class MoE(nnx.Module):
         self.w_down = init_param(rngs, (e, f, d), ("experts", "expert_mlp", "embed"), std, pd)
         self.cfg = cfg
 
-    def __call__(self, x: jax.Array, real: jax.Array | None = None
+    def __call__(self, x: jax.Array, real: jax.Array | None = None, dropless: bool = False
                  ) -> tuple[jax.Array, dict[str, jax.Array]]:
         """``real`` (b, s): 1 on tokens, 0 on a row's padding, which the router's
         statistics leave out as transformers' attention mask does (None: all tokens).
-        Every position is computed either way."""
+        Every position is computed either way. ``dropless``: every pair computed even
+        in capacity mode (model.capacity_factor), as generation does."""
         cfg = self.cfg
         real = (jnp.ones(x.shape[:2], jnp.float32) if real is None
                 else real.astype(jnp.float32))
@@ -232,6 +281,7 @@ class MoE(nnx.Module):
                 for v in (self.w_gate, self.w_up, self.w_down)]
         n, k = cfg.n_experts, cfg.experts_per_token
         impl = resolved(cfg)
+        limit = None if dropless else capacity(cfg, x.shape[1])
 
         def local(x, probs, real, *w):
             """One device's tokens: top-k, dispatch, and its count of assignments per
@@ -240,14 +290,18 @@ class MoE(nnx.Module):
             w = [a.reshape(a.shape[-3:]) for a in w]  # this device's copy (per_device)
             with suspended():
                 experts, weights = route(probs, k, cfg.norm_topk_prob)
+                keep = None if limit is None else within_capacity(experts, n, limit)
                 if split:
                     out = dispatch_over(split[0], ways, x, experts, weights, *w,
-                                        cfg.activation, impl, platform)
+                                        cfg.activation, impl, platform, keep, limit)
                 else:
-                    out = dispatch(x, experts, weights, *w, cfg.activation, impl)
+                    out = dispatch(x, experts, weights, *w, cfg.activation, impl, keep)
                 assigned = jnp.zeros((n,), jnp.float32).at[experts.reshape(-1)].add(
                     jnp.repeat(real.reshape(-1), k))
-                return out, assigned[None]
+                # The real tokens' pairs left out (capacity mode), per device.
+                dropped = (jnp.zeros(()) if keep is None else
+                           jnp.sum(jnp.where(keep, 0.0, real[..., None])))
+                return out, jnp.concatenate([assigned, dropped[None]])[None]
         rules = active()
         axes = data_axes(rules) if rules is not None else ()
         # The axes that split the experts themselves (mesh.expert): a data axis for the
@@ -286,7 +340,8 @@ class MoE(nnx.Module):
             out, assigned = local(x, probs, real, *(u[0] for u in used))
         # ST-MoE's router z-loss term per token: the squared log-partition of its logits.
         z = jnp.square(jax.nn.logsumexp(logits, axis=-1))
-        stats = {"assigned": jnp.sum(assigned, axis=0),
+        counted = jnp.sum(assigned, axis=0)  # the devices' (assignments, dropped pairs)
+        stats = {"assigned": counted[:n], "dropped": counted[n],
                  "probs": jnp.sum(probs * real[..., None], axis=(0, 1)), "rows": jnp.sum(real),
                  "z": jnp.sum(z * real)}
         return out, stats
@@ -327,4 +382,5 @@ def aux_metrics(stats: dict[str, jax.Array], n_experts: int, k: int) -> dict[str
     aux = n_experts * jnp.sum(share * (stats["probs"] / rows))
     load = stats["assigned"] / (rows * k / n_experts)
     return {"aux_loss": aux, "router_z_loss": stats["z"] / rows,
-            "expert_load_min": jnp.min(load), "expert_load_max": jnp.max(load)}
+            "expert_load_min": jnp.min(load), "expert_load_max": jnp.max(load),
+            "expert_dropped": stats["dropped"] / (rows * k)}
