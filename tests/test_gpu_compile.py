@@ -471,6 +471,18 @@ def test_bench_families_tiny():
     assert all(float(r[8]) >= 0 for r in rows), rows
 
 
+@needs_extra
+def test_bench_moe_layouts_tiny():
+    """One compile through the experts' exchange in capacity mode, and the CPU part:
+    dropless, capacity 1.25 and dense, each timed and its drops counted."""
+    lines = run_tiny("moe_layouts.py").stdout.splitlines()
+    (gpu,) = table_rows(lines, "tiny (all of 2 layers)")
+    assert gpu[2:4] == ["fsdp=4 x expert=2", "1.25"] and float(gpu[9].replace(",", "")) > 0
+    rows = table_rows(lines, "MoE, dropless", "MoE, capacity 1.25",
+                      "dense, the MoE's active width")
+    assert len(rows) == 3 and rows[0][3] == "0.0%" and rows[1][3] != "0.0%", rows
+
+
 # ----- the experts' grouped matmuls (model.moe_impl) ------------------------------------------
 
 
