@@ -94,13 +94,23 @@ def test_kill_9_and_resume_is_bitwise_exact(tmp_path):
         assert resumed[step] == reference[step], step  # bitwise: same mesh, same program
 
 
-@pytest.mark.parametrize("mesh, devices", [
-    (dict(replica=2, fsdp=2, tensor=2), 8),
-    (dict(fsdp=4), 4),
-])
-def test_restore_onto_another_layout(tmp_path_factory, mesh, devices):
-    base = tmp_path_factory.getbasetemp() / "reshard_source"
-    config = tiny_config(mesh=dict(fsdp=8), train=dict(steps=4))
+MOE = dict(family="qwen3_moe", head_dim=16, n_experts=4, experts_per_token=2, moe_ffn_dim=32)
+DENSE = (dict(fsdp=8), {})
+EXPERTS = (dict(fsdp=2, expert=4), MOE)  # the experts split 4 ways
+
+
+@pytest.mark.parametrize("source, mesh, devices", [
+    (DENSE, dict(replica=2, fsdp=2, tensor=2), 8),
+    (DENSE, dict(fsdp=4), 4),
+    (EXPERTS, dict(fsdp=8), 8),
+    (EXPERTS, dict(fsdp=2, expert=2, tensor=2), 8),
+], ids=["hsdp_tp", "fewer_devices", "moe_no_expert_axis", "moe_expert2_tensor2"])
+def test_restore_onto_another_layout(tmp_path_factory, source, mesh, devices):
+    """Saved on one layout, resumed on another (a mixture of experts onto another
+    expert degree too): the steps after the checkpoint are the uninterrupted run's."""
+    saved_mesh, model = source
+    base = tmp_path_factory.getbasetemp() / f"reshard_source_{'moe' if model else 'dense'}"
+    config = tiny_config(mesh=saved_mesh, model=model, train=dict(steps=4))
     config.checkpoint.every = 2
     config.log.tensorboard = False
     if not (base / "checkpoints").exists():
@@ -109,40 +119,11 @@ def test_restore_onto_another_layout(tmp_path_factory, mesh, devices):
 
     workdir = tmp_path_factory.mktemp("reshard")
     shutil.copytree(base / "checkpoints", workdir / "checkpoints")
-    other = tiny_config(mesh=mesh, train=dict(steps=4))
+    other = tiny_config(mesh=mesh, model=model, train=dict(steps=4))
     other.checkpoint.resume = "2"
     other.checkpoint.every = 0
     other.log.tensorboard = False
     records = train(other, str(workdir), devices=jax.devices()[:devices], verbose=False)
-    assert [r["step"] for r in records] == [3, 4]
-    np.testing.assert_allclose([r["loss"] for r in records], [reference[3], reference[4]],
-                               rtol=1e-5)
-
-
-MOE = dict(family="qwen3_moe", head_dim=16, n_experts=4, experts_per_token=2, moe_ffn_dim=32)
-
-
-@pytest.mark.parametrize("mesh", [dict(fsdp=8), dict(fsdp=2, expert=2, tensor=2)],
-                         ids=["no_expert_axis", "expert2_tensor2"])
-def test_a_mixture_of_experts_restores_onto_another_expert_degree(tmp_path_factory, mesh):
-    """Saved with the experts split 4 ways (fsdp=2 x expert=4), resumed with them whole
-    on every device or split 2 ways beside tensor parallelism: the steps after the
-    checkpoint are the uninterrupted run's."""
-    base = tmp_path_factory.getbasetemp() / "moe_source"
-    config = tiny_config(mesh=dict(fsdp=2, expert=4), model=MOE, train=dict(steps=4))
-    config.checkpoint.every = 2
-    config.log.tensorboard = False
-    if not (base / "checkpoints").exists():
-        train(config, str(base), verbose=False)
-    reference = losses_by_step(logged_steps(str(base)))
-
-    workdir = tmp_path_factory.mktemp("moe_reshard")
-    shutil.copytree(base / "checkpoints", workdir / "checkpoints")
-    other = tiny_config(mesh=mesh, model=MOE, train=dict(steps=4))
-    other.checkpoint.resume = "2"
-    other.checkpoint.every = 0
-    other.log.tensorboard = False
-    records = train(other, str(workdir), verbose=False)
     assert [r["step"] for r in records] == [3, 4]
     np.testing.assert_allclose([r["loss"] for r in records], [reference[3], reference[4]],
                                rtol=1e-5)

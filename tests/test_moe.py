@@ -169,26 +169,34 @@ def test_routing_renormalises_as_the_family_says():
     np.testing.assert_allclose(renormed, jax.nn.softmax(logits[:, :2]), rtol=1e-6)
 
 
-def test_load_balancing_loss_is_in_the_training_loss():
-    """The step's gradient is the cross-entropy's plus router_aux_loss_coef x the
-    load-balancing loss's, and its metrics carry aux_loss and the experts' loads."""
-    coef = 0.5
-    exp = Experiment.from_config(tiny_config(model={**MOE, "router_aux_loss_coef": coef}),
-                                 jax.devices()[:1])
+def _gradient_with_and_without(field, option, coef, metric):
+    """One step's (loss, aux, gradients) with model.<field> = coef and with the step's
+    ``option`` at 0, and the gradient of ``metric`` alone."""
+    exp = Experiment.from_config(tiny_config(model={**MOE, field: coef}), jax.devices()[:1])
+    assert getattr(exp.step_options, option) == coef
     params = exp.init_state().params
     batch = exp.device_batch(host_batches(exp.config, 1)[0])
     step = jax.jit(functools.partial(loss_aux_and_grads, exp.features, exp.step_options))
     without = jax.jit(functools.partial(
         loss_aux_and_grads, exp.features, dataclasses.replace(exp.step_options,
-                                                              aux_loss_coef=0.0)))
+                                                              **{option: 0.0})))
 
-    def aux_loss(p):
+    def alone(p):
         return exp.features(p, batch["inputs"], batch["positions"],
-                            batch["segment_ids"])[2]["aux_loss"]
+                            batch["segment_ids"])[2][metric]
     with rules_lib.use(exp.rules):
         loss, _, grads, aux = step(params, batch)
         loss0, _, grads0, _ = without(params, batch)
-        aux_grads = jax.jit(jax.grad(aux_loss))(params)
+        metric_grads = jax.jit(jax.grad(alone))(params)
+    return exp, loss, loss0, aux, grads, grads0, metric_grads
+
+
+def test_load_balancing_loss_is_in_the_training_loss():
+    """The step's gradient is the cross-entropy's plus router_aux_loss_coef x the
+    load-balancing loss's, and its metrics carry aux_loss and the experts' loads."""
+    coef = 0.5
+    exp, loss, loss0, aux, grads, grads0, aux_grads = _gradient_with_and_without(
+        "router_aux_loss_coef", "aux_loss_coef", coef, "aux_loss")
     assert float(loss) == float(loss0)  # the logged loss is the cross-entropy
     # Balanced routing gives k; a random router is near it.
     assert 1.5 < float(aux["aux_loss"]) < 3.0
@@ -211,7 +219,8 @@ def test_load_balancing_loss_is_in_the_training_loss():
                              exp.step_options, None)
     with rules_lib.use(exp.rules):
         _, metrics = jax.eval_shape(step, exp.abstract_state, exp.abstract_batch)
-    assert {"aux_loss", "expert_load_min", "expert_load_max"} <= set(metrics)
+    assert {"aux_loss", "router_z_loss", "expert_dropped", "expert_load_min",
+            "expert_load_max"} <= set(metrics)
 
 
 def test_router_z_loss_is_the_mean_squared_logsumexp_and_in_the_training_loss():
@@ -230,23 +239,8 @@ def test_router_z_loss_is_the_mean_squared_logsumexp_and_in_the_training_loss():
     np.testing.assert_allclose(float(z), (lse ** 2 * real).sum() / real.sum(), rtol=1e-5)
 
     coef = 0.25
-    exp = Experiment.from_config(tiny_config(model={**MOE, "router_z_loss_coef": coef}),
-                                 jax.devices()[:1])
-    assert exp.step_options.z_loss_coef == coef
-    params = exp.init_state().params
-    batch = exp.device_batch(host_batches(exp.config, 1)[0])
-    step = jax.jit(functools.partial(loss_aux_and_grads, exp.features, exp.step_options))
-    without = jax.jit(functools.partial(
-        loss_aux_and_grads, exp.features, dataclasses.replace(exp.step_options,
-                                                              z_loss_coef=0.0)))
-
-    def z_loss(p):
-        return exp.features(p, batch["inputs"], batch["positions"],
-                            batch["segment_ids"])[2]["router_z_loss"]
-    with rules_lib.use(exp.rules):
-        loss, _, grads, aux = step(params, batch)
-        loss0, _, grads0, _ = without(params, batch)
-        z_grads = jax.jit(jax.grad(z_loss))(params)
+    _, loss, loss0, aux, grads, grads0, z_grads = _gradient_with_and_without(
+        "router_z_loss_coef", "z_loss_coef", coef, "router_z_loss")
     assert float(loss) == float(loss0) and float(aux["router_z_loss"]) > 0
     got = np.asarray(grads["layers"]["mlp"]["router"]) - np.asarray(
         grads0["layers"]["mlp"]["router"])
