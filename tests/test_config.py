@@ -27,7 +27,8 @@ GOOD = {
     "model.query_pre_attn_scalar": "64.0", "model.local_rope_theta": "10000.0",
     "model.n_experts": "8", "model.experts_per_token": "2", "model.moe_ffn_dim": "64",
     "model.norm_topk_prob": "True", "model.router_aux_loss_coef": "0.01",
-    "model.router_z_loss_coef": "0.001", "model.moe_impl": "xla",
+    "model.router_z_loss_coef": "0.001", "model.capacity_factor": "1.25",
+    "model.moe_impl": "xla",
     "mesh.replica": "2", "mesh.fsdp": "2", "mesh.expert": "2", "mesh.context": "2",
     "mesh.tensor": "2",
     "runtime.cpu_devices": "4", "runtime.coordinator": "localhost:1234",
@@ -89,6 +90,7 @@ BAD = {
     "model.norm_topk_prob": ("yes", r" must be True or False"),
     "model.router_aux_loss_coef": (-0.1, r" must be a number >= 0"),
     "model.router_z_loss_coef": (-0.1, r" must be a number >= 0"),
+    "model.capacity_factor": (0.0, r" must be a number > 0"),
     **{f"mesh.{a}": (2.5, r" must be an int")
        for a in ("replica", "fsdp", "expert", "context", "tensor")},
     "runtime.cpu_devices": (0, r" must be an int >= 1"),

@@ -365,14 +365,15 @@ def test_layout_matches_single_device(family):
 
 
 @pytest.mark.parametrize("mesh, capacity", [
-    (dict(fsdp=2, expert=4), None), (dict(fsdp=1, expert=4, tensor=2), None),
-    (dict(replica=2, fsdp=2, expert=2), None), (dict(fsdp=2, expert=4), 1.0)],
-    ids=["fsdp_expert", "expert_tensor", "replica_fsdp_expert", "fsdp_expert_capacity"])
+    (dict(fsdp=1, expert=4, tensor=2), None), (dict(replica=2, fsdp=2, expert=2), None),
+    (dict(fsdp=2, expert=4), 1.0)],
+    ids=["expert_tensor", "replica_fsdp_expert", "fsdp_expert_capacity"])
 def test_expert_parallel_layouts_match_single_device(mesh, capacity):
     """The experts split over mesh.expert (each device holds its share; the (token,
     expert) pairs travel to them and back in ragged all-to-alls, emulated on CPU from
-    an all-gather), beside FSDP, tensor parallelism and replicas; in capacity mode too,
-    which drops the same pairs on every layout (each row's first, per expert)."""
+    an all-gather), beside FSDP, tensor parallelism and replicas; fsdp x expert in
+    capacity mode, which drops the same pairs on every layout (each row's first, per
+    expert). Dropless fsdp x expert=4 is test_moe's all-tokens-to-one-expert case."""
     model = dict(FAMILY_MODELS["qwen3_moe"], capacity_factor=capacity)
     exp = Experiment.from_config(tiny_config(mesh=mesh, model=model))
     spec = exp.state_sharding.params["layers"]["mlp"]["w_gate"].spec
