@@ -241,7 +241,7 @@ def test_one_row_on_several_gpus_takes_pallas_and_compiles():
 
 @needs_extra
 def test_the_kernels_bound_reaches_the_loader_of_a_gpu_run(tmp_path, monkeypatch):
-    """model.attn_max_docs reaches make_loader (train and eval) where cuDNN runs, so its
+    """model.attn_max_docs reaches the loader (train and eval) where cuDNN runs, so its
     rows are packed within it; no bound where the kernel needs none."""
     from ndjax.training import loop
 
@@ -255,11 +255,11 @@ def test_the_kernels_bound_reaches_the_loader_of_a_gpu_run(tmp_path, monkeypatch
     class Stop(Exception):
         pass
 
-    def make_loader(*args, max_runs=None, **kwargs):
+    def open_loader(*args, max_runs=None, **kwargs):
         got.append(max_runs)
         raise Stop  # the run goes no further than its data here
 
-    monkeypatch.setattr(loop, "make_loader", make_loader)
+    monkeypatch.setattr(loop, "open_loader", open_loader)
     for impl in ("cudnn", "pallas"):
         exp = Experiment.from_config(config(impl), gpu_target.devices(H100, 2))
         assert exp.max_runs == (5 if impl == "cudnn" else None)

@@ -69,18 +69,14 @@ def mesh_of(**sizes):
     return jax.make_mesh(shape, AXES, axis_types=(jax.sharding.AxisType.Auto,) * len(AXES))
 
 
-@pytest.mark.parametrize("mesh", [None, dict(fsdp=4, tensor=2), dict(fsdp=2, expert=4)],
-                         ids=["one_device", "fsdp_tp", "fsdp_expert"])
-def test_all_tokens_on_one_expert_equal_its_dense_mlp(mesh):
-    """A router that sends every token to expert 2 (top-1, renormalised: weight 1): the
-    MoE's output is expert 2's SwiGLU on every token, and its statistics count them all
-    there. Under fsdp x tensor each device's tokens form one group of its own; under
-    expert=4 every device's tokens travel to the one that holds experts 2 and 3, which
-    receives the worst case its buffer is sized for, and no token is lost."""
-    cfg, layer = make_moe(experts_per_token=1, norm_topk_prob=True)
+def _all_tokens_to_expert_2(mesh, **overrides):
+    """A top-1 MoE whose router sends every token of an (8, 16) batch to expert 2
+    (logits +sum(x) for it, -sum(x) for the others), run on ``mesh`` (None: one
+    device): (cfg, x, output, statistics, expert 2's SwiGLU of every token)."""
+    cfg, layer = make_moe(experts_per_token=1, norm_topk_prob=True, **overrides)
     x = np.abs(np.random.default_rng(1).normal(size=(8, 16, cfg.dim))).astype(np.float32)
     router = np.full((cfg.dim, cfg.n_experts), -1.0, np.float32)
-    router[:, 2] = 1.0  # logits: +sum(x) for expert 2, -sum(x) for the others
+    router[:, 2] = 1.0
     layer.router[...] = jnp.asarray(router)
     graphdef, params = nnx.split(layer)
 
@@ -89,12 +85,22 @@ def test_all_tokens_on_one_expert_equal_its_dense_mlp(mesh):
     if mesh is None:
         out, stats = jax.jit(run)(params, x)
     else:
-        rules = rules_lib.Rules("default", mesh_of(**mesh))
-        with rules_lib.use(rules):
+        with rules_lib.use(rules_lib.Rules("default", mesh_of(**mesh))):
             out, stats = jax.jit(run)(params, x)
     w = [np.asarray(v[...])[2] for v in (layer.w_gate, layer.w_up, layer.w_down)]
     h = x @ w[0]
-    want = (h / (1 + np.exp(-h)) * (x @ w[1])) @ w[2]
+    return cfg, x, out, stats, (h / (1 + np.exp(-h)) * (x @ w[1])) @ w[2]
+
+
+@pytest.mark.parametrize("mesh", [None, dict(fsdp=4, tensor=2), dict(fsdp=2, expert=4)],
+                         ids=["one_device", "fsdp_tp", "fsdp_expert"])
+def test_all_tokens_on_one_expert_equal_its_dense_mlp(mesh):
+    """A router that sends every token to expert 2 (top-1, renormalised: weight 1): the
+    MoE's output is expert 2's SwiGLU on every token, and its statistics count them all
+    there. Under fsdp x tensor each device's tokens form one group of its own; under
+    expert=4 every device's tokens travel to the one that holds experts 2 and 3, which
+    receives the worst case its buffer is sized for, and no token is lost."""
+    cfg, x, out, stats, want = _all_tokens_to_expert_2(mesh)
     np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-6)
     np.testing.assert_array_equal(stats["assigned"], [0, 0, x.shape[0] * x.shape[1], 0, 0, 0,
                                                       0, 0])
@@ -122,24 +128,8 @@ def test_capacity_mode_drops_exactly_the_overflow_it_reports(mesh):
     (zeros), and the step reports 12 / 16 of the pairs dropped. Under expert=4 the
     device holding expert 2 receives every device's first 4 tokens per row, within the
     buffer capacity mode sizes (half of dropless's here)."""
-    cfg, layer = make_moe(experts_per_token=1, norm_topk_prob=True, capacity_factor=2.0)
+    cfg, x, out, stats, want = _all_tokens_to_expert_2(mesh, capacity_factor=2.0)
     assert moe.capacity(cfg, 16) == 4
-    x = np.abs(np.random.default_rng(1).normal(size=(8, 16, cfg.dim))).astype(np.float32)
-    router = np.full((cfg.dim, cfg.n_experts), -1.0, np.float32)
-    router[:, 2] = 1.0
-    layer.router[...] = jnp.asarray(router)
-    graphdef, params = nnx.split(layer)
-
-    def run(params, x):
-        return nnx.merge(graphdef, params)(x)
-    if mesh is None:
-        out, stats = jax.jit(run)(params, x)
-    else:
-        with rules_lib.use(rules_lib.Rules("default", mesh_of(**mesh))):
-            out, stats = jax.jit(run)(params, x)
-    w = [np.asarray(v[...])[2] for v in (layer.w_gate, layer.w_up, layer.w_down)]
-    h = x @ w[0]
-    want = (h / (1 + np.exp(-h)) * (x @ w[1])) @ w[2]
     want[:, 4:] = 0.0
     np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-6)
     metrics = moe.aux_metrics(stats, cfg.n_experts, cfg.experts_per_token)
