@@ -131,6 +131,7 @@ def test_capacity_mode_drops_exactly_the_overflow_it_reports(mesh):
     cfg, x, out, stats, want = _all_tokens_to_expert_2(mesh, capacity_factor=2.0)
     assert moe.capacity(cfg, 16) == 4
     want[:, 4:] = 0.0
+    # float32 against numpy's float32 reference, the tolerance of the dropless case above.
     np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-6)
     metrics = moe.aux_metrics(stats, cfg.n_experts, cfg.experts_per_token)
     assert float(stats["dropped"]) == 8 * 12
@@ -226,6 +227,7 @@ def test_router_z_loss_is_the_mean_squared_logsumexp_and_in_the_training_loss():
     z = moe.aux_metrics(stats, cfg.n_experts, cfg.experts_per_token)["router_z_loss"]
     logits = x.astype(np.float64) @ np.asarray(block.router[...], np.float64)
     lse = np.log(np.exp(logits).sum(-1))
+    # float32 logits against a float64 reference: the f32 tolerance of the project.
     np.testing.assert_allclose(float(z), (lse ** 2 * real).sum() / real.sum(), rtol=1e-5)
 
     coef = 0.25
@@ -236,6 +238,9 @@ def test_router_z_loss_is_the_mean_squared_logsumexp_and_in_the_training_loss():
         grads0["layers"]["mlp"]["router"])
     want = coef * np.asarray(z_grads["layers"]["mlp"]["router"])
     assert np.abs(want).max() > 1e-6
+    # A difference of two float32 gradients (with and without the term) against the
+    # term's own: cancellation leaves ~1e-4 of the term's largest entry, as for the
+    # load-balancing loss above.
     np.testing.assert_allclose(got, want, rtol=0, atol=1e-4 * np.abs(want).max())
 
 
