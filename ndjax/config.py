@@ -79,6 +79,33 @@ def _cp_layouts() -> Sequence[str]:
     return ring_attention.LAYOUTS
 
 
+@dataclasses.dataclass(frozen=True)
+class LoraSettings:
+    """LoRA fine-tuning (ndjax.models.lora), PEFT's fields by their PEFT meaning: the base
+    is frozen, only the adapters train. Unset rank: no LoRA. (No lora_dropout yet: the
+    adapters see the layer's input as it is, PEFT's lora_dropout=0.)"""
+
+    rank: int | None = setting(None, ge=1, hint=" (the adapters' rank, PEFT's r: 8-64 is "
+                                                "usual; unset: no LoRA)")
+    alpha: float = setting(8.0, gt=0, hint=" (PEFT's lora_alpha: the update is scaled by "
+                                            "alpha / rank)")
+    # "all-linear" (every projection of the blocks; not the LM head), or comma-separated
+    # names in PEFT's or ndjax's spelling: "q_proj,v_proj" or "q,v".
+    target_modules: str = setting("all-linear")
+    use_rslora: bool = setting(False, hint=" (scale by alpha / sqrt(rank))")
+
+    def check(self) -> None:
+        if self.rank is None:
+            return
+        from ndjax.models import lora
+        targets = lora.parse_targets(self.target_modules)
+        if isinstance(targets, str):
+            raise ConfigError(
+                f"model.lora.target_modules={self.target_modules!r}: {targets!r} is no module "
+                f"LoRA can target; use {lora.ALL_LINEAR!r} or names among "
+                f"{', '.join(lora.TARGETS.values())} (or {', '.join(lora.TARGETS)}).")
+
+
 _DIMS = dict(ge=1, hint=" (or unset: the preset's)")
 # The model fields a config (or model.init_from's config.json) may set over the preset.
 MODEL_DIMS = ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "head_dim",
@@ -142,8 +169,9 @@ class ModelSettings:
     local_rope_theta: float | None = setting(None, gt=0)
     # compute dtype: auto = bfloat16 on GPU/TPU, float32 on CPU
     dtype: str = setting("auto", choices=("auto", "float32", "bfloat16", "float16"))
-    # dtype parameters are stored in (no float16: its range needs loss scaling)
-    param_dtype: str = setting("float32", choices=("float32", "bfloat16"))
+    # dtype parameters are stored in (no float16: its range needs loss scaling); auto:
+    # float32, but bfloat16 for a LoRA's frozen base (its adapters stay float32)
+    param_dtype: str = setting("auto", choices=("auto", "float32", "bfloat16"))
     # The decoder layers: True = one scanned block (compile time flat in depth),
     # False = unrolled; unset = unrolled on CPU up to 8 layers, else scanned
     # (ndjax.models.decoder.default_scan_layers says why).
@@ -172,6 +200,15 @@ class ModelSettings:
     # safetensors): its config.json sets the family and dims above, its weights the
     # initial parameters.
     init_from: str | None = setting(None)
+    # LoRA: adapters on a frozen base (ndjax.models.lora; docs/lora.md).
+    lora: LoraSettings = dataclasses.field(default_factory=LoraSettings)
+
+    @property
+    def stored_dtype(self) -> str:
+        """param_dtype with auto resolved: bfloat16 under LoRA, else float32."""
+        if self.param_dtype != "auto":
+            return self.param_dtype
+        return "float32" if self.lora.rank is None else "bfloat16"
 
     @property
     def resolved(self) -> bool:
@@ -484,6 +521,11 @@ def _parse_value(name: str, value: Any, tp: Any, spec: Spec) -> Any:
     tp, optional = _kind(tp)
     if isinstance(value, ml_collections.ConfigDict):
         value = value.to_dict()
+    if dataclasses.is_dataclass(tp):  # a group inside a section (model.lora)
+        if not isinstance(value, Mapping):
+            raise ConfigError(f"{name}={value!r} must be a group of fields, e.g. "
+                              f"--config.{name}.{dataclasses.fields(tp)[0].name}=...")
+        return _parse_section(name, tp, value)
     if value is None:
         if optional:
             return None
@@ -528,22 +570,28 @@ def _num(v: float) -> str:
     return str(int(v)) if float(v).is_integer() and abs(v) < 1e15 else repr(v)
 
 
+def _default_group(section: type) -> ml_collections.ConfigDict:
+    group = ml_collections.ConfigDict()
+    for f in dataclasses.fields(section):
+        tp, optional = _kind(_hints(section)[f.name])
+        if dataclasses.is_dataclass(tp):
+            group[f.name] = _default_group(tp)
+        elif tp in (dict, Any, typing.Any):
+            group[f.name] = config_dict.FieldReference(f.default, field_type=object)
+        elif optional and f.default is None:
+            group[f.name] = config_dict.placeholder(tp)
+        else:
+            group[f.name] = f.default
+    return group
+
+
 def default_config() -> ml_collections.ConfigDict:
     """The defaults as the ConfigDict that config files start from: built from the
     sections above, so the defaults and their types live in one place. A field that
     may be None is a typed placeholder, so ``--config.model.dim=512`` parses as int."""
     c = ml_collections.ConfigDict()
     for name, section in SECTIONS.items():
-        group = ml_collections.ConfigDict()
-        for f in dataclasses.fields(section):
-            tp, optional = _kind(_hints(section)[f.name])
-            if tp in (dict, Any, typing.Any):
-                group[f.name] = config_dict.FieldReference(f.default, field_type=object)
-            elif optional and f.default is None:
-                group[f.name] = config_dict.placeholder(tp)
-            else:
-                group[f.name] = f.default
-        c[name] = group
+        c[name] = _default_group(section)
     c.rules = config_dict.FieldReference("default", field_type=object)
     return c
 
@@ -558,10 +606,20 @@ def check_keys(config: Mapping[str, Any]) -> None:
     Settings.parse(config)
 
 
+def _paths(prefix: str, section: type) -> list[str]:
+    out = []
+    for f in dataclasses.fields(section):
+        tp, _ = _kind(_hints(section)[f.name])
+        out += (_paths(f"{prefix}{f.name}.", tp) if dataclasses.is_dataclass(tp)
+                else [prefix + f.name])
+    return out
+
+
 def field_paths() -> list[str]:
-    """Every field as ``section.name``: what a test sets from the command line."""
-    return [f"{name}.{f.name}" for name, section in SECTIONS.items()
-            for f in dataclasses.fields(section)] + ["rules"]
+    """Every field as ``section.name`` (``section.group.name`` inside a group): what a
+    test sets from the command line."""
+    return [p for name, section in SECTIONS.items() for p in _paths(f"{name}.", section)] + [
+        "rules"]
 
 
 def run_config(workdir: str) -> ml_collections.ConfigDict:
@@ -583,7 +641,14 @@ def over_defaults(saved: Mapping[str, Any]) -> ml_collections.ConfigDict:
         if isinstance(values, Mapping) and name in SECTIONS:
             for key, value in values.items():
                 key = RENAMED.get((name, key), key)
-                if key in config[name]:
+                if key not in config[name]:
+                    continue
+                if isinstance(config[name][key], ml_collections.ConfigDict) and isinstance(
+                        value, Mapping):  # a group (model.lora): its known fields
+                    for k, v in value.items():
+                        if k in config[name][key]:
+                            config[name][key][k] = v
+                else:
                     config[name][key] = value
         else:
             config[name] = values

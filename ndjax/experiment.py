@@ -32,6 +32,7 @@ from ndjax.config import MODEL_DIMS, ModelSettings, Settings, TrainSettings
 from ndjax.data import BATCH_FIELDS, loader
 from ndjax.errors import ConfigError
 from ndjax.models import decoder, registry
+from ndjax.models import lora as lora_lib
 from ndjax.models.decoder import DecoderConfig
 from ndjax.models.layers import RopeScaling
 from ndjax.ops import attention as attention_ops
@@ -47,7 +48,7 @@ FIELD_OF_AXIS = {
     "vocab": "model.vocab_size", "embed": "model.dim", "q_heads": "model.n_heads",
     "kv_heads": "model.n_kv_heads", "head_dim": "model.head_dim", "mlp": "model.ffn_dim",
     "layers": "model.n_layers", "norm": "model.dim", "experts": "model.n_experts",
-    "expert_mlp": "model.moe_ffn_dim",
+    "expert_mlp": "model.moe_ffn_dim", "lora_rank": "model.lora.rank",
 }
 
 def slow_axes_warning(mesh: Mesh, host_of: Callable[[jax.Device], str]) -> str | None:
@@ -105,7 +106,7 @@ def model_config(model: ModelSettings, checkpoint: hf.Checkpoint | None = None,
             f"model: head_dim={head_dim} (model.dim={dims['dim']} / model.n_heads="
             f"{dims['n_heads']} unless model.head_dim is set) must be a whole, even number "
             "for rotary embeddings. Set model.head_dim or change model.dim.")
-    precision = Precision.of(model.dtype, model.param_dtype, "float32", platform)  # no moments
+    precision = Precision.of(model.dtype, model.stored_dtype, "float32", platform)  # no moments
     scan_layers = model.scan_layers
     if model.remat == "offload" and scan_layers is False:
         # XLA's host offloader moves the inputs the layer scan saves; unrolled layers'
@@ -122,7 +123,29 @@ def model_config(model: ModelSettings, checkpoint: hf.Checkpoint | None = None,
                          cp_layout=model.cp_layout, cp_impl=model.cp_impl,
                          attn_kv_tile=model.attn_kv_tile,
                          attn_max_docs=model.attn_max_docs, moe_impl=model.moe_impl,
-                         capacity_factor=model.capacity_factor)
+                         capacity_factor=model.capacity_factor,
+                         lora=lora_config(model, dims))
+
+
+def lora_config(model: ModelSettings, dims: dict) -> lora_lib.LoraConfig | None:
+    """``model.lora`` for this model (None: no LoRA), its targets checked against the
+    family's blocks: a mixture of experts has no dense MLP to adapt."""
+    s = model.lora
+    if s.rank is None:
+        return None
+    targets = lora_lib.parse_targets(s.target_modules)
+    mlp = [t for t in targets if t in lora_lib.MLP_TARGETS]
+    if dims.get("n_experts") and mlp:
+        attention = ",".join(lora_lib.TARGETS[t] for t in targets
+                             if t not in lora_lib.MLP_TARGETS) or "q_proj,k_proj,v_proj,o_proj"
+        raise ConfigError(
+            f"model.lora.target_modules={s.target_modules!r}: model.family="
+            f"{dims['family']!r} is a mixture of experts, whose blocks have no "
+            f"{', '.join(lora_lib.TARGETS[t] for t in mlp)} of a dense MLP, and its experts "
+            f"take no adapters yet. Target the attention: model.lora.target_modules="
+            f"{attention!r}.")
+    return lora_lib.LoraConfig(rank=s.rank, alpha=s.alpha, targets=targets,
+                               rslora=s.use_rslora)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -288,9 +311,14 @@ class Experiment:
         schedule = state_lib.make_schedule(t)
         precision = Precision(params=model_cfg.param_dtype, compute=model_cfg.dtype,
                               moments=DTYPES[t.opt_state_dtype])
-        optimizer = state_lib.make_optimizer(t, param_names, schedule, precision.moments)
-        state_sharding = state_lib.state_shardings(optimizer, param_shapes, param_shardings,
-                                                   NamedSharding(mesh, PartitionSpec()))
+        # Under LoRA only the adapters are optimised: the optimizer sees them alone.
+        adapters_only = model_cfg.lora is not None
+        trained = functools.partial(lora_lib.trainable, adapters_only=adapters_only)
+        optimizer = state_lib.make_optimizer(t, trained(param_names), schedule,
+                                             precision.moments)
+        state_sharding = state_lib.state_shardings(
+            optimizer, trained(param_shapes), trained(param_shardings),
+            NamedSharding(mesh, PartitionSpec()), params=param_shardings)
         batch_sharding = rules.sharding(("act_batch", "act_seq"))
         return cls(config, settings, dims, mesh, rules, model_cfg, graphdef, param_shapes,
                    param_names, schedule, optimizer, state_sharding, batch_sharding, precision,
@@ -327,15 +355,27 @@ class Experiment:
                            loss_chunk=t.loss_chunk, grad_accum=t.grad_accum,
                            grad_dtype=self.precision.grad_accum,
                            aux_loss_coef=float(self.model_cfg.router_aux_loss_coef),
-                           z_loss_coef=float(self.settings.model.router_z_loss_coef))
+                           z_loss_coef=float(self.settings.model.router_z_loss_coef),
+                           adapters_only=self.adapters_only)
 
     # ----- state ---------------------------------------------------------------
 
+    @property
+    def adapters_only(self) -> bool:
+        """Whether only LoRA adapters train (the rest of the parameters frozen)."""
+        return self.model_cfg.lora is not None
+
+    def trainable(self, params: Any) -> Any:
+        """What of a parameter tree trains: all of it, or under LoRA its adapters."""
+        return lora_lib.trainable(params, self.adapters_only)
+
+    def _fresh_state(self, params: Any) -> state_lib.TrainState:
+        return state_lib.TrainState(step=state_lib.zero_step(), params=params,
+                                    opt_state=self.optimizer.init(self.trainable(params)))
+
     def _init(self, seed: jax.Array) -> state_lib.TrainState:
         model = decoder.Decoder(self.model_cfg, nnx.Rngs(params=jax.random.key(seed)))
-        params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
-        return state_lib.TrainState(step=state_lib.zero_step(), params=params,
-                                    opt_state=self.optimizer.init(params))
+        return self._fresh_state(nnx.to_pure_dict(nnx.state(model, nnx.Param)))
 
     @functools.cached_property
     def compiled_init(self) -> jax.stages.Compiled:
@@ -364,10 +404,7 @@ class Experiment:
 
     @functools.cached_property
     def _compiled_wrap(self) -> jax.stages.Compiled:
-        def wrap(params):
-            return state_lib.TrainState(step=state_lib.zero_step(), params=params,
-                                        opt_state=self.optimizer.init(params))
-
+        wrap = self._fresh_state
         with rules_lib.use(self.rules):
             params = jax.tree.map(
                 lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),

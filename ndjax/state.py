@@ -198,8 +198,11 @@ def make_optimizer(train: TrainSettings, param_names: dict, schedule: optax.Sche
 
 
 def state_shardings(optimizer: optax.GradientTransformation, abstract_params: Any,
-                    param_shardings: Any, replicated: Any) -> TrainState:
+                    param_shardings: Any, replicated: Any, params: Any = None) -> TrainState:
     """Shardings of the whole state: optimizer moments are laid out like their params.
+    ``abstract_params`` and ``param_shardings`` are what the optimizer sees; ``params``
+    (default: ``param_shardings``) the shardings of every parameter (under LoRA the
+    optimizer sees only the adapters, the state holds the frozen base too).
 
     ``optax.tree_map_params`` finds the parameter-shaped subtrees of the
     optimizer state (the moments) by initialising the optimizer on a
@@ -211,7 +214,8 @@ def state_shardings(optimizer: optax.GradientTransformation, abstract_params: An
         lambda params: jax.eval_shape(optimizer.init, params),
         lambda _, sharding: sharding, abstract_opt, param_shardings,
         transform_non_params=lambda _: replicated)
-    return TrainState(step=replicated, params=param_shardings, opt_state=opt_shardings)
+    return TrainState(step=replicated, params=param_shardings if params is None else params,
+                      opt_state=opt_shardings)
 
 
 def zero_step() -> jax.Array:

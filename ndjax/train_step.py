@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from ndjax.models import lora
 from ndjax.ops.cross_entropy import loss_sums
 from ndjax.parallel.rules import Weight, constrain
 from ndjax.state import TrainState
@@ -50,6 +51,9 @@ class StepOptions:
     aux_loss_coef: float = 0.0
     # The router z-loss's weight in the loss (model.router_z_loss_coef).
     z_loss_coef: float = 0.0
+    # LoRA: only the adapters get gradients and updates; the rest is frozen, passed
+    # through the step untouched (ndjax.models.lora.split).
+    adapters_only: bool = False
 
 
 BATCH_NAMES = ("act_batch", "act_seq")
@@ -181,7 +185,17 @@ def keep_unless_schedule(keep: Callable[[jax.Array, jax.Array], jax.Array],
 def train_step(features: FeaturesFn, optimizer: optax.GradientTransformation,
                schedule: optax.Schedule, options: StepOptions, grad_shardings: Any,
                state: TrainState, batch: Batch) -> tuple[TrainState, dict[str, jax.Array]]:
-    loss, tokens, grads, aux = loss_aux_and_grads(features, options, state.params, batch,
+    """One optimizer step. Under LoRA (``options.adapters_only``) the gradient is taken
+    with respect to the adapters alone, so the frozen base's weight gradients are never
+    formed, and the optimizer sees (and holds state for) the adapters only."""
+    trainable, frozen = lora.split(state.params, options.adapters_only)
+    if frozen:
+        grad_shardings = lora.trainable(grad_shardings, True)
+        base_features = features
+
+        def features(p, *args):
+            return base_features(lora.merge(frozen, p), *args)
+    loss, tokens, grads, aux = loss_aux_and_grads(features, options, trainable, batch,
                                                   grad_shardings)
     if options.nan_at_step >= 0:
         poison = jnp.where(state.step + 1 == options.nan_at_step, jnp.nan, 1.0)
@@ -193,16 +207,17 @@ def train_step(features: FeaturesFn, optimizer: optax.GradientTransformation,
     # schedule's own count says (a checkpoint written before skipped steps
     # advanced it may hold a count that lags state.step).
     old_opt_state = schedule_counts_at(state.opt_state, state.step)
-    updates, opt_state = optimizer.update(grads, old_opt_state, state.params)
-    params = optax.apply_updates(state.params, updates)
+    updates, opt_state = optimizer.update(grads, old_opt_state, trainable)
+    params = optax.apply_updates(trainable, updates)
     if options.skip_nonfinite:
         # Keep the old parameters and Adam's state (moments and their count),
         # so the skipped gradient leaves no trace; the step counter and the
         # schedule's count still advance, so the lr and the data stay in step
         # with an uninterrupted run (see keep_unless_schedule).
         keep = lambda new, old: jnp.where(finite, new, old)  # noqa: E731
-        params = jax.tree.map(keep, params, state.params)
+        params = jax.tree.map(keep, params, trainable)
         opt_state = keep_unless_schedule(keep, opt_state, old_opt_state)
+    params = lora.merge(frozen, params)
     metrics = {
         "loss": loss,
         "grad_norm": grad_norm,

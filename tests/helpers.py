@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import json
 
 import jax
 import numpy as np
@@ -11,6 +12,7 @@ from conftest import TINY_MODEL, tiny_config
 from ndjax.data.loader import make_loader
 from ndjax.data.synthetic import SyntheticSource
 from ndjax.experiment import Experiment
+from ndjax.models import lora
 from ndjax.parallel import rules as rules_lib
 from ndjax.train_step import loss_and_grads
 
@@ -77,7 +79,7 @@ def reference(model_overrides, rules="default", overrides=None):
 
 def _reference(model_overrides, rules="default", overrides=None):
     """``reference``'s run and its first step's gradients."""
-    key = (tuple(sorted(model_overrides.items())), rules,
+    key = (json.dumps(model_overrides, sort_keys=True), rules,
            tuple(sorted((overrides or {}).items())))
     if key not in _references:
         config = with_overrides(tiny_config(model=model_overrides, rules=rules), overrides)
@@ -90,12 +92,18 @@ def _reference(model_overrides, rules="default", overrides=None):
 
 def first_step_grads(exp: Experiment, initial_state):
     """The float32 gradients of the first step's loss, from ``initial_state`` (host),
-    computed in ``exp``'s layout (the step's own ``loss_and_grads``), on the host."""
+    computed in ``exp``'s layout (the step's own ``loss_and_grads``), on the host: of
+    what trains (every parameter, or under LoRA the adapters)."""
     params = jax.device_put(initial_state.params, exp.state_sharding.params)
     batch = exp.device_batch(host_batches(exp.config, 1)[0])
-    fn = functools.partial(loss_and_grads, exp.features, exp.step_options)
+    trainable, frozen = lora.split(params, exp.adapters_only)
+
+    def features(p, *args):
+        return exp.features(lora.merge(frozen, p), *args)
+
+    fn = functools.partial(loss_and_grads, features, exp.step_options)
     with rules_lib.use(exp.rules):
-        return jax.device_get(jax.jit(fn)(params, batch)[2])
+        return jax.device_get(jax.jit(fn)(trainable, batch)[2])
 
 
 # First-step gradients, per parameter: |layout - one device| <= GRAD_RTOL x the
@@ -117,7 +125,10 @@ def assert_same_training(exp, model_overrides, overrides=None):
         np.testing.assert_allclose(g, want, rtol=0, atol=GRAD_RTOL * np.abs(want).max(),
                                    err_msg=jax.tree_util.keystr(path))
     # The run must have trained for real, or equality would prove nothing.
-    assert not np.allclose(params["embed"], init.params["embed"], atol=1e-3)
+    def leaf(p):
+        return p["layers"]["attn"]["lora_q"]["b"] if exp.adapters_only else p["embed"]
+    assert not np.allclose(leaf(params), leaf(init.params), atol=1e-3)
+    return init, params
 
 
 def partitioned_hlo(lowered) -> str:

@@ -28,7 +28,8 @@ GOOD = {
     "model.n_experts": "8", "model.experts_per_token": "2", "model.moe_ffn_dim": "64",
     "model.norm_topk_prob": "True", "model.router_aux_loss_coef": "0.01",
     "model.router_z_loss_coef": "0.001", "model.capacity_factor": "1.25",
-    "model.moe_impl": "xla",
+    "model.moe_impl": "xla", "model.lora.rank": "8", "model.lora.alpha": "16.0",
+    "model.lora.target_modules": "q_proj,v_proj", "model.lora.use_rslora": "True",
     "mesh.replica": "2", "mesh.fsdp": "2", "mesh.expert": "2", "mesh.context": "2",
     "mesh.tensor": "2",
     "runtime.cpu_devices": "4", "runtime.coordinator": "localhost:1234",
@@ -91,6 +92,11 @@ BAD = {
     "model.router_aux_loss_coef": (-0.1, r" must be a number >= 0"),
     "model.router_z_loss_coef": (-0.1, r" must be a number >= 0"),
     "model.capacity_factor": (0.0, r" must be a number > 0"),
+    "model.lora.rank": (0, r" must be an int >= 1 \(the adapters' rank"),
+    "model.lora.alpha": (0.0, r" must be a number > 0"),
+    "model.lora.target_modules": ("q_proj,attn", r": 'attn' is no module LoRA can target; "
+                                                 r"use 'all-linear' or names among q_proj"),
+    "model.lora.use_rslora": ("yes", r" must be True or False"),
     **{f"mesh.{a}": (2.5, r" must be an int")
        for a in ("replica", "fsdp", "expert", "context", "tensor")},
     "runtime.cpu_devices": (0, r" must be an int >= 1"),
@@ -165,11 +171,14 @@ def test_every_field_can_be_set_from_the_command_line():
     config = _parse_flags([f"--config.{k}={v}" for k, v in GOOD.items()])
     settings = Settings.parse(config)
     defaults = Settings.parse(default_config())
+    def get(settings, path):
+        value = settings
+        for name in path.split("."):
+            value = getattr(value, name)
+        return value
+
     for path in field_paths():
-        section, _, name = path.partition(".")
-        value = getattr(getattr(settings, section), name) if name else settings.rules
-        default = getattr(getattr(defaults, section), name) if name else defaults.rules
-        assert value != default, path
+        assert get(settings, path) != get(defaults, path), path
     assert settings.checkpoint.async_save is False
     assert settings.model.rope_scaling == {"factor": 4.0}
     assert settings.log.profile_steps == (5, 7)
@@ -178,9 +187,14 @@ def test_every_field_can_be_set_from_the_command_line():
 @pytest.mark.parametrize("path", sorted(BAD))
 def test_every_field_rejects_a_bad_value(path):
     value, says = BAD[path]
-    section, name = path.split(".")
+    *groups, name = path.split(".")
     config = default_config().to_dict()
-    config[section][name] = value
+    group = config
+    for g in groups:
+        group = group[g]
+    if path.startswith("model.lora.") and name != "rank":
+        group["rank"] = 8  # the group's other fields are read under LoRA
+    group[name] = value
     with pytest.raises(ConfigError) as e:
         Settings.parse(config)
     message = str(e.value)
@@ -209,10 +223,12 @@ def test_the_keyword_field_is_renamed_and_old_saves_still_read():
     ("--config.train.b2=1.5", "train.b2=1.5 must be a number >= 0 and < 1"),
     ("--config.checkpoint.keep=-1", "checkpoint.keep=-1 must be an int >= 0"),
     ("--config.train.clip_norm=-1.0", "train.clip_norm=-1.0 must be a number >= 0"),
+    ("--config.model.lora.rank=8 --config.model.lora.target_modules=q_proj,attn",
+     "model.lora.target_modules='q_proj,attn': 'attn' is no module LoRA can target"),
 ])
 def test_train_py_reports_a_bad_field_in_one_line(tmp_path, flag, says):
     result = subprocess.run([sys.executable, "train.py", "--config=configs/llama_fsdp_tp.py",
-                             flag, f"--workdir={tmp_path / 'run'}"],
+                             *flag.split(), f"--workdir={tmp_path / 'run'}"],
                             capture_output=True, text=True, timeout=300)
     assert result.returncode == 2, result.stderr
     lines = result.stderr.strip().splitlines()

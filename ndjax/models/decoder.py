@@ -32,6 +32,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
+from ndjax.models import lora as lora_lib
 from ndjax.models.layers import (
     ACTIVATION_FNS,
     RMSNorm,
@@ -94,6 +95,8 @@ class DecoderConfig:
     # experts_per_token / n_experts) of a row's (token, expert) pairs, earliest first
     # (ndjax.models.moe.within_capacity); the rest are dropped.
     capacity_factor: float | None = None
+    # LoRA adapters on the projections it targets (ndjax.models.lora); None: none.
+    lora: lora_lib.LoraConfig | None = None
     init_std: float = 0.02
     dtype: Any = jnp.float32      # compute dtype
     param_dtype: Any = jnp.float32  # storage dtype of the parameters
@@ -232,6 +235,13 @@ class Attention(nnx.Module):
         self.dtype = cfg.dtype
         self.cfg = cfg
 
+    def add_adapters(self, cfg: DecoderConfig, rngs: nnx.Rngs) -> None:
+        """The LoRA adapters ``cfg.lora`` asks for (after every base weight is drawn, so
+        that the base is the same with and without them)."""
+        for name, n_in in (("q", 1), ("k", 1), ("v", 1), ("o", 2)):
+            setattr(self, "lora_" + name,
+                    lora_lib.make(cfg, rngs, name, getattr(self, "w" + name), n_in))
+
     def __call__(self, x, cos, sin, segment_ids, spec: AttentionSpec):
         q, k, v = self.qkv(x, cos, sin)
         return self.output(attention(q, k, v, segment_ids, self.cfg, spec))
@@ -240,6 +250,8 @@ class Attention(nnx.Module):
         cfg = self.cfg
         out = project("bsd,dhk->bshk", x,
                       *use_param(getattr(self, "w" + name), cfg.dtype, n_kv, cfg.param_dtype))
+        out = _adapted(cfg, out, getattr(self, "lora_" + name, None), "bsd,dhk->bshk", x, 1,
+                       n_kv)
         if cfg.qkv_bias:
             out = add_bias(out, *use_param(getattr(self, "b" + name), cfg.dtype, n_kv,
                                            cfg.param_dtype))
@@ -259,8 +271,9 @@ class Attention(nnx.Module):
     def output(self, out):
         """The attention's output (b, s, heads, head_dim) projected back to the model dim."""
         out = checkpoint_name(constrain(out, HEADS), "attn_out")
-        return project("bshk,hkd->bsd", out,
-                       *use_param(self.wo, self.dtype, param_dtype=self.cfg.param_dtype))
+        y = project("bshk,hkd->bsd", out,
+                    *use_param(self.wo, self.dtype, param_dtype=self.cfg.param_dtype))
+        return _adapted(self.cfg, y, getattr(self, "lora_o", None), "bshk,hkd->bsd", out, 2)
 
 
 class MLP(nnx.Module):
@@ -272,16 +285,33 @@ class MLP(nnx.Module):
         self.dtype = cfg.dtype
         self.param_dtype = cfg.param_dtype
         self.activation = cfg.activation
+        self.cfg = cfg
+
+    def add_adapters(self, cfg: DecoderConfig, rngs: nnx.Rngs) -> None:
+        for name in ("gate", "up", "down"):
+            setattr(self, "lora_" + name,
+                    lora_lib.make(cfg, rngs, name, getattr(self, "w_" + name), 1))
+
+    def _project(self, name: str, equation: str, x):
+        out = project(equation, x, *use_param(getattr(self, "w_" + name), self.dtype,
+                                               param_dtype=self.param_dtype))
+        return _adapted(self.cfg, out, getattr(self, "lora_" + name, None), equation, x, 1)
 
     def __call__(self, x):
-        dt, pd = self.dtype, self.param_dtype
         names = ("act_batch", "act_seq", "act_mlp")
-        gate = checkpoint_name(constrain(project(
-            "bsd,df->bsf", x, *use_param(self.w_gate, dt, param_dtype=pd)), names), "mlp_gate")
-        up = checkpoint_name(constrain(project(
-            "bsd,df->bsf", x, *use_param(self.w_up, dt, param_dtype=pd)), names), "mlp_up")
+        gate = checkpoint_name(constrain(self._project("gate", "bsd,df->bsf", x), names),
+                               "mlp_gate")
+        up = checkpoint_name(constrain(self._project("up", "bsd,df->bsf", x), names), "mlp_up")
         h = ACTIVATION_FNS[self.activation](gate) * up
-        return project("bsf,fd->bsd", h, *use_param(self.w_down, dt, param_dtype=pd))
+        return self._project("down", "bsf,fd->bsd", h)
+
+
+def _adapted(cfg: DecoderConfig, out, adapter, equation: str, x, n_in: int,
+             n_kv_heads: int | None = None):
+    if adapter is None:
+        return out
+    return lora_lib.adapted(out, adapter, equation, x, n_in, cfg.dtype, cfg.lora.scale,
+                            n_kv_heads)
 
 
 RESIDUAL = ("act_batch", "act_res_seq", "act_embed")
@@ -300,6 +330,10 @@ class Block(nnx.Module):
             self.post_attn_norm = RMSNorm(cfg.dim, eps, pd, **norm)
             self.post_mlp_norm = RMSNorm(cfg.dim, eps, pd, **norm)
         self.post_norms = cfg.post_norms
+        if cfg.lora is not None:
+            self.attn.add_adapters(cfg, rngs)
+            if not isinstance(self.mlp, MoE):
+                self.mlp.add_adapters(cfg, rngs)
 
     def __call__(self, x, cos, sin, segment_ids, spec: AttentionSpec):
         return self.around(x, lambda h: self.attn(h, cos, sin, segment_ids, spec),

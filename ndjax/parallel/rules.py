@@ -68,6 +68,7 @@ _PARAMS: Table = (
     ("experts", "expert"),            # MoE: the experts split over the expert axis
     ("expert_mlp", "tensor"),         # each expert's width, split as the dense MLP's
     ("norm", None),
+    ("lora_rank", None),              # LoRA adapters' rank: small, never split
 )
 
 

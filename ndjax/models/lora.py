@@ -1,0 +1,145 @@
+"""LoRA: low-rank adapters beside a frozen base (Hu et al. 2021; PEFT's conventions).
+
+A targeted projection ``y = x W`` becomes ``y = x W + scale * (x A) B``: ``A`` maps the
+base weight's input dims to ``rank``, ``B`` maps ``rank`` to its output dims, and
+``scale`` is ``alpha / rank`` (``alpha / sqrt(rank)`` with rsLoRA). As PEFT inits them,
+``A`` is Kaiming-uniform (bound ``1 / sqrt(fan_in)``) and ``B`` is zero, so a fresh
+adapter leaves the base model's outputs exactly as they were.
+
+The adapters carry the base weight's logical names (``A`` its input's, ``B`` its
+output's, the rank axis ``lora_rank``), so the rule table lays them out like the
+weight they adapt: under FSDP both are stored sharded and gathered at use, under
+tensor parallelism ``B`` of a column-parallel weight is split like it. They are
+stored in float32 whatever ``model.param_dtype`` (PEFT's ``autocast_adapter_dtype``):
+they are small, and the base is what is narrow.
+
+Adapters live in the parameter tree as ``lora_<target>`` modules (``.../attn/lora_q/a``)
+beside the weight they adapt; ``split`` and ``merge`` separate the trainable leaves
+from the frozen base by that name.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx, traverse_util
+
+# ndjax's name of each projection a LoRA can target -> PEFT's (Hugging Face's) module name.
+TARGETS = {"q": "q_proj", "k": "k_proj", "v": "v_proj", "o": "o_proj",
+           "gate": "gate_proj", "up": "up_proj", "down": "down_proj"}
+MLP_TARGETS = ("gate", "up", "down")
+ALL_LINEAR = "all-linear"  # PEFT's name for every linear layer but the LM head
+PREFIX = "lora_"
+
+
+@dataclasses.dataclass(frozen=True)
+class LoraConfig:
+    rank: int
+    alpha: float
+    targets: tuple[str, ...]   # keys of TARGETS
+    rslora: bool = False
+
+    @property
+    def scale(self) -> float:
+        return self.alpha / (math.sqrt(self.rank) if self.rslora else self.rank)
+
+
+def parse_targets(value: str) -> tuple[str, ...] | str:
+    """``lora.target_modules`` ("all-linear", or comma-separated names in ndjax's or PEFT's
+    spelling: "q,v" or "q_proj,v_proj") -> the TARGETS keys, in TARGETS' order; or the
+    first name that is none of them (the caller's error)."""
+    if value.strip() == ALL_LINEAR:
+        return tuple(TARGETS)
+    by_peft = {v: k for k, v in TARGETS.items()}
+    chosen = set()
+    for name in (n.strip() for n in value.split(",")):
+        key = name if name in TARGETS else by_peft.get(name)
+        if key is None:
+            return name
+        chosen.add(key)
+    return tuple(k for k in TARGETS if k in chosen)
+
+
+class Adapter(nnx.Module):
+    """The adapter of one base weight of shape ``in_shape + out_shape`` whose names are
+    ``in_names + out_names``: ``a`` (in_shape..., rank) and ``b`` (rank, out_shape...)."""
+
+    def __init__(self, rngs: nnx.Rngs, in_shape: Sequence[int], in_names: Sequence[str],
+                 out_shape: Sequence[int], out_names: Sequence[str], rank: int):
+        fan_in = math.prod(in_shape)
+        bound = 1.0 / math.sqrt(fan_in)
+        self.a = nnx.Param(jax.random.uniform(rngs.params(), (*in_shape, rank), jnp.float32,
+                                              -bound, bound),
+                           logical_axes=(*in_names, "lora_rank"))
+        self.b = nnx.Param(jnp.zeros((rank, *out_shape), jnp.float32),
+                           logical_axes=("lora_rank", *out_names))
+
+
+def equations(equation: str, n_in: int) -> tuple[str, str]:
+    """The base projection's einsum (``"bsd,dhk->bshk"``, whose weight's first ``n_in``
+    dims are contracted) -> the two einsums of its adapter, through the rank ``r``."""
+    inputs, out = equation.split("->")
+    x_sub, w_sub = inputs.split(",")
+    contracted, produced = w_sub[:n_in], w_sub[n_in:]
+    kept = "".join(c for c in x_sub if c not in contracted)
+    assert "r" not in equation, equation
+    return f"{x_sub},{contracted}r->{kept}r", f"{kept}r,r{produced}->{out}"
+
+
+def is_adapter(path: Sequence[Any]) -> bool:
+    return any(str(getattr(k, "key", k)).startswith(PREFIX) for k in path)
+
+
+def split(params: dict, adapters_only: bool) -> tuple[dict, dict]:
+    """(trainable, frozen) parts of a nested parameter dict: with ``adapters_only``, the
+    adapters and the rest; else everything and nothing."""
+    if not adapters_only:
+        return params, {}
+    flat = traverse_util.flatten_dict(params)
+    train = {k: v for k, v in flat.items() if is_adapter(k)}
+    frozen = {k: v for k, v in flat.items() if not is_adapter(k)}
+    return traverse_util.unflatten_dict(train), traverse_util.unflatten_dict(frozen)
+
+
+def trainable(params: Any, adapters_only: bool) -> Any:
+    """``split``'s trainable part alone."""
+    return split(params, adapters_only)[0]
+
+
+def merge(frozen: dict, trainable: dict) -> dict:
+    """The whole parameter dict from ``split``'s two parts."""
+    if not frozen:
+        return trainable
+    return traverse_util.unflatten_dict({**traverse_util.flatten_dict(frozen),
+                                         **traverse_util.flatten_dict(trainable)})
+
+
+def adapted(out: jax.Array, adapter: Adapter | None, equation: str, x: jax.Array, n_in: int,
+            dtype: Any, scale: float, n_kv_heads: int | None = None) -> jax.Array:
+    """``out`` (the base projection of ``x`` by ``equation``, whose weight's first ``n_in``
+    dims are contracted) plus the adapter's ``scale * (x A) B``; ``out`` itself when the
+    projection has no adapter. Both matmuls go through ``layers.project``: the adapters
+    are gathered for use and given float32 gradients like any weight."""
+    if adapter is None:
+        return out
+    from ndjax.models.layers import project, use_param
+
+    eq_a, eq_b = equations(equation, n_in)
+    h = project(eq_a, x, *use_param(adapter.a, dtype, param_dtype=jnp.float32))
+    delta = project(eq_b, h, *use_param(adapter.b, dtype, n_kv_heads, param_dtype=jnp.float32))
+    return out + delta * jnp.asarray(scale, delta.dtype)
+
+
+def make(cfg: Any, rngs: nnx.Rngs, target: str, weight: nnx.Param, n_in: int
+         ) -> Adapter | None:
+    """The adapter of ``weight`` (target ``target``) if ``cfg.lora`` targets it."""
+    lora = cfg.lora
+    if lora is None or target not in lora.targets:
+        return None
+    shape, names = weight[...].shape, weight.get_metadata()["logical_axes"]
+    return Adapter(rngs, shape[:n_in], names[:n_in], shape[n_in:], names[n_in:], lora.rank)

@@ -1,0 +1,88 @@
+"""LoRA: fresh adapters leave the base model's logits exactly, only the adapters train
+(the base bit for bit, no optimizer state for it, no weight gradients formed for it),
+and LoRA trains like one device on fsdp x tensor and fsdp x context."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import tiny_config
+from helpers import assert_same_training, host_batches, run_steps
+
+from ndjax.errors import ConfigError
+from ndjax.experiment import Experiment
+from ndjax.models import lora
+
+# rank 4 on every projection; alpha 16 (scale 4), so that 3 steps move the logits.
+LORA = {"lora": {"rank": 4, "alpha": 16.0}}
+
+
+def _inputs(config):
+    batch = host_batches(config, 1)[0]
+    return [jnp.asarray(batch[k]) for k in ("inputs", "positions", "segment_ids")]
+
+
+def _same(a, b) -> bool:
+    return all(bool((x == y).all()) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b),
+                                                    strict=True))
+
+
+def test_fresh_adapters_leave_the_base_models_logits_exactly():
+    one = jax.devices()[:1]
+    config = tiny_config(model=LORA)
+    exp = Experiment.from_config(config, one)
+    # Under LoRA the base is stored in bfloat16 (model.param_dtype=auto), the adapters
+    # in float32.
+    base = Experiment.from_config(tiny_config(model={"param_dtype": "bfloat16"}), one)
+    params, base_params = (jax.device_get(e.init_state().params) for e in (exp, base))
+    adapters, frozen = lora.split(params, True)
+    assert _same(frozen, base_params)  # the base is drawn as without adapters
+    assert {leaf.dtype for leaf in jax.tree.leaves(adapters)} == {np.dtype("float32")}
+    assert set(adapters["layers"]["attn"]) == {"lora_q", "lora_k", "lora_v", "lora_o"}
+    assert set(adapters["layers"]["mlp"]) == {"lora_gate", "lora_up", "lora_down"}
+    # PEFT's init: B = 0 (so the update starts at 0), A uniform within 1 / sqrt(fan_in).
+    q = adapters["layers"]["attn"]["lora_q"]
+    assert not q["b"].any() and 0 < np.abs(q["a"]).max() <= 1 / np.sqrt(64)
+    assert np.array_equal(exp.apply(params, *_inputs(config)),
+                          base.apply(base_params, *_inputs(config)))
+
+
+def test_only_the_adapters_train_and_hold_optimizer_state():
+    exp = Experiment.from_config(tiny_config(model=LORA), jax.devices()[:1])
+    init = jax.device_get(exp.init_state())
+    adapters = lora.trainable(init.params, True)
+    moments = jax.tree.leaves(exp.abstract_state.opt_state)
+    # Adam's two moments of each adapter and nothing of the base (counts are scalars).
+    assert sorted(m.size for m in moments if m.ndim) == sorted(
+        2 * [a.size for a in jax.tree.leaves(adapters)])
+    _, params = run_steps(exp, init)
+    moved, frozen = lora.split(params, True)
+    assert _same(frozen, lora.split(init.params, True)[1])  # the base, bit for bit
+    assert all(not np.array_equal(m, a) for m, a in zip(jax.tree.leaves(moved),
+                                                        jax.tree.leaves(adapters)))
+    # The step forms no weight gradient of the frozen base: about a third of a full
+    # fine-tuning step's matmul FLOPs (x W's two backward matmuls, of which one remains).
+    full = Experiment.from_config(tiny_config(model={"param_dtype": "bfloat16"}),
+                                  jax.devices()[:1])
+    ratio = (exp.compiled_step.cost_analysis()["flops"]
+             / full.compiled_step.cost_analysis()["flops"])
+    assert ratio < 0.85, ratio
+
+
+@pytest.mark.parametrize("mesh", [dict(fsdp=4, tensor=2), dict(fsdp=4, context=2)],
+                         ids=["fsdp4_tensor2", "fsdp4_context2"])
+def test_lora_trains_like_one_device(cpu_devices, mesh):
+    exp = Experiment.from_config(tiny_config(mesh=mesh, model=LORA), cpu_devices)
+    init, params = assert_same_training(exp, LORA)
+    assert _same(lora.split(params, True)[1], lora.split(init.params, True)[1])
+
+
+def test_lora_on_an_experts_mlp_is_refused():
+    config = tiny_config(model={"family": "qwen3_moe", **LORA})
+    with pytest.raises(ConfigError, match=r"^model.lora.target_modules='all-linear': "
+                                          r"model.family='qwen3_moe' is a mixture of experts.*"
+                                          r"target_modules='q_proj,k_proj,v_proj,o_proj'"):
+        Experiment.from_config(config, jax.devices()[:1])
+    config.model.lora.target_modules = "q_proj,o_proj"
+    exp = Experiment.from_config(config, jax.devices()[:1])
+    assert set(lora.trainable(exp.param_shapes, True)["layers"]["attn"]) == {"lora_q", "lora_o"}
