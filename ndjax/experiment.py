@@ -369,6 +369,23 @@ class Experiment:
         """What of a parameter tree trains: all of it, or under LoRA its adapters."""
         return lora_lib.trainable(params, self.adapters_only)
 
+    def saved(self, state: state_lib.TrainState) -> state_lib.TrainState:
+        """What a checkpoint holds of ``state``: all of it, or under LoRA the adapters
+        and their optimizer state (the frozen base is model.init_from's, or the seed's:
+        ``with_base``)."""
+        return state.replace(params=self.trainable(state.params))
+
+    @property
+    def abstract_saved_state(self) -> state_lib.TrainState:
+        return self.saved(self.abstract_state)
+
+    def with_base(self, params: Any) -> Any:
+        """Restored parameters (``saved``'s) -> every parameter: under LoRA the frozen
+        base is read again from where step 0 had it."""
+        if not self.adapters_only:
+            return params
+        return lora_lib.merge(lora_lib.split(self.init_state().params, True)[1], params)
+
     def _fresh_state(self, params: Any) -> state_lib.TrainState:
         return state_lib.TrainState(step=state_lib.zero_step(), params=params,
                                     opt_state=self.optimizer.init(self.trainable(params)))

@@ -100,9 +100,11 @@ def record(workdir: str, settings: config_lib.Settings, model_cfg: Any,
 def run_config(workdir: str) -> ml_collections.ConfigDict:
     """The run's config, reading the copies in the workdir: the model from its
     resolved fields (weights come from the run's checkpoints, so no
-    ``model.init_from``), the tokenizer and chat template from run/."""
+    ``model.init_from``; but a LoRA's frozen base does), the tokenizer and chat
+    template from run/."""
     config = config_lib.run_config(workdir)
-    if _resolved(config):  # (a run saved before workdirs kept their model still needs it)
+    # (a run saved before workdirs kept their model still needs it)
+    if _resolved(config) and config.model.lora.rank is None:
         config.model.init_from = None
     tokenizer = os.path.join(workdir, TOKENIZER, "tokenizer.json")
     if config.data.tokenizer != "byte" and os.path.isfile(tokenizer):
@@ -163,7 +165,8 @@ def for_resume(config: ml_collections.ConfigDict, workdir: str) -> ml_collection
             "another --workdir (or checkpoint.resume=never).")
     for field in resolved_model_fields():
         config.model[field] = saved.model[field]
-    config.model.init_from = None
+    if config.model.lora.rank is None:  # LoRA's checkpoints hold the adapters, not the base
+        config.model.init_from = None
     return config
 
 

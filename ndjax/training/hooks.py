@@ -229,7 +229,8 @@ class Checkpoint(Hook):
         if not (trainer.stop_reason or step == self.last_step or due(self.every, step)):
             return
         trainer.flush()  # a NaN stops the run before the state is saved
-        trainer.checkpointer.save(step, trainer.state, trainer.data.get_state())
+        trainer.checkpointer.save(step, trainer.exp.saved(trainer.state),
+                                  trainer.data.get_state())
         trainer.saved = step
         if trainer.stop_reason:
             trainer.checkpointer.wait()

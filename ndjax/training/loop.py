@@ -223,10 +223,12 @@ def train(config: ml_collections.ConfigDict, workdir: str,
             held.callback(lock.release)
         checkpointer = Checkpointer(workdir, s.checkpoint)
         cleanup.callback(checkpointer.close)
-        resumed = checkpointer.resume(exp.abstract_state, warn=_warn if is_main else _silent)
+        resumed = checkpointer.resume(exp.abstract_saved_state,
+                                      warn=_warn if is_main else _silent)
         resume_step = None if resumed is None else resumed[0]
         if resumed is not None:
             resume_step, state, data_state = resumed
+            state = state.replace(params=exp.with_base(state.params))
             data.set_state(data_state)  # the next batch is the one after the saved step
             first_step = data_state["rows"] // s.train.batch_size + 1
             dropped = checkpointer.drop_newer_than(resume_step)

@@ -39,9 +39,9 @@ def export_checkpoint(workdir: str, out: str, step: int | None = None,
         config.export.dtype = dtype
     exp = Experiment.from_config(config, devices)  # checks out and dtype too
     with saved_step(workdir, exp.settings.checkpoint, step) as (checkpointer, step):
-        state, _ = checkpointer.restore(step, exp.abstract_state)
+        state, _ = checkpointer.restore(step, exp.abstract_saved_state)
     # The run's tokenizer: its ids and files describe what the weights were trained on.
-    hf.export(state.params, exp.model_cfg, out, config.export.dtype,
+    hf.export(exp.with_base(state.params), exp.model_cfg, out, config.export.dtype,
               source=workdir_lib.source(workdir),
               shard_bytes=hf.shard_size(config.export.max_shard_size),
               tokenizer=hf.run_tokenizer(config.data))

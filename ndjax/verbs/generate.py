@@ -170,7 +170,7 @@ def source_config(workdir: str | None, hf_dir: str | None) -> ml_collections.Con
 
 def _restore(workdir: str, exp: Experiment, step: int | None) -> Any:
     with saved_step(workdir, exp.settings.checkpoint, step) as (checkpointer, step):
-        return checkpointer.restore_params(step, exp.abstract_state)
+        return exp.with_base(checkpointer.restore_params(step, exp.abstract_saved_state))
 
 
 def _run_tokenizer(config: ml_collections.ConfigDict, source: str | None
