@@ -408,11 +408,27 @@ class Experiment:
 
     def init_state(self, seed: int | None = None) -> state_lib.TrainState:
         """Step 0: parameters from ``model.init_from`` if set, else random from ``seed``."""
-        if self.checkpoint is not None:
+        seed = self.settings.train.seed if seed is None else seed
+        if self.checkpoint is None:
+            return self.compiled_init(jnp.asarray(seed, jnp.uint32))
+        if not self.adapters_only:
             return self.state_from_params(hf.load_params(
                 self.checkpoint, self.param_shapes, self.state_sharding.params))
-        seed = self.settings.train.seed if seed is None else seed
-        return self.compiled_init(jnp.asarray(seed, jnp.uint32))
+        # LoRA: the base from the checkpoint, fresh adapters from the seed.
+        base = hf.load_params(self.checkpoint, *(lora_lib.split(t, True)[1] for t in (
+            self.param_shapes, self.state_sharding.params)))
+        return self.state_from_params(lora_lib.merge(base, self._compiled_adapters(
+            jnp.asarray(seed, jnp.uint32))))
+
+    @functools.cached_property
+    def _compiled_adapters(self) -> jax.stages.Compiled:
+        """Fresh LoRA adapters from a seed, as ``_init`` draws them (the base weights it
+        would draw are no output, and XLA leaves them out)."""
+        with rules_lib.use(self.rules):
+            lowered = jax.jit(lambda seed: self.trainable(self._init(seed).params),
+                              out_shardings=self.trainable(self.state_sharding.params)).lower(
+                jax.ShapeDtypeStruct((), jnp.uint32))
+        return compiler.compile_step(lowered, self._init_options, self.platform)
 
     def state_from_params(self, params: Any) -> state_lib.TrainState:
         """Step 0 around given parameters (in ``state_sharding.params``, donated):

@@ -60,7 +60,7 @@ from ndjax.config import (  # noqa: F401
 )
 from ndjax.data.tokenizers import HFTokenizer, Tokenizer, load_tokenizer
 from ndjax.errors import ConfigError
-from ndjax.models import decoder, registry
+from ndjax.models import decoder, lora, registry
 from ndjax.models.decoder import DecoderConfig
 
 _DTYPES = {"F32": np.dtype(np.float32), "F16": np.dtype(np.float16),
@@ -542,7 +542,8 @@ def export(params: Any, cfg: DecoderConfig, out_dir: str, dtype: str = "bfloat16
     files of ``source`` are copied along.
     """
     np_dtype = _DTYPES[EXPORT_DTYPES[dtype]]
-    tensors = list(_tensors(params, cfg))
+    # A LoRA's adapters folded into their base weights: the model it trained.
+    tensors = list(_tensors(lora.merged(params, cfg), cfg))
     plan = _plan(tensors, np_dtype.itemsize, shard_bytes)
     writer = jax.process_index() == 0
     out_dir = os.path.abspath(out_dir)
@@ -565,6 +566,62 @@ def export(params: Any, cfg: DecoderConfig, out_dir: str, dtype: str = "bfloat16
             shutil.rmtree(tmp, ignore_errors=True)
     if jax.process_count() > 1:  # the others wait until the directory is in place
         multihost_utils.sync_global_devices("ndjax.hf.export")
+
+
+ADAPTER_FILES = ("adapter_model.safetensors", "adapter_config.json")
+
+
+def export_adapter(params: Any, cfg: DecoderConfig, out_dir: str,
+                   base: str | None = None) -> None:
+    """Writes a LoRA's adapters in PEFT's format, atomically: ``adapter_model.safetensors``
+    (float32, PEFT's names: ``base_model.model.model.layers.{i}.self_attn.q_proj.lora_A
+    .weight`` of shape (rank, in), ``lora_B`` (out, rank)) and ``adapter_config.json``, which
+    ``peft.PeftModel.from_pretrained`` loads onto the transformers base (``base``: its
+    path or hub name, recorded as ``base_model_name_or_path``). All processes call it;
+    process 0 writes."""
+    if cfg.lora is None:
+        raise ValueError("export_adapter: the model has no LoRA adapters")
+    tensors = []
+    layers = params["layers"]
+    for target in cfg.lora.targets:
+        module, _, n_in = lora.BASE_WEIGHTS[target]
+        adapter = layers[module].get(lora.PREFIX + target)
+        if adapter is None:
+            continue
+        hf_module = f"{'self_attn' if module == 'attn' else 'mlp'}.{lora.TARGETS[target]}"
+        for i in range(cfg.n_layers):
+            for part, split in (("a", n_in), ("b", 1)):
+                x = adapter[part]
+                shape = _hf_shape(x.shape[1:], split)
+
+                def get(x=x, i=i, shape=shape):
+                    return _host(x[i]).reshape(shape[::-1]).T
+                tensors.append((f"base_model.model.model.layers.{i}.{hf_module}.lora_"
+                                f"{part.upper()}.weight", shape, get))
+    config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": cfg.lora.rank,
+              "lora_alpha": cfg.lora.alpha, "lora_dropout": 0.0, "use_rslora": cfg.lora.rslora,
+              "target_modules": [lora.TARGETS[t] for t in cfg.lora.targets], "bias": "none",
+              "fan_in_fan_out": False, "inference_mode": True, "modules_to_save": None,
+              "base_model_name_or_path": base}
+    writer = jax.process_index() == 0
+    out_dir = os.path.abspath(out_dir)
+    tmp = None
+    if writer:
+        os.makedirs(os.path.dirname(out_dir), exist_ok=True)
+        tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(out_dir)}.tmp-",
+                               dir=os.path.dirname(out_dir))
+    try:
+        _write_file(tmp and os.path.join(tmp, ADAPTER_FILES[0]), tensors, np.dtype(np.float32))
+        if writer:
+            with open(os.path.join(tmp, ADAPTER_FILES[1]), "w") as f:
+                json.dump(config, f, indent=2, sort_keys=True)
+            os.rename(tmp, out_dir)
+            tmp = None
+    finally:
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+    if jax.process_count() > 1:
+        multihost_utils.sync_global_devices("ndjax.hf.export_adapter")
 
 
 def _write_metadata(tmp: str, plan: dict[str, list], itemsize: int, config: dict,

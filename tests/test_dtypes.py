@@ -15,6 +15,7 @@ from conftest import tiny_config
 from helpers import run_steps
 from test_memory_and_hlo import batch_bytes_per_device
 
+from ndjax.config import as_settings
 from ndjax.experiment import Experiment
 from ndjax.report import sharding_table
 from ndjax.workdir import run_config  # what ndjax.export reads a run with
@@ -147,7 +148,9 @@ def test_export_reads_a_config_saved_before_the_dtype_fields(tmp_path):
     del saved["model"]["param_dtype"], saved["train"]["opt_state_dtype"]
     (tmp_path / "config.json").write_text(json.dumps(saved))
     config = run_config(str(tmp_path))
-    assert (config.model.param_dtype, config.train.opt_state_dtype) == ("float32", "float32")
+    # param_dtype falls back to its default, auto: float32 weights when there is no LoRA.
+    model = as_settings(config).model
+    assert (model.stored_dtype, config.train.opt_state_dtype) == ("float32", "float32")
     assert config.model.dim == tiny_config().model.dim
 
 

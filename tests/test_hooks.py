@@ -43,7 +43,9 @@ def fake_trainer(**kw):
     t = types.SimpleNamespace(sinks=FakeSinks(), checkpointer=FakeCheckpointer(), records=[],
                               state=types.SimpleNamespace(params="P"), stop_reason="",
                               saved=None, exported=None, flushes=0, clock_restarts=0,
-                              data=types.SimpleNamespace(get_state=lambda: {"rows": 8}))
+                              data=types.SimpleNamespace(get_state=lambda: {"rows": 8}),
+                              # Experiment.saved: what a checkpoint holds (all of it unless LoRA).
+                              exp=types.SimpleNamespace(saved=lambda state: state))
     t.flush = lambda: setattr(t, "flushes", t.flushes + 1)
     t.restart_clock = lambda: setattr(t, "clock_restarts", t.clock_restarts + 1)
     t.stop = lambda reason: setattr(t, "stop_reason", reason)

@@ -121,3 +121,47 @@ def test_checkpoints_hold_the_adapters_and_resume_exactly_on_any_layout(tmp_path
             assert losses == [reference[s] for s in (4, 5, 6)]
         else:
             np.testing.assert_allclose(losses, [reference[s] for s in (4, 5, 6)], rtol=1e-5)
+
+
+def test_peft_export_loads_onto_the_transformers_base_and_the_merged_export_agrees(
+        cpu_devices, tmp_path):
+    """Adapters exported in PEFT's format and loaded with ``peft`` onto the transformers
+    base give ndjax's logits; the merged export is base + scale B A and gives them too."""
+    import peft
+    import safetensors.numpy
+    from test_hf import FSDP_TP, config_for, hf_logits, make_hf, ndjax_logits, tokens
+    from transformers import AutoModelForCausalLM
+
+    from ndjax import hf
+
+    base = make_hf(tmp_path / "base")
+    config = config_for(tmp_path / "base", mesh=FSDP_TP)
+    # A float32 base, to compare with transformers' float32 model at 1e-4.
+    config.model.update(dict(param_dtype="float32", lora=dict(rank=4, alpha=16.0)))
+    exp = Experiment.from_config(config, cpu_devices)
+    params = jax.device_get(exp.init_state().params)
+    # Adapters that change the logits by ~1 (fresh ones, B = 0, change nothing).
+    rng = np.random.default_rng(0)
+    flat = {p: (rng.normal(0, 0.2, a.shape).astype(a.dtype) if lora.is_adapter(p) else a)
+            for p, a in jax.tree_util.tree_flatten_with_path(params)[0]}
+    params = jax.tree_util.tree_unflatten(jax.tree.structure(params), list(flat.values()))
+    params = jax.device_put(params, exp.state_sharding.params)
+    toks = tokens(256)
+    ours = ndjax_logits(exp, params, toks)
+    assert np.abs(ours - ndjax_logits(exp, lora.merge(
+        lora.split(params, True)[1], jax.tree.map(np.zeros_like, lora.trainable(
+            jax.device_get(params), True))), toks)).max() > 0.5  # the adapters matter
+
+    hf.export_adapter(params, exp.model_cfg, str(tmp_path / "adapter"), base=str(tmp_path))
+    with_adapter = peft.PeftModel.from_pretrained(base, str(tmp_path / "adapter")).eval()
+    np.testing.assert_allclose(hf_logits(with_adapter, toks), ours, rtol=0, atol=1e-4)
+
+    hf.export(params, exp.model_cfg, str(tmp_path / "merged"), "float32")
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged").eval()
+    np.testing.assert_allclose(hf_logits(merged, toks), ours, rtol=0, atol=1e-4)
+    adapter = safetensors.numpy.load_file(tmp_path / "adapter" / "adapter_model.safetensors")
+    name = "model.layers.1.self_attn.o_proj"
+    a, b = (adapter[f"base_model.model.{name}.lora_{x}.weight"] for x in "AB")
+    w = safetensors.numpy.load_file(tmp_path / "base" / "model.safetensors")[f"{name}.weight"]
+    got = safetensors.numpy.load_file(tmp_path / "merged" / "model.safetensors")[f"{name}.weight"]
+    np.testing.assert_allclose(got, w + 16.0 / 4 * (b @ a), rtol=1e-6, atol=1e-6)

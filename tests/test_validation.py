@@ -107,7 +107,8 @@ CASES = {
         r"train.loss_chunk=2 must divide train.seq_len=32 and be a multiple of 4 = "
         r"context\(4\)"),
     "bad param dtype": (dict(mesh=dict(fsdp=8), model=dict(param_dtype="float16")),
-                        r"model.param_dtype='float16': choose one of \('float32', 'bfloat16'\)"),
+                        r"model.param_dtype='float16': choose one of "
+                        r"\('auto', 'float32', 'bfloat16'\)"),
     "bad moment dtype": (dict(mesh=dict(fsdp=8), train=dict(opt_state_dtype="fp8")),
                          r"train.opt_state_dtype='fp8': choose one of \('float32', 'bfloat16'\)"),
     "kv heads neither divided by tensor nor dividing it": (

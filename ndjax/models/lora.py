@@ -143,3 +143,39 @@ def make(cfg: Any, rngs: nnx.Rngs, target: str, weight: nnx.Param, n_in: int
         return None
     shape, names = weight[...].shape, weight.get_metadata()["logical_axes"]
     return Adapter(rngs, shape[:n_in], names[:n_in], shape[n_in:], names[n_in:], lora.rank)
+
+
+# Each target's base weight: (the module holding it, its name there, the dims its
+# input has: the weight's leading ones).
+BASE_WEIGHTS = {"q": ("attn", "wq", 1), "k": ("attn", "wk", 1), "v": ("attn", "wv", 1),
+                "o": ("attn", "wo", 2), "gate": ("mlp", "w_gate", 1), "up": ("mlp", "w_up", 1),
+                "down": ("mlp", "w_down", 1)}
+
+
+def delta(a: jax.Array, b: jax.Array, scale: float) -> jax.Array:
+    """``scale * A B`` of stacked adapters (layers, in..., r) and (layers, r, out...) ->
+    (layers, in..., out...) in float32: what the adapter adds to the base weight."""
+    layers, rank = a.shape[0], a.shape[-1]
+    flat = jnp.einsum("lir,lro->lio", a.reshape(layers, -1, rank).astype(jnp.float32),
+                      b.reshape(layers, rank, -1).astype(jnp.float32))
+    return scale * flat.reshape(*a.shape[:-1], *b.shape[2:])
+
+
+def merged(params: dict, cfg: Any) -> dict:
+    """The parameters with every adapter folded into its base weight, ``W + scale A B``
+    in float32 (the other weights as stored), the adapters gone: the model a plain
+    transformers checkpoint describes. Without LoRA, ``params`` itself."""
+    if cfg.lora is None:
+        return params
+    frozen = traverse_util.flatten_dict(split(params, True)[1])
+    layers = params["layers"]
+    for target in cfg.lora.targets:
+        module, name, _ = BASE_WEIGHTS[target]
+        adapter = layers[module].get(PREFIX + target)
+        if adapter is None:
+            continue
+        key = ("layers", module, name)
+        frozen[key] = jax.jit(lambda w, a, b: w.astype(jnp.float32) + delta(a, b, cfg.lora.scale),
+                              out_shardings=getattr(frozen[key], "sharding", None))(
+            frozen[key], adapter["a"], adapter["b"])
+    return traverse_util.unflatten_dict(frozen)
