@@ -423,6 +423,10 @@ class ExportSettings:
     # At the end of training, write a directory that transformers loads
     # (AutoModelForCausalLM.from_pretrained); None: no export.
     hf_dir: str | None = setting(None)
+    # Under model.lora: at the end of training, the adapters alone in PEFT's format
+    # (adapter_model.safetensors + adapter_config.json; peft loads them onto the base
+    # model.init_from names); hf_dir, if set too, gets the base with the adapters merged.
+    adapter_dir: str | None = setting(None)
     # of the exported weights
     dtype: str = setting("bfloat16", choices=tuple(EXPORT_DTYPES))
     # Largest weight file, bytes (int) or "5GB" / "500MB" / "2GiB"; bigger models are split

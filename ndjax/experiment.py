@@ -168,6 +168,10 @@ def check_inputs(settings: Settings, platform: str | None = None
     init_from = settings.model.init_from
     checkpoint = hf.open_checkpoint(init_from) if init_from else None
     model_cfg = model_config(settings.model, checkpoint, platform)
+    if settings.export.adapter_dir is not None and model_cfg.lora is None:
+        raise ConfigError(f"export.adapter_dir={settings.export.adapter_dir!r} exports LoRA "
+                          "adapters, and model.lora.rank is unset: set model.lora.rank (e.g. "
+                          "16) or drop export.adapter_dir.")
     if checkpoint is not None:
         hf.check_tokenizer(settings, checkpoint)
     t = settings.train

@@ -394,10 +394,14 @@ def load_params(ckpt: Checkpoint, shapes: Any, shardings: Any) -> Any:
 def check_export(export: ExportSettings) -> None:
     """Up-front checks of the export fields, so a run never fails at its end."""
     # (export.dtype's choices and the size's form: ndjax.config, checked before this.)
-    out = export.hf_dir
-    if out is not None and (os.path.isfile(out) or (os.path.isdir(out) and os.listdir(out))):
-        raise ConfigError(f"export.hf_dir={out!r} exists and is not empty; ndjax will not "
-                          "overwrite it. Remove it or choose a new directory.")
+    for name in ("hf_dir", "adapter_dir"):
+        out = getattr(export, name)
+        if out is not None and (os.path.isfile(out) or (os.path.isdir(out) and os.listdir(out))):
+            raise ConfigError(f"export.{name}={out!r} exists and is not empty; ndjax will not "
+                              "overwrite it. Remove it or choose a new directory.")
+    if export.adapter_dir is not None and export.adapter_dir == export.hf_dir:
+        raise ConfigError(f"export.adapter_dir and export.hf_dir are both {export.hf_dir!r}: "
+                          "the adapters and the merged model need a directory each.")
 
 
 def run_tokenizer(data: Any) -> Tokenizer | None:

@@ -49,7 +49,7 @@ TINY_MODEL = dict(vocab_size=256, dim=64, n_layers=2, n_heads=8, n_kv_heads=4, f
                   rope_theta=10_000.0)
 
 
-def tiny_config(mesh=None, rules="default", model=None, train=None):
+def tiny_config(mesh=None, rules="default", model=None, train=None, export=None):
     c = default_config()
     # Scanned layers, as on a GPU, rather than the unrolled ones a small model gets
     # on CPU by default: the layouts' tests are about the path GPU users run.
@@ -65,6 +65,7 @@ def tiny_config(mesh=None, rules="default", model=None, train=None):
     # 1e-3 parameter difference between layouts; 1e-6 keeps it below 1e-6.
     c.train.update({**dict(steps=3, batch_size=8, seq_len=32, lr=1e-2, warmup_steps=0,
                            schedule="constant", eps=1e-6), **(train or {})})
+    c.export.update(export or {})
     return c
 
 

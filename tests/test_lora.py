@@ -96,6 +96,7 @@ def test_checkpoints_hold_the_adapters_and_resume_exactly_on_any_layout(tmp_path
     bit for bit, on another one within the layouts' tolerance."""
     from ndjax.checkpoint import Checkpointer
     from ndjax.training.loop import train
+    from ndjax.verbs.export import export_checkpoint
 
     def config(mesh, resume="auto"):
         c = tiny_config(mesh=mesh, model=LORA, train=dict(steps=6))
@@ -103,8 +104,15 @@ def test_checkpoints_hold_the_adapters_and_resume_exactly_on_any_layout(tmp_path
         return c
 
     saved_on = dict(fsdp=4, tensor=2)
-    reference = {r["step"]: r["loss"] for r in train(config(saved_on), str(tmp_path / "ref"),
-                                                     verbose=False)}
+    ref = config(saved_on)
+    ref.export.adapter_dir, ref.export.hf_dir = str(tmp_path / "peft"), str(tmp_path / "hf")
+    reference = {r["step"]: r["loss"] for r in train(ref, str(tmp_path / "ref"), verbose=False)}
+    # The export verb writes from the last checkpoint what the run's end wrote.
+    for adapters, out, file in ((True, "peft", "adapter_model.safetensors"),
+                                (False, "hf", "model.safetensors")):
+        export_checkpoint(str(tmp_path / "ref"), str(tmp_path / f"{out}_verb"), adapters=adapters)
+        assert ((tmp_path / f"{out}_verb" / file).read_bytes()
+                == (tmp_path / out / file).read_bytes())
     ckpt = Checkpointer(str(tmp_path / "ref"), config(saved_on).checkpoint, read_only=True)
     saved = ckpt.manager.item_metadata(3)["state"]
     ckpt.close()

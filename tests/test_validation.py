@@ -109,6 +109,9 @@ CASES = {
     "bad param dtype": (dict(mesh=dict(fsdp=8), model=dict(param_dtype="float16")),
                         r"model.param_dtype='float16': choose one of "
                         r"\('auto', 'float32', 'bfloat16'\)"),
+    "adapters without lora": (dict(mesh=dict(fsdp=8), export=dict(adapter_dir="peft")),
+                              r"export.adapter_dir='peft' exports LoRA adapters, and "
+                              r"model.lora.rank is unset: set model.lora.rank"),
     "bad moment dtype": (dict(mesh=dict(fsdp=8), train=dict(opt_state_dtype="fp8")),
                          r"train.opt_state_dtype='fp8': choose one of \('float32', 'bfloat16'\)"),
     "kv heads neither divided by tensor nor dividing it": (

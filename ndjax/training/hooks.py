@@ -242,21 +242,29 @@ class Checkpoint(Hook):
 
 
 class Export(Hook):
-    """At the end, the parameters as a Hugging Face directory (export.hf_dir). A run
-    stopped early exports when it is resumed and finishes."""
+    """At the end, the parameters as a Hugging Face directory (export.hf_dir; under LoRA
+    with the adapters merged) and a LoRA's adapters in PEFT's format (export.adapter_dir,
+    for the base ``base`` names). A run stopped early exports when it is resumed and
+    finishes."""
 
-    def __init__(self, hf_dir: str, dtype: str, shard_bytes: int, source: Any, **kw: Any):
+    def __init__(self, hf_dir: str | None, dtype: str, shard_bytes: int, source: Any,
+                 adapter_dir: str | None = None, base: str | None = None, **kw: Any):
         self.hf_dir, self.dtype, self.shard_bytes, self.source = hf_dir, dtype, shard_bytes, source
-        self.kw = kw
+        self.adapter_dir, self.base, self.kw = adapter_dir, base, kw
 
     def end(self, trainer: TrainerView) -> None:
         if trainer.stop_reason:
             return
         from ndjax import hf
-        hf.export(trainer.state.params, trainer.exp.model_cfg, self.hf_dir, self.dtype,
-                  source=self.source, shard_bytes=self.shard_bytes, **self.kw)
-        trainer.exported = self.hf_dir
-        trainer.sinks.message(f"exported Hugging Face checkpoint to {self.hf_dir}")
+        if self.adapter_dir:
+            hf.export_adapter(trainer.state.params, trainer.exp.model_cfg, self.adapter_dir,
+                              self.base)
+            trainer.sinks.message(f"exported LoRA adapters (PEFT) to {self.adapter_dir}")
+        if self.hf_dir:
+            hf.export(trainer.state.params, trainer.exp.model_cfg, self.hf_dir, self.dtype,
+                      source=self.source, shard_bytes=self.shard_bytes, **self.kw)
+            trainer.sinks.message(f"exported Hugging Face checkpoint to {self.hf_dir}")
+        trainer.exported = self.hf_dir or self.adapter_dir
 
 
 class Sample(Hook):

@@ -145,10 +145,12 @@ def default_hooks(exp: Experiment, workdir: str, data_counts: dict[str, int],
                                       tokenizer, s.train.seq_len))
     hooks += [*extra, hooks_lib.StopOnSignal(),
               hooks_lib.Checkpoint(s.checkpoint.every, s.train.steps)]
-    if s.export.hf_dir:
+    if s.export.hf_dir or s.export.adapter_dir:
         # The run's tokenizer: its ids and files describe what the weights learned.
         hooks.append(hooks_lib.Export(s.export.hf_dir, s.export.dtype,
                                       hf.shard_size(s.export.max_shard_size), source,
+                                      adapter_dir=s.export.adapter_dir,
+                                      base=s.model.init_from,
                                       tokenizer=hf.run_tokenizer(s.data)))
     return hooks
 

@@ -1,14 +1,16 @@
 """Export a training checkpoint as a Hugging Face Llama directory.
 
     python -m ndjax.export --workdir=runs/llama_fsdp_tp --out=hf/llama [--step=N] \
-        [--dtype=bfloat16]
+        [--dtype=bfloat16] [--adapters]
 
 The run's experiment is rebuilt from ``<workdir>/config.json`` (written by
 train.py): the same model, mesh and rules, so run this where the run's devices
 are (on a CPU host, ``runtime.cpu_devices`` of that config simulates them).
 Step N (default: the newest complete checkpoint) is restored and written as
 ``export.hf_dir`` would have been, with the token ids and tokenizer files of the
-run's ``data.tokenizer``. Bad input is one line on stderr, exit code 2.
+run's ``data.tokenizer``. Under ``model.lora`` the adapters are merged into the base;
+``--adapters`` writes them alone in PEFT's format instead (``export.adapter_dir``'s).
+Bad input is one line on stderr, exit code 2.
 """
 
 from __future__ import annotations
@@ -30,16 +32,21 @@ from ndjax.experiment import Experiment
 
 def export_checkpoint(workdir: str, out: str, step: int | None = None,
                       dtype: str | None = None,
-                      devices: Sequence[jax.Device] | None = None) -> int:
+                      devices: Sequence[jax.Device] | None = None,
+                      adapters: bool = False) -> int:
     """Writes checkpoint ``step`` (None: the newest) of the run in ``workdir`` to ``out``
-    as a Hugging Face directory; returns the step."""
+    as a Hugging Face directory (``adapters``: a LoRA's adapters in PEFT's format);
+    returns the step."""
     config = workdir_lib.run_config(workdir)  # the copies the run keeps, not its sources
-    config.export.hf_dir = out
+    config.export.hf_dir, config.export.adapter_dir = (None, out) if adapters else (out, None)
     if dtype is not None:
         config.export.dtype = dtype
     exp = Experiment.from_config(config, devices)  # checks out and dtype too
     with saved_step(workdir, exp.settings.checkpoint, step) as (checkpointer, step):
         state, _ = checkpointer.restore(step, exp.abstract_saved_state)
+    if adapters:  # the adapters alone: the frozen base is not read
+        hf.export_adapter(state.params, exp.model_cfg, out, config.model.init_from)
+        return step
     # The run's tokenizer: its ids and files describe what the weights were trained on.
     hf.export(exp.with_base(state.params), exp.model_cfg, out, config.export.dtype,
               source=workdir_lib.source(workdir),
@@ -59,6 +66,8 @@ def define_flags() -> list[flags.FlagHolder]:
         f.DEFINE_integer("step", None, "Checkpoint step; default: the newest."),
         f.DEFINE_string("dtype", None, "bfloat16, float16 or float32; default: the run's "
                         "export.dtype."),
+        f.DEFINE_boolean("adapters", False, "A LoRA run's adapters alone, in PEFT's format "
+                         "(adapter_model.safetensors, adapter_config.json), not merged."),
     ]
 
 
@@ -74,7 +83,8 @@ def run(argv: list[str]) -> None:
         config = workdir_lib.run_config(args.workdir)
         # Before JAX creates its backends, as train.py does (CPU hosts only).
         jax.config.update("jax_num_cpu_devices", int(config.runtime.cpu_devices))
-        step = export_checkpoint(args.workdir, args.out, args.step, args.dtype)
+        step = export_checkpoint(args.workdir, args.out, args.step, args.dtype,
+                                 adapters=args.adapters)
     except ConfigError as e:
         print(f"ndjax.export: error: {' '.join(str(e).split())}", file=sys.stderr)
         sys.exit(2)
