@@ -176,9 +176,12 @@ def test_nd_parallel_yaml_maps_the_mesh_and_builds(files):
     assert conv.workdir == "./outputs/nd"
     reasons = {u.field: u.reason for u in conv.unmapped}
     assert set(reasons) >= {"datasets[1].path", "datasets[2]", "fsdp_version", "fsdp_config",
-                            "lr_scheduler", "adapter", "lora_r", "lora_alpha",
-                            "flash_attention"}, reasons
-    assert "LoRA" in reasons["lora_r"] and "download" in reasons["datasets[1].path"]
+                            "lr_scheduler", "flash_attention"}, reasons
+    assert "download" in reasons["datasets[1].path"]
+    # adapter: lora -> model.lora, on PEFT's default targets; the adapter is the output.
+    assert {k: o[f"model.lora.{k}"] for k in ("rank", "alpha", "target_modules")} == dict(
+        rank=16, alpha=32.0, target_modules="q_proj,v_proj")
+    assert o["export.adapter_dir"] == "./outputs/nd/adapter" and "export.hf_dir" not in o
     assert "cosine" in reasons["lr_scheduler"]  # linear is not ndjax's; it says what is used
     assert_every_field_accounted_for(raw, conv)
 
@@ -186,6 +189,28 @@ def test_nd_parallel_yaml_maps_the_mesh_and_builds(files):
     assert dict(exp.mesh.shape) == {"replica": 1, "fsdp": 2, "expert": 1, "context": 2, "tensor": 2}
     assert exp.model_cfg.family == "llama" and exp.model_cfg.vocab_size == VOCAB
     assert config.model.init_from == files["hf"]
+    assert (exp.model_cfg.lora.rank, exp.model_cfg.lora.targets) == (16, ("q", "v"))
+
+
+def test_qlora_and_the_adapter_fields_ndjax_lacks_are_listed(files):
+    """QLoRA trains LoRA on a bfloat16 base, said so; lora_target_linear is all-linear;
+    dropout and loading a trained adapter are listed, not dropped."""
+    raw = {**yaml_of(SFT_YAML, files), "adapter": "qlora", "load_in_4bit": True, "lora_r": 32,
+           "lora_target_linear": True, "lora_target_modules": ["q_proj"], "lora_dropout": 0.05,
+           "peft_use_rslora": True, "lora_model_dir": "runs/old"}
+    conv = from_axolotl.convert(raw, devices=8)
+    o = conv.overrides
+    assert (o["model.lora.rank"], o["model.lora.alpha"], o["model.lora.target_modules"],
+            o["model.lora.use_rslora"]) == (32, 8.0, "all-linear", True)
+    reasons = {u.field: u.reason for u in conv.unmapped}
+    assert "4-bit" in reasons["adapter"] and "quantized" in reasons["load_in_4bit"]
+    assert "dropout" in reasons["lora_dropout"] and "load" in reasons["lora_model_dir"]
+    assert_every_field_accounted_for(raw, conv)
+    conv = from_axolotl.convert({**raw, "lora_target_linear": False,
+                                 "lora_target_modules": ["q_proj", "w_q"]}, devices=8)
+    with pytest.raises(ConfigError, match=r"model.lora.target_modules='q_proj,w_q': 'w_q' is no "
+                       r"module .* \(model.lora.target_modules from lora_target_modules\)"):
+        from_axolotl.check(from_axolotl.render(conv, "config.yml"), conv)
 
 
 def test_sft_yaml_with_chat_template_datasets(files):
@@ -227,6 +252,10 @@ def test_sft_yaml_with_chat_template_datasets(files):
      "context_parallel_size 1 x tensor_parallel_size 1 is 6 GPUs"),
     ({"warmup_steps": 3}, "warmup_steps: 3 and warmup_ratio: 0.1 are both set"),
     ({"sample_packing": "yes"}, "sample_packing: 'yes' must be true or false"),
+    ({"adapter": "dora"}, "adapter: 'dora' must be lora or qlora"),
+    ({"adapter": "lora", "lora_r": 0}, "lora_r: 0 must be a whole number >= 1"),
+    ({"adapter": "lora", "lora_target_modules": ".*_proj"},
+     "lora_target_modules: '.*_proj' must be a module name such as q_proj"),
     ({"datasets": [{"path": "missing.jsonl", "type": "chat_template"}]},
      "datasets[0].path: 'missing.jsonl' is not a file or directory"),
     ({"datasets": [{"path": "org/data", "type": "chat_template"}]},
@@ -277,12 +306,13 @@ def test_cli_writes_the_config_and_lists_what_it_left_out(files):
     result = cli(str(root / "nd.yml"), f"--out={out}")
     assert result.returncode == 0, result.stderr
     lines = result.stderr.splitlines()
-    assert "ndjax.from_axolotl: not mapped: lora_r: 16 (ndjax has no LoRA or adapters yet; it " \
-           "trains every weight)" in lines, lines
+    assert "ndjax.from_axolotl: not mapped: flash_attention: true (ndjax picks its attention " \
+           "kernel and packing itself (model.attn_impl=auto))" in lines, lines
     assert lines[-1].endswith(f"train with: python train.py --config={out} "
                               "--workdir=./outputs/nd"), lines
     assert not result.stdout and "Traceback" not in result.stderr
-    assert "#   lora_r: 16 (" in out.read_text()  # the file lists them too
+    assert "#   flash_attention: true (" in out.read_text()  # the file lists them too
+    assert "c.model.lora.rank = 16  # lora_r" in out.read_text()
     # Another conversion does not replace it, unless asked to.
     before = out.read_text()
     refused = cli(str(root / "nd.yml"), f"--out={out}")

@@ -14,8 +14,11 @@ from ndjax.errors import ConfigError
 UNSET = object()
 # Why common fields are not mapped, by exact name or prefix (first match wins).
 REASONS = (
-    (("adapter", "lora_", "peft_", "loraplus_", "relora_", "lisa_"),
-     "ndjax has no LoRA or adapters yet; it trains every weight"),
+    (("lora_model_dir",), "ndjax starts adapters fresh; it does not load trained ones yet"),
+    (("peft_use_dora", "peft_layers_to_transform", "peft_layers_pattern", "lora_modules_to_save",
+      "lora_fan_in_fan_out", "lora_on_cpu", "loraplus_", "relora_", "lisa_", "peft_"),
+     "ndjax's LoRA adapts the blocks' projections (model.lora) and nothing else"),
+    (("lora_",), "ndjax's LoRA (model.lora) has no counterpart"),
     (("load_in_8bit", "load_in_4bit", "gptq", "bnb_", "fp8"), "ndjax has no quantized training"),
     (("flash_attention", "flash_attn", "sdp_attention", "xformers_attention", "flex_attention",
       "s2_attention", "sage_attention", "attn_implementation", "sample_packing_"),

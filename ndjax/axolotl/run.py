@@ -208,11 +208,15 @@ def outputs(f: Fields, out: Out, steps: int) -> None:
         out.set("log.every", log, "logging_steps")
 
 
-def workdir(f: Fields, out: Out) -> str:
+def workdir(f: Fields, out: Out, adapters: bool) -> str:
     workdir = f.text("output_dir", "./model-out")
-    # Axolotl writes the tuned model into output_dir; ndjax's workdir holds the run, so
-    # the Hugging Face export goes beside it.
-    out.set("export.hf_dir", os.path.join(workdir, "hf"), "output_dir: the tuned model")
+    # Axolotl writes the tuned model (with an adapter: the adapter alone, in PEFT's
+    # format) into output_dir; ndjax's workdir holds the run, so the export goes beside it.
+    if adapters:
+        out.set("export.adapter_dir", os.path.join(workdir, "adapter"),
+                "output_dir: the adapter, as Axolotl saves it (merged: python -m ndjax.export)")
+    else:
+        out.set("export.hf_dir", os.path.join(workdir, "hf"), "output_dir: the tuned model")
     return workdir
 
 

@@ -21,7 +21,7 @@ import tempfile
 from collections.abc import Mapping, Sequence
 from typing import Any, NoReturn
 
-from ndjax.axolotl import datasets, run
+from ndjax.axolotl import adapter, datasets, run
 from ndjax.axolotl.fields import Fields, Out, Unmapped, reason
 from ndjax.cli import fail
 from ndjax.errors import ConfigError
@@ -53,7 +53,7 @@ def convert(raw: Mapping[str, Any], devices: int | None = None) -> Conversion:
     # reported without that wait.
     out.set("model.family", run.family(base), "from base_model's config.json (model_type)")
     out.set("model.init_from", base, "base_model: its config.json and safetensors")
-    workdir = run.workdir(f, out)
+    workdir = run.workdir(f, out, adapter.lora(f, out))
     for key in f.rest():
         out.skip(str(key), f.raw[key], reason(str(key), f.raw[key]))
     order = {str(key): i for i, key in enumerate(raw)}  # as the YAML lists them

@@ -1,0 +1,68 @@
+"""Axolotl's adapter fields -> model.lora (ndjax.models.lora): ``adapter: lora`` with
+``lora_r``, ``lora_alpha``, ``lora_target_modules`` / ``lora_target_linear`` and
+``peft_use_rslora``, by their PEFT meaning."""
+
+from __future__ import annotations
+
+from ndjax.axolotl.fields import Fields, Out, bad
+
+# What PEFT adapts when target_modules is unset, for every family ndjax reads
+# (peft.utils.constants.TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING: llama,
+# mistral, qwen2, qwen3, gemma3 and the mixtures of experts all map to these).
+PEFT_DEFAULT_TARGETS = "q_proj,v_proj"
+# PEFT's LoraConfig defaults, which Axolotl passes on when a field is unset.
+PEFT_DEFAULT_RANK, PEFT_DEFAULT_ALPHA = 8, 8
+
+
+def lora(f: Fields, out: Out) -> bool:
+    """Maps the adapter fields; returns whether the run trains adapters."""
+    kind = f.value("adapter")
+    if kind is None:
+        return False
+    if kind not in ("lora", "qlora"):
+        bad("adapter", kind, "lora or qlora", "; ndjax trains LoRA adapters (or, without "
+            "adapter:, every weight)")
+    if kind == "qlora":
+        out.skip("adapter", kind, "ndjax has no 4-bit base yet: the config trains LoRA on a "
+                 "bfloat16 base, which takes about 4x the base's memory")
+    rank = f.integer("lora_r", PEFT_DEFAULT_RANK, minimum=1)
+    out.set("model.lora.rank", rank, f.note("lora_r", f"PEFT's default {PEFT_DEFAULT_RANK}"))
+    alpha = f.number("lora_alpha", float(PEFT_DEFAULT_ALPHA), minimum=0.0)
+    if alpha <= 0:
+        bad("lora_alpha", alpha, "a number > 0", "; PEFT scales the update by lora_alpha / "
+            "lora_r")
+    out.set("model.lora.alpha", alpha, f.note("lora_alpha", f"PEFT's default "
+                                                            f"{PEFT_DEFAULT_ALPHA}"))
+    targets, note = _targets(f)
+    out.set("model.lora.target_modules", targets, note)
+    if f.flag("peft_use_rslora", False):
+        out.set("model.lora.use_rslora", True, "peft_use_rslora")
+    dropout = f.number("lora_dropout", 0.0, maximum=1.0)
+    if dropout:
+        out.skip("lora_dropout", dropout, "ndjax's LoRA has no dropout yet: the adapters see "
+                 "the layer's input as it is (lora_dropout: 0)")
+    return True
+
+
+def _targets(f: Fields) -> tuple[str, str]:
+    """model.lora.target_modules and its note: every projection under lora_target_linear
+    (Axolotl adds the listed modules to it), else the listed ones, else PEFT's default for
+    the family. ndjax's own check names a module it cannot adapt."""
+    linear = f.flag("lora_target_linear", False)
+    listed = f.value("lora_target_modules")
+    if isinstance(listed, str):
+        listed = [listed]  # PEFT reads one string as a regular expression: refused below
+    if listed is not None and (not isinstance(listed, list)
+                               or not all(isinstance(m, str) and m for m in listed)):
+        bad("lora_target_modules", listed, "a list of module names",
+            "; e.g. [q_proj, k_proj, v_proj, o_proj]")
+    if linear:
+        return "all-linear", "lora_target_linear" + (
+            " (lora_target_modules adds nothing to every projection)" if listed else "")
+    if listed:
+        for name in listed:
+            if not name.replace("_", "").isalnum():
+                bad("lora_target_modules", name, "a module name such as q_proj (ndjax "
+                    "reads no regular expressions)", "; list the names")
+        return ",".join(listed), "lora_target_modules"
+    return PEFT_DEFAULT_TARGETS, "lora_target_modules unset: PEFT's default for the family"
