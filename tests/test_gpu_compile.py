@@ -483,6 +483,17 @@ def test_bench_moe_layouts_tiny():
     assert len(rows) == 3 and rows[0][3] == "0.0%" and rows[1][3] != "0.0%", rows
 
 
+@needs_extra
+def test_bench_lora_tiny():
+    """Full fine-tuning and LoRA compiled side by side, then timed on the CPU."""
+    lines = run_tiny("lora.py").stdout.splitlines()
+    full, lora = table_rows(lines, "tiny")
+    assert (full[4], lora[4]) == ("full", "LoRA r=16"), lines
+    # Adapters' optimizer state instead of the model's: less memory even at this size.
+    assert lora[9].endswith("x") and float(lora[9][:-1]) < 1, lora
+    assert len(table_rows(lines, "full fine-tuning", "LoRA r=16, all-linear")) == 2, lines
+
+
 # ----- the experts' grouped matmuls (model.moe_impl) ------------------------------------------
 
 
