@@ -113,6 +113,16 @@ def test_checkpoints_hold_the_adapters_and_resume_exactly_on_any_layout(tmp_path
         export_checkpoint(str(tmp_path / "ref"), str(tmp_path / f"{out}_verb"), adapters=adapters)
         assert ((tmp_path / f"{out}_verb" / file).read_bytes()
                 == (tmp_path / out / file).read_bytes())
+    # python -m ndjax.generate --workdir: the base re-read, the trained adapters restored.
+    import safetensors.numpy
+
+    from ndjax.verbs import generate
+    model = generate.load(workdir=str(tmp_path / "ref"))
+    peft_a = safetensors.numpy.load_file(tmp_path / "peft" / "adapter_model.safetensors")[
+        "base_model.model.model.layers.1.self_attn.q_proj.lora_A.weight"]
+    a = np.asarray(model.params["layers"]["attn"]["lora_q"]["a"][1])
+    assert a.any() and np.array_equal(a.reshape(peft_a.shape[::-1]).T, peft_a)
+    assert len(model.generator(4)([[5, 6, 7]])[0]) == 4
     ckpt = Checkpointer(str(tmp_path / "ref"), config(saved_on).checkpoint, read_only=True)
     saved = ckpt.manager.item_metadata(3)["state"]
     ckpt.close()

@@ -103,7 +103,7 @@ def for_generation(config: ml_collections.ConfigDict, n_devices: int
     data files need not be present. Model, mesh and rules are kept."""
     c = ml_collections.ConfigDict(config.to_dict())
     c.data.update(source="synthetic", files="", eval_files="")
-    c.export.hf_dir = None
+    c.export.hf_dir = c.export.adapter_dir = None  # a finished run has written them
     c.model.attn_impl = "dense"  # the KV-cache attention is its own; no ring checks
     # Any data-axis product divides the device count.
     c.train.update(batch_size=n_devices, grad_accum=1, seq_len=2 * n_devices,
