@@ -79,6 +79,23 @@ def test_lora_trains_like_one_device(cpu_devices, mesh):
     assert _same(lora.split(params, True)[1], lora.split(init.params, True)[1])
 
 
+def test_lora_with_grad_accum_and_full_remat_trains_like_without(cpu_devices):
+    """Two micro-batches under full remat: the losses of one batch without remat (rtol
+    1e-5), the base untouched."""
+    def exp(k, remat):
+        return Experiment.from_config(tiny_config(
+            mesh=dict(fsdp=4, tensor=2), model={**LORA, "remat": remat},
+            train=dict(batch_size=16, grad_accum=k)), cpu_devices)
+
+    one = exp(1, "none")
+    init = jax.device_get(one.init_state())
+    (want, _), (losses, params) = run_steps(one, init), run_steps(exp(2, "full"), init)
+    np.testing.assert_allclose(losses, want, rtol=1e-5)
+    adapters, frozen = lora.split(params, True)
+    assert _same(frozen, lora.split(init.params, True)[1])
+    assert not _same(adapters, lora.split(init.params, True)[0])  # it trained
+
+
 def test_lora_on_an_experts_mlp_is_refused():
     config = tiny_config(model={"family": "qwen3_moe", **LORA})
     with pytest.raises(ConfigError, match=r"^model.lora.target_modules='all-linear': "
