@@ -54,6 +54,7 @@ GOOD = {
     "log.sample_tokens": "16",
     "debug.nan_at_step": "3",
     "export.hf_dir": "out/hf", "export.dtype": "float32", "export.max_shard_size": "2GB",
+    "export.adapter_dir": "out/adapter",
     "rules": "megatron_sp",
 }
 
@@ -148,6 +149,7 @@ BAD = {
     "log.sample_tokens": (0, r" must be an int >= 1"),
     "debug.nan_at_step": (1.5, r" must be an int"),
     "export.hf_dir": (1, r" must be a string"),
+    "export.adapter_dir": (1, r" must be a string"),
     "export.dtype": ("int8", r": choose one of"),
     "export.max_shard_size": ("5XB", r": write a positive number of bytes"),
 }
