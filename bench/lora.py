@@ -66,7 +66,7 @@ def memory(cases: list) -> None:
                   flush=True)
 
 
-def cpu_speed(steps: int, layers: int | None = None) -> None:
+def cpu_speed(steps: int, layers: int | None = None, batch: int = 8, seq: int = 256) -> None:
     """Tokens/s of the tiny model (``layers``: of that many layers) on one CPU device,
     full fine-tuning and LoRA alternating over 3 rounds (the median of each), float32 so
     that the CPU's own speed is timed."""
@@ -77,7 +77,7 @@ def cpu_speed(steps: int, layers: int | None = None) -> None:
     from ndjax.experiment import Experiment
 
     def tiny(lora: bool):
-        c = config("tiny", (1, 1, 1, 1), 256, lora, dp_batch=8)
+        c = config("tiny", (1, 1, 1, 1), seq, lora, dp_batch=batch)
         c.model.update(dict(dtype="float32", param_dtype="float32"))
         if layers:
             c.model.n_layers = layers
@@ -85,7 +85,7 @@ def cpu_speed(steps: int, layers: int | None = None) -> None:
 
     exps = {lora: Experiment.from_config(tiny(lora), jax.devices()[:1]) for lora in (False, True)}
     states = {lora: e.init_state() for lora, e in exps.items()}
-    one = SyntheticSource(exps[False].model_cfg.vocab_size, 256, 0).rows(0, 0, 8)
+    one = SyntheticSource(exps[False].model_cfg.vocab_size, seq, 0).rows(0, 0, batch)
     seconds = {False: [], True: []}
     for _ in range(3):
         for lora, exp in exps.items():
@@ -98,10 +98,10 @@ def cpu_speed(steps: int, layers: int | None = None) -> None:
                 states[lora], metrics = step(states[lora], device_batch)
             jax.block_until_ready(metrics)
             seconds[lora].append((time.perf_counter() - start) / steps)
-    tokens = 8 * 256
+    tokens = batch * seq
     full, lora = (float(np.median(seconds[k])) for k in (False, True))
-    print(f"\n| tiny model ({exps[False].model_cfg.n_layers} layers), 1 CPU device, batch 8 x "
-          "256, float32 | step s | tokens/s |")
+    print(f"\n| tiny model ({exps[False].model_cfg.n_layers} layers), 1 CPU device, batch "
+          f"{batch} x {seq}, float32 | step s | tokens/s |")
     print("|:--|--:|--:|")
     print(f"| full fine-tuning | {full:.3f} | {tokens / full:,.0f} |")
     print(f"| LoRA r=16, all-linear | {lora:.3f} | {tokens / lora:,.0f} |")
@@ -118,7 +118,7 @@ def main() -> None:
           f"{platform.node() and 'this machine'}: {os.cpu_count()} CPUs, "
           f"Python {sys.version.split()[0]}")
     memory(TINY_MEMORY if args.tiny else MEMORY)
-    cpu_speed(*((1, 2) if args.tiny else (10,)))
+    cpu_speed(*((1, 1, 2, 64) if args.tiny else (10,)))
 
 
 if __name__ == "__main__":
