@@ -549,27 +549,37 @@ def export(params: Any, cfg: DecoderConfig, out_dir: str, dtype: str = "bfloat16
     # A LoRA's adapters folded into their base weights: the model it trained.
     tensors = list(_tensors(lora.merged(params, cfg), cfg))
     plan = _plan(tensors, np_dtype.itemsize, shard_bytes)
-    writer = jax.process_index() == 0
+    with _atomic_dir(out_dir, "ndjax.hf.export") as tmp:
+        for name, group in plan.items():
+            _write_file(tmp and os.path.join(tmp, name), group, np_dtype)
+        if tmp:
+            _write_metadata(tmp, plan, np_dtype.itemsize,
+                            hf_config(cfg, dtype, source and source.config,
+                                      max_position_embeddings, tokenizer), source, tokenizer)
+
+
+@contextlib.contextmanager
+def _atomic_dir(out_dir: str, barrier: str) -> Iterator[str | None]:
+    """A temporary directory beside ``out_dir`` for process 0 to write into (None on the
+    others, which take part in the gathers), renamed to ``out_dir`` when the block ends
+    well and removed when it raises; then every process waits at ``barrier`` until the
+    directory is in place."""
     out_dir = os.path.abspath(out_dir)
     tmp = None
-    if writer:
+    if jax.process_index() == 0:
         os.makedirs(os.path.dirname(out_dir), exist_ok=True)
         tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(out_dir)}.tmp-",
                                dir=os.path.dirname(out_dir))
     try:
-        for name, group in plan.items():
-            _write_file(tmp and os.path.join(tmp, name), group, np_dtype)
-        if writer:
-            _write_metadata(tmp, plan, np_dtype.itemsize,
-                            hf_config(cfg, dtype, source and source.config,
-                                      max_position_embeddings, tokenizer), source, tokenizer)
+        yield tmp
+        if tmp is not None:
             os.rename(tmp, out_dir)  # replaces an empty directory; fails on a non-empty one
             tmp = None
     finally:
         if tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)
-    if jax.process_count() > 1:  # the others wait until the directory is in place
-        multihost_utils.sync_global_devices("ndjax.hf.export")
+    if jax.process_count() > 1:
+        multihost_utils.sync_global_devices(barrier)
 
 
 ADAPTER_FILES = ("adapter_model.safetensors", "adapter_config.json")
@@ -607,25 +617,11 @@ def export_adapter(params: Any, cfg: DecoderConfig, out_dir: str,
               "target_modules": [lora.TARGETS[t] for t in cfg.lora.targets], "bias": "none",
               "fan_in_fan_out": False, "inference_mode": True, "modules_to_save": None,
               "base_model_name_or_path": base}
-    writer = jax.process_index() == 0
-    out_dir = os.path.abspath(out_dir)
-    tmp = None
-    if writer:
-        os.makedirs(os.path.dirname(out_dir), exist_ok=True)
-        tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(out_dir)}.tmp-",
-                               dir=os.path.dirname(out_dir))
-    try:
+    with _atomic_dir(out_dir, "ndjax.hf.export_adapter") as tmp:
         _write_file(tmp and os.path.join(tmp, ADAPTER_FILES[0]), tensors, np.dtype(np.float32))
-        if writer:
+        if tmp:
             with open(os.path.join(tmp, ADAPTER_FILES[1]), "w") as f:
                 json.dump(config, f, indent=2, sort_keys=True)
-            os.rename(tmp, out_dir)
-            tmp = None
-    finally:
-        if tmp is not None:
-            shutil.rmtree(tmp, ignore_errors=True)
-    if jax.process_count() > 1:
-        multihost_utils.sync_global_devices("ndjax.hf.export_adapter")
 
 
 def _write_metadata(tmp: str, plan: dict[str, list], itemsize: int, config: dict,
