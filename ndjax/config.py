@@ -93,9 +93,21 @@ class LoraSettings:
     # names in PEFT's or ndjax's spelling: "q_proj,v_proj" or "q,v".
     target_modules: str = setting("all-linear")
     use_rslora: bool = setting(False, hint=" (scale by alpha / sqrt(rank))")
+    # QLoRA: the frozen base's projections stored quantized (ndjax.models.quant), nf4
+    # (bitsandbytes' load_in_4bit, bnb_4bit_quant_type="nf4") or int8; "none": in
+    # model.param_dtype.
+    quantize: str = setting("none", choices=("none", "int8", "nf4"))
+    # Values per absmax scale, along each weight's last axis (bitsandbytes' blocksize).
+    quant_block: int = setting(64, ge=2, hint=" (values per scale: 64 is bitsandbytes' "
+                                              "NF4 default)")
 
     def check(self) -> None:
         if self.rank is None:
+            if self.quantize != "none":
+                raise ConfigError(
+                    f"model.lora.quantize={self.quantize!r} quantizes the frozen base of a "
+                    "LoRA, and model.lora.rank is unset: set model.lora.rank (e.g. 16) or "
+                    "model.lora.quantize='none'.")
             return
         from ndjax.models import lora
         targets = lora.parse_targets(self.target_modules)

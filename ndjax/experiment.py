@@ -28,13 +28,14 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from ndjax import compiler, gpu_target, hf, platforms
 from ndjax import state as state_lib
-from ndjax.config import MODEL_DIMS, ModelSettings, Settings, TrainSettings
+from ndjax.config import MODEL_DIMS, LoraSettings, ModelSettings, Settings, TrainSettings
 from ndjax.data import BATCH_FIELDS, loader
 from ndjax.errors import ConfigError
 from ndjax.models import decoder, registry
 from ndjax.models import lora as lora_lib
 from ndjax.models.decoder import DecoderConfig
 from ndjax.models.layers import RopeScaling
+from ndjax.models.quant import QuantConfig
 from ndjax.ops import attention as attention_ops
 from ndjax.ops import grouped_matmul
 from ndjax.parallel import distributed
@@ -145,7 +146,31 @@ def lora_config(model: ModelSettings, dims: dict) -> lora_lib.LoraConfig | None:
             f"take no adapters yet. Target the attention: model.lora.target_modules="
             f"{attention!r}.")
     return lora_lib.LoraConfig(rank=s.rank, alpha=s.alpha, targets=targets,
-                               rslora=s.use_rslora)
+                               rslora=s.use_rslora, quant=quant_config(s, dims))
+
+
+def quant_config(s: LoraSettings, dims: dict) -> QuantConfig | None:
+    """``model.lora.quantize`` for this model's weights (None: not quantized), checked
+    against each projection's last dimension (its blocks run along it)."""
+    if s.quantize == "none":
+        return None
+    if dims.get("n_experts"):
+        raise ConfigError(
+            f"model.lora.quantize={s.quantize!r}: model.family={dims['family']!r} is a "
+            "mixture of experts, and its experts are not quantized yet: use "
+            "model.lora.quantize='none' (a bfloat16 base).")
+    q = QuantConfig(s.quantize, s.quant_block)
+    hd = dims.get("head_dim") or dims["dim"] // dims["n_heads"]
+    for name, last in (("head_dim", hd), ("dim", dims["dim"]), ("ffn_dim", dims["ffn_dim"])):
+        problem = q.problem((last,))
+        if problem:
+            good = [b for b in (64, 32, 16, 8) if not QuantConfig(s.quantize, b).problem((last,))]
+            raise ConfigError(
+                f"model.lora.quant_block={s.quant_block}: the {s.quantize} blocks run along "
+                f"each weight's last dimension, and model {name}={last} is not a multiple of "
+                f"{s.quant_block} ({problem}); use "
+                + (f"model.lora.quant_block={good[0]}." if good else "an even divisor of it."))
+    return q
 
 
 @dataclasses.dataclass(frozen=True)
@@ -415,14 +440,18 @@ class Experiment:
         seed = self.settings.train.seed if seed is None else seed
         if self.checkpoint is None:
             return self.compiled_init(jnp.asarray(seed, jnp.uint32))
+        return self.state_from_params(self.checkpoint_params(seed))
+
+    def checkpoint_params(self, seed: int | None = None) -> Any:
+        """The parameters of ``model.init_from``, sharded, with no optimizer state (what
+        generation needs); under LoRA the base from the checkpoint (quantized as it is
+        read, under QLoRA) and fresh adapters from ``seed``."""
+        seed = self.settings.train.seed if seed is None else seed
         if not self.adapters_only:
-            return self.state_from_params(hf.load_params(
-                self.checkpoint, self.param_shapes, self.state_sharding.params))
-        # LoRA: the base from the checkpoint, fresh adapters from the seed.
+            return hf.load_params(self.checkpoint, self.param_shapes, self.state_sharding.params)
         base = hf.load_params(self.checkpoint, *(lora_lib.split(t, True)[1] for t in (
-            self.param_shapes, self.state_sharding.params)))
-        return self.state_from_params(lora_lib.merge(base, self._compiled_adapters(
-            jnp.asarray(seed, jnp.uint32))))
+            self.param_shapes, self.state_sharding.params)), quant=self.model_cfg.lora.quant)
+        return lora_lib.merge(base, self._compiled_adapters(jnp.asarray(seed, jnp.uint32)))
 
     @functools.cached_property
     def _compiled_adapters(self) -> jax.stages.Compiled:

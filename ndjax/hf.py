@@ -61,7 +61,9 @@ from ndjax.config import (  # noqa: F401
 from ndjax.data.tokenizers import HFTokenizer, Tokenizer, load_tokenizer
 from ndjax.errors import ConfigError
 from ndjax.models import decoder, lora, registry
+from ndjax.models import quant as quant_lib
 from ndjax.models.decoder import DecoderConfig
+from ndjax.models.quant import QuantConfig
 
 _DTYPES = {"F32": np.dtype(np.float32), "F16": np.dtype(np.float16),
            "BF16": np.dtype(jnp.bfloat16)}
@@ -336,14 +338,18 @@ def _put(shape: tuple[int, ...], sharding: jax.sharding.Sharding, read) -> jax.A
     return jax.make_array_from_single_device_arrays(shape, sharding, buffers)
 
 
-def load_params(ckpt: Checkpoint, shapes: Any, shardings: Any) -> Any:
+def load_params(ckpt: Checkpoint, shapes: Any, shardings: Any,
+                quant: QuantConfig | None = None) -> Any:
     """The checkpoint as an ndjax parameter dict, every array created in its sharding.
 
     ``shapes`` and ``shardings`` are the Experiment's ``param_shapes`` and
     ``state_sharding.params``. Each device's shard is read lazily from the files
     (safetensors' ``get_slice``); for the stacked layer parameters, only the
     layers in that shard. Values are converted to the parameters' dtype
-    (``shapes``), rounding to nearest even.
+    (``shapes``), rounding to nearest even. Under ``quant`` (QLoRA), a weight stored
+    quantized (``codes`` and ``scales``) is quantized shard by shard on the host as it
+    is read, from the checkpoint's values in float32: the host holds one shard of the
+    weight, and the scales of the shards whose codes went first.
     """
     cfg = DecoderConfig(**ckpt.dims)
     top, per_layer = registry.of(cfg).hf_names(cfg)
@@ -366,25 +372,47 @@ def load_params(ckpt: Checkpoint, shapes: Any, shardings: Any) -> Any:
                     _fill(out, tensor(name), shape.shape, split, index)
                     return out
                 return _put(shape.shape, sharding, read_top)
-            hf_name, split = per_layer[keys[1:]]
+            part = keys[-1] if quant is not None and keys[-1] in ("codes", "scales") else None
+            weight_keys = keys[1:-1] if part else keys[1:]
+            hf_name, split = per_layer[weight_keys]
+            full = shape.shape
+            if part:  # the weight's shape, of which these are the codes or the scales
+                per = quant.block if part == "scales" else (2 if quant.kind == "nf4" else 1)
+                full = (*full[:-1], full[-1] * per)
+            experts = registry.expert_names(hf_name, full[1:])
 
-            experts = registry.expert_names(hf_name, shape.shape[1:])
-
-            def read(index):
-                layers = range(shape.shape[0])[index[0]]
-                out = np.empty((len(layers), *shard[1:]), dtype)
+            def read(index, out_dtype=dtype):
+                layers = range(full[0])[index[0]]
+                out = np.empty((len(layers), *(len(range(n)[i]) for n, i in
+                                               zip(full[1:], index[1:], strict=True))),
+                               out_dtype)
                 for j, i in enumerate(layers):
                     if experts[0][1] is None:
-                        _fill(out[j], tensor(f"model.layers.{i}.{hf_name}"), shape.shape[1:],
+                        _fill(out[j], tensor(f"model.layers.{i}.{hf_name}"), full[1:],
                               split, index[1:])
                         continue
                     # One tensor per expert: the parameter's leading axis.
-                    for m, e in enumerate(range(shape.shape[1])[index[1]]):
+                    for m, e in enumerate(range(full[1])[index[1]]):
                         _fill(out[j, m], tensor(f"model.layers.{i}.{experts[e][0]}"),
-                              shape.shape[2:], split, index[2:])
+                              full[2:], split, index[2:])
                 return out
-            return _put(shape.shape, sharding, read)
+            if not part:
+                return _put(shape.shape, sharding, read)
 
+            def read_quantized(index):
+                last = index[-1].indices(shape.shape[-1])
+                weight_index = (*index[:-1], slice(last[0] * per, last[1] * per))
+                key = (weight_keys, _index_key(weight_index))
+                if part == "scales" and key in later_scales:
+                    return later_scales.pop(key)
+                codes, scales = quant_lib.quantize(read(weight_index, np.float32), quant)
+                if part == "scales":
+                    return scales
+                later_scales[key] = scales  # for the scales' shard of the same values
+                return codes
+            return _put(shape.shape, sharding, read_quantized)
+
+        later_scales: dict[tuple, np.ndarray] = {}
         return jax.tree_util.tree_map_with_path(load, shapes, shardings)
 
 

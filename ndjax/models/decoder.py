@@ -33,6 +33,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from ndjax.models import lora as lora_lib
+from ndjax.models import quant
 from ndjax.models.layers import (
     ACTIVATION_FNS,
     RMSNorm,
@@ -334,6 +335,12 @@ class Block(nnx.Module):
             self.attn.add_adapters(cfg, rngs)
             if not isinstance(self.mlp, MoE):
                 self.mlp.add_adapters(cfg, rngs)
+        if cfg.lora is not None and cfg.lora.quant is not None:
+            # QLoRA: the frozen base weights (every projection, as bitsandbytes
+            # quantizes every linear layer but the LM head) stored quantized, drawn
+            # first as the unquantized model draws them.
+            quant.quantize_weights(self.attn, ("wq", "wk", "wv", "wo"), cfg.lora.quant)
+            quant.quantize_weights(self.mlp, ("w_gate", "w_up", "w_down"), cfg.lora.quant)
 
     def __call__(self, x, cos, sin, segment_ids, spec: AttentionSpec):
         return self.around(x, lambda h: self.attn(h, cos, sin, segment_ids, spec),

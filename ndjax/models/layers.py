@@ -21,6 +21,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec
 
+from ndjax.models.quant import Quantized, dequantize
 from ndjax.parallel.rules import (
     ParamUse,
     active,
@@ -61,15 +62,36 @@ def use_param(var: nnx.Param, dtype, n_kv_heads: int | None = None, param_dtype:
     bfloat16 bytes when the compute dtype is float32 (``gather`` gathers in the
     narrower of the value's and the compute dtype).
     """
+    if isinstance(var, Quantized):
+        return _use_quantized(var, dtype, n_kv_heads)
     value = var[...]
-    names = var.get_metadata()["logical_axes"]
-    # Inside the layer scan a variable holds one layer's slice, while its
-    # metadata still names the stacked ``layers`` axis.
-    if len(names) == value.ndim + 1 and names[0] == "layers":
-        names = names[1:]
+    names = _names(var)
     use = param_use(names, dtype, n_kv_heads)
     as_stored = value if param_dtype is None else value.astype(param_dtype)
     return checkpoint_name(gather(as_stored, use), "gathered_weight"), value, use
+
+
+def _names(var: nnx.Param) -> tuple[str, ...]:
+    names = tuple(var.get_metadata()["logical_axes"])
+    # Inside the layer scan a variable holds one layer's slice, while its
+    # metadata still names the stacked ``layers`` axis.
+    if len(names) == var[...].ndim + 1 and names[0] == "layers":
+        names = names[1:]
+    return names
+
+
+def _use_quantized(var: Quantized, dtype, n_kv_heads: int | None
+                   ) -> tuple[jax.Array, jax.Array, ParamUse]:
+    """``use_param`` of a frozen quantized weight (QLoRA): its codes and scales gathered
+    to the compute layout as they are stored (FSDP moves the 4- or 8-bit codes), then
+    read back in ``dtype``. The stored value handed on is the weight read back, cut
+    from autodiff: a frozen base gets no gradient."""
+    names = _names(var.codes)
+    codes = gather(var.codes[...], param_use(names, var.codes[...].dtype, n_kv_heads))
+    scales = gather(var.scales[...], param_use(names, jnp.float32, n_kv_heads))
+    use = param_use(names, dtype, n_kv_heads)
+    w = checkpoint_name(dequantize(codes, scales, var.q, dtype), "gathered_weight")
+    return w, jax.lax.stop_gradient(w), use
 
 
 def weight(var: nnx.Param, dtype, n_kv_heads: int | None = None) -> jax.Array:

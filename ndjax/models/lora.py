@@ -29,6 +29,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx, traverse_util
 
+from ndjax.models.quant import QuantConfig, dequantized
+
 # ndjax's name of each projection a LoRA can target -> PEFT's (Hugging Face's) module name.
 TARGETS = {"q": "q_proj", "k": "k_proj", "v": "v_proj", "o": "o_proj",
            "gate": "gate_proj", "up": "up_proj", "down": "down_proj"}
@@ -43,6 +45,9 @@ class LoraConfig:
     alpha: float
     targets: tuple[str, ...]   # keys of TARGETS
     rslora: bool = False
+    # QLoRA: the frozen base's projections stored quantized (ndjax.models.quant); None:
+    # in model.param_dtype.
+    quant: QuantConfig | None = None
 
     @property
     def scale(self) -> float:
@@ -167,6 +172,7 @@ def merged(params: dict, cfg: Any) -> dict:
     transformers checkpoint describes. Without LoRA, ``params`` itself."""
     if cfg.lora is None:
         return params
+    params = dequantized(params, cfg.lora.quant)
     frozen = traverse_util.flatten_dict(split(params, True)[1])
     layers = params["layers"]
     for target in cfg.lora.targets:

@@ -32,7 +32,6 @@ import ml_collections
 from absl import app, flags
 from ml_collections import config_flags
 
-from ndjax import hf
 from ndjax import workdir as workdir_lib
 from ndjax.checkpoint import saved_step
 from ndjax.cli import show_in_help
@@ -148,7 +147,7 @@ def load(workdir: str | None = None, hf_dir: str | None = None, step: int | None
     if not isinstance(max_len, int):
         raise ConfigError(f"--hf_dir={hf_dir!r}: config.json has no max_position_embeddings; "
                           "give --max_len.")
-    params = hf.load_params(exp.checkpoint, exp.param_shapes, exp.state_sharding.params)
+    params = exp.checkpoint_params()
     return Model(exp, params, tokenizer, eos_ids(hf_dir, tokenizer), max_len,
                  "max_position_embeddings of config.json", bos_in_prompts=True,
                  tokenizer_dir=hf_dir, chat_template=template,
