@@ -1,16 +1,19 @@
 """LoRA against full fine-tuning, side by side in one run: the memory per GPU of the
 train step compiled by XLA's GPU compiler for GPUs this machine does not have
-(``python -m ndjax.compile``'s figures; the gpu-compile extra), and the tokens/s of
-both on this machine's CPUs on the tiny model.
+(``python -m ndjax.compile``'s figures; the gpu-compile extra), with QLoRA (the same
+adapters over an NF4 base) beside them, and the tokens/s of full fine-tuning and LoRA
+on this machine's CPUs on the tiny model.
 
     PYTHONPATH=. python bench/lora.py          # Llama 3 8B and 70B, ~10 minutes on 2 cores
     PYTHONPATH=. python bench/lora.py --tiny   # smoke run (CI: tests/test_gpu_compile.py)
 
 Full fine-tuning keeps float32 weights and Adam moments (model.param_dtype=auto); LoRA
 (r=16 on every projection, model.lora) a bfloat16 base and float32 adapters with
-their moments. Both compute in bfloat16 with full remat, batch 1 x 4096 per data-
-parallel rank. The memory is XLA's: arguments (weights, optimizer state, batch) plus
-temporaries, without cuBLAS/cuDNN workspaces (docs/compile-and-plan.md).
+their moments; QLoRA the base's projections in NF4 (4 bits and a float32 scale per 64
+values; embeddings, norms and LM head in bfloat16). All compute in bfloat16 with full
+remat, batch 1 x 4096 per data-parallel rank. The memory is XLA's: arguments (weights,
+optimizer state, batch) plus temporaries, without cuBLAS/cuDNN workspaces
+(docs/compile-and-plan.md).
 """
 
 from __future__ import annotations
@@ -31,15 +34,21 @@ MEMORY = [
 ]
 TINY_MEMORY = [("tiny", "h100", 8, (1, 4, 1, 2), 256)]
 LORA = dict(rank=16, alpha=32.0, target_modules="all-linear")
+# QLoRA: the same adapters over an NF4 base, a float32 scale per 64 values (bitsandbytes'
+# default block; the tiny model's head_dim of 32 takes 32).
+QLORA = dict(LORA, quantize="nf4", quant_block=64)
+TRAININGS = {"full": None, "LoRA r=16": LORA, "QLoRA r=16, NF4": QLORA}
 
 
-def config(preset: str, mesh: tuple[int, ...], seq: int, lora: bool, dp_batch: int = 1):
+def config(preset: str, mesh: tuple[int, ...], seq: int, lora: bool | dict, dp_batch: int = 1):
     from ndjax.config import default_config
     c = default_config()
     c.mesh.update(dict(zip(("replica", "fsdp", "context", "tensor"), mesh, strict=True)))
     c.model.update(dict(preset=preset, remat="full", dtype="bfloat16"))
     if lora:
-        c.model.lora.update(LORA)
+        c.model.lora.update(LORA if lora is True else lora)
+        if preset == "tiny" and c.model.lora.quantize != "none":
+            c.model.lora.quant_block = 32
     c.train.update(dict(batch_size=dp_batch * mesh[0] * mesh[1], seq_len=seq))
     c.data.source = "synthetic"
     return c
@@ -48,22 +57,22 @@ def config(preset: str, mesh: tuple[int, ...], seq: int, lora: bool, dp_batch: i
 def memory(cases: list) -> None:
     from ndjax.verbs.compile import compile_for
 
-    print("| model | GPUs | mesh | seq | training | weights + optimizer + batch GiB | "
-          "temporaries GiB | total GiB | of the GPU's | LoRA / full | compile s |")
-    print("|:--|:--|:--|--:|:--|--:|--:|--:|--:|--:|--:|")
+    print("| model | GPUs | mesh | seq | training | frozen base MiB | weights + optimizer + "
+          "batch GiB | temporaries GiB | total GiB | of the GPU's | / full | compile s |")
+    print("|:--|:--|:--|--:|:--|--:|--:|--:|--:|--:|--:|--:|")
     for preset, hardware, n, mesh, seq in cases:
-        totals = {}
-        for lora in (False, True):
-            r = compile_for(config(preset, mesh, seq, lora), hardware, n)
+        full = None
+        for training, lora in TRAININGS.items():
+            r = compile_for(config(preset, mesh, seq, lora or False), hardware, n)
             total = r["argument_bytes"] + r["temp_bytes"]
-            totals[lora] = total
+            full = full or total
             named = " x ".join(f"{a}={s}" for a, s in r["mesh"].items() if s > 1) or "1"
-            ratio = f"{totals[True] / totals[False]:.2f}x" if lora else ""
-            print(f"| {preset} | {n} x {r['gpu']} | {named} | {seq} | "
-                  f"{'LoRA r=16' if lora else 'full'} | {r['argument_bytes'] / GiB:.1f} | "
-                  f"{r['temp_bytes'] / GiB:.1f} | {total / GiB:.1f} | "
-                  f"{total / r['gpu_memory_bytes']:.0%} | {ratio} | {r['compile_s']:.0f} |",
-                  flush=True)
+            base = f"{r['frozen_param_bytes'] / 2**20:,.1f}" if lora else "-"
+            ratio = f"{total / full:.2f}x" if lora else ""
+            print(f"| {preset} | {n} x {r['gpu']} | {named} | {seq} | {training} | {base} | "
+                  f"{r['argument_bytes'] / GiB:.1f} | {r['temp_bytes'] / GiB:.1f} | "
+                  f"{total / GiB:.1f} | {total / r['gpu_memory_bytes']:.0%} | {ratio} | "
+                  f"{r['compile_s']:.0f} |", flush=True)
 
 
 def cpu_speed(steps: int, layers: int | None = None, batch: int = 8, seq: int = 256) -> None:

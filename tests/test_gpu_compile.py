@@ -487,10 +487,14 @@ def test_bench_moe_layouts_tiny():
 def test_bench_lora_tiny():
     """Full fine-tuning and LoRA compiled side by side, then timed on the CPU."""
     lines = run_tiny("lora.py").stdout.splitlines()
-    full, lora = table_rows(lines, "tiny")
-    assert (full[4], lora[4]) == ("full", "LoRA r=16"), lines
+    full, lora, qlora = table_rows(lines, "tiny")
+    assert (full[4], lora[4], qlora[4]) == ("full", "LoRA r=16", "QLoRA r=16, NF4"), lines
+    # The NF4 base: over a quarter of the bfloat16 one (the scales, and the embeddings
+    # and LM head, which stay bfloat16: a third of the tiny model), under a half.
+    mib = [float(row[5].replace(",", "")) for row in (lora, qlora)]
+    assert 0.25 < mib[1] / mib[0] < 0.5, (lora, qlora)
     # Adapters' optimizer state instead of the model's: less memory even at this size.
-    assert lora[9].endswith("x") and float(lora[9][:-1]) < 1, lora
+    assert lora[10].endswith("x") and float(lora[10][:-1]) < 1, lora
     assert len(table_rows(lines, "full fine-tuning", "LoRA r=16, all-linear")) == 2, lines
 
 

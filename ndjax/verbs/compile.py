@@ -19,6 +19,7 @@ What the compile cannot see: autotuning, cuBLAS/cuDNN workspaces, speed
 from __future__ import annotations
 
 import json
+import math
 import os
 import sys
 import time
@@ -154,6 +155,7 @@ def compile_for(config: Any, hardware: str, n: int, per_node: int = 8,
                          if exp.model_cfg.n_experts else None),
                 dtype=np.dtype(exp.model_cfg.dtype).name,
                 remat=exp.model_cfg.remat, scan_layers=exp.model_cfg.scan_layers,
+                **_weight_bytes(exp),
                 argument_bytes=int(m.argument_size_in_bytes), temp_bytes=int(m.temp_size_in_bytes),
                 output_bytes=int(m.output_size_in_bytes), alias_bytes=int(m.alias_size_in_bytes),
                 host_bytes=host, host_memory_bytes=int(hw.host_memory_bytes),
@@ -161,6 +163,25 @@ def compile_for(config: Any, hardware: str, n: int, per_node: int = 8,
                 gpu_memory_bytes=int(hw.memory_bytes), compile_s=round(seconds, 2),
                 collectives=found, rematerializations=native.rematerializations,
                 compiler_over_memory=native.over_memory, hlo=hlo)
+
+
+def _weight_bytes(exp: Any) -> dict[str, Any]:
+    """The parameters' bytes on each device (the largest shard), what trains and, under
+    LoRA, the frozen base apart, and how that base is stored (``base_storage``: its
+    dtype, or the QLoRA quantization)."""
+    from ndjax.models import lora
+
+    def per_device(shapes: Any, shardings: Any) -> int:
+        return int(sum(math.prod(sh.shard_shape(s.shape)) * np.dtype(s.dtype).itemsize
+                       for s, sh in zip(jax.tree.leaves(shapes), jax.tree.leaves(shardings),
+                                        strict=True)))
+    (train, frozen), (train_sh, frozen_sh) = (lora.split(t, exp.adapters_only) for t in (
+        exp.param_shapes, exp.state_sharding.params))
+    q = exp.model_cfg.lora.quant if exp.adapters_only else None
+    return dict(trainable_param_bytes=per_device(train, train_sh),
+                frozen_param_bytes=per_device(frozen, frozen_sh),
+                base_storage=(f"{q.kind}, float32 scales per {q.block}" if q else
+                              np.dtype(exp.model_cfg.param_dtype).name))
 
 
 def _gib(n: float) -> str:
@@ -177,6 +198,9 @@ def report(r: dict[str, Any], config: Any) -> str:
         f"{'scanned' if r['scan_layers'] else 'unrolled'}",
         f"attention: {r['attention_why']}",
         *([f"experts: {r['experts']}"] if r.get("experts") else []),
+        f"parameters per device: {_gib(r['trainable_param_bytes'])} trained"
+        + (f", {_gib(r['frozen_param_bytes'])} frozen base ({r['base_storage']})"
+           if r["frozen_param_bytes"] else f" ({r['base_storage']})"),
         f"memory per device: arguments {_gib(r['argument_bytes'])} + temporaries "
         f"{_gib(r['temp_bytes'])} = {_gib(r['memory_bytes'])} of {_gib(r['budget_bytes'])} "
         f"budget ({r['mem_fraction']:.0%} of {_gib(r['gpu_memory_bytes'])}): "
