@@ -193,18 +193,28 @@ def test_nd_parallel_yaml_maps_the_mesh_and_builds(files):
 
 
 def test_qlora_and_the_adapter_fields_ndjax_lacks_are_listed(files):
-    """QLoRA trains LoRA on a bfloat16 base, said so; lora_target_linear is all-linear;
-    dropout and loading a trained adapter are listed, not dropped."""
+    """QLoRA is LoRA on an NF4 base, load_in_8bit on an int8 one; lora_target_linear is
+    all-linear; dropout, bitsandbytes' options and loading a trained adapter are listed,
+    not dropped."""
     raw = {**yaml_of(SFT_YAML, files), "adapter": "qlora", "load_in_4bit": True, "lora_r": 32,
            "lora_target_linear": True, "lora_target_modules": ["q_proj"], "lora_dropout": 0.05,
-           "peft_use_rslora": True, "lora_model_dir": "runs/old"}
+           "peft_use_rslora": True, "lora_model_dir": "runs/old",
+           "bnb_4bit_use_double_quant": True}
+    raw.pop("load_in_8bit")
     conv = from_axolotl.convert(raw, devices=8)
     o = conv.overrides
     assert (o["model.lora.rank"], o["model.lora.alpha"], o["model.lora.target_modules"],
-            o["model.lora.use_rslora"]) == (32, 8.0, "all-linear", True)
+            o["model.lora.use_rslora"], o["model.lora.quantize"]) == (
+        32, 8.0, "all-linear", True, "nf4")
     reasons = {u.field: u.reason for u in conv.unmapped}
-    assert "4-bit" in reasons["adapter"] and "quantized" in reasons["load_in_4bit"]
+    assert "adapter" not in reasons and "load_in_4bit" not in reasons
+    assert "double quantization" in reasons["bnb_4bit_use_double_quant"]
     assert "dropout" in reasons["lora_dropout"] and "load" in reasons["lora_model_dir"]
+    eight = from_axolotl.convert({**raw, "adapter": "lora", "load_in_4bit": False,
+                                  "load_in_8bit": True}, devices=8)
+    assert eight.overrides["model.lora.quantize"] == "int8"
+    with pytest.raises(ConfigError, match="load_in_8bit: .* must be false when load_in_4bit"):
+        from_axolotl.convert({**raw, "load_in_8bit": True}, devices=8)
     assert_every_field_accounted_for(raw, conv)
     conv = from_axolotl.convert({**raw, "lora_target_linear": False,
                                  "lora_target_modules": ["q_proj", "w_q"]}, devices=8)

@@ -1,6 +1,7 @@
 """Axolotl's adapter fields -> model.lora (ndjax.models.lora): ``adapter: lora`` with
 ``lora_r``, ``lora_alpha``, ``lora_target_modules`` / ``lora_target_linear`` and
-``peft_use_rslora``, by their PEFT meaning."""
+``peft_use_rslora``, by their PEFT meaning; ``adapter: qlora`` (``load_in_4bit``) and
+``load_in_8bit`` as the quantized base of model.lora.quantize."""
 
 from __future__ import annotations
 
@@ -22,9 +23,7 @@ def lora(f: Fields, out: Out) -> bool:
     if kind not in ("lora", "qlora"):
         bad("adapter", kind, "lora or qlora", "; ndjax trains LoRA adapters (or, without "
             "adapter:, every weight)")
-    if kind == "qlora":
-        out.skip("adapter", kind, "ndjax has no 4-bit base yet: the config trains LoRA on a "
-                 "bfloat16 base, which takes about 4x the base's memory")
+    _quantization(f, out, kind)
     rank = f.integer("lora_r", PEFT_DEFAULT_RANK, minimum=1)
     out.set("model.lora.rank", rank, f.note("lora_r", f"PEFT's default {PEFT_DEFAULT_RANK}"))
     alpha = f.number("lora_alpha", float(PEFT_DEFAULT_ALPHA), minimum=0.0)
@@ -66,3 +65,19 @@ def _targets(f: Fields) -> tuple[str, str]:
                     "reads no regular expressions)", "; list the names")
         return ",".join(listed), "lora_target_modules"
     return PEFT_DEFAULT_TARGETS, "lora_target_modules unset: PEFT's default for the family"
+
+
+def _quantization(f: Fields, out: Out, kind: str) -> None:
+    """model.lora.quantize: NF4 for ``adapter: qlora`` or ``load_in_4bit`` (bitsandbytes'
+    NF4 with Axolotl's default 4-bit type), int8 for ``load_in_8bit``."""
+    four, eight = f.flag("load_in_4bit", False), f.flag("load_in_8bit", False)
+    if four and eight:
+        bad("load_in_8bit", True, "false when load_in_4bit is true", "; the base is "
+            "quantized one way")
+    if kind == "qlora" or four:
+        out.set("model.lora.quantize", "nf4", ", ".join(
+            [*(["adapter: qlora"] if kind == "qlora" else []), *(["load_in_4bit"] if four
+                                                                 else [])]))
+    elif eight:
+        out.set("model.lora.quantize", "int8", "load_in_8bit (ndjax's int8 scales each 64 "
+                "values by their absmax; bitsandbytes' LLM.int8 splits outliers instead)")

@@ -19,7 +19,11 @@ REASONS = (
       "lora_fan_in_fan_out", "lora_on_cpu", "loraplus_", "relora_", "lisa_", "peft_"),
      "ndjax's LoRA adapts the blocks' projections (model.lora) and nothing else"),
     (("lora_",), "ndjax's LoRA (model.lora) has no counterpart"),
-    (("load_in_8bit", "load_in_4bit", "gptq", "bnb_", "fp8"), "ndjax has no quantized training"),
+    (("load_in_8bit", "load_in_4bit"), "ndjax quantizes only a LoRA's frozen base (with "
+     "adapter: lora or qlora)"),
+    (("bnb_",), "ndjax's quantized base is NF4 or int8 with a float32 scale per 64 values "
+     "(model.lora.quantize), without double quantization"),
+    (("gptq", "fp8"), "ndjax has no GPTQ or FP8 training"),
     (("flash_attention", "flash_attn", "sdp_attention", "xformers_attention", "flex_attention",
       "s2_attention", "sage_attention", "attn_implementation", "sample_packing_"),
      "ndjax picks its attention kernel and packing itself (model.attn_impl=auto)"),
