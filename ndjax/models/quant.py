@@ -19,6 +19,9 @@ Weights are dequantised where a layer uses them, inside the layer scan, into the
 compute dtype: device memory holds the codes, and one layer's weights at a time in the
 compute dtype (as for any gathered weight). ``quantize`` and ``dequantize`` take numpy
 arrays (the import quantises each shard on the host as it is read) or jax arrays alike.
+Written here rather than taken from qwix, whose QLoRA mode intercepts a model's einsums:
+the codes must be parameters with logical names for the rule tables, quantized by numpy
+on import, in bitsandbytes' exact table and nibble order (docs/lora.md).
 """
 
 from __future__ import annotations
