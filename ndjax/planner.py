@@ -249,8 +249,13 @@ def check(config: ml_collections.ConfigDict | Settings, layout: Layout,
 def argument_bytes(exp: Any) -> int:
     """The train step's inputs per device, from their shardings: the parameters,
     optimizer state and batch a compile would report as its arguments."""
-    leaves = jax.tree.leaves((exp.abstract_state, exp.abstract_batch))
-    return sum(math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize for x in leaves)
+    return bytes_per_device((exp.abstract_state, exp.abstract_batch))
+
+
+def bytes_per_device(tree: Any) -> int:
+    """The bytes one device holds of a tree of sharded abstract arrays."""
+    return sum(math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize
+               for x in jax.tree.leaves(tree))
 
 
 def program_signature(rules: Any, mesh: Any) -> tuple:

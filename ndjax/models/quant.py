@@ -59,10 +59,6 @@ class QuantConfig:
         codes = last // 2 if self.kind == "nf4" else last
         return (*lead, codes), (*lead, last // self.block)
 
-    def bytes(self, shape: tuple[int, ...]) -> int:
-        codes, scales = self.shapes(shape)
-        return int(np.prod(codes)) + 4 * int(np.prod(scales))
-
     def problem(self, shape: tuple[int, ...]) -> str | None:
         """Why a weight of ``shape`` cannot be quantized so (None: it can)."""
         if shape[-1] % self.block:

@@ -19,7 +19,6 @@ What the compile cannot see: autotuning, cuBLAS/cuDNN workspaces, speed
 from __future__ import annotations
 
 import json
-import math
 import os
 import sys
 import time
@@ -170,16 +169,12 @@ def _weight_bytes(exp: Any) -> dict[str, Any]:
     LoRA, the frozen base apart, and how that base is stored (``base_storage``: its
     dtype, or the QLoRA quantization)."""
     from ndjax.models import lora
+    from ndjax.planner import bytes_per_device
 
-    def per_device(shapes: Any, shardings: Any) -> int:
-        return int(sum(math.prod(sh.shard_shape(s.shape)) * np.dtype(s.dtype).itemsize
-                       for s, sh in zip(jax.tree.leaves(shapes), jax.tree.leaves(shardings),
-                                        strict=True)))
-    (train, frozen), (train_sh, frozen_sh) = (lora.split(t, exp.adapters_only) for t in (
-        exp.param_shapes, exp.state_sharding.params))
+    train, frozen = lora.split(exp.abstract_state.params, exp.adapters_only)
     q = exp.model_cfg.lora.quant if exp.adapters_only else None
-    return dict(trainable_param_bytes=per_device(train, train_sh),
-                frozen_param_bytes=per_device(frozen, frozen_sh),
+    return dict(trainable_param_bytes=bytes_per_device(train),
+                frozen_param_bytes=bytes_per_device(frozen),
                 base_storage=(f"{q.kind}, float32 scales per {q.block}" if q else
                               np.dtype(exp.model_cfg.param_dtype).name))
 
