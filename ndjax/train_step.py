@@ -23,11 +23,16 @@ FeaturesFn = Callable[[Any, jax.Array, jax.Array, jax.Array],
                       tuple[jax.Array, Weight, dict[str, jax.Array]]]
 
 
-def loss_sum(features: FeaturesFn, params: Any, batch: Batch, chunk: int
+def loss_sum(features: FeaturesFn, params: Any, batch: Batch, chunk: int,
+             dropout: lora.Dropout | None = None
              ) -> tuple[jax.Array, jax.Array, dict[str, jax.Array]]:
     """(summed next-token cross-entropy over the unmasked tokens, their count, the
-    router's metrics: ``moe.aux_metrics``, {} for a dense model)."""
-    x, head, aux = features(params, batch["inputs"], batch["positions"], batch["segment_ids"])
+    router's metrics: ``moe.aux_metrics``, {} for a dense model). ``dropout``: LoRA's,
+    for the tokens ``batch["token_ids"]`` names."""
+    args = [batch["inputs"], batch["positions"], batch["segment_ids"]]
+    if dropout is not None:
+        args.append(dataclasses.replace(dropout, token_ids=batch["token_ids"]))
+    x, head, aux = features(params, *args)
     return (*loss_sums(x, head, batch["targets"], batch["loss_mask"], chunk), aux)
 
 
@@ -54,6 +59,12 @@ class StepOptions:
     # LoRA: only the adapters get gradients and updates; the rest is frozen, passed
     # through the step untouched (ndjax.models.lora.split).
     adapters_only: bool = False
+    # LoRA's dropout (model.lora.dropout), its masks keyed by train.seed and the step
+    # (lora.step_dropout); the host's permutation of the sequence (ring attention's
+    # zigzag), so that a token's mask follows the token.
+    lora_dropout: float = 0.0
+    dropout_seed: int = 0
+    seq_permutation: Any = dataclasses.field(default=None, compare=False)
 
 
 BATCH_NAMES = ("act_batch", "act_seq")
@@ -83,7 +94,7 @@ def loss_and_grads(features: FeaturesFn, options: StepOptions, params: Any, batc
 
 
 def loss_aux_and_grads(features: FeaturesFn, options: StepOptions, params: Any, batch: Batch,
-                       grad_shardings: Any = None
+                       grad_shardings: Any = None, dropout: lora.Dropout | None = None
                        ) -> tuple[jax.Array, jax.Array, Any, dict[str, jax.Array]]:
     """(mean loss, tokens, float32 gradients, the router's metrics) over the whole
     batch, token-weighted: every real token counts once, whichever row or micro-batch
@@ -103,11 +114,13 @@ def loss_aux_and_grads(features: FeaturesFn, options: StepOptions, params: Any, 
     """
     tokens = jnp.sum(batch["loss_mask"].astype(jnp.float32))
     denom = jnp.maximum(tokens, 1.0)
+    if dropout is not None:  # the token ids are split into micro-batches with the rows
+        batch = {**batch, "token_ids": dropout.token_ids}
 
     k = options.grad_accum
 
     def scaled_loss(p, b):
-        total, _, aux = loss_sum(features, p, b, options.loss_chunk)
+        total, _, aux = loss_sum(features, p, b, options.loss_chunk, dropout)
         loss = total / denom
         objective = loss
         if "aux_loss" in aux:
@@ -195,8 +208,11 @@ def train_step(features: FeaturesFn, optimizer: optax.GradientTransformation,
 
         def features(p, *args):
             return base_features(lora.merge(frozen, p), *args)
+    rows, seq_len = batch["inputs"].shape
+    dropout = lora.step_dropout(options.lora_dropout, options.dropout_seed, state.step, rows,
+                                seq_len, options.seq_permutation)
     loss, tokens, grads, aux = loss_aux_and_grads(features, options, trainable, batch,
-                                                  grad_shardings)
+                                                  grad_shardings, dropout)
     if options.nan_at_step >= 0:
         poison = jnp.where(state.step + 1 == options.nan_at_step, jnp.nan, 1.0)
         loss = loss * poison

@@ -243,38 +243,42 @@ class Attention(nnx.Module):
             setattr(self, "lora_" + name,
                     lora_lib.make(cfg, rngs, name, getattr(self, "w" + name), n_in))
 
-    def __call__(self, x, cos, sin, segment_ids, spec: AttentionSpec):
-        q, k, v = self.qkv(x, cos, sin)
-        return self.output(attention(q, k, v, segment_ids, self.cfg, spec))
+    def __call__(self, x, cos, sin, segment_ids, spec: AttentionSpec,
+                 dropout: lora_lib.Dropout | None = None):
+        q, k, v = self.qkv(x, cos, sin, dropout)
+        return self.output(attention(q, k, v, segment_ids, self.cfg, spec), dropout)
 
-    def _project(self, x, name: str, n_kv: int | None):
+    def _project(self, x, name: str, n_kv: int | None, dropout: lora_lib.Dropout | None):
         cfg = self.cfg
         out = project("bsd,dhk->bshk", x,
                       *use_param(getattr(self, "w" + name), cfg.dtype, n_kv, cfg.param_dtype))
         out = _adapted(cfg, out, getattr(self, "lora_" + name, None), "bsd,dhk->bshk", x, 1,
-                       n_kv)
+                       n_kv, dropout, name)
         if cfg.qkv_bias:
             out = add_bias(out, *use_param(getattr(self, "b" + name), cfg.dtype, n_kv,
                                            cfg.param_dtype))
         return out
 
-    def qkv(self, x, cos, sin):
+    def qkv(self, x, cos, sin, dropout: lora_lib.Dropout | None = None):
         """Queries, keys and values of ``x``, normed and rotated (the KV-cache decode
         reuses it)."""
         n_kv = self.cfg.n_kv_heads
-        q = checkpoint_name(constrain(self._project(x, "q", None), HEADS), "q_proj")
-        k = checkpoint_name(constrain(self._project(x, "k", n_kv), KV_HEADS), "k_proj")
-        v = checkpoint_name(constrain(self._project(x, "v", n_kv), KV_HEADS), "v_proj")
+        q = checkpoint_name(constrain(self._project(x, "q", None, dropout), HEADS), "q_proj")
+        k = checkpoint_name(constrain(self._project(x, "k", n_kv, dropout), KV_HEADS),
+                            "k_proj")
+        v = checkpoint_name(constrain(self._project(x, "v", n_kv, dropout), KV_HEADS),
+                            "v_proj")
         if self.cfg.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
-    def output(self, out):
+    def output(self, out, dropout: lora_lib.Dropout | None = None):
         """The attention's output (b, s, heads, head_dim) projected back to the model dim."""
         out = checkpoint_name(constrain(out, HEADS), "attn_out")
         y = project("bshk,hkd->bsd", out,
                     *use_param(self.wo, self.dtype, param_dtype=self.cfg.param_dtype))
-        return _adapted(self.cfg, y, getattr(self, "lora_o", None), "bshk,hkd->bsd", out, 2)
+        return _adapted(self.cfg, y, getattr(self, "lora_o", None), "bshk,hkd->bsd", out, 2,
+                        dropout=dropout, target="o")
 
 
 class MLP(nnx.Module):
@@ -293,26 +297,29 @@ class MLP(nnx.Module):
             setattr(self, "lora_" + name,
                     lora_lib.make(cfg, rngs, name, getattr(self, "w_" + name), 1))
 
-    def _project(self, name: str, equation: str, x):
+    def _project(self, name: str, equation: str, x, dropout: lora_lib.Dropout | None):
         out = project(equation, x, *use_param(getattr(self, "w_" + name), self.dtype,
                                                param_dtype=self.param_dtype))
-        return _adapted(self.cfg, out, getattr(self, "lora_" + name, None), equation, x, 1)
+        return _adapted(self.cfg, out, getattr(self, "lora_" + name, None), equation, x, 1,
+                        dropout=dropout, target=name)
 
-    def __call__(self, x):
+    def __call__(self, x, dropout: lora_lib.Dropout | None = None):
         names = ("act_batch", "act_seq", "act_mlp")
-        gate = checkpoint_name(constrain(self._project("gate", "bsd,df->bsf", x), names),
-                               "mlp_gate")
-        up = checkpoint_name(constrain(self._project("up", "bsd,df->bsf", x), names), "mlp_up")
+        gate = checkpoint_name(constrain(self._project("gate", "bsd,df->bsf", x, dropout),
+                                         names), "mlp_gate")
+        up = checkpoint_name(constrain(self._project("up", "bsd,df->bsf", x, dropout), names),
+                             "mlp_up")
         h = ACTIVATION_FNS[self.activation](gate) * up
-        return self._project("down", "bsf,fd->bsd", h)
+        return self._project("down", "bsf,fd->bsd", h, dropout)
 
 
 def _adapted(cfg: DecoderConfig, out, adapter, equation: str, x, n_in: int,
-             n_kv_heads: int | None = None):
+             n_kv_heads: int | None = None, dropout: lora_lib.Dropout | None = None,
+             target: str = ""):
     if adapter is None:
         return out
     return lora_lib.adapted(out, adapter, equation, x, n_in, cfg.dtype, cfg.lora.scale,
-                            n_kv_heads)
+                            n_kv_heads, dropout, target)
 
 
 RESIDUAL = ("act_batch", "act_res_seq", "act_embed")
@@ -342,11 +349,13 @@ class Block(nnx.Module):
             quant.quantize_weights(self.attn, ("wq", "wk", "wv", "wo"), cfg.lora.quant)
             quant.quantize_weights(self.mlp, ("w_gate", "w_up", "w_down"), cfg.lora.quant)
 
-    def __call__(self, x, cos, sin, segment_ids, spec: AttentionSpec):
-        return self.around(x, lambda h: self.attn(h, cos, sin, segment_ids, spec),
-                           real=segment_ids > 0)
+    def __call__(self, x, cos, sin, segment_ids, spec: AttentionSpec,
+                 dropout: lora_lib.Dropout | None = None):
+        return self.around(x, lambda h: self.attn(h, cos, sin, segment_ids, spec, dropout),
+                           real=segment_ids > 0, dropout=dropout)
 
-    def around(self, x, attend, real=None, dropless: bool = False) -> tuple[jax.Array, dict]:
+    def around(self, x, attend, real=None, dropless: bool = False,
+               dropout: lora_lib.Dropout | None = None) -> tuple[jax.Array, dict]:
         """The block with ``attend`` (normed input -> attention's projected output) as
         its attention: the KV-cache decode passes one that reads and writes the cache,
         and ``dropless`` (generation computes every token, whatever capacity the model
@@ -359,7 +368,7 @@ class Block(nnx.Module):
         x = constrain(x + checkpoint_name(attn, "attn_block_out"), RESIDUAL)
         h = checkpoint_name(constrain(self.mlp_norm(x), HIDDEN), "mlp_norm")
         out, stats = (self.mlp(h, real, dropless) if isinstance(self.mlp, MoE)
-                      else (self.mlp(h), {}))
+                      else (self.mlp(h, dropout), {}))
         if self.post_norms:
             out = self.post_mlp_norm(out)
         return constrain(x + checkpoint_name(out, "mlp_out"), RESIDUAL), stats
@@ -412,7 +421,8 @@ class Decoder(nnx.Module):
         cfg = self.cfg
         return {t: rope_tables(cfg.rope(t), cfg.hd, positions) for t in dict.fromkeys(cfg.types)}
 
-    def features(self, tokens: jax.Array, positions: jax.Array, segment_ids: jax.Array
+    def features(self, tokens: jax.Array, positions: jax.Array, segment_ids: jax.Array,
+                 dropout: lora_lib.Dropout | None = None
                  ) -> tuple[jax.Array, Weight, dict[str, jax.Array]]:
         """tokens, positions, segment_ids: (b, s) int32 -> (final hidden states (b, s, dim)
         in the compute dtype, LM head (dim, vocab): a ``rules.Weight``, gathered to its
@@ -428,20 +438,31 @@ class Decoder(nnx.Module):
         the stored head, summed in float32. Tied embeddings are gathered once, for the
         lookup and the head; each of the two gradients reaches the storage layout on
         its own, unrounded.
+
+        ``dropout`` (the train step's LoRA dropout): each layer's parameters travel with
+        the layer's index, from which its masks are drawn (``lora.Dropout``).
         """
         cfg = self.cfg
         x, embed = self.embed_tokens(tokens)
         tables = self.rope_tables(positions)
         graphdef, stacked = nnx.split(self.layers)
         policy = REMAT_POLICIES[cfg.remat]
+        consts: tuple = (tables, segment_ids)
+        if dropout is not None:
+            stacked = (stacked, jnp.arange(cfg.n_layers, dtype=jnp.uint32))
+            consts = (*consts, dropout)
 
         def block(layer_type: str):
-            """(h, one layer's parameters, consts) -> h, with the type's static attention
-            spec and rotary tables."""
+            """(h, one layer's parameters (with its index under dropout), consts) -> h,
+            with the type's static attention spec and rotary tables."""
             def run(h, params, consts):
-                tables, seg = consts
+                tables, seg, *drop = consts
+                layer_dropout = None
+                if drop:
+                    params, index = params
+                    layer_dropout = drop[0].at_layer(index)
                 return nnx.merge(graphdef, params)(h, *tables[layer_type], seg,
-                                                   cfg.spec(layer_type))
+                                                   cfg.spec(layer_type), layer_dropout)
             return run
 
         def add(a, b):
@@ -460,19 +481,30 @@ class Decoder(nnx.Module):
                 return h, total
             return run
 
+        def full_remat_layer(layer_type: str):
+            """``block`` taking its index as the last of its consts (scan_full_remat's
+            ``per_layer``)."""
+            def run(h, params, consts):
+                if dropout is None:
+                    return block(layer_type)(h, params, consts)
+                return block(layer_type)(h, (params, consts[-1]), consts[:-1])
+            return run
+
         def scanned(pattern, x, params):
             if cfg.remat in FULL_REMAT:
                 # Each layer's input kept, each layer recomputed on its own.
-                layers = tuple(block(t) for t in pattern)
+                layers = tuple(full_remat_layer(t) for t in pattern)
+                params, index = params if dropout is not None else (params, None)
                 return scan_full_remat(layers if len(pattern) > 1 else layers[0], x, params,
-                                       (tables, segment_ids), offload=cfg.remat == "offload")
+                                       consts, offload=cfg.remat == "offload",
+                                       per_layer=index)
             run = group(pattern, len(pattern) > 1)
             # The segment ids ride in the scan's carry, not as a constant of the body:
             # jax hoists work that depends only on a scan's constants out of the loop,
             # and for the tiled attention kernel that work is every key tile's mask,
             # stacked: O(seq^2) memory (tests/test_attention.py).
             def step(carry, p):
-                h, stats = run(carry[0], p, (tables, carry[1]))
+                h, stats = run(carry[0], p, (tables, carry[1], *consts[2:]))
                 return (h, carry[1]), stats
             body = jax.checkpoint(step, policy=policy, prevent_cse=False)
             (x, _), stats = jax.lax.scan(body, (x, segment_ids), params)
@@ -494,8 +526,7 @@ class Decoder(nnx.Module):
         else:
             for i in range(n):
                 body = jax.checkpoint(block(types[i]), policy=policy, prevent_cse=True)
-                x, part = body(x, jax.tree.map(lambda a, i=i: a[i], stacked),
-                               (tables, segment_ids))
+                x, part = body(x, jax.tree.map(lambda a, i=i: a[i], stacked), consts)
                 stats = add(stats, part)
         aux = aux_metrics(stats, cfg.n_experts, cfg.experts_per_token) if cfg.n_experts else {}
 

@@ -16,6 +16,10 @@ they are small, and the base is what is narrow.
 Adapters live in the parameter tree as ``lora_<target>`` modules (``.../attn/lora_q/a``)
 beside the weight they adapt; ``split`` and ``merge`` separate the trainable leaves
 from the frozen base by that name.
+
+``lora_dropout`` (PEFT's) drops the adapter's input, not the base's:
+``y = x W + scale * (dropout(x) A) B``, a mask of its own for each projection
+(``Dropout``). The train step alone applies it; evaluation and generation do not.
 """
 
 from __future__ import annotations
@@ -45,6 +49,9 @@ class LoraConfig:
     alpha: float
     targets: tuple[str, ...]   # keys of TARGETS
     rslora: bool = False
+    # PEFT's lora_dropout: the probability that an element of an adapter's input is
+    # zeroed in training (the rest are scaled by 1 / (1 - dropout)).
+    dropout: float = 0.0
     # QLoRA: the frozen base's projections stored quantized (ndjax.models.quant); None:
     # in model.param_dtype.
     quant: QuantConfig | None = None
@@ -124,17 +131,72 @@ def merge(frozen: dict, trainable: dict) -> dict:
                                          **traverse_util.flatten_dict(trainable)})
 
 
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Dropout:
+    """One layer's LoRA dropout in one train step.
+
+    The mask of an element is a function of the step's seed, the layer, the target
+    and the token's place in the step's batch alone (``token_ids``: row x seq_len +
+    position in the unpermuted row), never of where the element is computed. So every
+    layout draws the same masks: the batch split over devices, the sequence permuted
+    for ring attention (zigzag) or cut into micro-batches, the layers scanned or not.
+    Each token's mask is drawn from its own key, ``fold_in(key, token_id)``; under
+    partitionable threefry (jax's default) the bits of a sharded array do not depend
+    on its sharding.
+    """
+
+    key: jax.Array        # this layer's key (typed)
+    token_ids: jax.Array  # (b, s) uint32
+    rate: float = dataclasses.field(metadata=dict(static=True))
+
+    def at_layer(self, layer: jax.Array) -> Dropout:
+        return dataclasses.replace(self, key=jax.random.fold_in(self.key, layer))
+
+    def __call__(self, x: jax.Array, target: str) -> jax.Array:
+        """``x`` (b, s, ...) with the elements dropped for ``target``'s adapter zeroed
+        and the rest scaled by 1 / (1 - rate), as ``torch.nn.Dropout`` does."""
+        key = jax.random.fold_in(self.key, tuple(TARGETS).index(target))
+        keep = 1.0 - self.rate
+
+        def token_mask(token):
+            return jax.random.bernoulli(jax.random.fold_in(key, token), keep, x.shape[2:])
+        mask = jax.vmap(jax.vmap(token_mask))(self.token_ids)
+        return jnp.where(mask, x / jnp.asarray(keep, x.dtype), jnp.zeros((), x.dtype))
+
+
+def step_dropout(rate: float, seed: int, step: jax.Array, batch: int, seq_len: int,
+                 permutation: Any = None) -> Dropout | None:
+    """The step's ``Dropout`` (None when ``rate`` is 0): keyed by the seed and the step
+    counter, so a resumed run draws the masks the uninterrupted one would.
+    ``permutation``: the host's permutation of the sequence axis (ring attention's
+    zigzag; ``x_device = x[:, permutation]``), so a token's id is its unpermuted
+    position."""
+    if not rate:
+        return None
+    position = jnp.arange(seq_len, dtype=jnp.uint32)
+    if permutation is not None:
+        position = jnp.asarray(permutation, jnp.uint32)
+    rows = jnp.arange(batch, dtype=jnp.uint32)[:, None] * jnp.uint32(seq_len)
+    key = jax.random.fold_in(jax.random.key(seed), step)
+    return Dropout(key=key, token_ids=rows + position[None, :], rate=rate)
+
+
 def adapted(out: jax.Array, adapter: Adapter | None, equation: str, x: jax.Array, n_in: int,
-            dtype: Any, scale: float, n_kv_heads: int | None = None) -> jax.Array:
+            dtype: Any, scale: float, n_kv_heads: int | None = None,
+            dropout: Dropout | None = None, target: str = "") -> jax.Array:
     """``out`` (the base projection of ``x`` by ``equation``, whose weight's first ``n_in``
     dims are contracted) plus the adapter's ``scale * (x A) B``; ``out`` itself when the
     projection has no adapter. Both matmuls go through ``layers.project``: the adapters
-    are gathered for use and given float32 gradients like any weight."""
+    are gathered for use and given float32 gradients like any weight. ``dropout``:
+    ``x`` seen by the adapter through ``target``'s mask."""
     if adapter is None:
         return out
     from ndjax.models.layers import project, use_param
 
     eq_a, eq_b = equations(equation, n_in)
+    if dropout is not None:
+        x = dropout(x, target)
     h = project(eq_a, x, *use_param(adapter.a, dtype, param_dtype=jnp.float32))
     delta = project(eq_b, h, *use_param(adapter.b, dtype, n_kv_heads, param_dtype=jnp.float32))
     return out + delta * jnp.asarray(scale, delta.dtype)

@@ -62,7 +62,8 @@ def _add(a: Any, b: Any) -> Any:
 
 
 def scan_full_remat(layer: Layer | tuple[Layer, ...], h: jax.Array, params: Any,
-                    consts: tuple, offload: bool = False) -> tuple[jax.Array, Any]:
+                    consts: tuple, offload: bool = False, per_layer: Any = None
+                    ) -> tuple[jax.Array, Any]:
     """``h`` through every layer of the stacked ``params`` (leading axis: layers) ->
     (the output, the layers' aux summed).
 
@@ -82,39 +83,43 @@ def scan_full_remat(layer: Layer | tuple[Layer, ...], h: jax.Array, params: Any,
     def at(p, j):
         return jax.tree.map(lambda a: a[j], p) if inner else p
 
-    def run_group(carry, p, keep):
+    def consts_at(extra, j):
+        return consts if per_layer is None else (*consts, at(extra, j))
+
+    def run_group(carry, xs, keep):
         c, total = carry
+        p, extra = xs
         saved = []
         for j, f in enumerate(layers):
             saved.append(_to_bits(c))
-            c, aux = f(c, at(p, j), consts)
+            c, aux = f(c, at(p, j), consts_at(extra, j))
             total = _add(total, aux)
         if not keep:
             return (c, total), None
         kept = jnp.stack(saved) if inner else saved[0]
         return (c, total), _to_host(kept) if offload else kept
 
-    def zeros(h, params, consts):
-        first = at(jax.tree.map(lambda a: a[0], params), 0)
-        aux = jax.eval_shape(layers[0], h, first, consts)[1]
+    def zeros(h, params, extra):
+        first = jax.tree.map(lambda a: a[0], (params, extra))
+        aux = jax.eval_shape(layers[0], h, at(first[0], 0), consts_at(first[1], 0))[1]
         return jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), aux)
 
     @jax.custom_vjp
-    def run(h, params, consts):
-        return jax.lax.scan(lambda c, p: run_group(c, p, False),
-                            (h, zeros(h, params, consts)), params)[0]
+    def run(h, params, consts, extra):
+        return jax.lax.scan(lambda c, xs: run_group(c, xs, False),
+                            (h, zeros(h, params, extra)), (params, extra))[0]
 
-    def forward(h, params, consts):
-        out, inputs = jax.lax.scan(lambda c, p: run_group(c, p, True),
-                                   (h, zeros(h, params, consts)), params)
-        return out, (inputs, params, consts)
+    def forward(h, params, consts, extra):
+        out, inputs = jax.lax.scan(lambda c, xs: run_group(c, xs, True),
+                                   (h, zeros(h, params, extra)), (params, extra))
+        return out, (inputs, params, consts, extra)
 
     def backward(saved, cotangents):
-        inputs, params, consts = saved
+        inputs, params, consts, extra = saved
         g, g_aux = cotangents
 
         def step(g, group_inputs):
-            bits, p = group_inputs
+            bits, p, e = group_inputs
             if offload:
                 bits = _to_device(bits)
             grads = [None] * len(layers)
@@ -125,13 +130,15 @@ def scan_full_remat(layer: Layer | tuple[Layer, ...], h: jax.Array, params: Any,
                     # may run them ahead and keep several layers' activations at once
                     # (Gemma 3 12B at 32k tokens: 41.2 -> 38.6 GiB of temporaries).
                     x, g = jax.lax.optimization_barrier((x, g))
-                _, vjp = jax.vjp(lambda x, q, f=layers[j]: f(x, q, consts), x, at(p, j))
+                c = consts_at(e, j)
+                _, vjp = jax.vjp(lambda x, q, f=layers[j], c=c: f(x, q, c), x, at(p, j))
                 g, grads[j] = vjp((g, g_aux))
             g_p = jax.tree.map(lambda *gs: jnp.stack(gs), *grads) if inner else grads[0]
             return g, g_p
 
-        g_h, g_params = jax.lax.scan(step, g, (inputs, params), reverse=True)
-        return g_h, g_params, jax.tree.map(_zero_cotangent, consts)
+        g_h, g_params = jax.lax.scan(step, g, (inputs, params, extra), reverse=True)
+        return (g_h, g_params, jax.tree.map(_zero_cotangent, consts),
+                jax.tree.map(_zero_cotangent, extra))
 
     run.defvjp(forward, backward)
-    return run(h, params, consts)
+    return run(h, params, consts, per_layer)
