@@ -82,8 +82,7 @@ def _cp_layouts() -> Sequence[str]:
 @dataclasses.dataclass(frozen=True)
 class LoraSettings:
     """LoRA fine-tuning (ndjax.models.lora), PEFT's fields by their PEFT meaning: the base
-    is frozen, only the adapters train. Unset rank: no LoRA. (No lora_dropout yet: the
-    adapters see the layer's input as it is, PEFT's lora_dropout=0.)"""
+    is frozen, only the adapters train. Unset rank: no LoRA."""
 
     rank: int | None = setting(None, ge=1, hint=" (the adapters' rank, PEFT's r: 8-64 is "
                                                 "usual; unset: no LoRA)")
@@ -93,6 +92,10 @@ class LoraSettings:
     # names in PEFT's or ndjax's spelling: "q_proj,v_proj" or "q,v".
     target_modules: str = setting("all-linear")
     use_rslora: bool = setting(False, hint=" (scale by alpha / sqrt(rank))")
+    # PEFT's lora_dropout: each adapter's input loses this fraction of its elements in
+    # training (a mask per projection, layer, token and step; the same on every layout).
+    dropout: float = setting(0.0, ge=0, lt=1, hint=" (PEFT's lora_dropout: 0.05-0.1 is "
+                                                    "usual; 0: none)")
     # QLoRA: the frozen base's projections stored quantized (ndjax.models.quant), nf4
     # (bitsandbytes' load_in_4bit, bnb_4bit_quant_type="nf4") or int8; "none": in
     # model.param_dtype.
@@ -100,9 +103,20 @@ class LoraSettings:
     # Values per absmax scale, along each weight's last axis (bitsandbytes' blocksize).
     quant_block: int = setting(64, ge=2, hint=" (values per scale: 64 is bitsandbytes' "
                                               "NF4 default)")
+    # A PEFT adapter directory (adapter_config.json, adapter_model.safetensors: what
+    # export.adapter_dir writes) whose adapters start the run instead of fresh ones, as
+    # PEFT's PeftModel.from_pretrained; checked against rank, alpha, target_modules and
+    # use_rslora before anything compiles. A resume's checkpoint holds the adapters, and
+    # takes precedence.
+    init_from: str | None = setting(None)
 
     def check(self) -> None:
         if self.rank is None:
+            if self.init_from is not None:
+                raise ConfigError(
+                    f"model.lora.init_from={self.init_from!r} loads LoRA adapters, and "
+                    "model.lora.rank is unset: set model.lora.rank to the adapter's r (in its "
+                    "adapter_config.json).")
             if self.quantize != "none":
                 raise ConfigError(
                     f"model.lora.quantize={self.quantize!r} quantizes the frozen base of a "

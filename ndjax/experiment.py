@@ -146,7 +146,8 @@ def lora_config(model: ModelSettings, dims: dict) -> lora_lib.LoraConfig | None:
             f"take no adapters yet. Target the attention: model.lora.target_modules="
             f"{attention!r}.")
     return lora_lib.LoraConfig(rank=s.rank, alpha=s.alpha, targets=targets,
-                               rslora=s.use_rslora, quant=quant_config(s, dims))
+                               rslora=s.use_rslora, dropout=s.dropout,
+                               quant=quant_config(s, dims))
 
 
 def quant_config(s: LoraSettings, dims: dict) -> QuantConfig | None:
@@ -197,6 +198,8 @@ def check_inputs(settings: Settings, platform: str | None = None
         raise ConfigError(f"export.adapter_dir={settings.export.adapter_dir!r} exports LoRA "
                           "adapters, and model.lora.rank is unset: set model.lora.rank (e.g. "
                           "16) or drop export.adapter_dir.")
+    if settings.model.lora.init_from is not None:  # (LoraSettings.check: a rank is set)
+        hf.check_adapter(settings.model.lora.init_from, model_cfg)
     if checkpoint is not None:
         hf.check_tokenizer(settings, checkpoint)
     t = settings.train
@@ -372,9 +375,11 @@ class Experiment:
         return nnx.merge(self.graphdef, params)(inputs, positions, segment_ids)
 
     def features(self, params: Any, inputs: jax.Array, positions: jax.Array,
-                 segment_ids: jax.Array) -> tuple[jax.Array, Any, dict[str, jax.Array]]:
+                 segment_ids: jax.Array, dropout: lora_lib.Dropout | None = None
+                 ) -> tuple[jax.Array, Any, dict[str, jax.Array]]:
         """(final hidden states, LM head, MoE router metrics): what the loss needs."""
-        return nnx.merge(self.graphdef, params).features(inputs, positions, segment_ids)
+        return nnx.merge(self.graphdef, params).features(inputs, positions, segment_ids,
+                                                         dropout)
 
     @property
     def step_options(self) -> StepOptions:
@@ -385,7 +390,10 @@ class Experiment:
                            grad_dtype=self.precision.grad_accum,
                            aux_loss_coef=float(self.model_cfg.router_aux_loss_coef),
                            z_loss_coef=float(self.settings.model.router_z_loss_coef),
-                           adapters_only=self.adapters_only)
+                           adapters_only=self.adapters_only,
+                           lora_dropout=self.model_cfg.lora.dropout if self.adapters_only else 0.0,
+                           dropout_seed=self.settings.train.seed,
+                           seq_permutation=self.seq_permutation)
 
     # ----- state ---------------------------------------------------------------
 
@@ -436,22 +444,39 @@ class Experiment:
         return compiler.init_options(self.platform, decoder.num_params(self.model_cfg))
 
     def init_state(self, seed: int | None = None) -> state_lib.TrainState:
-        """Step 0: parameters from ``model.init_from`` if set, else random from ``seed``."""
+        """Step 0: parameters from ``model.init_from`` if set, else random from ``seed``;
+        under LoRA, the adapters of ``model.lora.init_from`` if set. Optimizer state
+        fresh (moments zero), as PEFT and Axolotl start from trained adapters."""
         seed = self.settings.train.seed if seed is None else seed
-        if self.checkpoint is None:
-            return self.compiled_init(jnp.asarray(seed, jnp.uint32))
-        return self.state_from_params(self.checkpoint_params(seed))
+        if self.checkpoint is not None:
+            return self.state_from_params(self.checkpoint_params(seed))
+        state = self.compiled_init(jnp.asarray(seed, jnp.uint32))
+        if self.settings.model.lora.init_from is None:
+            return state
+        # The random base of the very program a resume draws it again with (with_base),
+        # so that the two agree bit for bit; the drawn adapters are replaced.
+        base = lora_lib.split(state.params, True)[1]
+        return self.state_from_params(lora_lib.merge(base, self._adapters(seed)))
 
     def checkpoint_params(self, seed: int | None = None) -> Any:
         """The parameters of ``model.init_from``, sharded, with no optimizer state (what
         generation needs); under LoRA the base from the checkpoint (quantized as it is
-        read, under QLoRA) and fresh adapters from ``seed``."""
+        read, under QLoRA) and the adapters of ``_adapters``."""
         seed = self.settings.train.seed if seed is None else seed
         if not self.adapters_only:
             return hf.load_params(self.checkpoint, self.param_shapes, self.state_sharding.params)
         base = hf.load_params(self.checkpoint, *(lora_lib.split(t, True)[1] for t in (
             self.param_shapes, self.state_sharding.params)), quant=self.model_cfg.lora.quant)
-        return lora_lib.merge(base, self._compiled_adapters(jnp.asarray(seed, jnp.uint32)))
+        return lora_lib.merge(base, self._adapters(seed))
+
+    def _adapters(self, seed: int) -> Any:
+        """Step 0's LoRA adapters, sharded: ``model.lora.init_from``'s if set, else fresh
+        from ``seed``."""
+        directory = self.settings.model.lora.init_from
+        if directory is None:
+            return self._compiled_adapters(jnp.asarray(seed, jnp.uint32))
+        return hf.load_adapter(directory, self.model_cfg, *(self.trainable(t) for t in (
+            self.param_shapes, self.state_sharding.params)))
 
     @functools.cached_property
     def _compiled_adapters(self) -> jax.stages.Compiled:

@@ -17,8 +17,10 @@ FLOPs per (query, key) pair; under the causal mask a query sees on average
 Packed documents attend to fewer keys than that; we count the causal row, as
 is usual, so MFU is comparable across data sets. A layer with a sliding window
 (Mistral, Gemma 3's local layers) counts the keys inside its window instead of
-(seq_len + 1) / 2. Each family states its figure (``registry.Family.flops_per_token``;
-every family uses ``decoder.train_flops_per_token``).
+(seq_len + 1) / 2. Under LoRA the frozen weights (the LM head's too) count 4, not 6,
+per parameter (no weight gradient), and the adapters 6 * rank * (in + out) each, so
+MFU is the work a LoRA step does. Each family states its figure
+(``registry.Family.flops_per_token``; every family uses ``decoder.train_flops_per_token``).
 
 MFU = achieved model FLOP/s per device / peak dense bf16 FLOP/s of that device.
 """

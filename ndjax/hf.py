@@ -8,6 +8,8 @@ headers against the family's parameter names.
 ``load_params`` then builds every parameter directly in its target sharding,
 each device's shard read lazily (``safe_open(...).get_slice(name)[index]``:
 only that shard's bytes, a chunk at a time), so the host holds about one shard.
+``check_adapter`` and ``load_adapter`` do the same for a PEFT adapter directory
+(model.lora.init_from): ``export_adapter``'s inverse, from the same table of names.
 
 Export: ``export`` writes a directory that ``transformers`` loads. The tensors
 are first planned into files of at most ``export.max_shard_size`` bytes, named
@@ -613,6 +615,23 @@ def _atomic_dir(out_dir: str, barrier: str) -> Iterator[str | None]:
 ADAPTER_FILES = ("adapter_model.safetensors", "adapter_config.json")
 
 
+def _adapter_tensors(tree: Any, cfg: DecoderConfig
+                     ) -> Iterator[tuple[str, tuple[str, ...], int, int]]:
+    """(PEFT's name, the path in ``tree`` of the stacked ndjax leaf, its layer, the leaf's
+    split: ``_hf_shape``'s) of every adapter tensor, in the order ``export_adapter`` writes
+    them. ``tree``: parameters or their shapes. One table for export and import, so the
+    two cannot drift."""
+    for target in cfg.lora.targets:
+        module, _, n_in = lora.BASE_WEIGHTS[target]
+        if lora.PREFIX + target not in tree["layers"][module]:
+            continue
+        hf_module = f"{'self_attn' if module == 'attn' else 'mlp'}.{lora.TARGETS[target]}"
+        for i in range(cfg.n_layers):
+            for part, split in (("a", n_in), ("b", 1)):
+                yield (f"base_model.model.model.layers.{i}.{hf_module}.lora_{part.upper()}"
+                       ".weight", ("layers", module, lora.PREFIX + target, part), i, split)
+
+
 def export_adapter(params: Any, cfg: DecoderConfig, out_dir: str,
                    base: str | None = None) -> None:
     """Writes a LoRA's adapters in PEFT's format, atomically: ``adapter_model.safetensors``
@@ -624,24 +643,16 @@ def export_adapter(params: Any, cfg: DecoderConfig, out_dir: str,
     if cfg.lora is None:
         raise ValueError("export_adapter: the model has no LoRA adapters")
     tensors = []
-    layers = params["layers"]
-    for target in cfg.lora.targets:
-        module, _, n_in = lora.BASE_WEIGHTS[target]
-        adapter = layers[module].get(lora.PREFIX + target)
-        if adapter is None:
-            continue
-        hf_module = f"{'self_attn' if module == 'attn' else 'mlp'}.{lora.TARGETS[target]}"
-        for i in range(cfg.n_layers):
-            for part, split in (("a", n_in), ("b", 1)):
-                x = adapter[part]
-                shape = _hf_shape(x.shape[1:], split)
+    for name, path, i, split in _adapter_tensors(params, cfg):
+        x = _at(params, path)
+        shape = _hf_shape(x.shape[1:], split)
 
-                def get(x=x, i=i, shape=shape):
-                    return _host(x[i]).reshape(shape[::-1]).T
-                tensors.append((f"base_model.model.model.layers.{i}.{hf_module}.lora_"
-                                f"{part.upper()}.weight", shape, get))
+        def get(x=x, i=i, shape=shape):
+            return _host(x[i]).reshape(shape[::-1]).T
+        tensors.append((name, shape, get))
     config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": cfg.lora.rank,
-              "lora_alpha": cfg.lora.alpha, "lora_dropout": 0.0, "use_rslora": cfg.lora.rslora,
+              "lora_alpha": cfg.lora.alpha, "lora_dropout": cfg.lora.dropout,
+              "use_rslora": cfg.lora.rslora,
               "target_modules": [lora.TARGETS[t] for t in cfg.lora.targets], "bias": "none",
               "fan_in_fan_out": False, "inference_mode": True, "modules_to_save": None,
               "base_model_name_or_path": base}
@@ -650,6 +661,137 @@ def export_adapter(params: Any, cfg: DecoderConfig, out_dir: str,
         if tmp:
             with open(os.path.join(tmp, ADAPTER_FILES[1]), "w") as f:
                 json.dump(config, f, indent=2, sort_keys=True)
+
+
+# ----- adapters in: model.lora.init_from ------------------------------------------
+
+
+def check_adapter(directory: str, cfg: DecoderConfig) -> None:
+    """model.lora.init_from, checked before anything compiles: its two files,
+    adapter_config.json against ``cfg.lora`` and every tensor's name and shape against
+    the adapters ``cfg`` builds (from the file's header: no tensor is read)."""
+    where = f"model.lora.init_from={directory!r}"
+    _check_adapter_config(where, _adapter_config(where, directory), cfg.lora)
+    try:
+        header = _read_header(os.path.join(directory, ADAPTER_FILES[0]))
+    except ConfigError as e:
+        raise ConfigError(f"{where}: {e}") from None
+    found = {name: entry.shape for name, entry in header.items()}
+    shapes = lora.trainable(_param_shapes(cfg), True)
+    expected = {name: _hf_shape(_at(shapes, path).shape[1:], split)
+                for name, path, _, split in _adapter_tensors(shapes, cfg)}
+    missing = [n for n in expected if n not in found]
+    extra = sorted(set(found) - set(expected))
+    if missing:
+        raise ConfigError(f"{where}: {ADAPTER_FILES[0]} has no {missing[0]}, which the "
+                          f"adapters of model.lora.target_modules on the base's "
+                          f"{cfg.n_layers} layers need. Use the adapter trained on this base.")
+    if extra:
+        raise ConfigError(f"{where}: {ADAPTER_FILES[0]} holds {extra[0]}, which ndjax's "
+                          "adapters do not have (LoRA's A and B of the blocks' projections "
+                          "only). Use a plain LoRA adapter of this base.")
+    for name, shape in expected.items():
+        if found[name] != shape:
+            raise ConfigError(f"{where}: {name} has shape {found[name]}, where this model's "
+                              f"adapter has {shape} (model.lora.rank={cfg.lora.rank} and the "
+                              "base's dims). Use the adapter trained on this base.")
+
+
+def _adapter_config(where: str, directory: str) -> dict:
+    """adapter_config.json of a PEFT adapter directory that has both files."""
+    if not os.path.isdir(directory):
+        raise ConfigError(f"{where} is not a local directory: point it at a PEFT adapter "
+                          f"directory ({ADAPTER_FILES[1]} and {ADAPTER_FILES[0]}, as PEFT's "
+                          "save_pretrained and ndjax's adapter export write them).")
+    for name in ADAPTER_FILES:
+        if not os.path.isfile(os.path.join(directory, name)):
+            # PEFT before 0.6 pickled the tensors; ndjax reads safetensors only.
+            older = (" (an adapter_model.bin: load it with peft and save_pretrained it "
+                     "again, which writes safetensors)" if name == ADAPTER_FILES[0] else "")
+            raise ConfigError(f"{where} has no {name}: point it at a directory written by "
+                              f"PEFT's save_pretrained{older}.")
+    try:
+        with open(os.path.join(directory, ADAPTER_FILES[1])) as f:
+            config = json.load(f)
+    except ValueError as e:
+        raise ConfigError(f"{where}: {ADAPTER_FILES[1]} is not JSON ({e}).") from None
+    if not isinstance(config, dict):
+        raise ConfigError(f"{where}: {ADAPTER_FILES[1]} holds no JSON object; re-save the "
+                          "adapter with PEFT's save_pretrained.")
+    return config
+
+
+def _check_adapter_config(where: str, config: dict, cfg: lora.LoraConfig) -> None:
+    """PEFT's fields against model.lora, each mismatch naming the value to set. Fields
+    that change nothing here pass (task_type, base_model_name_or_path...), and so does
+    lora_dropout: it is how training goes on, not what the adapters hold."""
+    said = f"{where}: {ADAPTER_FILES[1]} has"
+    if config.get("peft_type") != "LORA":
+        raise ConfigError(f"{said} peft_type={config.get('peft_type')!r}; ndjax loads LoRA "
+                          "adapters only (peft_type 'LORA'): point it at one.")
+    if config.get("bias", "none") != "none":
+        raise ConfigError(f"{said} bias={config['bias']!r}; ndjax's adapters have no biases: "
+                          "use an adapter trained with bias='none'.")
+    for key in ("rank_pattern", "alpha_pattern"):  # a per-module alpha would load silently
+        if config.get(key):
+            raise ConfigError(f"{said} {key}={config[key]!r}; ndjax gives every adapter "
+                              f"model.lora's one rank and alpha: use an adapter without {key}.")
+    theirs = _peft_targets(said, config.get("target_modules"))
+    for field, key, ours, value in (
+            ("rank", "r", cfg.rank, config.get("r")),
+            ("alpha", "lora_alpha", cfg.alpha, config.get("lora_alpha")),
+            ("use_rslora", "use_rslora", cfg.rslora, config.get("use_rslora", False)),
+            ("target_modules", "target_modules", _target_names(cfg.targets),
+             _target_names(theirs))):
+        if value != ours:
+            raise ConfigError(f"{said} {key}={value!r}, and model.lora.{field}={ours!r}: set "
+                              f"model.lora.{field}={value!r}.")
+
+
+def _peft_targets(said: str, value: Any) -> tuple[str, ...]:
+    """adapter_config.json's target_modules (a list in any order, as PEFT saves its set)
+    -> the ``lora.TARGETS`` keys."""
+    listed = (",".join(value) if isinstance(value, list) and all(isinstance(v, str)
+                                                                 for v in value) else value)
+    targets = lora.parse_targets(listed) if isinstance(listed, str) and listed else None
+    if not isinstance(targets, tuple):
+        raise ConfigError(f"{said} target_modules={value!r}; ndjax's LoRA adapts the modules "
+                          f"{', '.join(lora.TARGETS.values())} by name (no regular "
+                          "expression): use an adapter of those.")
+    return targets
+
+
+def _target_names(targets: tuple[str, ...]) -> str:
+    """``lora.TARGETS`` keys as model.lora.target_modules would say them."""
+    if set(targets) == set(lora.TARGETS):
+        return lora.ALL_LINEAR
+    return ",".join(lora.TARGETS[t] for t in targets)
+
+
+def load_adapter(directory: str, cfg: DecoderConfig, shapes: Any, shardings: Any) -> Any:
+    """``export_adapter``'s inverse: a PEFT directory's adapters (``check_adapter``'s) as
+    ndjax's adapter tree, in ``shapes``' dtype (float32, whatever the file stores).
+    ``shapes``, ``shardings``: the adapters' part (``lora.split(..., True)[0]``) of
+    ``Experiment.param_shapes`` and ``state_sharding.params``. Each array is made by
+    ``jax.make_array_from_callback``: every process reads only its own devices' shards
+    (the adapters are small, so ``_put``'s one-shard-at-a-time is not needed)."""
+    names: dict[tuple[str, ...], tuple[int, list[str]]] = {}
+    for name, path, _, split in _adapter_tensors(shapes, cfg):
+        names.setdefault(path, (split, []))[1].append(name)  # in layer order
+    with safe_open(os.path.join(directory, ADAPTER_FILES[0]), framework="numpy") as f:
+
+        def load(path: Any, shape: jax.ShapeDtypeStruct, sharding: Any) -> jax.Array:
+            split, per_layer = names[tuple(str(k.key) for k in path)]
+
+            def read(index: tuple[slice, ...]) -> np.ndarray:
+                layers = range(shape.shape[0])[index[0]]
+                out = np.empty((len(layers), *(len(range(n)[i]) for n, i in zip(
+                    shape.shape[1:], index[1:], strict=True))), shape.dtype)
+                for j, i in enumerate(layers):  # _fill casts to out's dtype
+                    _fill(out[j], f.get_slice(per_layer[i]), shape.shape[1:], split, index[1:])
+                return out
+            return jax.make_array_from_callback(shape.shape, sharding, read)
+        return jax.tree_util.tree_map_with_path(load, shapes, shardings)
 
 
 def _write_metadata(tmp: str, plan: dict[str, list], itemsize: int, config: dict,

@@ -10,7 +10,7 @@ import jax
 import numpy as np
 
 from ndjax.experiment import Experiment
-from ndjax.models import decoder
+from ndjax.models import decoder, lora
 from ndjax.report import format_bytes
 
 
@@ -42,7 +42,7 @@ def startup(exp: Experiment, workdir: str, resume_step: int | None) -> list[str]
         + (f"; {_size(decoder.num_params(cfg, active=True))} active per token: "
            f"{cfg.experts_per_token} of {cfg.n_experts} experts, grouped matmuls "
            f"{cfg.moe_impl}" if cfg.n_experts else "")
-        + "); "
+        + ")" + _lora(cfg) + "; "
         f"compute {np.dtype(cfg.dtype).name}, parameters {np.dtype(cfg.param_dtype).name}, "
         f"moments {t.opt_state_dtype}; remat {cfg.remat}; layers "
         f"{'scanned' if cfg.scan_layers else 'unrolled'}",
@@ -52,6 +52,16 @@ def startup(exp: Experiment, workdir: str, resume_step: int | None) -> list[str]
         f"workdir: {workdir}; " + (f"resuming from checkpoint step {resume_step}"
                                    if resume_step is not None else "starting at step 1"),
     ]
+
+
+def _lora(cfg) -> str:
+    """What a LoRA run trains, as PEFT's ``print_trainable_parameters`` says it."""
+    if cfg.lora is None:
+        return ""
+    n, base = lora.num_adapter_params(cfg), decoder.num_params(cfg)
+    quant = f", base {cfg.lora.quant.kind}" if cfg.lora.quant else ""
+    return (f"; LoRA rank {cfg.lora.rank} on {','.join(cfg.lora.targets)}: {_size(n)} "
+            f"trainable ({100 * n / (n + base):.2f}%), dropout {cfg.lora.dropout:g}{quant}")
 
 
 def compiled(exp: Experiment, seconds: float) -> str:

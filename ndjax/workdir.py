@@ -106,6 +106,7 @@ def run_config(workdir: str) -> ml_collections.ConfigDict:
     # (a run saved before workdirs kept their model still needs it)
     if _resolved(config) and config.model.lora.rank is None:
         config.model.init_from = None
+    config.model.lora.init_from = None  # the checkpoints hold the adapters
     tokenizer = os.path.join(workdir, TOKENIZER, "tokenizer.json")
     if config.data.tokenizer != "byte" and os.path.isfile(tokenizer):
         config.data.tokenizer = tokenizer
@@ -156,6 +157,7 @@ def for_resume(config: ml_collections.ConfigDict, workdir: str) -> ml_collection
         return config
     saved = config_lib.run_config(workdir)
     config = _run_copies(ml_collections.ConfigDict(config.to_dict()), saved, workdir)
+    _resume_adapters(config, saved, workdir)
     if config.model.init_from is None or not _resolved(saved):
         return config
     if saved.model.init_from != config.model.init_from:
@@ -168,6 +170,20 @@ def for_resume(config: ml_collections.ConfigDict, workdir: str) -> ml_collection
     if config.model.lora.rank is None:  # LoRA's checkpoints hold the adapters, not the base
         config.model.init_from = None
     return config
+
+
+def _resume_adapters(config: ml_collections.ConfigDict, saved: ml_collections.ConfigDict,
+                     workdir: str) -> None:
+    """model.lora.init_from, like a full run's model.init_from, only starts step 0: the
+    checkpoints hold the adapters, so a resume drops it (the directory may be gone), after
+    checking that it names what the run started from."""
+    given, started = config.model.lora.init_from, saved.model.lora.init_from
+    if given is not None and given != started:
+        raise ConfigError(
+            f"model.lora.init_from={given!r}, but the run in {workdir!r} started from "
+            f"{started!r}; resume it with the same model.lora.init_from, or use another "
+            "--workdir (or checkpoint.resume=never).")
+    config.model.lora.init_from = None
 
 
 def _run_copies(config: ml_collections.ConfigDict, saved: ml_collections.ConfigDict,

@@ -1,3 +1,4 @@
+import dataclasses
 import functools
 import math
 
@@ -10,6 +11,7 @@ from ndjax import roofline
 from ndjax.experiment import Experiment
 from ndjax.flops import flops_per_token, peak_tflops
 from ndjax.models.decoder import DecoderConfig
+from ndjax.models.lora import LoraConfig
 from ndjax.models.registry import config_from_preset
 from ndjax.parallel import rules as rules_lib
 from ndjax.train_step import train_step
@@ -26,6 +28,12 @@ def test_flops_per_token_by_hand():
     attention = 2 * 2 * 15 * (2 * 2 * 4) * 3 / seq   # layers x heads x pairs x flops, per token
     expected = 6 * matmul_params + 6 * head + attention
     assert flops_per_token(cfg, seq) == pytest.approx(expected)
+    # LoRA rank 2 on q and down: the frozen weights form their input's gradient only (4
+    # FLOPs a weight), the adapters all three matmuls: 6 x 2 x ((8 + 8) + (16 + 8)) a layer.
+    lora_cfg = dataclasses.replace(cfg, lora=LoraConfig(rank=2, alpha=4.0, targets=("q", "down")))
+    adapters = 2 * 6 * 2 * (16 + 24)
+    assert flops_per_token(lora_cfg, seq) == pytest.approx(
+        4 * matmul_params + 4 * head + adapters + attention)
 
 
 @pytest.mark.parametrize("kind, peak", [

@@ -194,7 +194,7 @@ def test_nd_parallel_yaml_maps_the_mesh_and_builds(files):
 
 def test_qlora_and_the_adapter_fields_ndjax_lacks_are_listed(files):
     """QLoRA is LoRA on an NF4 base, load_in_8bit on an int8 one; lora_target_linear is
-    all-linear; dropout, bitsandbytes' options and loading a trained adapter are listed,
+    all-linear; lora_model_dir is model.lora.init_from; bitsandbytes' options are listed,
     not dropped."""
     raw = {**yaml_of(SFT_YAML, files), "adapter": "qlora", "load_in_4bit": True, "lora_r": 32,
            "lora_target_linear": True, "lora_target_modules": ["q_proj"], "lora_dropout": 0.05,
@@ -204,18 +204,23 @@ def test_qlora_and_the_adapter_fields_ndjax_lacks_are_listed(files):
     conv = from_axolotl.convert(raw, devices=8)
     o = conv.overrides
     assert (o["model.lora.rank"], o["model.lora.alpha"], o["model.lora.target_modules"],
-            o["model.lora.use_rslora"], o["model.lora.quantize"]) == (
-        32, 8.0, "all-linear", True, "nf4")
+            o["model.lora.use_rslora"], o["model.lora.quantize"], o["model.lora.dropout"]) == (
+        32, 8.0, "all-linear", True, "nf4", 0.05)
     reasons = {u.field: u.reason for u in conv.unmapped}
     assert "adapter" not in reasons and "load_in_4bit" not in reasons
     assert "double quantization" in reasons["bnb_4bit_use_double_quant"]
-    assert "dropout" in reasons["lora_dropout"] and "load" in reasons["lora_model_dir"]
+    assert "lora_dropout" not in reasons and "lora_model_dir" not in reasons
+    assert o["model.lora.init_from"] == "runs/old"
     eight = from_axolotl.convert({**raw, "adapter": "lora", "load_in_4bit": False,
                                   "load_in_8bit": True}, devices=8)
     assert eight.overrides["model.lora.quantize"] == "int8"
     with pytest.raises(ConfigError, match="load_in_8bit: .* must be false when load_in_4bit"):
         from_axolotl.convert({**raw, "load_in_8bit": True}, devices=8)
     assert_every_field_accounted_for(raw, conv)
+    plain = from_axolotl.convert({**raw, "adapter": "lora", "load_in_4bit": False}, devices=8)
+    with pytest.raises(ConfigError, match=r"model.lora.init_from='runs/old' is not a local "
+                       r"directory.* \(model.lora.init_from from lora_model_dir\)$"):
+        from_axolotl.check(from_axolotl.render(plain, "config.yml"), plain)
     conv = from_axolotl.convert({**raw, "lora_target_linear": False,
                                  "lora_target_modules": ["q_proj", "w_q"]}, devices=8)
     with pytest.raises(ConfigError, match=r"model.lora.target_modules='q_proj,w_q': 'w_q' is no "

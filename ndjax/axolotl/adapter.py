@@ -1,7 +1,8 @@
 """Axolotl's adapter fields -> model.lora (ndjax.models.lora): ``adapter: lora`` with
 ``lora_r``, ``lora_alpha``, ``lora_target_modules`` / ``lora_target_linear`` and
-``peft_use_rslora``, by their PEFT meaning; ``adapter: qlora`` (``load_in_4bit``) and
-``load_in_8bit`` as the quantized base of model.lora.quantize."""
+``peft_use_rslora``, by their PEFT meaning; ``lora_model_dir`` (trained adapters to go on
+from) as model.lora.init_from; ``adapter: qlora`` (``load_in_4bit``) and ``load_in_8bit``
+as the quantized base of model.lora.quantize."""
 
 from __future__ import annotations
 
@@ -36,10 +37,13 @@ def lora(f: Fields, out: Out) -> bool:
     out.set("model.lora.target_modules", targets, note)
     if f.flag("peft_use_rslora", False):
         out.set("model.lora.use_rslora", True, "peft_use_rslora")
+    # Axolotl loads lora_model_dir's adapters (PeftModel.from_pretrained) to go on from them.
+    trained = f.text("lora_model_dir", None)
+    if trained is not None:
+        out.set("model.lora.init_from", trained, "lora_model_dir")
     dropout = f.number("lora_dropout", 0.0, maximum=1.0)
     if dropout:
-        out.skip("lora_dropout", dropout, "ndjax's LoRA has no dropout yet: the adapters see "
-                 "the layer's input as it is (lora_dropout: 0)")
+        out.set("model.lora.dropout", dropout, "lora_dropout")
     return True
 
 

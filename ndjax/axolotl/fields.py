@@ -14,7 +14,6 @@ from ndjax.errors import ConfigError
 UNSET = object()
 # Why common fields are not mapped, by exact name or prefix (first match wins).
 REASONS = (
-    (("lora_model_dir",), "ndjax starts adapters fresh; it does not load trained ones yet"),
     (("peft_use_dora", "peft_layers_to_transform", "peft_layers_pattern", "lora_modules_to_save",
       "lora_fan_in_fan_out", "lora_on_cpu", "loraplus_", "relora_", "lisa_", "peft_"),
      "ndjax's LoRA adapts the blocks' projections (model.lora) and nothing else"),

@@ -600,9 +600,17 @@ def train_flops_per_token(cfg: DecoderConfig, seq_len: int) -> float:
     (QK^T and PV are each 2 * head_dim FLOPs per query-key pair.) The causal row is
     counted, not the packed documents' shorter ones, as is usual, so that MFU is
     comparable across data sets; a local layer counts the keys in its window.
+
+    Under LoRA the frozen weights form no gradient of their own, only their input's:
+    4 (not 6) FLOPs per weight, the LM head's too; each adapter adds its two matmuls,
+    6 * rank * (in + out) (``lora.num_adapter_params``). The attention is unchanged.
     """
     d, hd = cfg.dim, cfg.hd
     matmul = cfg.n_layers * (d * hd * (2 * cfg.n_heads + 2 * cfg.n_kv_heads)
                              + mlp_params(cfg, active=True))
     keys = sum(keys_per_query(seq_len, cfg.spec(t).window) for t in cfg.types)
-    return 6.0 * (matmul + d * cfg.vocab_size) + 12.0 * cfg.n_heads * hd * keys
+    attention = 12.0 * cfg.n_heads * hd * keys
+    if cfg.lora is None:
+        return 6.0 * (matmul + d * cfg.vocab_size) + attention
+    return (4.0 * (matmul + d * cfg.vocab_size) + 6.0 * lora_lib.num_adapter_params(cfg)
+            + attention)

@@ -219,6 +219,23 @@ BASE_WEIGHTS = {"q": ("attn", "wq", 1), "k": ("attn", "wk", 1), "v": ("attn", "w
                 "down": ("mlp", "w_down", 1)}
 
 
+def adapter_shapes(cfg: Any) -> dict[str, tuple[int, int]]:
+    """(inputs, outputs) of each of one layer's adapted projections, by target: those of
+    ``cfg.lora.targets`` the model has (a mixture of experts has no dense MLP)."""
+    q, kv = cfg.n_heads * cfg.hd, cfg.n_kv_heads * cfg.hd
+    sizes = {"q": (cfg.dim, q), "k": (cfg.dim, kv), "v": (cfg.dim, kv), "o": (q, cfg.dim)}
+    if not cfg.n_experts:
+        sizes.update(gate=(cfg.dim, cfg.ffn_dim), up=(cfg.dim, cfg.ffn_dim),
+                     down=(cfg.ffn_dim, cfg.dim))
+    return {t: sizes[t] for t in cfg.lora.targets if t in sizes}
+
+
+def num_adapter_params(cfg: Any) -> int:
+    """The adapters' parameters, all layers: what a LoRA run trains."""
+    return cfg.n_layers * sum(cfg.lora.rank * (n_in + n_out)
+                              for n_in, n_out in adapter_shapes(cfg).values())
+
+
 def delta(a: jax.Array, b: jax.Array, scale: float) -> jax.Array:
     """``scale * A B`` of stacked adapters (layers, in..., r) and (layers, r, out...) ->
     (layers, in..., out...) in float32: what the adapter adds to the base weight."""
