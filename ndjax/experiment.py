@@ -155,14 +155,12 @@ def quant_config(s: LoraSettings, dims: dict) -> QuantConfig | None:
     against each projection's last dimension (its blocks run along it)."""
     if s.quantize == "none":
         return None
-    if dims.get("n_experts"):
-        raise ConfigError(
-            f"model.lora.quantize={s.quantize!r}: model.family={dims['family']!r} is a "
-            "mixture of experts, and its experts are not quantized yet: use "
-            "model.lora.quantize='none' (a bfloat16 base).")
     q = QuantConfig(s.quantize, s.quant_block)
     hd = dims.get("head_dim") or dims["dim"] // dims["n_heads"]
-    for name, last in (("head_dim", hd), ("dim", dims["dim"]), ("ffn_dim", dims["ffn_dim"])):
+    # The widths weights end in: a mixture of experts' is its experts' (its MLP).
+    mlp = (("moe_ffn_dim", dims.get("moe_ffn_dim") or dims["ffn_dim"]) if dims.get("n_experts")
+           else ("ffn_dim", dims["ffn_dim"]))
+    for name, last in (("head_dim", hd), ("dim", dims["dim"]), mlp):
         problem = q.problem((last,))
         if problem:
             good = [b for b in (64, 32, 16, 8) if not QuantConfig(s.quantize, b).problem((last,))]

@@ -84,12 +84,20 @@ def micro_batches(batch: Batch, k: int) -> Batch:
     return {name: split(a) for name, a in batch.items()}
 
 
+def step_dropout(options: StepOptions, step: jax.Array, batch: Batch) -> lora.Dropout | None:
+    """The LoRA dropout of the step that ``step`` (the state's counter) starts."""
+    rows, seq_len = batch["inputs"].shape
+    return lora.step_dropout(options.lora_dropout, options.dropout_seed, step, rows, seq_len,
+                             options.seq_permutation)
+
+
 def loss_and_grads(features: FeaturesFn, options: StepOptions, params: Any, batch: Batch,
-                   grad_shardings: Any = None) -> tuple[jax.Array, jax.Array, Any]:
+                   grad_shardings: Any = None, dropout: lora.Dropout | None = None
+                   ) -> tuple[jax.Array, jax.Array, Any]:
     """(mean loss, tokens, float32 gradients): ``loss_aux_and_grads`` without the MoE
     router's metrics."""
     loss, tokens, grads, _ = loss_aux_and_grads(features, options, params, batch,
-                                                grad_shardings)
+                                                grad_shardings, dropout)
     return loss, tokens, grads
 
 
@@ -208,11 +216,9 @@ def train_step(features: FeaturesFn, optimizer: optax.GradientTransformation,
 
         def features(p, *args):
             return base_features(lora.merge(frozen, p), *args)
-    rows, seq_len = batch["inputs"].shape
-    dropout = lora.step_dropout(options.lora_dropout, options.dropout_seed, state.step, rows,
-                                seq_len, options.seq_permutation)
     loss, tokens, grads, aux = loss_aux_and_grads(features, options, trainable, batch,
-                                                  grad_shardings, dropout)
+                                                  grad_shardings,
+                                                  step_dropout(options, state.step, batch))
     if options.nan_at_step >= 0:
         poison = jnp.where(state.step + 1 == options.nan_at_step, jnp.nan, 1.0)
         loss = loss * poison

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 import json
 
 import jax
@@ -14,7 +13,7 @@ from ndjax.data.synthetic import SyntheticSource
 from ndjax.experiment import Experiment
 from ndjax.models import lora
 from ndjax.parallel import rules as rules_lib
-from ndjax.train_step import loss_and_grads
+from ndjax.train_step import loss_and_grads, step_dropout
 
 
 def train_py_flags() -> list[str]:
@@ -101,7 +100,10 @@ def first_step_grads(exp: Experiment, initial_state):
     def features(p, *args):
         return exp.features(lora.merge(frozen, p), *args)
 
-    fn = functools.partial(loss_and_grads, features, exp.step_options)
+    def fn(trainable, batch):  # with the first step's LoRA dropout, as the step has it
+        dropout = step_dropout(exp.step_options, initial_state.step, batch)
+        return loss_and_grads(features, exp.step_options, trainable, batch, dropout=dropout)
+
     with rules_lib.use(exp.rules):
         return jax.device_get(jax.jit(fn)(trainable, batch)[2])
 
