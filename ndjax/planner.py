@@ -22,7 +22,10 @@ For one config and N devices:
    and temporary bytes per device (``memory_analysis``), every collective
    (``ndjax.parallel.collectives``) and the partitioner's involuntary rematerialisations.
    A layout whose inputs alone (parameters, optimizer state, batch: known from
-   their shardings) overflow the budget is not compiled. Results are cached on
+   their shardings) overflow the budget is not compiled. With ``top`` the layouts
+   compile best first, by their least step time (``Checked.least_step_s``: compute
+   and ``ndjax.traffic_bound``), and one that cannot beat the ``top``-th best that
+   fits is not compiled (status ``slower``). Results are cached on
    disk, keyed by the config, N, the compiler, the jax version and ndjax's source.
 4. A layout over the memory budget whose parameters, optimizer state and batch
    fit is retried with more rematerialisation (``none`` -> ``save_proj`` -> ``full``)
@@ -57,7 +60,7 @@ from typing import Any
 import jax
 import ml_collections
 
-from ndjax import children, compiler, platforms, roofline
+from ndjax import children, compiler, platforms, roofline, traffic_bound
 from ndjax.config import Settings, as_settings, default_config
 from ndjax.errors import ConfigError
 from ndjax.parallel.collectives import collectives
@@ -194,6 +197,16 @@ class Checked:
     arguments: int = 0
     # What the layout's remat reruns in the backward pass, FLOPs of one step, all devices.
     recompute_flops: float = 0.0
+    # The least traffic its step can have, from its shardings (ndjax.traffic_bound).
+    least_link: roofline.Link | None = None
+
+    def least_step_s(self, hardware: roofline.Hardware) -> float:
+        """A lower bound of its step time: its compute, and its least traffic."""
+        if self.least_link is None:
+            return 0.0
+        return roofline.estimate(hardware, self.least_link, self.model_flops, self.tokens,
+                                 math.prod(self.layout.degrees), self.layout.remat,
+                                 self.recompute_flops).serial_s
 
     @property
     def config(self) -> ml_collections.ConfigDict:
@@ -203,7 +216,7 @@ class Checked:
 
 def check(config: ml_collections.ConfigDict | Settings, layout: Layout,
           devices: Sequence[jax.Device], hardware: roofline.Hardware,
-          inputs: Any = None) -> Checked:
+          inputs: Any = None, devices_per_node: int = 8) -> Checked:
     """``Experiment.from_config``'s checks for this layout; ConfigError if one fails.
     ``inputs`` (``experiment.Inputs``): the checkpoint and data, checked once for all
     layouts (None: checked here)."""
@@ -243,7 +256,8 @@ def check(config: ml_collections.ConfigDict | Settings, layout: Layout,
     rerun = sum(roofline.recomputed_forward_flops(exp.model_cfg, t.seq_len,
                                                   layout.remat).values())
     return Checked(layout, target, attention, flops_per_token(exp.model_cfg, t.seq_len) * tokens,
-                   tokens, signature, argument_bytes(exp), recompute_flops=rerun * tokens)
+                   tokens, signature, argument_bytes(exp), recompute_flops=rerun * tokens,
+                   least_link=traffic_bound.least_traffic(exp, devices, devices_per_node))
 
 
 def argument_bytes(exp: Any) -> int:
@@ -393,6 +407,7 @@ class Compiler:
                  progress: Callable[[str], None] = lambda _: None,
                  target: str | None = None, per_node: int = 8):
         self.n, self.cache, self.progress = n, cache, progress
+        self.workers = workers
         self.target, self.per_node = target, per_node
         self._pool = None
         if workers > 0:
@@ -454,6 +469,8 @@ class Candidate:
     aliases: list[str] = dataclasses.field(default_factory=list)  # the same program
     least_memory: int = 0        # the smallest of the tries, when none fits
     cannot_rank: str = ""        # why its remedies were not compiled (_remedy)
+    # A lower bound of its step time before compiling (Checked.least_step_s), seconds.
+    least_step_s: float = 0.0
     # The SPMD partitioner's "involuntary full rematerialization" warnings: a
     # resharding it could only do by gathering a whole tensor (time and memory).
     rematerializations: list[str] = dataclasses.field(default_factory=list)
@@ -467,7 +484,8 @@ class Candidate:
         out = dict(mesh=dict(zip(AXES, self.layout.degrees)), rules=self.layout.rules,
                    remat=self.layout.remat, grad_accum=self.layout.grad_accum,
                    cp_impl=self.layout.cp_impl,
-                   status=self.status, reason=self.reason, aliases=self.aliases)
+                   status=self.status, reason=self.reason, aliases=self.aliases,
+                   least_step_s=self.least_step_s)
         if self.status in ("ranked", "over"):
             out.update(attention=self.attention, arguments_bytes=self.arguments,
                        temporaries_bytes=self.temporaries, memory_bytes=self.memory,
@@ -531,8 +549,8 @@ def _gib(n: float) -> str:
 
 
 def _check_all(config: Settings, n: int, hardware: roofline.Hardware,
-               devices: Sequence[jax.Device], presets: Sequence[str] | None, inputs: Any
-               ) -> tuple[list[Candidate], dict[int, Checked], int]:
+               devices: Sequence[jax.Device], presets: Sequence[str] | None, inputs: Any,
+               devices_per_node: int = 8) -> tuple[list[Candidate], dict[int, Checked], int]:
     """Every layout through the checks: rejected ones with their reason, and one
     candidate per distinct program, under its plainest name (the default rules, then
     the fewest replicas) with the others as its aliases."""
@@ -542,7 +560,7 @@ def _check_all(config: Settings, n: int, hardware: roofline.Hardware,
     for layout in layouts(config, n, presets):
         cand = Candidate(layout)
         try:
-            c = check(config, layout, devices, hardware, inputs)
+            c = check(config, layout, devices, hardware, inputs, devices_per_node)
         except ConfigError as e:
             cand.reason = " ".join(str(e).split())
             rejected.append(cand)
@@ -628,7 +646,8 @@ def _remedy(config: Settings, over: list[Candidate],
             chosen = None
             while queue and chosen is None:
                 try:
-                    c = check(config, queue.pop(0), devices, hardware, inputs)
+                    c = check(config, queue.pop(0), devices, hardware, inputs,
+                              devices_per_node)
                 except ConfigError:  # e.g. a grad_accum the batch does not split into
                     continue
                 bound, best = _at_least(cand, c, hardware), _kth_best([*ranked, *over], top)
@@ -692,7 +711,8 @@ def make_plan(config: ml_collections.ConfigDict, n: int, hardware: roofline.Hard
     model, inputs = check_inputs(target_settings(settings, base))
     budget = hardware.memory_bytes * mem_fraction
     progress(compiler.describe())
-    candidates, checked, aliases = _check_all(settings, n, hardware, devices, presets, inputs)
+    candidates, checked, aliases = _check_all(settings, n, hardware, devices, presets, inputs,
+                                              devices_per_node)
     pending = [c for c in candidates if id(c) in checked]
     progress(f"{len(pending) + aliases} layouts pass the checks ({len(pending)} distinct "
              f"programs), {len(candidates) - len(pending)} rejected")
@@ -700,9 +720,7 @@ def make_plan(config: ml_collections.ConfigDict, n: int, hardware: roofline.Hard
         if checked[id(cand)].arguments > budget:
             cand.status, cand.arguments = "over", checked[id(cand)].arguments
     pending = [c for c in pending if c.status != "over"]
-    results = compiler.measure_all([checked[id(c)].config for c in pending])
-    for cand, r in zip(pending, results):
-        _fill(cand, r, checked[id(cand)], hardware, devices_per_node, budget)
+    _first_round(pending, checked, compiler, hardware, devices_per_node, budget, top)
     over = [c for c in pending if c.status == "over" and c.arguments <= budget]
     ranked = [c for c in pending if c.status == "ranked"]
     _remedy(settings, over, checked, compiler, hardware, devices, devices_per_node, budget,
@@ -710,12 +728,43 @@ def make_plan(config: ml_collections.ConfigDict, n: int, hardware: roofline.Hard
     for cand in candidates:
         if cand.status == "over":
             cand.reason = _why_over(cand, budget)
-    order = {"ranked": 0, "over": 1, "failed": 2, "rejected": 3}
+    order = {"ranked": 0, "over": 1, "slower": 2, "failed": 3, "rejected": 4}
     candidates.sort(key=lambda c: (order[c.status],
                                    c.estimate.serial_s if c.status == "ranked" and c.estimate
                                    else c.memory if c.status == "over" else 0))
     return Plan(n, hardware, devices_per_node, budget, candidates, aliases, model,
                 compiler.target or "cpu")
+
+
+def _first_round(pending: list[Candidate], checked: dict[int, Checked], compiler: Compiler,
+                 hardware: roofline.Hardware, devices_per_node: int, budget: float,
+                 top: int | None) -> None:
+    """Each candidate compiled as configured, or with ``top`` best first: in the order of
+    their least step times (``Checked.least_step_s``), a few at a time, and none whose
+    least step time is already slower than the ``top``-th best that fits (status
+    ``slower``: it could not rank)."""
+    for cand in pending:
+        cand.least_step_s = checked[id(cand)].least_step_s(hardware)
+    if top is None:
+        results = compiler.measure_all([checked[id(c)].config for c in pending])
+        for cand, r in zip(pending, results):
+            _fill(cand, r, checked[id(cand)], hardware, devices_per_node, budget)
+        return
+    least = {id(c): c.least_step_s for c in pending}
+    queue = sorted(pending, key=lambda c: least[id(c)])
+    batch = max(2 * compiler.workers, top, 1)
+    while queue:
+        best = _kth_best(pending, top)
+        for cand in [c for c in queue if least[id(c)] > best]:
+            cand.status = "slower"
+            cand.reason = (f"not compiled: its step takes at least {least[id(cand)] * 1e3:,.1f} "
+                           f"ms (its compute and the traffic its shardings force), #{top} "
+                           f"takes {best * 1e3:,.1f}")
+        queue = [c for c in queue if least[id(c)] <= best]
+        now, queue = queue[:batch], queue[batch:]
+        results = compiler.measure_all([checked[id(c)].config for c in now])
+        for cand, r in zip(now, results):
+            _fill(cand, r, checked[id(cand)], hardware, devices_per_node, budget)
 
 
 def default_cache_dir() -> str:

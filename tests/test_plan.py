@@ -122,6 +122,10 @@ def test_plan_for_the_top_layouts_compiles_less_and_ranks_the_same(tmp_path):
     full = _plan(config, tight, tmp_path, every, n=4)
     best = _plan(config, tight, tmp_path, some, n=4, top=1)
     first = full.by_status("ranked")[0]
+    # The least step time of each layout, from its shardings, is below what it compiles to
+    # (ndjax.traffic_bound), and not a trivial 0.
+    compiled = [c for c in full.candidates if c.estimate is not None]
+    assert compiled and all(0 < c.least_step_s <= c.estimate.serial_s for c in compiled)
     assert best.by_status("ranked")[0].layout == first.layout
     assert best.by_status("ranked")[0].estimate.serial_s == first.estimate.serial_s
     pruned = [c for c in best.candidates if c.cannot_rank]

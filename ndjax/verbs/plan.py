@@ -123,6 +123,7 @@ def report(plan, config, top: int) -> str:  # noqa: ANN001 -- planner.Plan, Conf
     dims = plan.model
     ranked, over = plan.by_status("ranked"), plan.by_status("over")
     failed, rejected = plan.by_status("failed"), plan.by_status("rejected")
+    slower = plan.by_status("slower")
     lines = [
         f"plan: {model} ({dims.n_layers} layers, dim {dims.dim}) on {plan.devices} x {hw.name} "
         f"({plan.devices_per_node} per node); batch {t.batch_size} x {t.seq_len} tokens; "
@@ -130,7 +131,8 @@ def report(plan, config, top: int) -> str:  # noqa: ANN001 -- planner.Plan, Conf
         f"memory budget {_gib(plan.budget)} GiB per device",
         f"layouts: {len(plan.candidates) + plan.aliases} checked: {len(rejected)} rejected, "
         f"{plan.aliases} the same program as another, {len(ranked)} fit, {len(over)} do not, "
-        f"{len(failed)} failed to compile",
+        f"{len(failed)} failed to compile"
+        + (f", {len(slower)} not compiled (slower than #{top} at best)" if slower else ""),
         "step time: roofline, compute + communication with no overlap (overlapped in "
         "brackets); see ndjax/roofline.py",
         "memory: " + (f"XLA's GPU compiler for {hw.name} (no cuBLAS/cuDNN workspaces)"
@@ -170,6 +172,10 @@ def report(plan, config, top: int) -> str:  # noqa: ANN001 -- planner.Plan, Conf
         lines += ["", f"do not fit ({len(over)}):"]
         lines += [f"  {c.layout.mesh} [{c.layout.settings}, remat {c.layout.remat}]: "
                   f"{_gib(c.memory)} GiB; {c.reason}" for c in over]
+    if slower:
+        lines += ["", f"not compiled, could not rank ({len(slower)}):"]
+        lines += [f"  {c.layout.mesh} [{c.layout.settings}, remat {c.layout.remat}]: {c.reason}"
+                  for c in slower]
     if failed:
         lines += ["", f"failed to compile ({len(failed)}):"]
         lines += [f"  {c.layout.mesh} [{c.layout.settings}]: {c.reason}" for c in failed]

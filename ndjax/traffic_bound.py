@@ -1,0 +1,118 @@
+"""The least traffic a layout's train step can have, from its shardings alone: what the
+planner uses to leave out compiles of layouts that cannot rank (``planner.make_plan``).
+
+Per device and step, in the ring bytes ``roofline.traffic`` counts for a compiled step,
+split the same way into groups inside one node and groups across nodes. Only what the
+program cannot avoid is counted, each once:
+
+* **Weight gathers.** Every weight (two or more dims) goes from its storage layout to its
+  compute layout through ``rules.gather``: an all-gather over the storage axes the compute
+  layout drops, of the gathered shard, in the narrower of its dtype and the compute dtype.
+  Remat's second gather and grad_accum's per-micro-batch ones are not counted.
+* **Gradient reductions.** A trained weight's gradient is summed over every data axis
+  that split the tokens: a reduce-scatter over the gathered axes of its float32 gathered
+  shard, then an all-reduce over the other data axes of its float32 storage shard (the
+  least bytes of any order of the two).
+* **Tensor parallelism's activations.** The attention's and a dense MLP's output
+  projections contract a split dimension: per layer, one all-reduce (or its
+  reduce-scatter and all-gather) of the block's output, per device's tokens, in the
+  compute dtype. The backward pass's reductions are not counted (under LoRA the first
+  layer's need not run).
+
+Context parallelism's exchange of keys and values, the vocabulary-parallel head and loss,
+the experts' all-to-alls and every bookkeeping reduction are left out: the bound is
+below what a compiled step sends (``tests/test_plan.py`` checks it on every layout it
+compiles).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import jax
+import numpy as np
+
+from ndjax import roofline
+
+
+def _axes(spec: Any) -> set[str]:
+    out: set[str] = set()
+    for entry in spec:
+        if entry is not None:
+            out.update((entry,) if isinstance(entry, str) else entry)
+    return out
+
+
+def _groups(mesh: Any, axes: set[str], position: dict[int, int]) -> list[tuple[int, ...]]:
+    """The device groups (positions) of a collective over ``axes`` of ``mesh``."""
+    names = list(mesh.axis_names)
+    moved = [names.index(a) for a in names if a in axes]
+    kept = [names.index(a) for a in names if a not in axes]
+    ids = np.vectorize(lambda d: position[d.id])(mesh.devices)
+    grouped = np.transpose(ids, kept + moved).reshape(-1, math.prod(mesh.shape[a] for a in axes))
+    return [tuple(int(p) for p in g) for g in grouped]
+
+
+def least_traffic(exp: Any, devices: Any, devices_per_node: int) -> roofline.Link:
+    """The least traffic of ``exp``'s train step (see the module docstring), its groups'
+    nodes counted over ``devices`` (the planner's, in ``jax.devices()`` order)."""
+    position = {d.id: i for i, d in enumerate(devices)}
+    mesh, rules, cfg = exp.mesh, exp.rules, exp.model_cfg
+    inside: dict[str, float] = {}
+    across: dict[str, float] = {}
+
+    def send(kind: str, axes: set[str], ring_bytes: float) -> None:
+        if not axes or not ring_bytes:
+            return
+        spans = max(roofline.nodes_of(g, devices_per_node)
+                    for g in _groups(mesh, axes, position))
+        where = across if spans > 1 else inside
+        where[kind] = where.get(kind, 0.0) + ring_bytes
+
+    def size(axes: set[str]) -> int:
+        return math.prod(mesh.shape[a] for a in axes)
+
+    trained = {jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(
+        exp.trainable(exp.param_shapes))}
+    compute_bytes = np.dtype(cfg.dtype).itemsize
+    leaves = zip(jax.tree_util.tree_leaves_with_path(exp.param_shapes),
+                 jax.tree.leaves(exp.param_names, is_leaf=lambda x: isinstance(x, tuple)),
+                 jax.tree.leaves(exp.state_sharding.params), strict=True)
+    for (path, shape), names, storage in leaves:
+        names = names[1:] if names and names[0] == "layers" else names
+        if len(names) < 2:
+            continue  # norm scales and the like: not gathered through rules.gather
+        stored = _axes(storage.spec)
+        gathered_spec = rules.compute_spec(rules.stored_names(names, cfg.n_kv_heads)
+                                           if "kv_heads" in names else names)
+        kept = _axes(gathered_spec)
+        gathered_over = stored - kept
+        elements = math.prod(shape.shape) / size(kept)
+        g = size(gathered_over)
+        narrow = min(shape.dtype.itemsize, compute_bytes)
+        send("all-gather", gathered_over, (g - 1) / g * elements * narrow)
+        if jax.tree_util.keystr(path) not in trained:
+            continue
+        send("reduce-scatter", gathered_over, (g - 1) / g * elements * 4)
+        replicas = set(rules.data_axes) - stored - kept
+        r = size(replicas)
+        send("all-reduce", replicas, 2 * (r - 1) / r * elements / g * 4)
+    _tensor_activations(exp, send, size)
+    return roofline.Link(inside, across)
+
+
+def _tensor_activations(exp: Any, send: Any, size: Any) -> None:
+    """One reduction a layer of each block output whose projection contracts a dimension
+    split over non-data axes (the attention's heads; a dense MLP's width)."""
+    rules, cfg, t = exp.rules, exp.model_cfg, exp.settings.train
+    data = set(rules.data_axes)
+    tokens = t.batch_size * t.seq_len / size(data)
+    block_out = tokens * cfg.dim * np.dtype(cfg.dtype).itemsize
+    split = [set(rules.axes_of("q_heads")) - data]
+    if not cfg.n_experts:
+        split.append(set(rules.axes_of("mlp")) - data)
+    for axes in split:
+        k = size(axes)
+        send("all-reduce", axes, cfg.n_layers * 2 * (k - 1) / k * block_out)
+
