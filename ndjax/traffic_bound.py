@@ -62,12 +62,16 @@ def least_traffic(exp: Any, devices: Any, devices_per_node: int) -> roofline.Lin
     inside: dict[str, float] = {}
     across: dict[str, float] = {}
 
+    spans: dict[frozenset[str], int] = {}  # the same few axis sets serve every leaf
+
     def send(kind: str, axes: set[str], ring_bytes: float) -> None:
         if not axes or not ring_bytes:
             return
-        spans = max(roofline.nodes_of(g, devices_per_node)
-                    for g in _groups(mesh, axes, position))
-        where = across if spans > 1 else inside
+        key = frozenset(axes)
+        if key not in spans:
+            spans[key] = max(roofline.nodes_of(g, devices_per_node)
+                             for g in _groups(mesh, axes, position))
+        where = across if spans[key] > 1 else inside
         where[kind] = where.get(kind, 0.0) + ring_bytes
 
     def size(axes: set[str]) -> int:

@@ -134,6 +134,7 @@ def test_dropout_drops_the_adapters_input_alone():
                        dropout=drop, target="up")
     seen = xs * np.asarray(drop(jnp.ones_like(xs), "up"))
     want = base + 2.0 * (seen @ np.asarray(adapter.a[...])) @ np.asarray(adapter.b[...])
+    # float32 sums of 32 and 4 terms of size ~1, in XLA's order against numpy's.
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 
 
@@ -287,6 +288,7 @@ def test_trained_peft_adapters_start_a_run_and_export_back_bit_for_bit(cpu_devic
     with model.disable_adapter():
         base_logits = hf_logits(model, toks)
     assert np.abs(hf_logits(model, toks) - base_logits).max() > 0.5  # the adapters matter
+    # The bound for ndjax against peft (float32, another summation order).
     np.testing.assert_allclose(ndjax_logits(exp, state.params, toks), hf_logits(model, toks),
                                rtol=0, atol=1e-4)
     assert not any(np.asarray(x).any() for x in jax.tree.leaves(state.opt_state))
