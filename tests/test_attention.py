@@ -240,7 +240,8 @@ def test_auto_choices():
     cpu = dict(platform="cpu", compute_capability=None, dtype=jnp.float32)
     assert attn.choose("auto", _site(**cpu)).name == "tiled"
     assert attn.choose("auto", _site(**cpu, seq_len=128)).name == "dense"
-    assert attn.choose("auto", _site(**cpu, seq_len=256)).name == "blocked"
+    assert attn.choose("auto", _site(**cpu, seq_len=256)).name == "dense"
+    assert attn.choose("auto", _site(**cpu, seq_len=512)).name == "blocked"
     assert attn.choose("auto", _site(**cpu, seq_len=1024)).name == "blocked"
     assert attn.choose("auto", _site(**cpu, seq_len=2048)).name == "tiled"
     assert attn.choose("auto", _site(**cpu, seq_len=4100)).name == "blocked"  # 512 ∤ 2050
@@ -517,7 +518,7 @@ def test_start_up_line_says_kernel_and_why():
     exp = Experiment.from_config(tiny_config(mesh=dict(fsdp=8)))
     assert exp.model_cfg.attn_impl == "dense"
     assert exp.attention.describe() == (
-        "dense (the whole score matrix, O(seq^2) memory; auto on CPU, seq_len 32 <= 128)")
+        "dense (the whole score matrix, O(seq^2) memory; auto on CPU, seq_len 32 <= 256)")
 
 
 @pytest.mark.parametrize("impl", ["tiled", "blocked", "pallas"])

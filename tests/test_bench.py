@@ -223,8 +223,9 @@ def test_generate_tiny():
 def test_attention_memory_tiny():
     lines = run_tiny("attention_memory.py").stdout.splitlines()
     rows = table_rows(lines, "dense", "tiled", "auto")
+    # auto: dense at 256 tokens, blocked at 512
     assert [r[:2] for r in rows] == [["dense", "dense"], ["tiled", "tiled"],
-                                     ["auto", "blocked"]], lines  # auto: blocked at 256 and 512
+                                     ["auto", "blocked/dense"]], lines
 
 
 def test_layout_accounting_tiny():
@@ -251,12 +252,12 @@ def test_cpu_vs_torch_tiny():
 
 def test_cpu_step_variants_tiny():
     """Each variant runs what it names; unset, a small model on CPU runs its layers
-    unrolled with blocked attention at 256 tokens (decoder.default_scan_layers,
+    unrolled with dense attention at 256 tokens (decoder.default_scan_layers,
     attention.choose)."""
     lines = run_tiny("cpu_step_variants.py").stdout.splitlines()
     rows = table_rows(lines, "scanned, dense", "defaults (scan_layers unset, attn_impl auto)",
                       "scanned, tiled", "unrolled, blocked")
-    assert [r[1:3] for r in rows] == [["scanned", "dense"], ["unrolled", "blocked"],
+    assert [r[1:3] for r in rows] == [["scanned", "dense"], ["unrolled", "dense"],
                                       ["scanned", "tiled"], ["unrolled", "blocked"]], lines
     assert all(float(r[4]) > 0 for r in rows), rows
 

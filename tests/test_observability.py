@@ -78,6 +78,25 @@ def test_tensorboard_events_read_back(run_dir):
     assert set(scalars) >= {"grad_norm", "lr", "tokens_per_sec", "tflops_per_device"}
 
 
+def test_tensorboard_sink_leaves_pytorch_unimported(tmp_path):
+    """tensorboardX's writer imports torch where it is installed (here: the test extra),
+    ~1.6 s before a run's first step (issue 33, defect 8); the sink writes the same
+    events without it, and the process can still import torch afterwards."""
+    code = ("import sys\n"
+            "from ndjax.training.sinks import Sinks\n"
+            f"sinks = Sinks({str(tmp_path)!r}, 1, verbose=False)\n"
+            "sinks.write({'step': 1, 'loss': 2.5})\n"
+            "sinks.close()\n"
+            "assert 'torch' not in sys.modules, 'torch imported'\n"
+            "import torch, tensorboardX.writer\n"
+            "print(tensorboardX.writer.numpy_compatible.__name__, torch.ones(1).item())\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["ndarray", "1.0"]
+    (name,) = os.listdir(tmp_path / "tb")
+    assert len(list(tfrecords(os.path.join(tmp_path, "tb", name)))) == 2  # header, the loss
+
+
 def test_profile_written(run_dir):
     found = [f for _, _, files in os.walk(os.path.join(run_dir, "profile")) for f in files]
     assert any(f.endswith(".xplane.pb") for f in found), found

@@ -46,6 +46,25 @@ def read_records(path: str) -> list[tuple[dict[str, Any], str]]:
     return out
 
 
+def summary_writer_class() -> type:
+    """tensorboardX's ``SummaryWriter``, imported without PyTorch where this process has
+    not imported it already. tensorboardX's writer imports torch only to accept torch
+    tensors as well as numpy arrays (``try: import torch``), and ndjax writes Python
+    floats: with torch installed (the test extra, or a user's transformers) that import
+    cost ~1.6 s before step 1 (bench/first_step.py). ``sys.modules["torch"] = None``
+    makes that one ``import torch`` fail as if torch were absent, and is undone at once,
+    so that the rest of the process imports torch as usual."""
+    if "torch" in sys.modules or "tensorboardX.writer" in sys.modules:
+        from tensorboardX import SummaryWriter
+        return SummaryWriter
+    sys.modules["torch"] = None  # type: ignore[assignment]
+    try:
+        from tensorboardX import SummaryWriter
+    finally:
+        del sys.modules["torch"]
+    return SummaryWriter
+
+
 class Sinks:
     def __init__(self, workdir: str, total_steps: int, *, enabled: bool = True,
                  tensorboard: bool = True, verbose: bool = True, append: bool = False):
@@ -55,8 +74,7 @@ class Sinks:
             return
         self._jsonl = open(os.path.join(workdir, "metrics.jsonl"), "a" if append else "w")
         if tensorboard:
-            from tensorboardX import SummaryWriter
-            self._tb = SummaryWriter(logdir=os.path.join(workdir, "tb"))
+            self._tb = summary_writer_class()(logdir=os.path.join(workdir, "tb"))
         if verbose and sys.stdout.isatty():
             from tqdm import tqdm
             self._bar = tqdm(total=total_steps, unit="step", dynamic_ncols=True)
