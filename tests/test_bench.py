@@ -109,6 +109,17 @@ def test_first_step_tiny():
     assert any(line.startswith("| jit(train_step) |") for line in lines), lines
 
 
+def test_vs_maxtext_tiny():
+    """ndjax's side alone (MaxText is no dependency): the first step, the step times, and
+    the compiled step's collectives on replica 2 x fsdp 2 x tensor 2, FSDP's weight
+    gathers among them."""
+    lines = run_tiny("vs_maxtext.py").stdout.splitlines()
+    (row,) = table_rows(lines, "ndjax")
+    assert float(row[1].split()[0]) > 0 and float(row[2].split()[0]) > 0, lines
+    gathers = table_rows(lines, "all-gather")
+    assert len(gathers) == 1 and int(gathers[0][1].split(",")[0]) > 0, lines
+
+
 def test_data_wait_tiny():
     lines = run_tiny("data_wait.py").stdout.splitlines()
     assert [r[0] for r in table_rows(lines, "2", "0")] == ["2", "0"], lines
