@@ -68,9 +68,10 @@ KV_HEADS = ("act_batch", "act_seq", "act_kv_heads", "act_head_dim")
 # auto on one context shard, off a GPU: dense up to DENSE_MAX_SEQ tokens per row,
 # blocked up to BLOCKED_MAX_SEQ, tiled above (memory linear in seq). Measured on CPU
 # in the whole train step (bench/cpu_step_variants.py: issue 14's model, 2,048
-# tokens per step): BENCHMARKS.md, "What closed the gap". At 256 tokens blocked is no
-# faster than dense (0.92x-1.00x over three runs) and its 8 query blocks a layer triple
-# the step's compile (4.8 -> 14.6 s): what a short CPU run waits for most.
+# tokens per step): BENCHMARKS.md, "What closed the gap". At 256 tokens blocked's speed
+# is dense's give or take 10% (0.92x, 1.00x and 1.10x in three runs, no consistent
+# sign) while its 8 query blocks a layer triple the step's compile (4.8 -> 14.6 s):
+# what a short CPU run waits for most. From 512 it leads in every run.
 DENSE_MAX_SEQ = 256
 BLOCKED_MAX_SEQ = 1024
 # The blocked kernel's most query blocks per row.
