@@ -282,7 +282,7 @@ def test_cp_algorithms_tiny():
     rows = {r[0]: dict(zip(columns, r)) for r in table_rows(lines, "ring", "all_to_all")}
     assert list(rows) == ["ring", "all_to_all"], lines
     assert rows["ring"]["attention"] == "ring", rows
-    assert rows["all_to_all"]["attention"] == "all_to_all+blocked", rows  # 256 tokens
+    assert rows["all_to_all"]["attention"] == "all_to_all+dense", rows  # 256 tokens
     assert float(rows["ring"]["collective-permute MiB"]) > 0, rows
     assert float(rows["all_to_all"]["all-to-all MiB"]) > 0, rows
     assert float(rows["all_to_all"]["collective-permute MiB"]) == 0, rows
