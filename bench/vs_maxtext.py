@@ -65,7 +65,7 @@ def ndjax_cmd(python: str, job: dict, mesh: list[int], steps: int, workdir: str)
 
 
 def maxtext_cmd(python: str, job: dict, mesh: list[int], steps: int, workdir: str) -> list[str]:
-    import importlib.util  # noqa: F401 -- where MaxText is: asked of its own interpreter
+    # Where MaxText is installed: asked of its own interpreter.
     base = subprocess.run([python, "-c", "import maxtext, os; print(os.path.dirname("
                            "maxtext.__file__))"], capture_output=True, text=True, check=True)
     r, f, t = mesh
