@@ -34,7 +34,6 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections import defaultdict
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 JOB = dict(vocab=4096, dim=256, layers=4, heads=8, kv_heads=4, head_dim=32, mlp=1024,
@@ -119,20 +118,17 @@ def run(which: str, python: str, job: dict, mesh: list[int], steps: int,
     return {"first": first, "steps": times[1:]}
 
 
-def tally(dump: str) -> dict[str, list[float]]:
-    """kind -> [times a step, bytes a device a step] of the dumped train step."""
-    from ndjax.parallel.collectives import collectives
+def tally(dump: str) -> dict[str, dict[str, int]]:
+    """``collectives.summarize`` of the dumped train step: per kind, times a step
+    (``executed``) and bytes a device a step (``bytes``; the job is float32, so no bytes
+    were widened by the CPU compiler)."""
+    from ndjax.parallel.collectives import collectives, summarize
 
     files = sorted(glob.glob(os.path.join(dump, "*train_step*after_optimizations.txt")))
     if not files:
         raise SystemExit(f"no optimized train step dumped in {dump}")
     with open(files[-1]) as f:
-        found = collectives(f.read())
-    out: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
-    for c in found:
-        out[c.kind][0] += c.executed
-        out[c.kind][1] += c.executed * (c.wire_bytes or c.bytes)
-    return dict(out)
+        return summarize(collectives(f.read()))
 
 
 def main() -> None:
@@ -181,8 +177,9 @@ def main() -> None:
               + " |")
         print("|:--|" + "--:|" * len(sides))
         for k in kinds:
-            cells = [f"{counts[s].get(k, [0, 0])[0]}, {counts[s].get(k, [0, 0])[1] / 2**20:.2f}"
-                     for s in sides]
+            none = {"executed": 0, "bytes": 0}
+            cells = [f"{counts[s].get(k, none)['executed']}, "
+                     f"{counts[s].get(k, none)['bytes'] / 2**20:.2f}" for s in sides]
             print(f"| {k} | " + " | ".join(cells) + " |")
 
 
