@@ -12,9 +12,9 @@ remat full, 4096-token rows, one row per device, the experts as Mosaic grouped m
 compiled by XLA's GPU compiler for N H100s (no GPU needed) with mesh.expert = 1, 2, 4,
 8 and fsdp the rest, and at expert=8 in capacity mode (factor 1.25) too. Columns:
 memory per device as the compile plans it; the bytes one device sends per step in
-all-to-alls (the experts' ragged all-to-alls price their whole receive buffer: the
-dropless worst case, which a balanced routing fills 1/expert of) and in every
-collective; the roofline step time (``ndjax.roofline``: model FLOPs plus remat's
+all-to-alls (the experts' ragged all-to-alls count the (token, expert) pairs a device
+has, (expert - 1)/expert of which leave it under balanced routing; their buffers, in the
+temporaries, are sized for the worst case) and in every collective; the roofline step time (``ndjax.roofline``: model FLOPs plus remat's
 rerun at the GPU's peak, then the collectives' bytes over NVLink or the network,
 not overlapped) and its tokens/s. Estimates from compiles, not runs.
 
@@ -93,8 +93,8 @@ def gpu_part(tiny: bool) -> None:
     gpu_target.require()
     print("Compiled for H100s (XLA's GPU compiler, no GPU), one 4096-token row per device, "
           "bfloat16, remat full, experts as Mosaic grouped matmuls; a2a = all-to-all bytes "
-          "one device sends per step (the experts' receive buffers, the dropless worst "
-          "case), all = every collective's; roofline = compute at peak + bytes over the "
+          "one device sends per step (the experts' exchange under balanced "
+          "routing), all = every collective's; roofline = compute at peak + bytes over the "
           "links, not overlapped:\n")
     print("| model | GPUs | mesh | capacity | arguments GiB | temporaries GiB | a2a GiB | "
           "all GiB | roofline ms | tokens/s | compile s |\n"

@@ -19,10 +19,16 @@ program cannot avoid is counted, each once:
   compute dtype. The backward pass's reductions are not counted (under LoRA the first
   layer's need not run).
 
+* **The experts' exchange** (``mesh.expert``): per layer, each device's (token, expert)
+  pairs to their experts' devices and back, two all-to-alls over the expert axis in the
+  compute dtype, counted as ``parallel.collectives`` counts a ragged all-to-all (the
+  pairs a device has; in capacity mode ``min(1, capacity_factor)`` of them), and their
+  two transposes in the backward pass when every parameter is trained.
+
 Context parallelism's exchange of keys and values, the vocabulary-parallel head and loss,
-the experts' all-to-alls and every bookkeeping reduction are left out: the bound is
-below what a compiled step sends (``tests/test_plan.py`` checks it on every layout it
-compiles).
+and every bookkeeping reduction are left out: the bound is below what a compiled step
+sends (``tests/test_plan.py`` checks it on every layout it compiles,
+``tests/test_gpu_compile.py`` on an expert layout).
 """
 
 from __future__ import annotations
@@ -34,6 +40,7 @@ import jax
 import numpy as np
 
 from ndjax import roofline
+from ndjax.models import moe
 
 
 def _axes(spec: Any) -> set[str]:
@@ -103,6 +110,8 @@ def least_traffic(exp: Any, devices: Any, devices_per_node: int) -> roofline.Lin
         r = size(replicas)
         send("all-reduce", replicas, 2 * (r - 1) / r * elements / g * 4)
     _tensor_activations(exp, send, size)
+    every_param = len(trained) == len(jax.tree.leaves(exp.param_shapes))
+    _expert_exchange(exp, send, size, 4 if every_param else 2)
     return roofline.Link(inside, across)
 
 
@@ -120,3 +129,19 @@ def _tensor_activations(exp: Any, send: Any, size: Any) -> None:
         k = size(axes)
         send("all-reduce", axes, cfg.n_layers * 2 * (k - 1) / k * block_out)
 
+
+
+def _expert_exchange(exp: Any, send: Any, size: Any, per_layer: int) -> None:
+    """``per_layer`` all-to-alls a layer over the axis that splits the experts, each of
+    a device's own (token, expert) pairs (see the module docstring)."""
+    rules, cfg, t = exp.rules, exp.model_cfg, exp.settings.train
+    split = set(moe.expert_axes(rules)) if cfg.n_experts else set()
+    if not split:
+        return
+    token_axes = set(rules.axes_of("act_batch")) | set(rules.axes_of("act_seq"))
+    pairs = t.batch_size * t.seq_len / size(token_axes) * cfg.experts_per_token
+    if cfg.capacity_factor is not None:
+        pairs *= min(1.0, cfg.capacity_factor)
+    g = size(split)
+    rows = pairs * cfg.dim * np.dtype(cfg.dtype).itemsize
+    send("all-to-all", split, cfg.n_layers * per_layer * (g - 1) / g * rows)

@@ -212,3 +212,32 @@ def test_a_widened_bf16_collective_moves_bf16_bytes():
     assert widened.moved_bytes == 64 * 16 * 2 and f32.moved_bytes == 64 * 16 * 4
     assert widened.ring_bytes == pytest.approx(3 / 4 * 64 * 16 * 2)
     assert f32.wire_bytes is None
+
+
+# Expert parallelism's exchange over 4 devices: the dispatch sends a device's 256
+# (token, expert) rows into a receive buffer sized for all 4 devices' rows (1024); the
+# return sends that buffer back into 256 rows. One async, one synchronous.
+RAGGED = """\
+HloModule jit_step, is_scheduled=true, num_partitions=4
+
+ENTRY %main (rows: bf16[256,64], sizes: s64[4]) -> bf16[256,64] {
+  %rows = bf16[256,64]{1,0} parameter(0)
+  %sizes = s64[4]{0} parameter(1)
+  %big = bf16[1024,64]{1,0} broadcast(%rows), dimensions={}
+  %small = bf16[256,64]{1,0} broadcast(%rows), dimensions={}
+  %go = ((bf16[256,64]{1,0}, bf16[1024,64]{1,0}, s64[4]{0}, s64[4]{0}, s64[4]{0}, /*index=5*/s64[4]{0}), bf16[1024,64]{1,0}) ragged-all-to-all-start(%rows, %big, %sizes, %sizes, %sizes, /*index=5*/%sizes), channel_id=1, replica_groups={{0,1,2,3}}
+  %got = bf16[1024,64]{1,0} ragged-all-to-all-done(%go)
+  ROOT %back = bf16[256,64]{1,0} ragged-all-to-all(%got, %small, %sizes, %sizes, %sizes, /*index=5*/%sizes), channel_id=2, replica_groups={{0,1,2,3}}
+}
+"""
+
+
+def test_a_ragged_all_to_all_counts_the_rows_a_device_has():
+    """Both directions count 256 rows of 64 bf16 (not the 1024-row worst-case buffer),
+    of which balanced routing sends 3/4 to the other devices."""
+    go, back = collectives(RAGGED)
+    for c in (go, back):
+        assert (c.kind, c.bytes, c.lowered_from) == ("all-to-all", 256 * 64 * 2,
+                                                     "ragged-all-to-all")
+        assert c.ring_bytes == pytest.approx(3 / 4 * 256 * 64 * 2)
+    assert (go.name, back.name) == ("go", "back")

@@ -26,7 +26,7 @@ from conftest import tiny_config
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from test_bench import run_tiny, table_rows
 
-from ndjax import compiler, gpu_target, roofline
+from ndjax import compiler, gpu_target, planner, roofline, traffic_bound
 from ndjax.errors import ConfigError
 from ndjax.experiment import Experiment
 from ndjax.ops import attention as attn
@@ -565,15 +565,25 @@ def test_expert_parallelism_compiles_to_ragged_all_to_alls():
     """fsdp=2 x expert=2 on H100s: each layer's (token, expert) pairs go to their
     experts' devices and back in XLA's ragged-all-to-all (2 forward, their transposes
     2 backward), not in the all-gather that stands in for it on CPUs; the experts run
-    as the Mosaic kernels, one chunk of the receive buffer at a time (lax.cond)."""
+    as the Mosaic kernels, one chunk of the receive buffer at a time (lax.cond). Each
+    is counted at the pairs a device has, not at the receive buffer's worst case."""
     c = tiny_config(mesh=dict(fsdp=2, expert=2), model=dict(MOE_SMALL, remat="none"),
                     train=dict(batch_size=4, seq_len=1024))
-    exp = Experiment.from_config(c, gpu_target.devices(H100, 4))
+    devices = gpu_target.devices(H100, 4)
+    exp = Experiment.from_config(c, devices)
     text = exp.compiled_step.as_text()
     # Asynchronous on GPUs (start/done pairs), in the scanned layers' loop bodies.
     ragged = sum(" ragged-all-to-all-start(" in line and "double_buffer_clone" not in line
                  for line in text.splitlines())
     assert ragged >= 4, ragged
+    pairs = 4 * 1024 // 4 * MOE_SMALL["experts_per_token"]  # a device's (token, expert) rows
+    counted = {c.bytes for c in collectives(text) if c.lowered_from == "ragged-all-to-all"}
+    assert counted == {pairs * MOE_SMALL["dim"] * 2}, counted  # bf16 rows
+    # The planner's least traffic counts them (4 a layer), and no more than are compiled.
+    least = traffic_bound.least_traffic(exp, devices, 8).inside["all-to-all"]
+    sent = roofline.traffic(planner.collective_records(text, exp.mesh, devices), 8)
+    assert least == 4 * MOE_SMALL["n_layers"] * counted.pop() / 2
+    assert least <= sent.inside["all-to-all"], (least, sent)
     # The CPU stand-in would all-gather every device's (pairs, dim) rows into a
     # (2, 2048, 512) buffer (a shape the chunked receive buffer has too, so the test
     # looks at what the all-gathers make, not at the shape anywhere in the text).

@@ -19,6 +19,13 @@ on one device: the gathered array for an all-gather, the shard for a
 reduce-scatter, the whole array for an all-reduce, the received block for a
 collective-permute or all-to-all. ``Collective.ring_bytes`` turns that into the
 bytes each device sends with a ring algorithm.
+
+A ragged all-to-all (expert parallelism's dispatch and return) is the exception: its
+buffers are sized for the worst case (every row to one device), and only the rows
+sent move. It is counted at the smaller of its send and receive buffers, the rows a
+device has of its own to send or to get back (``lowered_from="ragged-all-to-all"``):
+under balanced routing each device sends (g - 1)/g of them, which is what
+``ring_bytes`` gives.
 """
 
 from __future__ import annotations
@@ -52,8 +59,9 @@ class Collective:
     group_size / groups: devices per group and the groups (device ids); for a
     collective-permute the groups are the connected components of its
     source-target pairs (a ring of c devices is one group of c; a swap of pairs is
-    groups of 2). executed: times one step runs it. lowered_from: set when the
-    CPU lowering of another kind was recognised. name: the HLO instruction.
+    groups of 2). executed: times one step runs it. lowered_from: the op read as
+    ``kind``, where it is another: the CPU lowering of a reduce-scatter, or a
+    ragged-all-to-all (counted at its send size, module doc). name: the HLO instruction.
     wire_bytes: ``bytes`` at the dtype the values had before the CPU compiler
     widened them: it runs 16-bit floats' collectives in float32 (the operand is a
     convert from bf16), where a GPU moves the 16-bit values. None: as ``bytes``.
@@ -505,6 +513,11 @@ def _of(mod: _Module, comp: str, ins: _Instr, executed: int) -> list[Collective]
                           ins.name, None if wire == total else wire)
 
     everything = list(range(len(arrays)))
+    if ins.op.startswith("ragged-all-to-all"):
+        send = _ragged_send(mod, comp, ins)
+        if send is not None and _nbytes(*send) < _nbytes(*arrays[0]):
+            arrays[0] = send
+        return [make(kind, everything, "ragged-all-to-all")]
     if kind != "all-reduce":
         return [make(kind, everything, None)]
     shards = _scattered(mod, comp, value.name, value.shape, size)
@@ -517,6 +530,18 @@ def _of(mod: _Module, comp: str, ins: _Instr, executed: int) -> list[Collective]
         arrays[i] = (arrays[i][0], shards[i])
     out = [make("reduce-scatter", scattered, LOWERED_RS)] if scattered else []
     return out + ([make("all-reduce", whole, None)] if whole else [])
+
+
+def _ragged_send(mod: _Module, comp: str, ins: _Instr) -> tuple[str, int] | None:
+    """(dtype, elements) of a ragged all-to-all's send buffer, its first operand: the
+    start of an async pair lists its operands' shapes first in its own tuple shape."""
+    if ins.op.endswith("-start"):
+        arrays = _arrays(ins.shape)
+        return arrays[0] if arrays else None
+    by_name = {i.name: i for i in mod.comps.get(comp, [])}
+    operand = by_name.get(ins.operands[0]) if ins.operands else None
+    arrays = _arrays(operand.shape) if operand is not None else []
+    return arrays[0] if arrays else None
 
 
 def collectives(hlo_text: str) -> list[Collective]:
