@@ -14,9 +14,10 @@ compiled by XLA's GPU compiler for N H100s (no GPU needed) with mesh.expert = 1,
 memory per device as the compile plans it; the bytes one device sends per step in
 all-to-alls (the experts' ragged all-to-alls count the (token, expert) pairs a device
 has, (expert - 1)/expert of which leave it under balanced routing; their buffers, in the
-temporaries, are sized for the worst case) and in every collective; the roofline step time (``ndjax.roofline``: model FLOPs plus remat's
-rerun at the GPU's peak, then the collectives' bytes over NVLink or the network,
-not overlapped) and its tokens/s. Estimates from compiles, not runs.
+temporaries, are sized for the worst case) and in every collective; the roofline step
+time (``ndjax.roofline``: model FLOPs plus remat's rerun at the GPU's peak, then the
+collectives' bytes over NVLink or the network, not overlapped) and its tokens/s.
+Estimates from compiles, not runs.
 
 CPU part: one CPU device, the tiny MoE (8 experts, top 2) dropless and with
 capacity_factor 1.25, and a dense model with the same active MLP width (ffn_dim =

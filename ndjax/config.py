@@ -179,6 +179,8 @@ class ModelSettings:
     moe_ffn_dim: int | None = setting(None, ge=1)
     norm_topk_prob: bool | None = setting(None)
     router_aux_loss_coef: float | None = setting(None, ge=0)
+    # Qwen 2 MoE's shared expert: its width (shared_expert_intermediate_size).
+    shared_expert_dim: int | None = setting(None, ge=1)
     # ST-MoE's router z-loss (the squared logsumexp of the router's logits, averaged
     # over tokens and layers) in the loss: its weight, 0 = off (ST-MoE used 1e-3).
     router_z_loss_coef: float = setting(0.0, ge=0)

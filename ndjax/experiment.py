@@ -160,7 +160,9 @@ def quant_config(s: LoraSettings, dims: dict) -> QuantConfig | None:
     # The widths weights end in: a mixture of experts' is its experts' (its MLP).
     mlp = (("moe_ffn_dim", dims.get("moe_ffn_dim") or dims["ffn_dim"]) if dims.get("n_experts")
            else ("ffn_dim", dims["ffn_dim"]))
-    for name, last in (("head_dim", hd), ("dim", dims["dim"]), mlp):
+    shared = [("shared_expert_dim", dims["shared_expert_dim"])] if dims.get(
+        "shared_expert_dim") else []
+    for name, last in (("head_dim", hd), ("dim", dims["dim"]), mlp, *shared):
         problem = q.problem((last,))
         if problem:
             good = [b for b in (64, 32, 16, 8) if not QuantConfig(s.quantize, b).problem((last,))]
@@ -270,12 +272,16 @@ def parameter_shardings(model_cfg: DecoderConfig, rules: rules_lib.Rules,
     labels = FIELD_OF_AXIS if model_cfg.moe_ffn_dim else {**FIELD_OF_AXIS,
                                                           "expert_mlp": "model.ffn_dim"}
 
+    # Qwen 2 MoE's shared expert is a dense MLP of model.shared_expert_dim.
+    shared = {**labels, "mlp": "model.shared_expert_dim"}
+
     def param_sharding(path, shape, names):
         names = rules.stored_names(names, model_cfg.n_kv_heads)
         spec = rules.spec(names)
+        where = _path(path)
         try:
-            rules_lib.check_divisible(spec, shape.shape, names, mesh,
-                                      f"parameter {_path(path)}", labels=labels)
+            rules_lib.check_divisible(spec, shape.shape, names, mesh, f"parameter {where}",
+                                      labels=shared if "/shared/" in where else labels)
         except ConfigError as e:
             if init_from is None:
                 raise

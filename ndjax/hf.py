@@ -143,12 +143,18 @@ def _fill(out: np.ndarray, tensor: Any, shape: tuple[int, ...], split: int | Non
     cut on the host.
     """
     groups = _groups(len(shape), split)
+    hf_order = [a for g in groups for a in g]
+    if not all(groups):
+        # An HF axis of size 1 that holds no ndjax axis: a vector stored as a (1, n)
+        # Linear (Qwen 2 MoE's shared expert gate). Small: read whole, cut here.
+        whole = np.asarray(tensor[:]).reshape([shape[a] for a in hf_order])
+        out[...] = whole.transpose(np.argsort(hf_order))[index]
+        return
     spans = [range(n)[i] for n, i in zip(shape, index)]
     inner = [math.prod(shape[a] for a in g[1:]) for g in groups]
     lead = groups[0][0]  # the ndjax axis that the file's rows step through
     row_bytes = out.nbytes // len(spans[lead])
     rows = max(1, min(_CHUNK_CAP, out.nbytes // _CHUNKS) // max(1, row_bytes))
-    hf_order = [a for g in groups for a in g]
     for lo in range(spans[lead].start, spans[lead].stop, rows):
         hi = min(lo + rows, spans[lead].stop)
         first = [range(lo, hi)] + [spans[g[0]] for g in groups[1:]]

@@ -173,29 +173,33 @@ def test_import_quantizes_each_shard_like_the_whole_and_exports_merged(cpu_devic
                                down + 4.0 * a @ b, rtol=0, atol=1e-6)
 
 
-@pytest.mark.parametrize("lora_fields, says", [
-    (dict(quantize="nf4"), "model.lora.rank is unset"),
-    (dict(rank=4, quantize="nf4", quant_block=16), "model.lora.quant_block=16: .* head_dim=8 "
-                                                    ".* use model.lora.quant_block=8"),
-    (dict(rank=4, quantize="nf4", quant_block=3), "quant_block=3"),
-    (dict(rank=4, quantize="int4"), "model.lora.quantize"),
-], ids=["without_rank", "block_past_head_dim", "odd_block", "unknown_kind"])
-def test_bad_quantization_is_one_line(lora_fields, says):
-    config = tiny_config(model={"lora": lora_fields})
+@pytest.mark.parametrize("lora_fields, model, says", [
+    (dict(quantize="nf4"), {}, "model.lora.rank is unset"),
+    (dict(rank=4, quantize="nf4", quant_block=16), {},
+     "model.lora.quant_block=16: .* head_dim=8 .* use model.lora.quant_block=8"),
+    (dict(rank=4, quantize="nf4", quant_block=3), {}, "quant_block=3"),
+    (dict(rank=4, quantize="int4"), {}, "model.lora.quantize"),
+    (dict(rank=4, quantize="nf4", quant_block=8, target_modules="q_proj"),
+     dict(family="qwen2_moe", n_experts=4, experts_per_token=2, moe_ffn_dim=32,
+          shared_expert_dim=36), "model shared_expert_dim=36 is not a multiple of 8"),
+], ids=["without_rank", "block_past_head_dim", "odd_block", "unknown_kind", "shared_expert"])
+def test_bad_quantization_is_one_line(lora_fields, model, says):
+    config = tiny_config(model={"lora": lora_fields, **model})
     with pytest.raises(ConfigError, match=says) as e:
         Experiment.from_config(config, jax.devices()[:1])
     assert "\n" not in str(e.value)
 
 
 def test_qlora_on_a_mixture_of_experts_quantizes_its_experts(cpu_devices, tmp_path):
-    """Qwen 3 MoE under QLoRA: every expert's projections are stored as the checkpoint's
-    weights quantized whole, read shard by shard on fsdp x expert (the router is kept as
-    it is), and it trains like one device (losses rtol 1e-5), the codes untouched."""
+    """Qwen 2 MoE under QLoRA: every expert's projections, and the shared expert's, are
+    stored as the checkpoint's weights quantized whole, read shard by shard on fsdp x
+    expert (the router and the shared expert's gate are kept as they are), and it
+    trains like one device (losses rtol 1e-5), the codes untouched."""
     import safetensors.numpy
     from test_families import BASE, make_family_hf
     from test_hf import config_for
 
-    make_family_hf(tmp_path / "moe", "qwen3_moe")
+    make_family_hf(tmp_path / "moe", "qwen2_moe")
 
     def exp(mesh, devices):
         config = config_for(tmp_path / "moe", mesh=mesh)
@@ -207,8 +211,9 @@ def test_qlora_on_a_mixture_of_experts_quantizes_its_experts(cpu_devices, tmp_pa
     one, split = exp(None, cpu_devices[:1]), exp(dict(fsdp=2, expert=4), cpu_devices)
     init = jax.device_get(split.init_state())
     mlp = init.params["layers"]["mlp"]
-    assert not quant.is_quantized(mlp["router"])
-    assert all(quant.is_quantized(mlp[w]) for w in ("w_gate", "w_up", "w_down"))
+    assert not quant.is_quantized(mlp["router"]) and not quant.is_quantized(mlp["shared_gate"])
+    assert all(quant.is_quantized(m[w]) for m in (mlp, mlp["shared"])
+               for w in ("w_gate", "w_up", "w_down"))
     files = safetensors.numpy.load_file(tmp_path / "moe" / "model.safetensors")
     for layer, expert in ((0, 1), (1, 3)):
         codes, scales = quant.quantize(
@@ -216,6 +221,9 @@ def test_qlora_on_a_mixture_of_experts_quantizes_its_experts(cpu_devices, tmp_pa
             split.model_cfg.lora.quant)
         assert np.array_equal(mlp["w_down"]["codes"][layer, expert], codes)
         assert np.array_equal(mlp["w_down"]["scales"][layer, expert], scales)
+    codes, _ = quant.quantize(files["model.layers.1.mlp.shared_expert.up_proj.weight"].T,
+                              split.model_cfg.lora.quant)
+    assert np.array_equal(mlp["shared"]["w_up"]["codes"][1], codes)
     (want, _), (losses, params) = run_steps(one, init), run_steps(split, init)
     np.testing.assert_allclose(losses, want, rtol=1e-5)  # the layout standard (f32 losses)
     assert abs(losses[2] - losses[0]) > 1e-4  # it trained

@@ -91,6 +91,9 @@ class DecoderConfig:
     moe_ffn_dim: int = 0            # each expert's width; 0: ffn_dim's (Mixtral)
     norm_topk_prob: bool = False    # the top-k weights renormalised to sum to 1
     router_aux_loss_coef: float = 0.0  # weight of the load-balancing loss in the loss
+    # Qwen 2 MoE's shared expert: a SwiGLU MLP this wide that every token runs through
+    # beside its top-k, its output scaled by sigmoid(x . w_shared_gate); 0: none.
+    shared_expert_dim: int = 0
     moe_impl: str = "auto"          # the experts' grouped matmuls: ndjax.ops.grouped_matmul
     # None: dropless. Else each expert takes at most ceil(capacity_factor x seq_len x
     # experts_per_token / n_experts) of a row's (token, expert) pairs, earliest first
@@ -313,6 +316,14 @@ class MLP(nnx.Module):
         return self._project("down", "bsf,fd->bsd", h, dropout)
 
 
+def shared_expert(cfg: DecoderConfig, rngs: nnx.Rngs) -> MLP | None:
+    """A mixture of experts' shared expert (``shared_expert_dim``), a dense MLP of
+    that width; None where it has none."""
+    if not cfg.shared_expert_dim:
+        return None
+    return MLP(dataclasses.replace(cfg, ffn_dim=cfg.shared_expert_dim), rngs)
+
+
 def _adapted(cfg: DecoderConfig, out, adapter, equation: str, x, n_in: int,
              n_kv_heads: int | None = None, dropout: lora_lib.Dropout | None = None,
              target: str = ""):
@@ -333,7 +344,8 @@ class Block(nnx.Module):
         self.attn_norm = RMSNorm(cfg.dim, eps, pd, **norm)
         self.attn = Attention(cfg, rngs)
         self.mlp_norm = RMSNorm(cfg.dim, eps, pd, **norm)
-        self.mlp = MoE(cfg, rngs) if cfg.n_experts else MLP(cfg, rngs)
+        self.mlp = (MoE(cfg, rngs, shared_expert(cfg, rngs)) if cfg.n_experts
+                    else MLP(cfg, rngs))
         if cfg.post_norms:
             self.post_attn_norm = RMSNorm(cfg.dim, eps, pd, **norm)
             self.post_mlp_norm = RMSNorm(cfg.dim, eps, pd, **norm)
@@ -348,6 +360,9 @@ class Block(nnx.Module):
             # first as the unquantized model draws them.
             quant.quantize_weights(self.attn, ("wq", "wk", "wv", "wo"), cfg.lora.quant)
             quant.quantize_weights(self.mlp, ("w_gate", "w_up", "w_down"), cfg.lora.quant)
+            if getattr(self.mlp, "shared", None) is not None:  # Qwen 2 MoE's shared expert
+                quant.quantize_weights(self.mlp.shared, ("w_gate", "w_up", "w_down"),
+                                       cfg.lora.quant)
 
     def __call__(self, x, cos, sin, segment_ids, spec: AttentionSpec,
                  dropout: lora_lib.Dropout | None = None):
@@ -560,11 +575,13 @@ def logical_axes(state: nnx.State) -> dict:
 
 def mlp_params(cfg: DecoderConfig, *, active: bool = False) -> int:
     """One layer's MLP weights: the dense MLP's, or the MoE's experts and router
-    (``active``: only the experts a token runs through, and the router)."""
+    (``active``: only the experts a token runs through, and the router), and its shared
+    expert and that one's gate where it has one."""
     if not cfg.n_experts:
         return 3 * cfg.dim * cfg.ffn_dim
     experts = cfg.experts_per_token if active else cfg.n_experts
-    return 3 * cfg.dim * cfg.expert_dim * experts + cfg.dim * cfg.n_experts
+    shared = 3 * cfg.dim * cfg.shared_expert_dim + cfg.dim if cfg.shared_expert_dim else 0
+    return 3 * cfg.dim * cfg.expert_dim * experts + cfg.dim * cfg.n_experts + shared
 
 
 def num_params(cfg: DecoderConfig, *, embeddings: bool = True, active: bool = False) -> int:

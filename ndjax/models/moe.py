@@ -1,5 +1,7 @@
-"""The mixture-of-experts MLP (Mixtral, Qwen3-MoE): a linear router, top-k experts per
-token, each expert a SwiGLU MLP, computed dropless with grouped matmuls.
+"""The mixture-of-experts MLP (Mixtral, Qwen3-MoE, Qwen 2 MoE): a linear router, top-k
+experts per token, each expert a SwiGLU MLP, computed dropless with grouped matmuls;
+and where the family has one (Qwen 2 MoE), a shared expert, a dense MLP every token
+runs through, scaled by a sigmoid gate of its own.
 
 Routing, in float32: ``softmax(x @ router)`` over the experts, the top
 ``experts_per_token`` of them per token (``jax.lax.top_k``), their weights
@@ -255,12 +257,17 @@ per_device.defvjp(_per_device_fwd, _per_device_bwd)
 class MoE(nnx.Module):
     """The MoE MLP: (b, s, dim) -> ((b, s, dim), router statistics per expert)."""
 
-    def __init__(self, cfg, rngs: nnx.Rngs):
+    def __init__(self, cfg, rngs: nnx.Rngs, shared: nnx.Module | None = None):
+        """``shared``: the shared expert (Qwen 2 MoE), a dense MLP every token runs
+        through, gated per token by ``sigmoid(x . shared_gate)``; None: none."""
         d, f, e, std, pd = cfg.dim, cfg.expert_dim, cfg.n_experts, cfg.init_std, cfg.param_dtype
         self.router = init_param(rngs, (d, e), ("embed", "experts"), std, pd)
         self.w_gate = init_param(rngs, (e, d, f), ("experts", "embed", "expert_mlp"), std, pd)
         self.w_up = init_param(rngs, (e, d, f), ("experts", "embed", "expert_mlp"), std, pd)
         self.w_down = init_param(rngs, (e, f, d), ("experts", "expert_mlp", "embed"), std, pd)
+        self.shared = shared
+        if shared is not None:
+            self.shared_gate = init_param(rngs, (d,), ("embed",), std, pd)
         self.cfg = cfg
 
     def __call__(self, x: jax.Array, real: jax.Array | None = None, dropless: bool = False
@@ -338,6 +345,10 @@ class MoE(nnx.Module):
                 out = jnp.sum(out.astype(jnp.float32), axis=0).astype(x.dtype)
         else:
             out, assigned = local(x, probs, real, *(u[0] for u in used))
+        if self.shared is not None:
+            gate = project("bsd,d->bs", x, *use_param(self.shared_gate, cfg.dtype,
+                                                      param_dtype=cfg.param_dtype))
+            out = out + (jax.nn.sigmoid(gate)[..., None] * self.shared(x)).astype(out.dtype)
         # ST-MoE's router z-loss term per token: the squared log-partition of its logits.
         z = jnp.square(jax.nn.logsumexp(logits, axis=-1))
         counted = jnp.sum(assigned, axis=0)  # the devices' (assignments, dropped pairs)

@@ -45,13 +45,19 @@ MOE_NAMES = {
 }
 
 
-def read_hf(c: dict, where: str) -> dict:
-    hf_config.require(c, where, "Qwen3-MoE", hidden_act="silu", use_sliding_window=False)
+def check_every_layer_sparse(c: dict, where: str, family: str) -> None:
+    """Refuses a config.json with dense layers among the MoE ones (Qwen's
+    ``decoder_sparse_step`` > 1 or ``mlp_only_layers``)."""
     if c["decoder_sparse_step"] != 1 or c["mlp_only_layers"]:
         raise hf_config.config_error(
             where, f"decoder_sparse_step={c['decoder_sparse_step']!r}, mlp_only_layers="
-            f"{c['mlp_only_layers']!r}", "ndjax's Qwen3-MoE has experts in every layer "
+            f"{c['mlp_only_layers']!r}", f"ndjax's {family} has experts in every layer "
             "(decoder_sparse_step=1, mlp_only_layers=[]).")
+
+
+def read_hf(c: dict, where: str) -> dict:
+    hf_config.require(c, where, "Qwen3-MoE", hidden_act="silu", use_sliding_window=False)
+    check_every_layer_sparse(c, where, "Qwen3-MoE")
     return {**hf_config.read_dims(c, where), "qkv_bias": bool(c["attention_bias"]),
             "n_experts": n_experts(c), "experts_per_token": int(c["num_experts_per_tok"]),
             "moe_ffn_dim": int(c["moe_intermediate_size"]),

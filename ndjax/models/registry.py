@@ -20,11 +20,11 @@ from ndjax.models import decoder
 from ndjax.models.decoder import DecoderConfig
 
 # The modules that register the families (imported on first use).
-FAMILY_MODULES = ("llama", "mistral", "qwen", "gemma", "mixtral", "qwen3_moe")
+FAMILY_MODULES = ("llama", "mistral", "qwen", "gemma", "mixtral", "qwen3_moe", "qwen2_moe")
 
 # The mixture-of-experts fields (ndjax.models.moe); 0 / False on a dense family.
 MOE_FIELDS = ("n_experts", "experts_per_token", "moe_ffn_dim", "norm_topk_prob",
-              "router_aux_loss_coef")
+              "router_aux_loss_coef", "shared_expert_dim")
 
 # Of those, what is a choice of training rather than of the model: a config sets it over
 # model.init_from's config.json (ndjax.hf.override_dims).
@@ -39,7 +39,8 @@ _WHAT = {"qkv_bias": "q/k/v biases", "qk_norm": "q/k norms", "sliding_window": "
          "query_pre_attn_scalar": "query scalar", "local_rope_theta": "local rotary base",
          **{f: "experts (it is dense)" for f in MOE_FIELDS},
          "moe_ffn_dim": "expert width of its own (its experts are ffn_dim wide)",
-         "norm_topk_prob": "choice of renormalising the top-k weights"}
+         "norm_topk_prob": "choice of renormalising the top-k weights",
+         "shared_expert_dim": "shared expert"}
 
 # ndjax layer paths of the norms -> Hugging Face names, without ".weight".
 STANDARD_NORMS = {"attn_norm": "input_layernorm", "mlp_norm": "post_attention_layernorm"}
@@ -61,10 +62,11 @@ class Family:
     fixed: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     options: tuple[str, ...] = ()    # OPTION_FIELDS a config may change
     norm_names: Mapping[str, str] = dataclasses.field(default_factory=lambda: STANDARD_NORMS)
-    # MoE families: ndjax MLP parameter -> its Hugging Face name, "{expert}" standing for
-    # each expert's index where the checkpoint holds one tensor per expert (the ndjax
-    # parameter's leading axis), and the split as in ``hf_names``. None: a dense MLP.
-    moe_names: Mapping[str, tuple[str, Any]] | None = None
+    # MoE families: ndjax MLP parameter (a name, or a path under the MLP) -> its Hugging
+    # Face name, "{expert}" standing for each expert's index where the checkpoint holds
+    # one tensor per expert (the ndjax parameter's leading axis), and the split as in
+    # ``hf_names``. None: a dense MLP.
+    moe_names: Mapping[str | tuple[str, ...], tuple[str, Any]] | None = None
 
     def read_config_json(self, c: dict, where: str) -> dict:
         """The DecoderConfig fields of config.json ``c`` (``where``: its directory, for
@@ -97,7 +99,8 @@ class Family:
                  ("attn", "wv"): ("self_attn.v_proj.weight", 1),
                  ("attn", "wo"): ("self_attn.o_proj.weight", 2)}
         if cfg.n_experts:
-            layer.update({("mlp", p): entry for p, entry in (self.moe_names or {}).items()})
+            layer.update({("mlp", *((p,) if isinstance(p, str) else p)): entry
+                          for p, entry in (self.moe_names or {}).items()})
         else:
             layer.update({("mlp", "w_gate"): ("mlp.gate_proj.weight", 1),
                           ("mlp", "w_up"): ("mlp.up_proj.weight", 1),
