@@ -566,8 +566,10 @@ def test_expert_parallelism_compiles_to_ragged_all_to_alls():
     experts' devices and back in XLA's ragged-all-to-all (2 forward, their transposes
     2 backward), not in the all-gather that stands in for it on CPUs; the experts run
     as the Mosaic kernels, one chunk of the receive buffer at a time (lax.cond). Each
-    is counted at the pairs a device has, not at the receive buffer's worst case."""
-    c = tiny_config(mesh=dict(fsdp=2, expert=2), model=dict(MOE_SMALL, remat="none"),
+    is counted at the pairs a device has, not at the receive buffer's worst case. The
+    model is Qwen 2 MoE's block: a shared expert beside the routed ones."""
+    model = dict(MOE_SMALL, family="qwen2_moe", shared_expert_dim=1024, remat="none")
+    c = tiny_config(mesh=dict(fsdp=2, expert=2), model=model,
                     train=dict(batch_size=4, seq_len=1024))
     devices = gpu_target.devices(H100, 4)
     exp = Experiment.from_config(c, devices)

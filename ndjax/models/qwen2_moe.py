@@ -15,7 +15,7 @@ from ndjax.models.mixtral import n_experts
 from ndjax.models.qwen3_moe import check_every_layer_sparse
 from ndjax.models.registry import EXPERT, Family, register
 
-_QWEN = dict(rope_theta=1_000_000.0, rms_norm_eps=1e-6, norm_topk_prob=False,
+_QWEN = dict(rope_theta=1_000_000.0, rms_norm_eps=1e-6, qkv_bias=True, norm_topk_prob=False,
              router_aux_loss_coef=0.001)
 
 PRESETS = {
