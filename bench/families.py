@@ -46,7 +46,8 @@ MOE_CASES = [
     (family, preset, 8, 4096, "full", {"n_layers": 2, "moe_impl": impl},
      f"2 of {layers}; experts {impl}")
     for family, preset, layers in (("qwen3_moe", "qwen3_30b_a3b", 48),
-                                   ("mixtral", "mixtral_8x7b", 32))
+                                   ("mixtral", "mixtral_8x7b", 32),
+                                   ("qwen2_moe", "qwen2_57b_a14b", 28))
     for impl in ("mosaic", "xla")]
 # Two families, the plainest and the one with local and global layers: the script's
 # every path in CI's smoke run (tests/test_gpu_compile.py) at two compiles, not five.
