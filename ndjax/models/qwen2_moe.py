@@ -11,8 +11,7 @@ from __future__ import annotations
 
 from ndjax.models import hf_config
 from ndjax.models.decoder import DecoderConfig
-from ndjax.models.mixtral import n_experts
-from ndjax.models.qwen3_moe import check_every_layer_sparse
+from ndjax.models.qwen3_moe import read_qwen_moe, write_qwen_moe
 from ndjax.models.registry import EXPERT, Family, register
 
 _QWEN = dict(rope_theta=1_000_000.0, rms_norm_eps=1e-6, qkv_bias=True, norm_topk_prob=False,
@@ -53,24 +52,13 @@ MOE_NAMES = {
 
 
 def read_hf(c: dict, where: str) -> dict:
-    hf_config.require(c, where, "Qwen 2 MoE", hidden_act="silu", use_sliding_window=False)
-    check_every_layer_sparse(c, where, "Qwen 2 MoE")
-    return {**hf_config.read_dims(c, where), "qkv_bias": bool(c["qkv_bias"]),
-            "n_experts": n_experts(c), "experts_per_token": int(c["num_experts_per_tok"]),
-            "moe_ffn_dim": int(c["moe_intermediate_size"]),
-            "shared_expert_dim": int(c["shared_expert_intermediate_size"]),
-            "norm_topk_prob": bool(c["norm_topk_prob"]),
-            "router_aux_loss_coef": float(c["router_aux_loss_coef"])}
+    return {**read_qwen_moe(c, where, "Qwen 2 MoE"), "qkv_bias": bool(c["qkv_bias"]),
+            "shared_expert_dim": int(c["shared_expert_intermediate_size"])}
 
 
 def write_hf(cfg: DecoderConfig) -> dict:
-    return dict(hf_config.write_dims(cfg), hidden_act="silu", use_sliding_window=False,
-                qkv_bias=cfg.qkv_bias, num_experts=cfg.n_experts,
-                num_experts_per_tok=cfg.experts_per_token,
-                moe_intermediate_size=cfg.expert_dim,
-                shared_expert_intermediate_size=cfg.shared_expert_dim,
-                norm_topk_prob=cfg.norm_topk_prob, router_aux_loss_coef=cfg.router_aux_loss_coef,
-                decoder_sparse_step=1, mlp_only_layers=[])
+    return dict(write_qwen_moe(cfg), qkv_bias=cfg.qkv_bias,
+                shared_expert_intermediate_size=cfg.shared_expert_dim)
 
 
 QWEN2_MOE = register(Family(

@@ -45,33 +45,38 @@ MOE_NAMES = {
 }
 
 
-def check_every_layer_sparse(c: dict, where: str, family: str) -> None:
-    """Refuses a config.json with dense layers among the MoE ones (Qwen's
-    ``decoder_sparse_step`` > 1 or ``mlp_only_layers``)."""
+def read_qwen_moe(c: dict, where: str, family: str) -> dict:
+    """The dims and expert fields Qwen's MoE config.json files share (Qwen 2 MoE's and
+    Qwen3-MoE's); a config.json with dense layers among the MoE ones
+    (``decoder_sparse_step`` > 1 or ``mlp_only_layers``) is refused."""
+    hf_config.require(c, where, family, hidden_act="silu", use_sliding_window=False)
     if c["decoder_sparse_step"] != 1 or c["mlp_only_layers"]:
         raise hf_config.config_error(
             where, f"decoder_sparse_step={c['decoder_sparse_step']!r}, mlp_only_layers="
             f"{c['mlp_only_layers']!r}", f"ndjax's {family} has experts in every layer "
             "(decoder_sparse_step=1, mlp_only_layers=[]).")
-
-
-def read_hf(c: dict, where: str) -> dict:
-    hf_config.require(c, where, "Qwen3-MoE", hidden_act="silu", use_sliding_window=False)
-    check_every_layer_sparse(c, where, "Qwen3-MoE")
-    return {**hf_config.read_dims(c, where), "qkv_bias": bool(c["attention_bias"]),
+    return {**hf_config.read_dims(c, where),
             "n_experts": n_experts(c), "experts_per_token": int(c["num_experts_per_tok"]),
             "moe_ffn_dim": int(c["moe_intermediate_size"]),
             "norm_topk_prob": bool(c["norm_topk_prob"]),
             "router_aux_loss_coef": float(c["router_aux_loss_coef"])}
 
 
-def write_hf(cfg: DecoderConfig) -> dict:
+def write_qwen_moe(cfg: DecoderConfig) -> dict:
+    """``read_qwen_moe``'s fields, written."""
     return dict(hf_config.write_dims(cfg), hidden_act="silu", use_sliding_window=False,
-                attention_bias=cfg.qkv_bias, num_experts=cfg.n_experts,
-                num_experts_per_tok=cfg.experts_per_token,
+                num_experts=cfg.n_experts, num_experts_per_tok=cfg.experts_per_token,
                 moe_intermediate_size=cfg.expert_dim, norm_topk_prob=cfg.norm_topk_prob,
                 router_aux_loss_coef=cfg.router_aux_loss_coef, decoder_sparse_step=1,
                 mlp_only_layers=[])
+
+
+def read_hf(c: dict, where: str) -> dict:
+    return {**read_qwen_moe(c, where, "Qwen3-MoE"), "qkv_bias": bool(c["attention_bias"])}
+
+
+def write_hf(cfg: DecoderConfig) -> dict:
+    return dict(write_qwen_moe(cfg), attention_bias=cfg.qkv_bias)
 
 
 QWEN3_MOE = register(Family(
