@@ -359,7 +359,7 @@ def collective_records(hlo: str, mesh: Any, devices: Sequence[jax.Device]) -> li
     return [dict(kind=c.kind, dtype=c.dtype, bytes=c.bytes, ring_bytes=c.ring_bytes,
                  group_size=c.group_size, executed=c.executed,
                  groups=[[order[p] for p in g] for g in c.groups])
-            for c in collectives(hlo)]
+            for c in collectives(hlo, cpu_compiled=platforms.of(devices) != "gpu")]
 
 
 class Cache:

@@ -4,7 +4,8 @@
 its kind, result bytes per device, replica groups and how many times one step
 executes it (the product of the known trip counts of the while loops around it).
 This is what a layout planner needs to price a mesh's communication before any
-GPU is rented; the CPU backend's HLO is the input, so two of its habits are undone:
+GPU is rented; where the CPU backend's HLO is the input, its habits are undone
+(XLA:GPU's, ``cpu_compiled=False``, is read as it is but for the async pairs):
 
 - Async pairs (``all-gather-start``/``-done``, ``collective-permute-start``/...)
   are one collective: the start is listed, with the done's (result) shape.
@@ -491,7 +492,8 @@ def _dtype(arrays: Iterable[tuple[str, int]]) -> str:
     return "+".join(dict.fromkeys(d for d, _ in arrays)) or "-"
 
 
-def _of(mod: _Module, comp: str, ins: _Instr, executed: int) -> list[Collective]:
+def _of(mod: _Module, comp: str, ins: _Instr, executed: int,
+        cpu_compiled: bool = True) -> list[Collective]:
     kind = _kind(ins.op)
     # An async start's own shape also holds its operands and contexts; its done
     # has the result.
@@ -503,7 +505,8 @@ def _of(mod: _Module, comp: str, ins: _Instr, executed: int) -> list[Collective]
     else:
         groups = [tuple(int(x) for x in g) for g in _replica_groups(ins.attrs, mod.devices)]
     size = max(len(g) for g in groups)
-    bits = dict(zip(range(len(arrays)), _operand_bits(mod, comp, ins, arrays)))
+    bits = dict(zip(range(len(arrays)), _operand_bits(mod, comp, ins, arrays) if cpu_compiled
+                    else [_BITS.get(d, 32) for d, _ in arrays]))
 
     def make(kind: str, picked: list[int], lowered: str | None) -> Collective:
         chosen = [arrays[i] for i in picked]
@@ -544,15 +547,19 @@ def _ragged_send(mod: _Module, comp: str, ins: _Instr) -> tuple[str, int] | None
     return arrays[0] if arrays else None
 
 
-def collectives(hlo_text: str) -> list[Collective]:
-    """Every collective in an optimized HLO module's text, in text order."""
+def collectives(hlo_text: str, cpu_compiled: bool = True) -> list[Collective]:
+    """Every collective in an optimized HLO module's text, in text order.
+    ``cpu_compiled``: the text is XLA:CPU's, whose float32 collectives of converted
+    16-bit floats are read as the 16-bit ones a GPU would move (``wire_bytes``). False
+    for XLA:GPU's text, which moves what it says: there such a convert is the
+    program's own (a float32 sum of bfloat16 partial gradients)."""
     mod = _parse(hlo_text)
     runs = _executions(mod)
     out: list[Collective] = []
     for comp, instrs in mod.comps.items():
         for ins in instrs:
             if _kind(ins.op):
-                out += _of(mod, comp, ins, runs.get(comp, 0))
+                out += _of(mod, comp, ins, runs.get(comp, 0), cpu_compiled)
     return out
 
 
