@@ -130,7 +130,6 @@ def _tensor_activations(exp: Any, send: Any, size: Any) -> None:
         send("all-reduce", axes, cfg.n_layers * 2 * (k - 1) / k * block_out)
 
 
-
 def _expert_exchange(exp: Any, send: Any, size: Any, per_layer: int) -> None:
     """``per_layer`` all-to-alls a layer over the axis that splits the experts, each of
     a device's own (token, expert) pairs (see the module docstring)."""

@@ -475,11 +475,12 @@ def _constant(ins: _Instr | None, by_name: dict[str, _Instr]) -> bool:
     return ins is not None and ins.op == "constant"
 
 
-def _operand_bits(mod: _Module, comp: str, ins: _Instr, arrays: list) -> list[int]:
+def _operand_bits(mod: _Module, comp: str, ins: _Instr, arrays: list,
+                  cpu_compiled: bool = True) -> list[int]:
     """Per result array, the bits per element a GPU would move: 16 where the CPU
-    widened a 16-bit float operand to f32, else the array's own."""
+    widened a 16-bit float operand to f32 (``cpu_compiled``), else the array's own."""
     bits = [_BITS.get(d, 32) for d, _ in arrays]
-    if len(ins.operands) != len(arrays):  # not one operand per result array
+    if not cpu_compiled or len(ins.operands) != len(arrays):  # (not one operand per array)
         return bits
     return [16 if d == "f32" and _widened_bits(mod, comp, op) == 16 else b
             for (d, _), op, b in zip(arrays, ins.operands, bits)]
@@ -505,8 +506,7 @@ def _of(mod: _Module, comp: str, ins: _Instr, executed: int,
     else:
         groups = [tuple(int(x) for x in g) for g in _replica_groups(ins.attrs, mod.devices)]
     size = max(len(g) for g in groups)
-    bits = dict(zip(range(len(arrays)), _operand_bits(mod, comp, ins, arrays) if cpu_compiled
-                    else [_BITS.get(d, 32) for d, _ in arrays]))
+    bits = dict(zip(range(len(arrays)), _operand_bits(mod, comp, ins, arrays, cpu_compiled)))
 
     def make(kind: str, picked: list[int], lowered: str | None) -> Collective:
         chosen = [arrays[i] for i in picked]
