@@ -132,10 +132,9 @@ def dispatch(x: jax.Array, experts: jax.Array, weights: jax.Array, w_gate: jax.A
     gate = checkpoint_name(matmul(rows, w_gate), "mlp_gate")
     up = checkpoint_name(matmul(rows, w_up), "mlp_up")
     # Each pair's output, which the routing weights' gradient reads (k x dim per token).
+    # The dropped pairs (capacity mode) sort last, in no group: zeros (the grouped
+    # matmuls' contract, ndjax.ops.grouped_matmul), and so are their gradients.
     out = checkpoint_name(matmul(ACTIVATION_FNS[activation](gate) * up, w_down), "moe_out")
-    if keep is not None:  # rows in no group: zeros from ragged_dot, unwritten by Mosaic
-        out = jnp.where((jnp.arange(out.shape[0]) < jnp.sum(sizes))[:, None], out,
-                        jnp.zeros_like(out))
     out = out[jnp.argsort(order)].reshape(*experts.shape, dim)  # back in token order
     mixed = jnp.einsum("...kd,...k->...d", out, weights.astype(out.dtype),
                        preferred_element_type=jnp.float32)
@@ -190,10 +189,8 @@ def dispatch_over(axis: str, ways: int, x: jax.Array, experts: jax.Array,
     matmul = functools.partial(_in_chunks, sizes=sizes, impl=impl, chunks=ways)
     gate = checkpoint_name(matmul(grouped, w_gate), "mlp_gate")
     up = checkpoint_name(matmul(grouped, w_up), "mlp_up")
-    out = matmul(ACTIVATION_FNS[activation](gate) * up, w_down)
-    # Rows in no group: zeros from ragged_dot, unwritten by a Mosaic kernel.
-    filled = (jnp.arange(buffer) < jnp.sum(sizes))[:, None]
-    out = jnp.where(filled, out, jnp.zeros_like(out))[jnp.argsort(regroup)]
+    # The buffer's unfilled rows are in no group: zeros, as their gradients.
+    out = matmul(ACTIVATION_FNS[activation](gate) * up, w_down)[jnp.argsort(regroup)]
     # Back: my runs return to their senders, to the rows they came from.
     mine_before = jnp.sum(jnp.where(jnp.arange(ways)[None, :] < me, to_total, 0), axis=1)
     back = exchange(out, pairs, exclusive_cumsum(recv), recv, mine_before, send, axis,

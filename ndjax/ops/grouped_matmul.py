@@ -16,6 +16,15 @@ Two implementations (``model.moe_impl``):
 
 ``auto`` picks ``mosaic`` where it can run and ``xla`` elsewhere (``choose``).
 Both accumulate in float32 and round the product to the inputs' dtype.
+
+The contract every implementation keeps (a new one too), forward and backward: the
+rows past the groups (``sizes`` summing below M: capacity mode's dropped pairs, an
+exchange buffer's unfilled rows, block padding) are never read, whatever they hold,
+and come back as zeros, in the product and in the rows' gradient; an empty group's
+weights' gradient is zero. ragged_dot keeps it by itself. jax's Mosaic kernels write
+only the rows of their groups and read whole blocks of rows, so ``_mosaic`` zeroes
+their outputs' tail and the contraction's inputs' tail (tests/test_grouped_matmul.py
+checks it in the interpreter, which fills unwritten memory with NaN).
 """
 
 from __future__ import annotations
@@ -45,6 +54,12 @@ STAGES = 4
 GRID_BLOCK_N = 1
 _DTYPES = ("bfloat16", "float16")
 H100_SMS = 132  # where a compile target does not say
+# Mosaic GPU's interpreter runs the weights' gradient kernel from jax 0.12 (0.10's has
+# no layout_cast rule); before, XLA's contraction stands in for it on CPUs.
+INTERPRETER_RUNS_CONTRACTION = jax.__version_info__ >= (0, 12)
+# The SMs the persistent kernels spread over when interpreted (a CPU device has none):
+# a few, so that the tests visit more than one SM's share of the tiles.
+INTERPRETED_SMS = 4
 
 
 @dataclasses.dataclass(frozen=True)
@@ -144,7 +159,7 @@ def _default_device() -> jax.Device | None:
     return device if isinstance(device, jax.Device) else None
 
 
-def _interpreted() -> bool:
+def interpreted() -> bool:
     """Whether the kernels run interpreted: a step built for CPUs (the active mesh's
     devices, else the default device's platform)."""
     if active() is None and _default_device() is not None:
@@ -161,19 +176,21 @@ def _kernel_context() -> Iterator[None]:
     ``jax.devices()[0].core_count`` (the SMs), which a CPU device does not have."""
     if jax.default_backend() == "gpu":
         yield
-    elif _interpreted():
+        return
+    if interpreted():
         from jax._src.pallas.mosaic_gpu.interpret import params
 
-        with params.force_gpu_interpret_mode():
-            yield
+        interpret, sms = params.force_gpu_interpret_mode(), INTERPRETED_SMS
     else:
-        real, target = jax.devices, _default_device()
-        sms = getattr(target, "core_count", None) or H100_SMS
-        jax.devices = lambda *a, **k: [types.SimpleNamespace(core_count=sms)]
-        try:
+        interpret = contextlib.nullcontext()
+        sms = getattr(_default_device(), "core_count", None) or H100_SMS
+    real = jax.devices
+    jax.devices = lambda *a, **k: [types.SimpleNamespace(core_count=sms)]
+    try:
+        with interpret:
             yield
-        finally:
-            jax.devices = real
+    finally:
+        jax.devices = real
 
 
 def _padded(x: jax.Array) -> jax.Array:
@@ -182,10 +199,16 @@ def _padded(x: jax.Array) -> jax.Array:
     return jnp.pad(x, ((0, pad), (0, 0))) if pad else x
 
 
+def _in_groups(a: jax.Array, sizes: jax.Array) -> jax.Array:
+    """``a`` with its rows past the groups zeroed, whatever they held (NaN included)."""
+    inside = (jnp.arange(a.shape[0]) < jnp.sum(sizes))[:, None]
+    return jnp.where(inside, a, jnp.zeros_like(a))
+
+
 def _product(x, w, sizes, transpose: bool = False):
     from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu
 
-    if transpose and _interpreted():
+    if transpose and interpreted():
         # The interpreter has no transposed wgmma operand: the matrices transposed in
         # memory instead (on GPUs the kernel reads them transposed).
         w, transpose = jnp.swapaxes(w, 1, 2), False
@@ -195,7 +218,9 @@ def _product(x, w, sizes, transpose: bool = False):
             _padded(x), w, group_sizes=sizes, block_m=BLOCK, block_n=_block(n),
             block_k=BLOCK_K, max_concurrent_steps=STAGES, grid_block_n=GRID_BLOCK_N,
             transpose_rhs=transpose)
-    return out[:x.shape[0]]  # the padding's rows are in no group: never written
+    # The kernel writes only its groups' rows: the padding and any row past the groups
+    # hold whatever memory did.
+    return _in_groups(out[:x.shape[0]], sizes)
 
 
 def _contraction(x, dy, sizes):
@@ -203,10 +228,14 @@ def _contraction(x, dy, sizes):
     from jax.experimental.pallas.ops.gpu import transposed_ragged_dot_mgpu
 
     k, n = x.shape[1], dy.shape[1]
-    if _interpreted():
-        # Mosaic GPU's interpreter (jax 0.10) cannot run this kernel (no layout_cast):
-        # XLA's contraction over each group's rows stands in for it off GPUs.
+    if interpreted() and not INTERPRETER_RUNS_CONTRACTION:
+        # jax 0.10's Mosaic GPU interpreter cannot run this kernel (no layout_cast):
+        # XLA's contraction over each group's rows stands in for it there.
         return _reference_contraction(x, dy, sizes)
+    # The kernel reads whole blocks of rows and masks the ones past a group by
+    # multiplying: a NaN there (another kernel's unwritten row) would reach the
+    # group's gradient.
+    x, dy = _in_groups(x, sizes), _in_groups(dy, sizes)
     with _kernel_context():
         return transposed_ragged_dot_mgpu.transposed_ragged_dot(
             _padded(x), _padded(dy), group_sizes=sizes, block_m=_block(k),
@@ -236,7 +265,7 @@ def _mosaic_fwd(x, w, sizes):
 def _mosaic_bwd(res, dy):
     x, w, sizes = res
     dy = dy.astype(x.dtype)
-    dx = _product(dy, w, sizes, transpose=True)
+    dx = _product(dy, w, sizes, transpose=True)  # zero past the groups, as the forward
     dw = _contraction(x, dy, sizes).astype(w.dtype)
     return dx, dw, None
 
