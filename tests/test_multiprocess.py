@@ -28,6 +28,7 @@ from ndjax.experiment import Experiment
 from ndjax.training.loop import train
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TRAIN_PY = os.path.join(ROOT, "train.py")
 FLAGS = [*train_py_flags(), "--config.log.tensorboard=False", "--config.runtime.cpu_devices=4"]
 FSDP_TP = dict(replica=1, fsdp=4, context=1, tensor=2)
 # 2 processes x 4 devices: replica and fsdp are 1, so the cross-process factor
@@ -45,10 +46,11 @@ def mesh_flags(mesh):
     return [f"--config.mesh.{k}={v}" for k, v in mesh.items()]
 
 
-def start(workdir, process_id, port, *args, num_processes=2, env=None):
+def start(workdir, process_id, port, *args, num_processes=2, env=None, script=TRAIN_PY):
     """train.py as process ``process_id``; its output goes to files (a pipe that
     nobody reads while the test waits could fill and block the process). ``env``:
-    its whole environment (default: this process's)."""
+    its whole environment (default: this process's); ``script``: what runs instead
+    of train.py, with its arguments (tests/skewed_train.py)."""
     # PYTHONFAULTHANDLER: a hung process sent SIGABRT prints every thread's stack
     # (run_two does that), so a hang says where it stuck.
     env = {**(os.environ if env is None else env), "PYTHONPATH": ROOT, "PYTHONUNBUFFERED": "1",
@@ -58,7 +60,7 @@ def start(workdir, process_id, port, *args, num_processes=2, env=None):
     out = open(os.path.join(logs, f"{process_id}.out"), "w+")
     err = open(os.path.join(logs, f"{process_id}.err"), "w+")
     p = subprocess.Popen(
-        [sys.executable, os.path.join(ROOT, "train.py"), f"--workdir={workdir}", *FLAGS,
+        [sys.executable, script, f"--workdir={workdir}", *FLAGS,
          f"--config.runtime.coordinator=127.0.0.1:{port}",
          f"--config.runtime.num_processes={num_processes}",
          f"--config.runtime.process_id={process_id}", *args],
@@ -85,12 +87,17 @@ def kill_all(procs):
             p.wait()
 
 
-def run_two(workdir, *args, per_process=((), ()), timeout=240, env=None):
+def run_two(workdir, *args, per_process=((), ()), timeout=240, env=None, script=TRAIN_PY,
+            meanwhile=None):
     """Both processes to completion: [(returncode, stdout, stderr)] by process id.
-    A run still going after ``timeout`` seconds fails the test as hung."""
+    A run still going after ``timeout`` seconds fails the test as hung.
+    ``meanwhile(procs)``: what the test does to the running processes."""
     port = free_port()
-    procs = [start(workdir, i, port, *args, *per_process[i], env=env) for i in range(2)]
+    procs = [start(workdir, i, port, *args, *per_process[i], env=env, script=script)
+             for i in range(2)]
     try:
+        if meanwhile is not None:
+            meanwhile(procs)
         outputs = [finish(p, timeout) for p in procs]
     except subprocess.TimeoutExpired:
         tails = []
@@ -326,23 +333,64 @@ def test_processes_with_different_configs_refuse_to_start(tmp_path):
     assert not (tmp_path / "metrics.jsonl").exists()
 
 
-def test_sigterm_to_one_process_stops_all_at_the_same_step(tmp_path):
-    """SLURM signals every process, Kubernetes may evict one pod: either way they
-    must stop after the same step, or the one saving waits for the others forever."""
-    port = free_port()
-    procs = [start(tmp_path, i, port, *mesh_flags(FSDP_TP), "--config.train.steps=100000")
-             for i in range(2)]
-    try:
-        wait_for_step(tmp_path, 5, procs)
-        procs[1].send_signal(signal.SIGTERM)
-        outputs = [finish(p, timeout=60) for p in procs]
-    finally:
-        kill_all(procs)
-    for p, (_, err) in zip(procs, outputs):
-        assert p.returncode == 0, err[-3000:]
-    saved = [int(d) for d in os.listdir(tmp_path / "checkpoints") if d.isdigit()]
-    assert len(saved) == 1 and f"SIGTERM: saved checkpoint step {saved[0]}" in outputs[0][0]
-    assert metrics(tmp_path)[-1]["step"] == saved[0]
+# Steps of the SIGTERM runs: the stop comes at step 11 (below), the rerun finishes.
+SIGTERM_STEPS = 14
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    """The losses of an uninterrupted run of SIGTERM_STEPS, every step logged."""
+    return losses(one_process(tmp_path_factory.mktemp("uninterrupted"), FSDP_TP,
+                              steps=SIGTERM_STEPS))
+
+
+def wait_for_file(path, procs, timeout=180):
+    deadline = time.monotonic() + timeout
+    while not os.path.exists(path):
+        for p in procs:
+            assert p.poll() is None, finish(p, 0)[1][-3000:]
+        assert time.monotonic() < deadline, f"{path} not written"
+        time.sleep(0.2)
+
+
+@pytest.mark.parametrize("signalled", [0, 1], ids=["to_process_0", "to_process_1"])
+def test_sigterm_to_either_process_stops_both_at_the_same_step(tmp_path, signalled,
+                                                                uninterrupted):
+    """SLURM signals every process, Kubernetes may evict one pod: either way they must
+    stop after the same step, or the one saving waits for the others forever. With
+    metrics read every log.every=5 steps, one process can be 5 dispatched steps ahead
+    of another, process 0 (it writes the logs) behind: tests/skewed_train.py holds
+    them so (process 0 at step 6, process 1 at step 10) when the signal comes, to
+    process 0 or to process 1. A stop step reckoned from the signalled process's own
+    step alone (2 past it, as ndjax did) is one process 1 has already passed with
+    process 0 signalled: that run hung. The agreed step is the one after the
+    furthest either has checked, 11; a rerun (one process) from its checkpoint
+    continues as if nothing had stopped."""
+    skew = tmp_path / "skew"
+    skew.mkdir()
+    env = {**os.environ, "SKEW_DIR": str(skew), "SKEW_AT": "5", "SKEW_AHEAD": "5",
+           "SKEW_SIGNALLED": str(signalled)}
+    work = tmp_path / "run"
+    args = [*mesh_flags(FSDP_TP), f"--config.train.steps={SIGTERM_STEPS}", "--config.log.every=5"]
+
+    def sigterm(procs):
+        wait_for_file(skew / f"{signalled}.ready", procs)
+        procs[signalled].send_signal(signal.SIGTERM)
+
+    results = run_two(work, *args, script=os.path.join(ROOT, "tests", "skewed_train.py"),
+                      env=env, meanwhile=sigterm)
+    check_ok(results)
+    stopped = [int((skew / f"{i}.stopped").read_text()) for i in range(2)]
+    assert stopped == [11, 11]
+    ckpts = work / "checkpoints"
+    assert sorted(os.listdir(ckpts)) == ["11"] and (ckpts / "11" / "commit_success.txt").exists()
+    assert "SIGTERM: saved checkpoint step 11" in results[0][1]
+    resumed = one_process(work, FSDP_TP, steps=SIGTERM_STEPS)
+    assert [r["step"] for r in resumed] == list(range(12, SIGTERM_STEPS + 1))
+    records = metrics(work)
+    steps = [r["step"] for r in records]
+    assert steps == [5, 10, *range(12, SIGTERM_STEPS + 1)]
+    np.testing.assert_allclose(losses(records), uninterrupted[np.array(steps) - 1], rtol=1e-6)
 
 
 def test_a_workdir_locked_on_another_host_stops_every_process(tmp_path):

@@ -204,7 +204,8 @@ class Profile(Hook):
 
 class StopOnSignal(Hook):
     """SIGTERM (SLURM, Kubernetes, spot VMs) or Ctrl-C stops the run after the current
-    step, on every process at the same step (ndjax.training.stop_signals); the checkpoint hook
+    step, or with several processes after the step they agree on, the first that the
+    furthest of them has not gone past (ndjax.training.stop_signals); the checkpoint hook
     after this one saves it. A second signal exits at once."""
 
     def __init__(self):
