@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
+import shutil
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -26,6 +28,9 @@ from ndjax.config import CheckpointSettings
 from ndjax.errors import ConfigError
 from ndjax.state import TrainState
 
+# <step>.superseded, and .superseded.<n> for a step moved aside more than once.
+_SUPERSEDED = re.compile(rf"\d+{re.escape(faults.SUPERSEDED_SUFFIX)}(\.\d+)?")
+
 
 def _key_str(path: tuple) -> str:
     return "/".join(str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k))))
@@ -37,7 +42,7 @@ class Checkpointer:
         """``read_only``: for tools that read a run (export, generate), possibly while it
         trains: nothing is created or deleted, not even an interrupted save's temporary
         directory, which the run itself may still be writing."""
-        self.cfg = cfg
+        self.cfg, self.read_only = cfg, read_only
         self.directory = os.path.abspath(os.path.join(workdir, "checkpoints"))
         options = ocp.CheckpointManagerOptions(
             max_to_keep=cfg.keep if cfg.keep > 0 else None,
@@ -53,6 +58,7 @@ class Checkpointer:
                            "data": ocp.JsonCheckpointHandler()})
         self._saving: int | None = None  # the step of the newest save started
         self._failed = False             # a SaveError was raised: close() adds nothing
+        self._superseded_dropped = False  # _drop_superseded ran
         faults.quiet_failed_saves()
 
     def steps(self) -> list[int]:
@@ -62,13 +68,35 @@ class Checkpointer:
         """The step ``checkpoint.resume`` asks for: auto = newest, never = none."""
         return requested_step(str(self.cfg.resume), self.steps(), self.directory)
 
-    def drop_newer_than(self, step: int) -> list[int]:
-        """Deletes checkpoints after ``step`` (resuming from an older one starts a
-        new timeline; its saves will take those step numbers)."""
+    def supersede_newer_than(self, step: int) -> list[int]:
+        """Moves the checkpoints after ``step`` aside to ``<step>.superseded`` (resuming
+        from an older one starts a new timeline, whose saves take those step numbers):
+        orbax no longer lists them, so a restart after a crash resumes this timeline,
+        not the old one. They are deleted once this run has a complete checkpoint of
+        its own (``wait``); until then they are recoverable by renaming them back."""
         newer = [s for s in self.steps() if s > step]
-        for s in newer:
-            self.manager.delete(s)
+        # Newest first: a run killed in between leaves the old timeline's steps up to
+        # some point, each of them whole.
+        for s in reversed(newer):
+            faults.move_aside(self.directory, s, faults.SUPERSEDED_SUFFIX)
+        if newer:
+            self.manager.reload()  # they are no steps of the manager's any more
         return newer
+
+    def _drop_superseded(self) -> None:
+        """Deletes the checkpoints moved aside by ``supersede_newer_than``, this run's
+        and any left by an earlier run that stopped before it saved; called once a save
+        of this run is complete. Process 0 only, as it alone renames."""
+        if self._superseded_dropped or self.read_only:
+            return
+        self._superseded_dropped = True
+        if jax.process_index() != 0:
+            return
+        for name in os.listdir(self.directory):
+            if _SUPERSEDED.fullmatch(name):
+                # A deletion cut short leaves the rest under the same name, which no
+                # restore reads and the next run's first save deletes.
+                shutil.rmtree(os.path.join(self.directory, name), ignore_errors=True)
 
     def check_compatible(self, step: int, abstract_state: TrainState) -> None:
         """ConfigError naming the first array whose shape differs from the checkpoint's."""
@@ -192,11 +220,14 @@ class Checkpointer:
             raise self._save_failed(step, e) from e
 
     def wait(self) -> None:
-        """Waits for the save in flight; SaveError if it failed."""
+        """Waits for the save in flight; SaveError if it failed. Once a save of this run
+        is complete, the checkpoints it supersedes are deleted."""
         try:
             self.manager.wait_until_finished()
         except Exception as e:
             raise self._save_failed(self._saving, e) from e
+        if self._saving is not None:
+            self._drop_superseded()
 
     def _save_failed(self, step: int | None, e: BaseException) -> faults.SaveError:
         self._failed = True

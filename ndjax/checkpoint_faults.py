@@ -7,7 +7,8 @@ neither as a step (those are bare step numbers) nor as an interrupted save to cl
 up (those contain ``.orbax-checkpoint-tmp``): ``<step>.unreadable``. With several
 processes, every one reads the same step and they agree on the outcome through the
 coordinator's key-value store before any of them moves on, so they never restore
-different steps.
+different steps. The checkpoints after an explicit ``checkpoint.resume=<step>`` are
+moved aside the same way, to ``<step>.superseded``.
 """
 
 from __future__ import annotations
@@ -23,6 +24,9 @@ import jax
 from ndjax.parallel import distributed
 
 QUARANTINE_SUFFIX = ".unreadable"
+# Checkpoints newer than an explicit checkpoint.resume=<step>, moved aside until the
+# resumed run has saved one of its own (ndjax.checkpoint.Checkpointer.supersede_newer_than).
+SUPERSEDED_SUFFIX = ".superseded"
 _AGREE_TIMEOUT_MS = 10 * 60 * 1000  # reading a large checkpoint takes a while
 
 
@@ -68,22 +72,23 @@ def all_read(step: int, error: str | None) -> list[tuple[int, str]]:
     return [(i, a) for i, a in enumerate(answers) if a]
 
 
-def move_aside(directory: str, step: int) -> str:
-    """Renames ``directory/<step>`` to ``<step>.unreadable`` (``.unreadable.1``, ...
-    when a run already moved that step aside once) on process 0, after every process
-    has read it; the others wait for the rename. Returns the new path."""
+def move_aside(directory: str, step: int, suffix: str = QUARANTINE_SUFFIX) -> str:
+    """Renames ``directory/<step>`` to ``<step><suffix>`` (``<suffix>.1``, ... when a
+    run already moved that step aside once) on process 0, after every process has
+    read it; the others wait for the rename. Returns the new path."""
     source = os.path.join(directory, str(step))
-    target, n = source + QUARANTINE_SUFFIX, 0
+    target, n = source + suffix, 0
     while os.path.exists(target):
         n += 1
-        target = f"{source}{QUARANTINE_SUFFIX}.{n}"
+        target = f"{source}{suffix}.{n}"
     if jax.process_index() == 0:
         os.rename(source, target)
     if jax.process_count() > 1:
         kv = distributed.client()
+        key = f"ndjax/restore/{step}/moved{suffix}"
         if jax.process_index() == 0:
-            kv.key_value_set(f"ndjax/restore/{step}/moved", target)
-        target = kv.blocking_key_value_get(f"ndjax/restore/{step}/moved", _AGREE_TIMEOUT_MS)
+            kv.key_value_set(key, target)
+        target = kv.blocking_key_value_get(key, _AGREE_TIMEOUT_MS)
     return target
 
 

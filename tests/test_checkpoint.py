@@ -3,6 +3,7 @@
 import concurrent.futures
 import json
 import os
+import pathlib
 import random
 import re
 import shutil
@@ -486,3 +487,75 @@ def test_failed_save_is_one_line_and_a_rerun_resumes_exactly(tmp_path, six_steps
     assert sorted(losses) == list(range(1, 7))
     np.testing.assert_allclose([losses[s] for s in range(3, 7)],
                                [six_steps[s] for s in range(3, 7)], rtol=1e-6)
+
+
+def file_bytes(directory) -> dict[str, bytes]:
+    """Every file under ``directory``, by its path relative to it."""
+    root = pathlib.Path(directory)
+    return {str(p.relative_to(root)): p.read_bytes() for p in root.rglob("*") if p.is_file()}
+
+
+def test_resume_from_an_older_step_keeps_the_newer_ones_until_it_has_saved(tmp_path, six_steps):
+    """checkpoint.resume=2 on checkpoints 2, 4, 6 moves 4 and 6 aside to
+    <step>.superseded, which orbax does not list. Killed before its first save, the run
+    leaves them whole (renamed back, they resume), and the same command run again
+    resumes the new timeline from 2; once that run has saved, they are deleted (as are
+    those a run moved aside itself, once it has saved), and a plain restart resumes
+    from its newest checkpoint, with the losses of a run never interrupted."""
+    workdir = tmp_path / "run"
+    first = run_train(workdir, "--config.train.steps=6", "--config.checkpoint.every=2")
+    assert first.returncode == 0, first.stderr[-2000:]
+    ckpt_dir = workdir / "checkpoints"
+    before = {step: file_bytes(ckpt_dir / str(step)) for step in (4, 6)}
+
+    # checkpoint.every=0 and no end in sight: nothing is saved before the kill.
+    resume_2 = ["--config.checkpoint.resume=2", "--config.checkpoint.every=0"]
+    killed = start(workdir, *resume_2, "--config.train.steps=100000")
+    expected = (f"resumed from checkpoint step 2; moved newer checkpoints [4, 6] aside as "
+                f"<step>.superseded in {ckpt_dir}: this run replaces them, and deletes them "
+                "once it has saved a checkpoint\n")
+    for line in killed.stdout:  # the resumed line comes after the move, before any step
+        if line.startswith("resumed from"):
+            break
+    else:
+        line = ""
+    killed.kill()
+    _, err = killed.communicate(timeout=120)
+    assert line.startswith("resumed from checkpoint step 2"), err[-2000:]
+    assert sorted(os.listdir(ckpt_dir)) == ["2", "4.superseded", "6.superseded"]
+    assert line == expected
+    for step in (4, 6):
+        assert file_bytes(ckpt_dir / f"{step}.superseded") == before[step], step
+    on_disk = Checkpointer(str(workdir), tiny_config().checkpoint, read_only=True)
+    assert on_disk.steps() == [2]
+    on_disk.close()
+
+    # Renamed back (in a copy), the old timeline resumes from 6 (reading all of it; no
+    # steps left). The same command as the killed run's, to step 5, resumes from 2.
+    recovered = tmp_path / "recovered"
+    shutil.copytree(workdir, recovered)
+    for step in (4, 6):
+        os.rename(recovered / "checkpoints" / f"{step}.superseded",
+                  recovered / "checkpoints" / str(step))
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        old, new = pool.map(lambda a: run_train(*a), [
+            (recovered, "--config.train.steps=6"),
+            (workdir, *resume_2[:1], "--config.train.steps=5", "--config.checkpoint.every=2")])
+    assert old.returncode == 0, old.stderr[-2000:]
+    assert "resumed from checkpoint step 6\n" in old.stdout, old.stdout
+    assert new.returncode == 0, new.stderr[-2000:]
+    assert "resumed from checkpoint step 2\n" in new.stdout, new.stdout
+    assert sorted(os.listdir(ckpt_dir)) == ["2", "4", "5"]
+    # A run that moves one aside itself and ends deletes it too, once its save is whole.
+    again = run_train(recovered, "--config.checkpoint.resume=4", "--config.train.steps=5")
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert "resumed from checkpoint step 4; moved newer checkpoints [6] aside" in again.stdout
+    assert sorted(os.listdir(recovered / "checkpoints")) == ["2", "4", "5"]
+
+    plain = run_train(workdir, "--config.train.steps=6")
+    assert plain.returncode == 0, plain.stderr[-2000:]
+    assert "resumed from checkpoint step 5\n" in plain.stdout, plain.stdout
+    losses = losses_by_step(logged_steps(workdir))
+    assert sorted(losses) == list(range(1, 7))
+    for step in range(3, 7):
+        assert losses[step] == six_steps[step], step  # bitwise: same mesh, same program

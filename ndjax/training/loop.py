@@ -233,7 +233,9 @@ def train(config: ml_collections.ConfigDict, workdir: str,
             state = state.replace(params=exp.with_base(state.params))
             data.set_state(data_state)  # the next batch is the one after the saved step
             first_step = data_state["rows"] // s.train.batch_size + 1
-            dropped = checkpointer.drop_newer_than(resume_step)
+            # Moved aside, not deleted, until this run has saved: a crash before then
+            # loses nothing.
+            superseded = checkpointer.supersede_newer_than(resume_step)
         else:
             state, first_step = exp.init_state(), 1
         if is_main:
@@ -261,9 +263,11 @@ def train(config: ml_collections.ConfigDict, workdir: str,
             step_fn = exp.compiled_step
             sinks.message(summary.compiled(exp, time.perf_counter() - compile_start))
         if resume_step is not None:
-            replaced = f"; removed newer checkpoints {dropped}, this run replaces them"
+            replaced = (f"; moved newer checkpoints {superseded} aside as <step>.superseded in "
+                        f"{checkpointer.directory}: this run replaces them, and deletes them "
+                        "once it has saved a checkpoint")
             sinks.message(f"resumed from checkpoint step {resume_step}"
-                          + (replaced if dropped else ""))
+                          + (replaced if superseded else ""))
 
         trainer = Trainer(exp, state, data, checkpointer=checkpointer, sinks=sinks, hooks=hooks,
                           first_step=first_step, last_step=s.train.steps, saved=resume_step,
