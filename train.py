@@ -18,6 +18,11 @@ from absl import app, flags
 from ml_collections import config_flags
 
 from ndjax.cli import BAD_OVERRIDE, config_flags_parser, fail, innermost
+from ndjax.console import start_jax_quietly
+
+# Before the config file (which imports jax) loads: without a GPU, the gpu-compile
+# extra's CUDA plugin would print its tracebacks ahead of train.py's first line.
+start_jax_quietly()
 
 
 def _fail(message: object, exit: Callable[[int], object] = sys.exit) -> None:

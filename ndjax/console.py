@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import importlib.util
 import os
+import pkgutil
 import re
 import sys
 import tempfile
@@ -112,3 +114,50 @@ def import_jax_quietly() -> None:
     anything else imports jax (a config file does)."""
     with native_stderr():
         import jax  # noqa: F401
+
+
+def start_jax_quietly() -> None:
+    """``import_jax_quietly``, and on a machine without an NVIDIA GPU where jax's CUDA
+    plugin is installed (the gpu-compile extra), the plugins loaded now, quietly.
+
+    For the programs that run on the platform jax picks (train.py, ndjax.generate,
+    ndjax.export); call it before anything imports jax. There, jax would load the
+    plugin when it first makes a backend, and the plugin's check of the CUDA libraries
+    fails without a driver: a 20-line traceback (jax 0.10; a warning in later jax) and
+    another native line, before the program's first line, for a backend jax then
+    skips anyway (it starts CUDA only where it sees an NVIDIA device file). That check
+    is skipped on such a machine alone, and only when JAX_PLATFORMS chooses nothing: a
+    machine with a GPU, or a run that asks for CUDA, loads the plugin when and as
+    before, with every error it reports. The compile verbs choose the CPU platform
+    themselves, which skips the check too (ndjax.compile, ndjax.plan).
+    """
+    import_jax_quietly()
+    import jax
+
+    try:  # private: where jax decides whether to start CUDA, and loads the plugins
+        from jax._src import hardware_utils, xla_bridge
+
+        gpu_visible = hardware_utils.has_visible_nvidia_gpu
+        load_plugins = xla_bridge._discover_and_register_pjrt_plugins
+    except (ImportError, AttributeError):  # another jax: its lines as they come
+        return
+    if gpu_visible() or not _cuda_plugin_installed():
+        return
+    skip = "JAX_SKIP_CUDA_CONSTRAINTS_CHECK"  # the plugin's own switch
+    saved = os.environ.get(skip)
+    if not jax.config.jax_platforms:
+        os.environ[skip] = "1"
+    try:
+        with native_stderr():
+            load_plugins()
+    finally:  # for this start-up only, not inherited by the processes this one starts
+        if saved is None:
+            os.environ.pop(skip, None)
+        else:
+            os.environ[skip] = saved
+
+
+def _cuda_plugin_installed() -> bool:
+    spec = importlib.util.find_spec("jax_plugins")  # namespace package of jax's plugins
+    return spec is not None and any(m.name.startswith("xla_cuda") for m in
+                                    pkgutil.iter_modules(spec.submodule_search_locations))

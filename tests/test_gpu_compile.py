@@ -64,6 +64,34 @@ def test_compile_without_the_extra_is_one_line():
 
 def _layer_grad_temp(kernel, seq, heads=32, kv=8, d=128, dtype=jnp.bfloat16):
     """Temp bytes of one attention layer's gradient (batch 1), compiled for an H100."""
+@needs_extra
+@pytest.mark.parametrize("args, message", [
+    (["train.py", "--config=configs/llama_fsdp.py", "--config.train.steps=-1"],
+     "train.py: error: train.steps=-1 must be an int >= 0."),
+    (["-m", "ndjax.generate", "--prompt=hi"], "ndjax.generate: error: --workdir="),
+    (["-m", "ndjax.export", "--out=hf"], "ndjax.export: error: --workdir="),
+    (["-m", "ndjax.plan", "--config=configs/llama_fsdp.py", "--devices=0"],
+     "ndjax.plan: error: --devices=0 must be >= 1."),
+], ids=["train", "generate", "export", "plan"])
+def test_a_bad_value_is_one_line_where_the_extra_finds_no_gpu(tmp_path, args, message):
+    """With the extra's CUDA plugin installed and JAX_PLATFORMS unset, on a machine
+    without an NVIDIA GPU (CI's), a bad value is the program's one line and nothing
+    else: no native "Could not find cuda drivers" lines, and no traceback of the
+    plugin's failed check of the CUDA libraries (about 25 lines before the error)."""
+    from jax._src import hardware_utils  # where jax looks for one before starting CUDA
+
+    if hardware_utils.has_visible_nvidia_gpu():
+        pytest.skip("a machine with an NVIDIA GPU: the plugin's check passes or says why")
+    env = {k: v for k, v in _env().items()
+           if k not in ("JAX_PLATFORMS", "JAX_SKIP_CUDA_CONSTRAINTS_CHECK")}
+    workdir = [] if "ndjax.plan" in args else [f"--workdir={tmp_path / 'run'}"]
+    out = subprocess.run([sys.executable, *args, *workdir], cwd=ROOT, env=env,
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                         timeout=300)
+    assert out.returncode == 2, out.stdout
+    assert len(out.stdout.splitlines()) == 1 and out.stdout.startswith(message), out.stdout
+
+
     return _layer_grad(kernel, seq, heads, kv, d, dtype).memory_analysis().temp_size_in_bytes
 
 

@@ -18,16 +18,19 @@ from __future__ import annotations
 import sys
 from collections.abc import Sequence
 
-import jax
 from absl import app, flags
 
-from ndjax import hf
-from ndjax import workdir as workdir_lib
-from ndjax.checkpoint import saved_step
 from ndjax.cli import show_in_help
-from ndjax.console import quiet_libraries
-from ndjax.errors import ConfigError
-from ndjax.experiment import Experiment
+from ndjax.console import quiet_libraries, start_jax_quietly
+
+start_jax_quietly()  # before jax: the CUDA plugin's lines on a machine without a GPU
+import jax  # noqa: E402
+
+from ndjax import hf  # noqa: E402
+from ndjax import workdir as workdir_lib  # noqa: E402
+from ndjax.checkpoint import saved_step  # noqa: E402
+from ndjax.errors import ConfigError  # noqa: E402
+from ndjax.experiment import Experiment  # noqa: E402
 
 
 def export_checkpoint(workdir: str, out: str, step: int | None = None,

@@ -27,26 +27,29 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-import jax
 import ml_collections
 from absl import app, flags
 from ml_collections import config_flags
 
-from ndjax import workdir as workdir_lib
-from ndjax.checkpoint import saved_step
 from ndjax.cli import show_in_help
-from ndjax.config import default_config
-from ndjax.console import quiet_libraries
-from ndjax.data.chat_template import (
+from ndjax.console import quiet_libraries, start_jax_quietly
+
+start_jax_quietly()  # before jax: the CUDA plugin's lines on a machine without a GPU
+import jax  # noqa: E402
+
+from ndjax import workdir as workdir_lib  # noqa: E402
+from ndjax.checkpoint import saved_step  # noqa: E402
+from ndjax.config import default_config  # noqa: E402
+from ndjax.data.chat_template import (  # noqa: E402
     ChatTemplate,
     TemplateRefused,
     load_chat_template,
     token_text,
 )
-from ndjax.data.tokenizers import ByteTokenizer, HFTokenizer, load_tokenizer
-from ndjax.errors import ConfigError
-from ndjax.experiment import Experiment
-from ndjax.sampling import Generator, Sampling
+from ndjax.data.tokenizers import ByteTokenizer, HFTokenizer, load_tokenizer  # noqa: E402
+from ndjax.errors import ConfigError  # noqa: E402
+from ndjax.experiment import Experiment  # noqa: E402
+from ndjax.sampling import Generator, Sampling  # noqa: E402
 
 
 @dataclasses.dataclass
