@@ -201,9 +201,12 @@ def test_only_cudnn_bounds_the_runs_a_row_may_hold():
 
 
 @pytest.mark.parametrize("heads, kv_heads", HEADS)
-def test_cudnn_kernel_matches_dense_given_cudnn_semantics(heads, kv_heads, monkeypatch):
-    """No GPU here: cuDNN itself is replaced by a plain statement of its packed-row
-    semantics, so this checks ndjax's side (segment ids -> ragged sequences)."""
+def test_ndjax_side_of_cudnn_matches_dense_with_cudnn_replaced_by_its_semantics(
+        heads, kv_heads, monkeypatch):
+    """Checks ndjax's side of the cudnn kernel (segment ids -> ragged sequences, the
+    residuals' names, the VJP wiring) with cuDNN itself (``_cudnn_packed``) replaced by
+    a plain statement of its packed-row semantics: no CPU can run cuDNN. What cuDNN
+    computes is unchecked until a GPU runs it (bench/gpu.py's first case)."""
     monkeypatch.setattr(attn, "_cudnn_packed", _cudnn_semantics)
     _assert_matches_dense(lambda q, k, v, seg: attn.KERNELS["cudnn"](q, k, v, seg, CUDNN_CFG),
                           heads, kv_heads)
@@ -327,10 +330,11 @@ def test_dense_computes_the_spec(spec):
     *(("tiled", spec) for spec in WINDOWS[1:]),
     # blocked: window 5 takes its chunks; its query blocks in the test below.
     ("blocked", WINDOWS[0]),
-], ids=str)
+], ids=lambda p: "cudnn_replaced_by_its_semantics" if p == "cudnn" else str(p))
 def test_kernels_compute_the_spec_like_dense(impl, spec, monkeypatch):
-    """Outputs and gradients on packed rows; cudnn through its stated semantics
-    (``_cudnn_semantics``): ndjax's side, the window and scale it passes."""
+    """Outputs and gradients on packed rows. For cudnn only ndjax's side (the window
+    and scale it passes) is checked: cuDNN itself is replaced by its stated semantics
+    (``_cudnn_semantics``), and its numbers are unchecked until a GPU runs bench/gpu.py."""
     monkeypatch.setattr(attn, "_cudnn_packed", _cudnn_semantics)
     _assert_matches_dense(lambda q, k, v, seg: attn.KERNELS[impl](q, k, v, seg, KERNEL_CFG, spec),
                           4, 2, spec=spec)
