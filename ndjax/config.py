@@ -173,7 +173,9 @@ class ModelSettings:
     # Mixture of experts (the MoE families; ndjax.models.moe): the experts per layer,
     # those each token runs through (top-k), each one's width (Qwen3-MoE's
     # moe_intermediate_size; Mixtral's are ffn_dim wide), whether the top-k weights are
-    # renormalised to sum to 1, and the load-balancing loss's weight in the loss.
+    # renormalised to sum to 1, and the load-balancing loss's weight in the loss (unset:
+    # the preset's; with model.init_from, its config.json's router_aux_loss_coef where
+    # output_router_logits is true, else 0, as transformers trains it).
     n_experts: int | None = setting(None, ge=0)
     experts_per_token: int | None = setting(None, ge=1)
     moe_ffn_dim: int | None = setting(None, ge=1)

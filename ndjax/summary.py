@@ -46,12 +46,37 @@ def startup(exp: Experiment, workdir: str, resume_step: int | None) -> list[str]
         f"compute {np.dtype(cfg.dtype).name}, parameters {np.dtype(cfg.param_dtype).name}, "
         f"moments {t.opt_state_dtype}; remat {cfg.remat}; layers "
         f"{'scanned' if cfg.scan_layers else 'unrolled'}",
+        *_loss(exp),
         f"attention: {exp.attention.describe()}",
         f"batch: {t.batch_size} rows x {t.seq_len} tokens = {t.batch_size * t.seq_len} "
         f"tokens per step{micro}; {t.steps} steps; data {c.data.source}, tokenizer {tokenizer}",
         f"workdir: {workdir}; " + (f"resuming from checkpoint step {resume_step}"
                                    if resume_step is not None else "starting at step 1"),
     ]
+
+
+def _loss(exp: Experiment) -> list[str]:
+    """A mixture of experts' training loss, term by term: which of the router's losses
+    are in it, and why each other one is logged only."""
+    if not exp.model_cfg.n_experts:
+        return []
+    options, model = exp.step_options, exp.settings.model
+    aux_off = "model.router_aux_loss_coef 0"
+    if exp.checkpoint is not None and model.router_aux_loss_coef is None \
+            and not exp.checkpoint.config.get("output_router_logits"):
+        # transformers' rule for the checkpoint (hf_config.read_aux_loss), not an oversight.
+        aux_off = ("model.init_from's config.json has output_router_logits false: "
+                   "transformers trains it without; set model.router_aux_loss_coef to add it")
+    terms, logged = ["cross-entropy"], []
+    for coef, name, metric, off in (
+            (options.aux_loss_coef, "load-balancing loss", "aux_loss", aux_off),
+            (options.z_loss_coef, "router z-loss", "router_z_loss", "model.router_z_loss_coef 0")):
+        if coef:
+            terms.append(f"{coef:g} x {name} ({metric})")
+        else:
+            logged.append(f"{metric} ({off})")
+    return ["loss: " + " + ".join(terms)
+            + (f"; logged, not trained on: {', '.join(logged)}" if logged else "")]
 
 
 def _lora(cfg) -> str:

@@ -101,6 +101,14 @@ def loss_and_grads(features: FeaturesFn, options: StepOptions, params: Any, batc
     return loss, tokens, grads
 
 
+def router_loss(options: StepOptions, aux: dict[str, jax.Array]) -> jax.Array | float:
+    """What the MoE router adds to the cross-entropy in the objective (0 for a dense
+    model): ``aux_loss_coef`` x its load-balancing loss and ``z_loss_coef`` x its z-loss."""
+    if "aux_loss" not in aux:
+        return 0.0
+    return options.aux_loss_coef * aux["aux_loss"] + options.z_loss_coef * aux["router_z_loss"]
+
+
 def loss_aux_and_grads(features: FeaturesFn, options: StepOptions, params: Any, batch: Batch,
                        grad_shardings: Any = None, dropout: lora.Dropout | None = None
                        ) -> tuple[jax.Array, jax.Array, Any, dict[str, jax.Array]]:
@@ -130,10 +138,7 @@ def loss_aux_and_grads(features: FeaturesFn, options: StepOptions, params: Any, 
     def scaled_loss(p, b):
         total, _, aux = loss_sum(features, p, b, options.loss_chunk, dropout)
         loss = total / denom
-        objective = loss
-        if "aux_loss" in aux:
-            objective = objective + (options.aux_loss_coef * aux["aux_loss"]
-                                     + options.z_loss_coef * aux["router_z_loss"]) / k
+        objective = loss + router_loss(options, aux) / k
         return objective, (loss, jax.tree.map(lambda a: a / k, aux))
 
     grad_fn = jax.grad(scaled_loss, has_aux=True)

@@ -58,11 +58,12 @@ from transformers import (
     TokenizersBackend,
 )
 
-from ndjax import hf
+from ndjax import hf, summary
 from ndjax.errors import ConfigError
 from ndjax.experiment import Experiment
 from ndjax.models import hf_config, registry
 from ndjax.parallel import rules as rules_lib
+from ndjax.train_step import loss_sum, router_loss
 
 WINDOW = 8  # < S, and < each packed document below
 GEMMA_TYPES = ["sliding_attention", "full_attention"] * 2 + ["sliding_attention"]
@@ -190,21 +191,78 @@ def test_packed_rows_equal_each_document_alone(saved, family):
     np.testing.assert_allclose(out[:, cut:], hf_logits(model, toks[:, cut:]), rtol=0, atol=1e-4)
 
 
+def hf_loss(model, toks):
+    """transformers' training loss on ``toks`` with themselves as labels (it shifts them):
+    the mean next-token cross-entropy, plus router_aux_loss_coef x the load-balancing
+    loss where the config's output_router_logits is true."""
+    ids = torch.tensor(toks, dtype=torch.long)
+    with torch.no_grad():
+        return float(model(ids, labels=ids).loss)
+
+
+def ndjax_loss(exp, toks):
+    """What ndjax's step differentiates on the same tokens: the cross-entropy of every
+    position but the last (which has no next token) plus ``train_step.router_loss``;
+    the router sees every token, as transformers' does without an attention mask."""
+    targets = np.concatenate([toks[:, 1:], np.zeros_like(toks[:, :1])], axis=1)
+    mask = np.ones(toks.shape, np.float32)
+    mask[:, -1] = 0
+    batch = dict(inputs=toks, targets=targets, loss_mask=mask,
+                 positions=np.broadcast_to(np.arange(S, dtype=np.int32), toks.shape),
+                 segment_ids=np.ones_like(toks))
+    with rules_lib.use(exp.rules):
+        total, n, aux = jax.jit(lambda p, b: loss_sum(exp.features, p, b, S))(load(exp), batch)
+    return float(total / n + router_loss(exp.step_options, aux))
+
+
+def loss_line(exp, workdir):
+    lines = [x for x in summary.startup(exp, str(workdir), None) if x.startswith("loss: ")]
+    assert len(lines) == 1, lines
+    return lines[0]
+
+
+@pytest.mark.parametrize("output_router_logits", [False, True])
 @pytest.mark.parametrize("family", MOE_FAMILIES)
-def test_the_config_chooses_the_aux_loss_weight_over_the_checkpoints(saved, family):
-    """router_aux_loss_coef is a training choice: set in the config, it wins over
-    config.json's, without the warning an overridden model field gets; unset, the
-    checkpoint's holds. On a dense checkpoint it is refused."""
-    directory, model = saved(family)
-    config = config_for(directory)
-    assert Experiment.from_config(config, jax.devices()[:1]).model_cfg.router_aux_loss_coef \
-        == model.config.router_aux_loss_coef
+def test_the_aux_loss_is_in_the_loss_as_config_json_says(saved, family, output_router_logits,
+                                                          tmp_path):
+    """As transformers trains a checkpoint, its load-balancing loss (times
+    router_aux_loss_coef) is in the loss only where config.json's output_router_logits
+    is true (false in the released Mixtral and Qwen MoE files): ndjax's objective equals
+    transformers' loss on the same weights and tokens either way, the start-up line
+    names the terms, and an export writes the flag back (off: the source's weight kept).
+    model.router_aux_loss_coef, set, wins over config.json, without the warning an
+    overridden model field gets; on a dense checkpoint it is refused."""
+    directory, _ = saved(family)
+    source = json.loads((directory / "config.json").read_text())
+    source.update(output_router_logits=output_router_logits, router_aux_loss_coef=0.1)
+    (tmp_path / "config.json").write_text(json.dumps(source))
+    (tmp_path / "model.safetensors").write_bytes((directory / "model.safetensors").read_bytes())
+    model = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
+    config = config_for(tmp_path)
+    exp = Experiment.from_config(config, jax.devices()[:1])
+    toks = tokens(model.config.vocab_size)
+    # The load-balancing loss (~2) x 0.1 is ~4% of the loss (~5): far above rtol.
+    np.testing.assert_allclose(ndjax_loss(exp, toks), hf_loss(model, toks), rtol=1e-5)
+    line = loss_line(exp, tmp_path)
+    written = hf.hf_config(exp.model_cfg, "float32", source)
+    assert written["output_router_logits"] is output_router_logits
+    assert written["router_aux_loss_coef"] == 0.1
+    if output_router_logits:
+        assert exp.step_options.aux_loss_coef == 0.1
+        assert line.startswith("loss: cross-entropy + 0.1 x load-balancing loss (aux_loss); "
+                               "logged, not trained on: router_z_loss"), line
+        return
+    assert exp.step_options.aux_loss_coef == 0.0
+    assert line.startswith("loss: cross-entropy; logged, not trained on: aux_loss"), line
+    assert "output_router_logits false" in line and "model.router_aux_loss_coef" in line
     config.model.router_aux_loss_coef = 0.25
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         exp = Experiment.from_config(config, jax.devices()[:1])
-    assert exp.model_cfg.router_aux_loss_coef == 0.25
-    assert exp.step_options.aux_loss_coef == 0.25
+    assert exp.model_cfg.router_aux_loss_coef == exp.step_options.aux_loss_coef == 0.25
+    assert loss_line(exp, tmp_path).startswith("loss: cross-entropy + 0.25 x load-balancing")
+    written = hf.hf_config(exp.model_cfg, "float32", source)
+    assert (written["output_router_logits"], written["router_aux_loss_coef"]) == (True, 0.25)
     dense = config_for(saved("llama")[0])
     dense.model.router_aux_loss_coef = 0.25
     with pytest.raises(ConfigError, match="model.router_aux_loss_coef=0.25: model.family="
@@ -328,14 +386,18 @@ def test_gemma_config_json_of_old_format_reads_its_pattern(saved, tmp_path):
                                rtol=0, atol=1e-4)
 
 
-@pytest.mark.parametrize("key, value, says", [
-    ("sliding_window_pattern", 0, "sliding_window_pattern=0 must be an int >= 1"),
-    ("query_pre_attn_scalar", None, "query_pre_attn_scalar=None must be a number > 0"),
-    ("rope_local_base_freq", "1e4", "rope_local_base_freq='1e4' must be a number > 0"),
+@pytest.mark.parametrize("family, key, value, says", [
+    ("gemma3", "sliding_window_pattern", 0, "sliding_window_pattern=0 must be an int >= 1"),
+    ("gemma3", "query_pre_attn_scalar", None, "query_pre_attn_scalar=None must be a number > 0"),
+    ("gemma3", "rope_local_base_freq", "1e4", "rope_local_base_freq='1e4' must be a number > 0"),
+    ("mixtral", "output_router_logits", "yes", "output_router_logits='yes' must be true or "
+                                               "false"),
+    ("qwen3_moe", "router_aux_loss_coef", -0.1, "router_aux_loss_coef=-0.1 must be a number "
+                                                ">= 0"),
 ])
-def test_a_bad_gemma_value_is_refused_in_one_line(key, value, says):
+def test_a_bad_config_json_value_is_refused_in_one_line(family, key, value, says):
     with pytest.raises(ConfigError) as e:
-        registry.get("gemma3").read_config_json({**SMALL, key: value}, "d")
+        registry.get(family).read_config_json({**SMALL, key: value}, "d")
     assert str(e.value).startswith(f"model.init_from='d': config.json {says}")
     assert "\n" not in str(e.value)
 

@@ -144,7 +144,7 @@ def assert_every_field_accounted_for(raw: dict, conv: from_axolotl.Conversion) -
     unmapped = {u.field for u in conv.unmapped}
     notes = " ".join(conv.notes.values())
     for key in raw:
-        listed = key in unmapped or any(u.startswith(f"{key}[") for u in unmapped)
+        listed = key in unmapped or any(u.startswith((f"{key}[", f"{key}.")) for u in unmapped)
         assert listed or re.search(rf"\b{key}\b", notes), key
     for group in ("datasets", "test_datasets"):
         for i, entry in enumerate(raw.get(group) or []):
@@ -280,6 +280,37 @@ def test_bad_values_name_the_field(files, change, message):
     raw = {**yaml_of(SFT_YAML, files), **change}
     with pytest.raises(ConfigError, match=re.escape(message)):
         from_axolotl.convert(raw, devices=8)
+
+
+@pytest.mark.parametrize("base, overrides, coef, listed", [
+    ("mixtral", {"model_config": {"output_router_logits": True}}, 0.02, set()),
+    ("mixtral", {"overrides_of_model_config": {"output_router_logits": True,
+                                               "router_aux_loss_coef": 0.01, "rope_theta": 1}},
+     0.01, {"overrides_of_model_config.rope_theta"}),
+    ("mixtral", {"overrides_of_model_config": {"router_aux_loss_coef": 0.01}}, 0.0, set()),
+    ("llama", {"overrides_of_model_config": {"output_router_logits": True}}, None,
+     {"overrides_of_model_config.output_router_logits"}),
+], ids=["on_base_weight", "on_own_weight", "weight_only", "dense"])
+def test_output_router_logits_sets_the_aux_loss_weight(files, tmp_path, base, overrides, coef,
+                                                       listed):
+    """output_router_logits and router_aux_loss_coef in overrides_of_model_config (or its
+    alias model_config) set model.router_aux_loss_coef as transformers weighs the
+    load-balancing loss: the weight (the YAML's, else base_model's) where
+    output_router_logits is true, else 0; base_model's config.json stays the model. A
+    dense base_model has no router: listed, as are the overrides' other keys."""
+    base_dir = files["hf"]
+    if base == "mixtral":  # only config.json is read: a Mixtral's, released as 8x7B's
+        base_dir = tmp_path / "mixtral"
+        shutil.copytree(files["hf"], base_dir)
+        (base_dir / "config.json").write_text(json.dumps(
+            {"model_type": "mixtral", "output_router_logits": False,
+             "router_aux_loss_coef": 0.02}))
+    raw = {**yaml_of(SFT_YAML, {**files, "hf": str(base_dir)}), **overrides}
+    conv = from_axolotl.convert(raw, devices=8)
+    assert conv.overrides.get("model.router_aux_loss_coef") == coef
+    assert {u.field for u in conv.unmapped} & {f"{k}.{x}" for k, v in overrides.items()
+                                               for x in v} == listed
+    assert_every_field_accounted_for(raw, conv)
 
 
 def test_chat_templates(files, tmp_path):

@@ -242,17 +242,60 @@ def tokenizer(f: Fields, base: str) -> str:
                       "tokenizer.json (ndjax does not download); point it at one.")
 
 
-def family(base: str) -> str:
-    from ndjax.models import registry
-
+def _config_json(base: str) -> dict:
     path = os.path.join(base, "config.json")
     try:
         with open(path) as fh:
-            config = json.load(fh)
+            return json.load(fh)
     except (OSError, ValueError) as e:
         raise ConfigError(f"base_model: cannot read {path} ({e}); point base_model at a "
                           "directory written by transformers' save_pretrained.") from None
+
+
+def family(base: str) -> str:
+    from ndjax.models import registry
+
     try:
-        return registry.for_config_json(config, base).name
+        return registry.for_config_json(_config_json(base), base).name
     except ConfigError as e:
         raise ConfigError(f"base_model: {e}") from None
+
+
+OVERRIDES = ("overrides_of_model_config", "model_config")  # the field and its alias
+
+
+def router(f: Fields, out: Out, base: str) -> None:
+    """``output_router_logits`` and ``router_aux_loss_coef`` of overrides_of_model_config
+    (alias model_config), which Axolotl sets on base_model's config: transformers then
+    adds router_aux_loss_coef x the load-balancing loss to the loss only where
+    output_router_logits is true, so model.router_aux_loss_coef is that weight or 0 (each
+    unset key as base_model's config.json has it). Its other keys are not mapped."""
+    from ndjax.models import registry
+
+    key = next((k for k in OVERRIDES if f.has(k)), None)
+    if key is None:
+        return
+    overrides = f.value(key)
+    if not isinstance(overrides, dict):
+        bad(key, overrides, "a mapping of config.json fields", "; write one per line under "
+            f"{key}:")
+    g = Fields(overrides, f"{key}.")
+    on, coef = g.flag("output_router_logits", None), g.number("router_aux_loss_coef", None)
+    for other in g.rest():
+        out.skip(f"{key}.{other}", overrides[other], "ndjax's model comes from base_model's "
+                 "config.json")
+    if on is None and coef is None:
+        return
+    config = _config_json(base)
+    fam = registry.for_config_json(config, base)
+    if fam.moe_names is None:
+        for name, value in (("output_router_logits", on), ("router_aux_loss_coef", coef)):
+            if value is not None:
+                out.skip(f"{key}.{name}", value, "base_model is dense: it has no router")
+        return
+    c = {**fam.hf_defaults, **config}
+    on = c["output_router_logits"] if on is None else on
+    coef = float(c["router_aux_loss_coef"]) if coef is None else coef
+    out.set("model.router_aux_loss_coef", coef if on else 0.0,
+            f"{key}: output_router_logits {str(on).lower()}, router_aux_loss_coef {coef:g} "
+            "(transformers adds the load-balancing loss only with output_router_logits true)")

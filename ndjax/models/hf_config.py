@@ -153,3 +153,28 @@ def default_positions(cfg: DecoderConfig) -> int:
     if s is not None and s.rope_type == "llama3":
         return int(s.original_max_position_embeddings * s.factor)
     return 8192
+
+
+def read_aux_loss(c: dict, where: str) -> dict:
+    """The load-balancing loss's weight in the training loss, as transformers trains the
+    checkpoint: ``router_aux_loss_coef`` where ``output_router_logits`` is true, else 0
+    (transformers adds the loss only then; the released Mixtral and Qwen MoE files set
+    it false). A config's model.router_aux_loss_coef overrides it (hf.override_dims)."""
+    on, coef = c["output_router_logits"], c["router_aux_loss_coef"]
+    if not isinstance(on, bool):
+        raise config_error(where, f"output_router_logits={on!r} must be true or false",
+                           "Fix config.json.")
+    if isinstance(coef, bool) or not isinstance(coef, (int, float)) or coef < 0:
+        raise config_error(where, f"router_aux_loss_coef={coef!r} must be a number >= 0",
+                           "Fix config.json.")
+    return {"router_aux_loss_coef": float(coef) if on else 0.0}
+
+
+def write_aux_loss(cfg: DecoderConfig) -> dict:
+    """``read_aux_loss``'s fields: a load-balancing loss in the loss is written as
+    output_router_logits true and its weight; none as output_router_logits false and no
+    weight, so that an export keeps its source's (transformers' default without one),
+    which transformers then leaves out of the loss as ndjax did."""
+    coef = cfg.router_aux_loss_coef
+    return ({"output_router_logits": True, "router_aux_loss_coef": coef} if coef > 0
+            else {"output_router_logits": False})

@@ -25,7 +25,8 @@ PRESETS = {
 HF_DEFAULTS = dict(hf_config.DEFAULTS, num_key_value_heads=8, max_position_embeddings=131_072,
                    hidden_act="silu", sliding_window=None, rope_theta=1_000_000.0,
                    rms_norm_eps=1e-5, num_local_experts=8, num_experts_per_tok=2,
-                   router_aux_loss_coef=0.001, router_jitter_noise=0.0)
+                   router_aux_loss_coef=0.001, output_router_logits=False,
+                   router_jitter_noise=0.0)
 
 # The Hub's names, one tensor per expert, which transformers 5 writes too (it fuses them
 # into 3-d experts.gate_up_proj / down_proj in memory only).
@@ -48,14 +49,14 @@ def read_hf(c: dict, where: str) -> dict:
     dims = hf_config.read_dims(c, where)
     return {**dims, "sliding_window": int(c["sliding_window"]) if c["sliding_window"] else None,
             "n_experts": n_experts(c), "experts_per_token": int(c["num_experts_per_tok"]),
-            "router_aux_loss_coef": float(c["router_aux_loss_coef"])}
+            **hf_config.read_aux_loss(c, where)}
 
 
 def write_hf(cfg: DecoderConfig) -> dict:
     out = {**hf_config.write_dims(cfg), "hidden_act": "silu",
            "sliding_window": cfg.sliding_window, "num_local_experts": cfg.n_experts,
-           "num_experts_per_tok": cfg.experts_per_token,
-           "router_aux_loss_coef": cfg.router_aux_loss_coef, "router_jitter_noise": 0.0}
+           "num_experts_per_tok": cfg.experts_per_token, **hf_config.write_aux_loss(cfg),
+           "router_jitter_noise": 0.0}
     out.pop("layer_types", None)
     return out
 

@@ -35,7 +35,8 @@ HF_DEFAULTS = dict(hf_config.DEFAULTS, num_key_value_heads=16, max_position_embe
                    hidden_act="silu", use_sliding_window=False, qkv_bias=True,
                    num_experts=60, num_experts_per_tok=4, moe_intermediate_size=1408,
                    shared_expert_intermediate_size=5632, norm_topk_prob=False,
-                   router_aux_loss_coef=0.001, decoder_sparse_step=1, mlp_only_layers=[])
+                   router_aux_loss_coef=0.001, output_router_logits=False,
+                   decoder_sparse_step=1, mlp_only_layers=[])
 
 # The Hub's names: one tensor per expert (as Qwen3-MoE's), the shared expert's three
 # and its gate, a (1, dim) Linear that is the ndjax (dim,) vector.

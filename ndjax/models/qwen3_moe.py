@@ -32,7 +32,8 @@ PRESETS = {
 HF_DEFAULTS = dict(hf_config.DEFAULTS, num_key_value_heads=4, max_position_embeddings=32_768,
                    hidden_act="silu", use_sliding_window=False, attention_bias=False,
                    num_local_experts=128, num_experts_per_tok=8, moe_intermediate_size=768,
-                   norm_topk_prob=False, router_aux_loss_coef=0.001, decoder_sparse_step=1,
+                   norm_topk_prob=False, router_aux_loss_coef=0.001,
+                   output_router_logits=False, decoder_sparse_step=1,
                    mlp_only_layers=[])
 
 # The Hub's names, one tensor per expert, which transformers 5 writes too (it fuses them
@@ -59,7 +60,7 @@ def read_qwen_moe(c: dict, where: str, family: str) -> dict:
             "n_experts": n_experts(c), "experts_per_token": int(c["num_experts_per_tok"]),
             "moe_ffn_dim": int(c["moe_intermediate_size"]),
             "norm_topk_prob": bool(c["norm_topk_prob"]),
-            "router_aux_loss_coef": float(c["router_aux_loss_coef"])}
+            **hf_config.read_aux_loss(c, where)}
 
 
 def write_qwen_moe(cfg: DecoderConfig) -> dict:
@@ -67,8 +68,7 @@ def write_qwen_moe(cfg: DecoderConfig) -> dict:
     return dict(hf_config.write_dims(cfg), hidden_act="silu", use_sliding_window=False,
                 num_experts=cfg.n_experts, num_experts_per_tok=cfg.experts_per_token,
                 moe_intermediate_size=cfg.expert_dim, norm_topk_prob=cfg.norm_topk_prob,
-                router_aux_loss_coef=cfg.router_aux_loss_coef, decoder_sparse_step=1,
-                mlp_only_layers=[])
+                **hf_config.write_aux_loss(cfg), decoder_sparse_step=1, mlp_only_layers=[])
 
 
 def read_hf(c: dict, where: str) -> dict:

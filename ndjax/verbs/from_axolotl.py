@@ -53,6 +53,7 @@ def convert(raw: Mapping[str, Any], devices: int | None = None) -> Conversion:
     # reported without that wait.
     out.set("model.family", run.family(base), "from base_model's config.json (model_type)")
     out.set("model.init_from", base, "base_model: its config.json and safetensors")
+    run.router(f, out, base)
     workdir = run.workdir(f, out, adapter.lora(f, out))
     for key in f.rest():
         out.skip(str(key), f.raw[key], reason(str(key), f.raw[key]))
