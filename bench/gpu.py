@@ -10,7 +10,10 @@ Cases, in priority order (a time budget skips the tail, and says so):
    Then the experts' grouped matmuls (``model.moe_impl=mosaic``, jax's Mosaic GPU
    kernels) in bfloat16 against ``jax.lax.ragged_dot`` in float32 at one Qwen3-30B-A3B
    layer's size, beside ragged_dot's own bfloat16 error: the product and both
-   gradients. The interpreter on CPU cannot run the weights' gradient kernel.
+   gradients; then capacity mode's shape, a quarter of the rows in no group (NaN)
+   and half the experts empty, with the NaN count and the largest value past the
+   groups (both must be 0). CPU tests run the kernels in Mosaic GPU's interpreter;
+   their numbers on Hopper are unchecked until this runs.
 1. ``llama3_1b`` shape, bfloat16, seq 4096, ``model.attn_impl=auto``: remat none,
    save_proj and full, each at the largest batch of its ladder that fits.
 2. The attention kernels side by side on that shape (remat save_proj, batch 4):
@@ -66,6 +69,8 @@ TINY = dict(preset="tiny", dtype="float32", n_layers=2, vocab_size=512, dim=128,
 NUMERICS = dict(name="cudnn vs dense", kind="numerics", model=dict(attn_impl="cudnn"),
                 seq=1024)
 GROUPED = dict(name="mosaic vs ragged_dot", kind="numerics", check="grouped", seq=4096)
+# Capacity mode's shape: a quarter of the rows in no group (NaN), half the experts none.
+GROUPED_PAST = dict(GROUPED, name="mosaic vs ragged_dot, 75% of rows in groups", in_groups=0.75)
 MOE_2_LAYERS = dict(family="qwen3_moe", preset="qwen3_30b_a3b", dtype="bfloat16", n_layers=2,
                     remat="full")
 
@@ -88,7 +93,7 @@ def cases(tiny: bool) -> list[dict]:
     moe = [dict(name=f"30b-a3b-shape 2 layers {impl}", model=dict(MOE_2_LAYERS, moe_impl=impl),
                 seq=4096, ladder=ladder) for impl, ladder in (("mosaic", [8, 4, 1]),
                                                               ("xla", [1]))]
-    return [NUMERICS, GROUPED, *remats, *kernels, eight, *moe, long]
+    return [NUMERICS, GROUPED, GROUPED_PAST, *remats, *kernels, eight, *moe, long]
 
 
 def packed_segments(rows: int, seq: int, seed: int = 0):
@@ -143,12 +148,18 @@ def kernel_numerics(impl: str, seq: int, heads: int = 8, kv_heads: int = 2,
 
 
 def grouped_numerics(rows: int = 32768, dim: int = 2048, width: int = 768,
-                     experts: int = 128, impl: str = "mosaic") -> dict:
+                     experts: int = 128, impl: str = "mosaic", in_groups: float = 1.0) -> dict:
     """Max abs error of ``impl``'s grouped matmul in bfloat16 (the product, the rows'
     and the weights' gradients) against ``jax.lax.ragged_dot`` in float32, and of
     ragged_dot's own bfloat16 beside it, each over the float32 result's largest
     magnitude; tokens routed at random (uneven groups), as one Qwen3-30B-A3B layer's
-    gate projection on one device of fsdp=8 at 8 x 4096 tokens by default."""
+    gate projection on one device of fsdp=8 at 8 x 4096 tokens by default.
+
+    ``in_groups`` < 1: capacity mode's shape, the rows past that share in no group and
+    NaN in x and dy, every odd expert's group empty. Then also ``nan``, the values that
+    are not finite in the three results, and ``past``, the largest |value| of the
+    product and the rows' gradient past the groups: both 0 where the kernels keep
+    ndjax.ops' contract (the float32 reference gets those rows as zeros)."""
     import jax
     import jax.numpy as jnp
 
@@ -159,20 +170,27 @@ def grouped_numerics(rows: int = 32768, dim: int = 2048, width: int = 768,
     w = jax.random.normal(keys[1], (experts, dim, width), jnp.float32) / dim ** 0.5
     dy = jax.random.normal(keys[2], (rows, width), jnp.float32)
     chosen = jax.random.randint(keys[3], (rows,), 0, experts)
-    sizes = jnp.zeros((experts,), jnp.int32).at[chosen].add(1)
+    filled = int(rows * in_groups)
+    if filled < rows:
+        chosen = chosen // 2 * 2
+        x, dy = x.at[filled:].set(jnp.nan), dy.at[filled:].set(jnp.nan)
+    sizes = jnp.zeros((experts,), jnp.int32).at[chosen[:filled]].add(1)
 
-    def run(impl, dtype):
+    def run(impl, dtype, x, dy):
         def f(x, w):
             return grouped_matmul(x.astype(dtype), w.astype(dtype), sizes, impl)
         out, pullback = jax.vjp(f, x, w)
         return [a.astype(jnp.float32) for a in (out, *pullback(dy.astype(out.dtype)))]
 
-    want = jax.jit(lambda: run("xla", jnp.float32))()
+    want = jax.jit(lambda: run("xla", jnp.float32, jnp.nan_to_num(x), jnp.nan_to_num(dy)))()
     errors = {}
-    for label, got in ((impl, jax.jit(lambda: run(impl, jnp.bfloat16))()),
-                       ("ragged_dot bf16", jax.jit(lambda: run("xla", jnp.bfloat16))())):
+    for label, got in ((impl, jax.jit(lambda: run(impl, jnp.bfloat16, x, dy))()),
+                       ("ragged_dot bf16", jax.jit(lambda: run("xla", jnp.bfloat16, x, dy))())):
         errors[label] = {name: float(jnp.abs(g - r).max() / jnp.abs(r).max())
                          for name, g, r in zip(("out", "dx", "dw"), got, want)}
+        if filled < rows:
+            errors[label]["nan"] = int(sum(jnp.sum(~jnp.isfinite(g)) for g in got))
+            errors[label]["past"] = float(max(jnp.abs(g[filled:]).max() for g in got[:2]))
     return errors
 
 
@@ -204,10 +222,10 @@ def run_case(case: dict, steps: int) -> dict:
         row = dict(name=case["name"], attention="-", seq=case["seq"])
         if target or jax.default_backend() != "gpu":
             return dict(row, note="skipped: the Mosaic GPU kernels run on a GPU only")
-        errors = grouped_numerics()
+        errors = grouped_numerics(in_groups=case.get("in_groups", 1.0))
         return dict(row, device=jax.devices()[0].device_kind, errors=errors, note="max abs "
                     "error over the f32 result's largest (bf16 vs f32 ragged_dot): " + "; ".join(
-                        f"{label}: " + ", ".join(f"{n} {e:.2e}" for n, e in errs.items())
+                        f"{label}: " + ", ".join(f"{n} {e:.3g}" for n, e in errs.items())
                         for label, errs in errors.items()))
     if case.get("kind") == "numerics":
         row = dict(name=case["name"], attention="cudnn", seq=case["seq"])

@@ -183,6 +183,11 @@ def test_gpu_grouped_numerics_measure_the_kernels_against_float32():
     for name in ("out", "dx", "dw"):
         mosaic, xla = errors["mosaic"][name], errors["ragged_dot bf16"][name]
         assert 0 < mosaic < 0.02 and mosaic < 2 * xla, errors
+    # Capacity mode's shape: rows past the groups hold NaN and come back zero.
+    past = gpu.grouped_numerics(rows=256, dim=128, width=64, experts=4, in_groups=0.75)
+    for errs in past.values():
+        assert errs["nan"] == 0 and errs["past"] == 0 and max(
+            errs[n] for n in ("out", "dx", "dw")) < 0.02, past
 
 
 def test_gpu_cases_are_valid_configs():
