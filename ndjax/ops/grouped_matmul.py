@@ -159,7 +159,7 @@ def _default_device() -> jax.Device | None:
     return device if isinstance(device, jax.Device) else None
 
 
-def interpreted() -> bool:
+def _interpreted() -> bool:
     """Whether the kernels run interpreted: a step built for CPUs (the active mesh's
     devices, else the default device's platform)."""
     if active() is None and _default_device() is not None:
@@ -177,7 +177,7 @@ def _kernel_context() -> Iterator[None]:
     if jax.default_backend() == "gpu":
         yield
         return
-    if interpreted():
+    if _interpreted():
         from jax._src.pallas.mosaic_gpu.interpret import params
 
         interpret, sms = params.force_gpu_interpret_mode(), INTERPRETED_SMS
@@ -208,7 +208,7 @@ def _in_groups(a: jax.Array, sizes: jax.Array) -> jax.Array:
 def _product(x, w, sizes, transpose: bool = False):
     from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu
 
-    if transpose and interpreted():
+    if transpose and _interpreted():
         # The interpreter has no transposed wgmma operand: the matrices transposed in
         # memory instead (on GPUs the kernel reads them transposed).
         w, transpose = jnp.swapaxes(w, 1, 2), False
@@ -228,7 +228,7 @@ def _contraction(x, dy, sizes):
     from jax.experimental.pallas.ops.gpu import transposed_ragged_dot_mgpu
 
     k, n = x.shape[1], dy.shape[1]
-    if interpreted() and not INTERPRETER_RUNS_CONTRACTION:
+    if _interpreted() and not INTERPRETER_RUNS_CONTRACTION:
         # jax 0.10's Mosaic GPU interpreter cannot run this kernel (no layout_cast):
         # XLA's contraction over each group's rows stands in for it there.
         return _reference_contraction(x, dy, sizes)
