@@ -270,7 +270,7 @@ def router(f: Fields, out: Out, base: str) -> None:
     adds router_aux_loss_coef x the load-balancing loss to the loss only where
     output_router_logits is true, so model.router_aux_loss_coef is that weight or 0 (each
     unset key as base_model's config.json has it). Its other keys are not mapped."""
-    from ndjax.models import registry
+    from ndjax.models import hf_config, registry
 
     key = next((k for k in OVERRIDES if f.has(k)), None)
     if key is None:
@@ -293,9 +293,12 @@ def router(f: Fields, out: Out, base: str) -> None:
             if value is not None:
                 out.skip(f"{key}.{name}", value, "base_model is dense: it has no router")
         return
-    c = {**fam.hf_defaults, **config}
-    on = c["output_router_logits"] if on is None else on
-    coef = float(c["router_aux_loss_coef"]) if coef is None else coef
-    out.set("model.router_aux_loss_coef", coef if on else 0.0,
-            f"{key}: output_router_logits {str(on).lower()}, router_aux_loss_coef {coef:g} "
-            "(transformers adds the load-balancing loss only with output_router_logits true)")
+    set_here = {k: v for k, v in (("output_router_logits", on), ("router_aux_loss_coef", coef))
+                if v is not None}
+    c = {**fam.hf_defaults, **config, **set_here}
+    # transformers' rule, as an import from config.json reads it.
+    weight = hf_config.read_aux_loss(c, f"base_model {base}")["router_aux_loss_coef"]
+    out.set("model.router_aux_loss_coef", weight,
+            f"{key}: output_router_logits {str(c['output_router_logits']).lower()}, "
+            f"router_aux_loss_coef {float(c['router_aux_loss_coef']):g} (transformers adds the "
+            "load-balancing loss only with output_router_logits true)")
