@@ -17,8 +17,8 @@ from collections.abc import Callable
 from absl import app, flags
 from ml_collections import config_flags
 
-from ndjax.cli import BAD_OVERRIDE, config_flags_parser, fail, innermost
-from ndjax.console import start_jax_quietly
+from ndjax.runtime.cli import BAD_OVERRIDE, config_flags_parser, fail, innermost
+from ndjax.runtime.console import start_jax_quietly
 
 # Before the config file (which imports jax) loads: without a GPU, the gpu-compile
 # extra's CUDA plugin would print its tracebacks ahead of train.py's first line.
@@ -47,7 +47,7 @@ _PRINT_SHARDING = flags.DEFINE_bool(
 def main(argv: list[str]) -> None:
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-    from ndjax.console import quiet_libraries
+    from ndjax.runtime.console import quiet_libraries
     quiet_libraries("train.py")
     try:
         config = _CONFIG.value  # loads the file and applies --config.* overrides
@@ -57,9 +57,9 @@ def main(argv: list[str]) -> None:
     except BAD_OVERRIDE as e:
         _fail(f"bad --config override: {innermost(e)}")
 
-    from ndjax import xla_cache
-    from ndjax.errors import ConfigError
     from ndjax.parallel import distributed
+    from ndjax.runtime import xla_cache
+    from ndjax.runtime.errors import ConfigError
     try:
         # Before anything compiles: a second run of the same step loads it.
         # (distributed.initialize may turn it off again: multi-process CPU runs.)
@@ -70,10 +70,10 @@ def main(argv: list[str]) -> None:
     except ConfigError as e:
         _fail(e)
 
-    from ndjax.checkpoint_faults import SaveError
     from ndjax.experiment import Experiment
-    from ndjax.report import sharding_table
+    from ndjax.runs.checkpoint_faults import SaveError
     from ndjax.training.loop import NonFiniteError, train
+    from ndjax.training.report import sharding_table
     from ndjax.training.stop_signals import Interrupted
 
     config_name = os.path.splitext(os.path.basename(

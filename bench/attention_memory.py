@@ -49,7 +49,7 @@ def gpu_layer(hardware: str) -> None:
     import types
 
     os.environ["JAX_PLATFORMS"] = "cpu"
-    from ndjax.console import native_stderr
+    from ndjax.runtime.console import native_stderr
 
     with native_stderr():
         import jax
@@ -57,7 +57,7 @@ def gpu_layer(hardware: str) -> None:
         import numpy as np
         from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-        from ndjax import gpu_target
+        from ndjax.hardware import gpu_target
         from ndjax.ops import attention as attn
 
         hw = gpu_target.hardware(hardware)

@@ -3,9 +3,9 @@ stand-in) next to XLA's GPU compiler for the GPUs themselves, side by side.
 
 For each case below (the top rows BENCHMARKS.md records for ``python -m ndjax.plan``,
 and two without remat),
-the same train step is compiled twice through ``ndjax.planner.measure``: on N
+the same train step is compiled twice through ``ndjax.planning.planner.measure``: on N
 simulated CPU devices with the planner's CPU options, the fused attention kernel
-compiled as ``tiled``; and for N H100s (``ndjax.gpu_target``, the gpu-compile
+compiled as ``tiled``; and for N H100s (``ndjax.hardware.gpu_target``, the gpu-compile
 extra) with the train step's GPU options and the kernel ``auto`` picks there. The
 ratio CPU / GPU is the error band of a CPU-compiled plan.
 
@@ -75,15 +75,16 @@ def main() -> None:
     cases = TINY if args.tiny else CASES
     most = max(c[1] for c in cases)
     os.environ["JAX_PLATFORMS"] = "cpu"
-    from ndjax.console import native_stderr
+    from ndjax.runtime.console import native_stderr
 
     with native_stderr():
         import jax
 
         jax.config.update("jax_num_cpu_devices", most)
         jax.devices()
-    from ndjax import gpu_target, planner, roofline
     from ndjax.config import default_config
+    from ndjax.hardware import gpu_target, roofline
+    from ndjax.planning import planner
 
     gpu_target.require()
     if args.kernels:

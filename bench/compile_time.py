@@ -22,7 +22,7 @@ import subprocess
 import sys
 import time
 
-from ndjax.children import stop_children_on_signals
+from ndjax.runtime.children import stop_children_on_signals
 
 N_DEVICES = 8
 LIMIT = 1.5

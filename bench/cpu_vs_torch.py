@@ -465,7 +465,7 @@ def main(argv=None) -> None:
     if args.worker == "torch":
         return torch_worker(args)
     # Here, not at the top: the torch worker must not import ndjax (its allocator set-up).
-    from ndjax.children import stop_children_on_signals
+    from ndjax.runtime.children import stop_children_on_signals
 
     stop_children_on_signals()  # a stopped run stops both workers and PyTorch's ranks
 

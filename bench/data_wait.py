@@ -23,7 +23,7 @@ import subprocess
 import sys
 import tempfile
 
-from ndjax.children import stop_children_on_signals
+from ndjax.runtime.children import stop_children_on_signals
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # --tiny's model: the tests' tiny Llama, with a vocabulary the byte tokenizer fits

@@ -11,7 +11,7 @@ attention kernel ``auto`` picks on the GPU. Memory per device: arguments (the
 sharded parameters, optimizer state and batch) and temporaries (activations and
 everything else the step allocates), as the compile plans them (no cuBLAS/cuDNN
 workspaces: docs/compile-and-plan.md, "Compiling for GPUs you don't have"); and the
-step's model FLOPs (``ndjax.flops``: a local layer counts the keys in its window),
+step's model FLOPs (``ndjax.hardware.flops``: a local layer counts the keys in its window),
 which is where a window saves with a flash kernel, whose memory is linear in the
 sequence with or without one.
 """
@@ -57,7 +57,7 @@ TINY = [(family, "tiny", 8, 256, "full", {}, "") for family in ("llama", "gemma3
 def row(case, hardware: str) -> str:
     from ndjax.config import Settings, default_config
     from ndjax.experiment import model_config
-    from ndjax.flops import flops_per_token
+    from ndjax.hardware.flops import flops_per_token
     from ndjax.verbs.compile import compile_for
 
     family, preset, batch, seq, remat, extra, label = case
@@ -83,13 +83,13 @@ def main() -> None:
     parser.add_argument("--hardware", default="h100")
     args = parser.parse_args()
     os.environ["JAX_PLATFORMS"] = "cpu"
-    from ndjax.console import native_stderr
+    from ndjax.runtime.console import native_stderr
 
     with native_stderr():
         import jax
         jax.config.update("jax_num_cpu_devices", 8)
         jax.devices()
-    from ndjax import gpu_target, roofline
+    from ndjax.hardware import gpu_target, roofline
 
     gpu_target.require()
     flag = " --tiny" if args.tiny else " --moe" if args.moe else ""

@@ -237,7 +237,7 @@ def main() -> None:
     p.add_argument("--stability", action="store_true", help="print step times after step 1")
     p.add_argument("--tiny", action="store_true", help="smoke run: a 2-layer dim-64 model")
     a, extra = p.parse_known_args()
-    from ndjax.children import stop_children_on_signals
+    from ndjax.runtime.children import stop_children_on_signals
     stop_children_on_signals()  # a stopped run stops the run it waits on
     r, f, t = a.mesh
     argv = [*(TINY if a.tiny else JOB), f"--config.mesh.replica={r}",

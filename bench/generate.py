@@ -27,7 +27,7 @@ import subprocess
 import sys
 import time
 
-from ndjax.children import stop_children_on_signals
+from ndjax.runtime.children import stop_children_on_signals
 
 LAYOUTS = {"1 device": (1, {}), "fsdp=4 x tensor=2": (8, {"fsdp": 4, "tensor": 2}),
            # The same without FSDP: rows over replica, weights whole on each tensor shard.
@@ -43,8 +43,8 @@ def one(devices: int, mesh: dict[str, int], a: argparse.Namespace) -> dict[str, 
 
     from ndjax.config import default_config
     from ndjax.experiment import Experiment
+    from ndjax.models.sampling import Generator
     from ndjax.parallel import rules as rules_lib
-    from ndjax.sampling import Generator
     from ndjax.verbs.generate import for_generation
 
     c = default_config()

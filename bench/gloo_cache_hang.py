@@ -23,7 +23,7 @@ import sys
 import tempfile
 import time
 
-from ndjax.children import stop_children_on_signals
+from ndjax.runtime.children import stop_children_on_signals
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = ["--config.model.vocab_size=256", "--config.model.dim=64", "--config.model.n_layers=2",

@@ -30,7 +30,7 @@ zero. A batch "fits" when the compiled step's planned memory (arguments +
 temporaries, ``compiled.memory_analysis()``) is within 92% of the device's
 limit; the largest of the ladder that fits is timed. Timing: two steps to warm
 up, then ``--steps`` steps, synchronised on the loss. TFLOP/s counts model FLOPs
-(``ndjax.flops``: 6 x parameters + attention, causal), MFU against the device's
+(``ndjax.hardware.flops``: 6 x parameters + attention, causal), MFU against the device's
 dense bf16 peak (H200: 989 TFLOP/s).
 
     python bench/gpu.py                         # on the GPU machine, about 7 minutes
@@ -40,7 +40,7 @@ dense bf16 peak (H200: 989 TFLOP/s).
                                                           # one (pip install -e '.[gpu-compile]')
 
 ``--compile_for`` runs nothing: each case is compiled by XLA's GPU compiler for one
-GPU of that kind (``ndjax.gpu_target``), with the GPU's memory (at
+GPU of that kind (``ndjax.hardware.gpu_target``), with the GPU's memory (at
 XLA_PYTHON_CLIENT_MEM_FRACTION, 0.95 here) as the limit, and its planned memory
 reported, so that the first GPU at hand runs every case without a surprise.
 """
@@ -213,9 +213,9 @@ def _experiment(case: dict, batch: int, devices: list):
 def run_case(case: dict, steps: int) -> dict:
     import jax
 
-    from ndjax import flops
     from ndjax.data.synthetic import SyntheticSource
-    from ndjax.errors import ConfigError
+    from ndjax.hardware import flops
+    from ndjax.runtime.errors import ConfigError
 
     target = case.get("compile_for")
     if case.get("kind") == "numerics" and case.get("check") == "grouped":
@@ -237,7 +237,7 @@ def run_case(case: dict, steps: int) -> dict:
                         f"{label}: " + ", ".join(f"{n} {e:.2e}" for n, e in errs.items())
                         for label, errs in errors.items()))
     if target:
-        from ndjax import gpu_target
+        from ndjax.hardware import gpu_target
 
         hw = gpu_target.hardware(target)
         devices = gpu_target.devices(hw, 1)
@@ -340,7 +340,7 @@ def main() -> None:
 
     # `python bench/gpu.py` on a GPU machine needs no PYTHONPATH (its cases get ROOT).
     sys.path.insert(0, ROOT)
-    from ndjax.children import stop_children_on_signals
+    from ndjax.runtime.children import stop_children_on_signals
 
     stop_children_on_signals()  # a stopped sweep stops the case it waits on
     budget = args.budget or (300 if args.tiny else 450)

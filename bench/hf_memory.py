@@ -35,7 +35,7 @@ import sys
 import tempfile
 import threading
 
-from ndjax.children import stop_children_on_signals
+from ndjax.runtime.children import stop_children_on_signals
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FULL = dict(vocab_size=32000, dim=768, n_layers=12, n_heads=12, n_kv_heads=12, ffn_dim=2048,
@@ -128,8 +128,8 @@ def child(phase: str, directory: str, dims: dict, limit: int | None) -> dict:
     import jax
 
     jax.config.update("jax_num_cpu_devices", 8)
-    from ndjax import hf
     from ndjax.experiment import Experiment
+    from ndjax.runs import hf
 
     if phase == "export":
         exp = Experiment.from_config(_config(dims, None))

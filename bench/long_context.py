@@ -4,7 +4,7 @@ all-to-all side by side, with and without activation offload.
 Each case compiles the whole train step (``python -m ndjax.compile --json``, one
 subprocess each: XLA's GPU compiler for N H100s, nothing runs) and reads its memory
 per device, host memory (``model.remat=offload``) and collectives. The step time is
-``ndjax.roofline``'s: model FLOPs plus what the remat reruns at the bf16 peak,
+``ndjax.hardware.roofline``'s: model FLOPs plus what the remat reruns at the bf16 peak,
 every collective's bytes over NVLink or the network, and the offloaded layer
 inputs out and back over PCIe; serial (an upper bound) and overlapped.
 
@@ -35,10 +35,10 @@ import subprocess
 import sys
 import time
 
-from ndjax import roofline
-from ndjax.children import stop_children_on_signals
-from ndjax.flops import flops_per_token
+from ndjax.hardware import roofline
+from ndjax.hardware.flops import flops_per_token
 from ndjax.models.registry import config_from_preset
+from ndjax.runtime.children import stop_children_on_signals
 
 GiB = 2**30
 PER_NODE = 8

@@ -15,7 +15,7 @@ memory per device as the compile plans it; the bytes one device sends per step i
 all-to-alls (the experts' ragged all-to-alls count the (token, expert) pairs a device
 has, (expert - 1)/expert of which leave it under balanced routing; their buffers, in the
 temporaries, are sized for the worst case) and in every collective; the roofline step
-time (``ndjax.roofline``: model FLOPs plus remat's rerun at the GPU's peak, then the
+time (``ndjax.hardware.roofline``: model FLOPs plus remat's rerun at the GPU's peak, then the
 collectives' bytes over NVLink or the network, not overlapped) and its tokens/s.
 Estimates from compiles, not runs.
 
@@ -62,10 +62,10 @@ def gpu_config(family: str, preset: str, n: int, expert: int, capacity: float | 
 
 
 def gpu_row(case, expert: int, capacity: float | None, tiny: bool) -> str:
-    from ndjax import roofline
     from ndjax.config import Settings
     from ndjax.experiment import model_config
-    from ndjax.flops import flops_per_token
+    from ndjax.hardware import roofline
+    from ndjax.hardware.flops import flops_per_token
     from ndjax.verbs.compile import compile_for
 
     family, preset, n, layers = case
@@ -89,7 +89,7 @@ def gpu_row(case, expert: int, capacity: float | None, tiny: bool) -> str:
 
 
 def gpu_part(tiny: bool) -> None:
-    from ndjax import gpu_target
+    from ndjax.hardware import gpu_target
 
     gpu_target.require()
     print("Compiled for H100s (XLA's GPU compiler, no GPU), one 4096-token row per device, "
@@ -166,7 +166,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=10)
     args = parser.parse_args()
     os.environ["JAX_PLATFORMS"] = "cpu"
-    from ndjax.console import native_stderr
+    from ndjax.runtime.console import native_stderr
 
     with native_stderr():
         import jax

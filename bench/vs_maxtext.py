@@ -141,7 +141,7 @@ def main() -> None:
                    help="also count each compiled train step's collectives")
     p.add_argument("--tiny", action="store_true", help="smoke run: ndjax alone, tiny model")
     a = p.parse_args()
-    from ndjax.children import stop_children_on_signals
+    from ndjax.runtime.children import stop_children_on_signals
     stop_children_on_signals()
     job = TINY if a.tiny else JOB
     sides = ["ndjax"] + ([] if a.tiny or not a.maxtext_python else ["maxtext"])

@@ -29,7 +29,7 @@ import ml_collections
 from ml_collections import config_dict
 
 from ndjax.data import SOURCES
-from ndjax.errors import ConfigError
+from ndjax.runtime.errors import ConfigError
 
 
 @dataclasses.dataclass(frozen=True)
@@ -157,7 +157,7 @@ class ModelSettings:
     # Rotary frequency scaling: {rope_type: llama3 (default) | linear, factor,
     # low_freq_factor, high_freq_factor, original_max_position_embeddings} (linear reads
     # only factor); {}: none; None: the preset's. A run saves the model it
-    # trained in full (ndjax.workdir), so its workdir needs no model.init_from.
+    # trained in full (ndjax.runs.workdir), so its workdir needs no model.init_from.
     rope_scaling: dict | None = setting(None)
     rms_norm_eps: float | None = setting(None, gt=0)
     tie_embeddings: bool | None = setting(None)
@@ -243,7 +243,7 @@ class ModelSettings:
     @property
     def resolved(self) -> bool:
         """Whether the model is set in full (a run's saved config.json sets it:
-        ``ndjax.workdir.resolved_model``), so that no preset is read."""
+        ``ndjax.runs.workdir.resolved_model``), so that no preset is read."""
         return all(getattr(self, f) is not None for f in MODEL_DIMS) and \
             self.rope_scaling is not None
 
@@ -299,12 +299,12 @@ class RuntimeSettings:
     init_timeout: int = setting(300, ge=1)
     # A process silent for this many seconds is declared dead and the others stop.
     heartbeat_timeout: int = setting(100, ge=1)
-    # jax's persistent compilation cache for train.py runs (ndjax.xla_cache): auto
+    # jax's persistent compilation cache for train.py runs (ndjax.runtime.xla_cache): auto
     # ($JAX_COMPILATION_CACHE_DIR, else ~/.cache/ndjax/xla) | off | a directory
     compilation_cache: str = setting("auto")
 
     def check(self) -> None:
-        from ndjax import xla_cache
+        from ndjax.runtime import xla_cache
         xla_cache.directory(self.compilation_cache, {})
 
 
@@ -427,7 +427,7 @@ class DebugSettings:
     nan_at_step: int = setting(-1)  # poison the loss at this step (tests of train.on_nan)
 
 
-# export.dtype's values -> the safetensors dtype code ndjax.hf writes them as.
+# export.dtype's values -> the safetensors dtype code ndjax.runs.hf writes them as.
 EXPORT_DTYPES = {"float32": "F32", "bfloat16": "BF16", "float16": "F16"}
 # export.max_shard_size's default: Hugging Face's own before transformers 5 (which
 # went to 50GB); a file's tensors are all on the host while it is written.
@@ -657,7 +657,7 @@ def field_paths() -> list[str]:
 
 
 def run_config(workdir: str) -> ml_collections.ConfigDict:
-    """The config a train.py run saved in its workdir (see ndjax.workdir)."""
+    """The config a train.py run saved in its workdir (see ndjax.runs.workdir)."""
     path = os.path.join(workdir, "config.json")
     if not os.path.isfile(path):
         raise ConfigError(f"--workdir={workdir!r} has no config.json: point it at the --workdir "

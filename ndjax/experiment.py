@@ -26,11 +26,9 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from ndjax import compiler, gpu_target, hf, platforms
-from ndjax import state as state_lib
 from ndjax.config import MODEL_DIMS, LoraSettings, ModelSettings, Settings, TrainSettings
 from ndjax.data import BATCH_FIELDS, loader
-from ndjax.errors import ConfigError
+from ndjax.hardware import gpu_target
 from ndjax.models import decoder, registry
 from ndjax.models import lora as lora_lib
 from ndjax.models.decoder import DecoderConfig
@@ -38,11 +36,15 @@ from ndjax.models.layers import RopeScaling
 from ndjax.models.quant import QuantConfig
 from ndjax.ops import attention as attention_ops
 from ndjax.ops import grouped_matmul
-from ndjax.parallel import distributed
+from ndjax.parallel import distributed, platforms
 from ndjax.parallel import rules as rules_lib
 from ndjax.parallel.mesh import ParallelDims, build_mesh, cross_process_axes
-from ndjax.precision import DTYPES, Precision
-from ndjax.train_step import Batch, StepOptions, eval_step, train_step
+from ndjax.runs import hf
+from ndjax.runtime import compiler
+from ndjax.runtime.errors import ConfigError
+from ndjax.step import state as state_lib
+from ndjax.step.precision import DTYPES, Precision
+from ndjax.step.train_step import Batch, StepOptions, eval_step, train_step
 
 # Which config field sets the size of each logical parameter axis (for errors).
 FIELD_OF_AXIS = {
@@ -368,7 +370,7 @@ class Experiment:
 
     def for_target(self) -> contextlib.AbstractContextManager:
         """Where the step is traced and compiled: for GPUs that are not here
-        (``ndjax.gpu_target``), jax's questions about the GPU answered for them."""
+        (``ndjax.hardware.gpu_target``), jax's questions about the GPU answered for them."""
         return gpu_target.compiling_for(list(self.mesh.devices.flat))
 
     # ----- model ---------------------------------------------------------------

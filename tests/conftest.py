@@ -6,7 +6,7 @@ import tempfile
 import jax
 import pytest
 
-from ndjax import gpu_target
+from ndjax.hardware import gpu_target
 
 # The 8 simulated devices meet in a rendezvous at every collective, and XLA aborts the
 # process (no Python error) when one device's thread has not arrived within 40 s
@@ -18,7 +18,7 @@ _FLAGS = [os.environ.get("XLA_FLAGS", ""),
           "--xla_cpu_collective_call_terminate_timeout_seconds=600"]
 # The tests' models are tiny, so compiling is most of a test's time, and most of that
 # is LLVM optimising CPU code: the suite turns LLVM's optimisations off, as the
-# planner does (ndjax.planner.MEASURE_OPTIONS). The HLO and its buffers are the same
+# planner does (ndjax.planning.planner.MEASURE_OPTIONS). The HLO and its buffers are the same
 # (test_plan.py compares them with the default levels), in half the time on CI's 2
 # cores. Not where XLA's GPU compiler is installed: the GPU compiles
 # (tests/test_gpu_compile.py, CI's second run of leg 1) are what train.py gets.

@@ -13,7 +13,7 @@ from ndjax.data.synthetic import SyntheticSource
 from ndjax.experiment import Experiment
 from ndjax.models import lora
 from ndjax.parallel import rules as rules_lib
-from ndjax.train_step import loss_and_grads, step_dropout
+from ndjax.step.train_step import loss_and_grads, step_dropout
 
 
 def train_py_flags() -> list[str]:

@@ -19,12 +19,13 @@ from helpers import assert_same_training
 from jax.ad_checkpoint import checkpoint_name
 from jax.extend import core as jcore
 
-from ndjax import compiler, roofline
-from ndjax.errors import ConfigError
 from ndjax.experiment import Experiment
+from ndjax.hardware import roofline
 from ndjax.models import decoder
 from ndjax.ops import attention as attn
 from ndjax.ops import kernel_vjp
+from ndjax.runtime import compiler
+from ndjax.runtime.errors import ConfigError
 
 ATOL = 2e-5
 # (heads, kv heads): multi-head, grouped-query, multi-query.
@@ -587,7 +588,7 @@ def test_unknown_compile_option_is_dropped_with_a_warning():
 _FAULTS_SCRIPT = """
 import ctypes, resource, time
 import ndjax  # first, as train.py and the CLIs do
-from ndjax import cpu_malloc
+from ndjax.runtime import cpu_malloc
 print(cpu_malloc.applied)
 import jax, jax.numpy as jnp
 f = jax.jit(lambda x: jnp.sum(jnp.cumsum(x) * jnp.cumsum(x[::-1])))
@@ -636,7 +637,7 @@ def test_importing_ndjax_keeps_step_temporaries_mapped(malloc):
     import subprocess
     import sys
 
-    from ndjax import cpu_malloc
+    from ndjax.runtime import cpu_malloc
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = dict(os.environ, PYTHONPATH=root, JAX_PLATFORMS="cpu", **{cpu_malloc.ENV: malloc})
@@ -654,7 +655,7 @@ def test_importing_ndjax_keeps_step_temporaries_mapped(malloc):
 
 
 def test_malloc_settings_are_for_cpu_only_processes():
-    from ndjax import cpu_malloc
+    from ndjax.runtime import cpu_malloc
 
     assert cpu_malloc.cpu_only({"JAX_PLATFORMS": "cpu"})
     assert not cpu_malloc.cpu_only({"JAX_PLATFORMS": "cuda,cpu"})

@@ -197,7 +197,7 @@ def test_gpu_cases_are_valid_configs():
 
     import pytest
 
-    from ndjax.errors import ConfigError
+    from ndjax.runtime.errors import ConfigError
 
     spec = importlib.util.spec_from_file_location("bench_gpu", os.path.join(ROOT, "bench/gpu.py"))
     gpu = importlib.util.module_from_spec(spec)

@@ -20,9 +20,9 @@ import pytest
 from conftest import tiny_config
 from helpers import host_batches, train_py_flags
 
-from ndjax.checkpoint import Checkpointer
-from ndjax.errors import ConfigError
 from ndjax.experiment import Experiment
+from ndjax.runs.checkpoint import Checkpointer
+from ndjax.runtime.errors import ConfigError
 from ndjax.training.loop import train
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -288,7 +288,7 @@ def test_bf16_resume_is_bitwise_exact(tmp_path):
     ref_ckpt = Checkpointer(str(tmp_path / "ref"), config.checkpoint)
     saved = ref_ckpt.manager.item_metadata(4)["state"]
     # bfloat16 parameters and mu; nu a float32 word that also holds mu's next bits
-    # (ndjax.state.pack_moments).
+    # (ndjax.step.state.pack_moments).
     assert {m.dtype for m in jax.tree.leaves(saved) if m.shape} == {jnp.dtype(jnp.bfloat16),
                                                                    jnp.dtype(jnp.float32)}
 

@@ -10,7 +10,7 @@ from absl import flags
 from ml_collections import config_flags
 
 from ndjax.config import RENAMED, Settings, default_config, field_paths, over_defaults
-from ndjax.errors import ConfigError
+from ndjax.runtime.errors import ConfigError
 
 # A valid value other than the default, for every field, written as on a command line.
 GOOD = {

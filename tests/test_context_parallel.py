@@ -22,9 +22,9 @@ from helpers import (
 )
 from test_train_cli import ROOT, losses
 
-from ndjax.errors import ConfigError
 from ndjax.experiment import Experiment
 from ndjax.ops import ring_attention as ra
+from ndjax.runtime.errors import ConfigError
 
 LAYOUTS = {
     # FSDP x context, balanced: the configs/llama_fsdp_cp.py mesh.

@@ -22,8 +22,8 @@ from ndjax.data.loader import dropped_overlong, make_loader
 from ndjax.data.packing import unpack
 from ndjax.data.sources import Document
 from ndjax.data.tokenizers import HFTokenizer
-from ndjax.errors import ConfigError
 from ndjax.experiment import Experiment
+from ndjax.runtime.errors import ConfigError
 
 VOCAB = 384
 SEQ = 112  # most test conversations fit a row of SEQ + 1 tokens, some do not
@@ -345,7 +345,7 @@ def test_sft_config_passes_the_checks(tokenizers, tmp_path):
 
     from conftest import tiny_config
 
-    from ndjax import hf
+    from ndjax.runs import hf
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     spec = importlib.util.spec_from_file_location("sft", os.path.join(root, "configs",

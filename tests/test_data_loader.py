@@ -10,8 +10,8 @@ from data_files import data_config, texts, write_jsonl, write_text
 from ndjax.data import BATCH_FIELDS, sources
 from ndjax.data.loader import make_loader
 from ndjax.data.prepare import prepare
-from ndjax.errors import ConfigError
 from ndjax.ops import attention
+from ndjax.runtime.errors import ConfigError
 
 VOCAB = 384
 

@@ -14,8 +14,8 @@ from ndjax.data.packing import unpack
 from ndjax.data.prepare import main as prepare_main
 from ndjax.data.prepare import prepare
 from ndjax.data.tokenizers import load_tokenizer
-from ndjax.errors import ConfigError
 from ndjax.experiment import Experiment
+from ndjax.runtime.errors import ConfigError
 
 DOCS = texts()
 CORPUS = "\n".join(DOCS) + "\n"

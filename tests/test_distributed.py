@@ -5,10 +5,10 @@ import pytest
 from conftest import tiny_config
 
 from ndjax.config import default_config
-from ndjax.errors import ConfigError
 from ndjax.experiment import slow_axes_warning
 from ndjax.parallel import distributed
 from ndjax.parallel.mesh import ParallelDims, build_mesh
+from ndjax.runtime.errors import ConfigError
 
 LAUNCHER_VARS = ("SLURM_PROCID", "SLURM_STEP_NUM_TASKS", "OMPI_COMM_WORLD_SIZE",
                  "JAX_COORDINATOR_ADDRESS")

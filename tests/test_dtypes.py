@@ -17,8 +17,8 @@ from test_memory_and_hlo import batch_bytes_per_device
 
 from ndjax.config import as_settings
 from ndjax.experiment import Experiment
-from ndjax.report import sharding_table
-from ndjax.workdir import run_config  # what ndjax.export reads a run with
+from ndjax.runs.workdir import run_config  # what ndjax.export reads a run with
+from ndjax.training.report import sharding_table
 
 FSDP_TP = dict(fsdp=4, tensor=2)
 BF16 = dict(model=dict(param_dtype="bfloat16"), train=dict(opt_state_dtype="bfloat16"))
@@ -90,7 +90,7 @@ def test_bf16_training_matches_one_device():
 
 def test_bf16_moments_track_float32_moments():
     """float32 parameters and compute, moments stored as bfloat16 (packed: mu to 13
-    significant bits, nu to 19, ndjax.state.pack_moments) vs float32.
+    significant bits, nu to 19, ndjax.step.state.pack_moments) vs float32.
 
     Each stored moment is rounded by at most 2^-13 relative, so each update is off
     by < 0.1% of itself, and the loss by < 0.1% of what it moves per step (a few
@@ -135,7 +135,7 @@ def test_sharding_table_reports_bf16():
 
     f32, bf16 = table({}), table(BF16)
     assert re.search(r"^layers/attn/wq .* bfloat16 ", bf16, re.M)
-    # Packed moments (ndjax.state.pack_moments): mu as bfloat16, nu in a float32 word.
+    # Packed moments (ndjax.step.state.pack_moments): mu as bfloat16, nu in a float32 word.
     assert "per device (bfloat16)" in bf16 and "(moments bfloat16, float32)" in bf16
     assert "per device (float32)" in f32 and "(moments float32)" in f32
     # Within the table's 0.1 rounding: parameters 2 of 4 bytes, moments 6 of 8.
@@ -155,17 +155,17 @@ def test_export_reads_a_config_saved_before_the_dtype_fields(tmp_path):
 
 
 # The significant bits each Adam moment keeps under train.opt_state_dtype=bfloat16
-# (ndjax.state.pack_moments): the first moment bfloat16's 8 plus 5 kept in the
+# (ndjax.step.state.pack_moments): the first moment bfloat16's 8 plus 5 kept in the
 # second moment's float32 word, whose own 24 lose those 5.
 MU_BITS, NU_BITS = 13, 19
 F32_BITS = 24
 
 
 def _adam_trajectory(dtype, b2: float, grads: jax.Array):
-    """AdamW's moment transform (ndjax.state) over ``grads`` (steps, n), one jitted scan:
+    """AdamW's moment transform (ndjax.step.state) over ``grads`` (steps, n), one jitted scan:
     (final state, every step's update, every step's float32 mu and nu when ``dtype`` is
     float32)."""
-    from ndjax.state import store_moments_as
+    from ndjax.step.state import store_moments_as
 
     adam = store_moments_as(optax.scale_by_adam(b1=0.9, b2=b2, eps=1e-30), dtype)
     params = jnp.zeros(grads.shape[1:], jnp.float32)
@@ -228,7 +228,7 @@ def test_bf16_moments_follow_float32_through_a_gradient_drop(b2):
         f"allowed {update_rel[worst]:.2e}); at the last step the ratios span "
         f"{(update[-1] / ref_update[-1]).min():.4f}-{(update[-1] / ref_update[-1]).max():.4f}")
 
-    from ndjax.state import read_moments  # the stored moments as the update sees them
+    from ndjax.step.state import read_moments  # the stored moments as the update sees them
 
     (stored,) = adam_states(state)
     got_mu, got_nu = (np.asarray(m) for m in read_moments(stored)[1:])
@@ -243,7 +243,7 @@ def test_packed_moments_round_trip_and_read_plain_ones():
     signs, zeros, infinities and NaN; moments stored plainly (a checkpoint of bfloat16
     or float32 moments, converted to (bfloat16, float32) on restore) read as
     themselves to within the formats' rounding."""
-    from ndjax.state import pack_moments, unpack_moments
+    from ndjax.step.state import pack_moments, unpack_moments
 
     rng = np.random.default_rng(0)
     mu = np.concatenate([rng.standard_normal(1000) * 10.0 ** rng.uniform(-20, 10, 1000),

@@ -58,12 +58,13 @@ from transformers import (
     TokenizersBackend,
 )
 
-from ndjax import hf, summary
-from ndjax.errors import ConfigError
 from ndjax.experiment import Experiment
 from ndjax.models import hf_config, registry
 from ndjax.parallel import rules as rules_lib
-from ndjax.train_step import loss_sum, router_loss
+from ndjax.runs import hf
+from ndjax.runtime.errors import ConfigError
+from ndjax.step.train_step import loss_sum, router_loss
+from ndjax.training import summary
 
 WINDOW = 8  # < S, and < each packed document below
 GEMMA_TYPES = ["sliding_attention", "full_attention"] * 2 + ["sliding_attention"]

@@ -7,14 +7,14 @@ import pytest
 from conftest import tiny_config
 from jax.extend import core as jcore
 
-from ndjax import roofline
 from ndjax.experiment import Experiment
-from ndjax.flops import flops_per_token, peak_tflops
+from ndjax.hardware import roofline
+from ndjax.hardware.flops import flops_per_token, peak_tflops
 from ndjax.models.decoder import DecoderConfig
 from ndjax.models.lora import LoraConfig
 from ndjax.models.registry import config_from_preset
 from ndjax.parallel import rules as rules_lib
-from ndjax.train_step import train_step
+from ndjax.step.train_step import train_step
 
 
 def test_flops_per_token_by_hand():
@@ -103,7 +103,7 @@ def test_remat_recompute_is_what_the_train_step_reruns(impl):
     weight matmul. The attention itself (QK^T, PV) is rerun only under full, by every
     kernel; how much of it depends on the kernel (dense reruns PV; tiled's loop body
     counts once), so it is checked for presence, and priced at the causal forward
-    that ndjax.flops counts."""
+    that ndjax.hardware.flops counts."""
     base, cfg, seq_len, tokens = _step_dot_flops("none", impl)
     for remat in ("save_proj", "save_attn", "full"):
         measured = _step_dot_flops(remat, impl)[0]

@@ -17,9 +17,9 @@ import yaml
 from conftest import tiny_config
 from data_files import conversations, texts, write_chat_tokenizer, write_jsonl
 
-from ndjax import hf
-from ndjax.errors import ConfigError
 from ndjax.experiment import Experiment
+from ndjax.runs import hf
+from ndjax.runtime.errors import ConfigError
 from ndjax.verbs import from_axolotl
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -1,4 +1,4 @@
-"""Generation (ndjax.generate, ndjax.sampling) against transformers' generate.
+"""Generation (ndjax.generate, ndjax.models.sampling) against transformers' generate.
 
 Greedy decoding of a random tiny Llama must give transformers' tokens exactly:
 both sides compute in float32 and differ by ~1e-6 in the logits (test_hf.py),
@@ -22,8 +22,8 @@ from conftest import tiny_config
 from test_hf import CASES, make_hf
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
-from ndjax.errors import ConfigError
-from ndjax.sampling import Sampling, sample
+from ndjax.models.sampling import Sampling, sample
+from ndjax.runtime.errors import ConfigError
 from ndjax.training.loop import train
 from ndjax.verbs.generate import load, read_prompts, render_chat
 

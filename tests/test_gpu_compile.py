@@ -31,11 +31,13 @@ from conftest import tiny_config
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from test_bench import run_tiny, table_rows
 
-from ndjax import compiler, gpu_target, planner, roofline, traffic_bound
-from ndjax.errors import ConfigError
 from ndjax.experiment import Experiment
+from ndjax.hardware import gpu_target, roofline
 from ndjax.ops import attention as attn
 from ndjax.parallel.collectives import collectives, in_conditionals
+from ndjax.planning import planner, traffic_bound
+from ndjax.runtime import compiler
+from ndjax.runtime.errors import ConfigError
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HAVE_EXTRA = not gpu_target.missing()

@@ -31,12 +31,12 @@ from safetensors import safe_open
 from test_tokenizer_files import QWEN, write_hf_tokenizer
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-from ndjax import hf
 from ndjax.data.tokenizers import load_tokenizer
-from ndjax.errors import ConfigError
 from ndjax.experiment import Experiment
 from ndjax.models import registry
 from ndjax.parallel import rules as rules_lib
+from ndjax.runs import hf
+from ndjax.runtime.errors import ConfigError
 from ndjax.training.loop import train
 from ndjax.verbs.export import export_checkpoint
 

@@ -152,7 +152,7 @@ def test_sigterm_asks_the_trainer_to_stop():
 
 
 def test_export_only_when_the_run_finished(monkeypatch):
-    from ndjax import hf
+    from ndjax.runs import hf
     calls = []
     monkeypatch.setattr(hf, "export", lambda *a, **kw: calls.append((a, kw)))
     exp = types.SimpleNamespace(model_cfg="CFG")
@@ -226,7 +226,7 @@ def test_sample_hook_writes_what_generate_gives_for_that_checkpoint(tmp_path, cp
 
 
 def test_a_sample_prompt_too_long_fails_before_anything_is_written(tmp_path, cpu_devices):
-    from ndjax.errors import ConfigError
+    from ndjax.runtime.errors import ConfigError
     c = tiny_config(mesh=dict(fsdp=8), model=dict(vocab_size=264))
     c.log.update(sample_every=2, sample_prompt="x" * 30, sample_tokens=6)
     with pytest.raises(ConfigError, match=r"log.sample_prompt has 30 tokens; with "

@@ -1,5 +1,5 @@
 """ndjax as a library: Accelerate's ParallelismConfig names, and a model of the user's own
-(examples/shard_your_model.py's MLP) sharded and trained by ndjax.shard."""
+(examples/shard_your_model.py's MLP) sharded and trained by ndjax.step.shard."""
 
 import importlib.util
 import math
@@ -19,12 +19,12 @@ from jax.sharding import AxisType, PartitionSpec
 
 import ndjax
 from ndjax.config import Settings
-from ndjax.errors import ConfigError
 from ndjax.ops import attention
 from ndjax.parallel import rules as rules_lib
 from ndjax.parallel.mesh import AXES, ParallelDims, build_mesh
-from ndjax.parallelism import CP_STRATEGIES, ContextParallelConfig, ParallelismConfig
-from ndjax.shard import loss_and_grads, shard_model, split_params
+from ndjax.parallel.parallelism import CP_STRATEGIES, ContextParallelConfig, ParallelismConfig
+from ndjax.runtime.errors import ConfigError
+from ndjax.step.shard import loss_and_grads, shard_model, split_params
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLE = os.path.join(ROOT, "examples", "shard_your_model.py")

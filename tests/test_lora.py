@@ -14,9 +14,9 @@ from conftest import tiny_config
 from flax import nnx
 from helpers import assert_same_training, host_batches, run_steps
 
-from ndjax.errors import ConfigError
 from ndjax.experiment import Experiment
 from ndjax.models import lora
+from ndjax.runtime.errors import ConfigError
 
 # rank 4 on every projection; alpha 16 (scale 4), so that 3 steps move the logits.
 LORA = {"lora": {"rank": 4, "alpha": 16.0}}
@@ -167,7 +167,7 @@ def test_checkpoints_hold_the_adapters_and_resume_exactly_on_any_layout(tmp_path
     """A LoRA checkpoint is the adapters and their optimizer state (the base is re-read
     from where step 0 had it: here the seed); resumed on the same layout the run goes on
     bit for bit, on another one within the layouts' tolerance."""
-    from ndjax.checkpoint import Checkpointer
+    from ndjax.runs.checkpoint import Checkpointer
     from ndjax.training.loop import train
     from ndjax.verbs.export import export_checkpoint
 
@@ -223,7 +223,7 @@ def test_peft_export_loads_onto_the_transformers_base_and_the_merged_export_agre
     from test_hf import FSDP_TP, config_for, hf_logits, make_hf, ndjax_logits, tokens
     from transformers import AutoModelForCausalLM
 
-    from ndjax import hf
+    from ndjax.runs import hf
 
     base = make_hf(tmp_path / "base")
     config = config_for(tmp_path / "base", mesh=FSDP_TP)
@@ -268,7 +268,7 @@ def test_trained_peft_adapters_start_a_run_and_export_back_bit_for_bit(cpu_devic
     import torch
     from test_hf import FSDP_TP, config_for, hf_logits, make_hf, ndjax_logits, tokens
 
-    from ndjax import hf
+    from ndjax.runs import hf
 
     model = peft.get_peft_model(make_hf(tmp_path / "base"), peft.LoraConfig(
         r=4, lora_alpha=16, target_modules=["v_proj", "q_proj", "down_proj"]))
@@ -314,7 +314,7 @@ def test_trained_peft_adapters_start_a_run_and_export_back_bit_for_bit(cpu_devic
      "has no adapter_model.safetensors: point it at a directory written by PEFT's "),
 ], ids=["rank", "missing_file"])
 def test_trained_adapters_that_do_not_fit_are_one_line_errors(tmp_path, edit, says):
-    from ndjax import hf
+    from ndjax.runs import hf
 
     one = jax.devices()[:1]
     exp = Experiment.from_config(tiny_config(model=LORA), one)

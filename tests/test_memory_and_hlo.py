@@ -104,7 +104,7 @@ def test_fsdp_reduce_scatters_every_weight_gradient_in_f32():
     """
     from ndjax.parallel import collectives as coll
     from ndjax.parallel import rules as rules_lib
-    from ndjax.train_step import loss_and_grads
+    from ndjax.step.train_step import loss_and_grads
 
     exp = Experiment.from_config(tiny_config(mesh=dict(fsdp=8), model=dict(dtype="bfloat16")))
     # The step's gradients alone (the train step's collectives, less the update's).
@@ -170,7 +170,7 @@ def test_remat_means_the_same_with_and_without_scan(scan):
 def test_a_small_models_init_compiles_quickly_on_cpu(monkeypatch):
     """The init runs once: on a CPU, for a small model, XLA compiles it with LLVM's
     optimisations off (seconds less to the first step); the train step, never."""
-    from ndjax import compiler
+    from ndjax.runtime import compiler
     used = []
     real = compiler.compile_step
     monkeypatch.setattr(compiler, "compile_step", lambda lowered, options=None, platform=None:

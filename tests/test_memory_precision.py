@@ -28,7 +28,7 @@ from helpers import (
 from ndjax.experiment import Experiment
 from ndjax.ops.cross_entropy import cross_entropy, loss_sums
 from ndjax.parallel import rules as rules_lib
-from ndjax.train_step import loss_and_grads
+from ndjax.step.train_step import loss_and_grads
 
 
 def temp_bytes(exp) -> int:

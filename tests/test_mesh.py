@@ -2,7 +2,6 @@ import jax
 import pytest
 from jax.sharding import AxisType
 
-from ndjax.errors import ConfigError
 from ndjax.parallel.mesh import (
     AXES,
     ParallelDims,
@@ -10,7 +9,8 @@ from ndjax.parallel.mesh import (
     build_mesh,
     cross_process_axes,
 )
-from ndjax.parallelism import ParallelismConfig
+from ndjax.parallel.parallelism import ParallelismConfig
+from ndjax.runtime.errors import ConfigError
 
 
 def test_axis_order_and_auto_types(cpu_devices):

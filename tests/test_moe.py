@@ -18,13 +18,13 @@ from conftest import tiny_config
 from flax import nnx
 from helpers import assert_same_training, host_batches
 
-from ndjax import hf
-from ndjax.errors import ConfigError
 from ndjax.experiment import Experiment
 from ndjax.models import decoder, moe, registry
 from ndjax.parallel import rules as rules_lib
 from ndjax.parallel.mesh import AXES
-from ndjax.train_step import loss_aux_and_grads
+from ndjax.runs import hf
+from ndjax.runtime.errors import ConfigError
+from ndjax.step.train_step import loss_aux_and_grads
 
 MOE = dict(family="qwen3_moe", head_dim=16, n_experts=4, experts_per_token=2, moe_ffn_dim=32)
 
@@ -205,7 +205,7 @@ def test_load_balancing_loss_is_in_the_training_loss():
         np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-9)
     assert not np.allclose(grads["layers"]["mlp"]["w_gate"][0],
                            grads0["layers"]["mlp"]["w_gate"][0], rtol=1e-3, atol=0)
-    from ndjax.train_step import train_step
+    from ndjax.step.train_step import train_step
     step = functools.partial(train_step, exp.features, exp.optimizer, exp.schedule,
                              exp.step_options, None)
     with rules_lib.use(exp.rules):
@@ -331,7 +331,7 @@ def _ragged_dots(remat):
     """The grouped matmuls in the traced train step of a 2-layer MoE, unrolled."""
     from jax.extend import core as jcore  # (jax._src.core lost ClosedJaxpr in jax 0.12)
 
-    from ndjax.train_step import train_step
+    from ndjax.step.train_step import train_step
     exp = Experiment.from_config(tiny_config(model=dict(MOE, scan_layers=False, remat=remat)),
                                  jax.devices()[:1])
     step = functools.partial(train_step, exp.features, exp.optimizer, exp.schedule,
@@ -363,7 +363,7 @@ def test_remat_policies_rerun_the_experts_as_the_dense_mlp():
 def test_remat_prices_the_rerun_experts():
     """The roofline prices what those policies rerun: k experts' gate, up and down and
     the router under save_attn and full, nothing of the MLP under none and save_proj."""
-    from ndjax import roofline
+    from ndjax.hardware import roofline
     cfg = registry.config_from_preset("qwen3_moe", "tiny")
     active = 2 * cfg.dim * cfg.experts_per_token * cfg.expert_dim * cfg.n_layers
     for remat in ("save_attn", "full"):

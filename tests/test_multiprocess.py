@@ -23,8 +23,8 @@ from data_files import chat_overrides, conversations, write_chat_jsonl
 from helpers import train_py_flags
 from safetensors.numpy import load_file
 
-from ndjax import hf
 from ndjax.experiment import Experiment
+from ndjax.runs import hf
 from ndjax.training.loop import train
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

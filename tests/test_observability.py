@@ -15,8 +15,8 @@ from conftest import tiny_config
 from helpers import host_batches, run_steps
 
 from ndjax.experiment import Experiment
-from ndjax.state import make_optimizer
-from ndjax.train_step import loss_and_grads
+from ndjax.step.state import make_optimizer
+from ndjax.step.train_step import loss_and_grads
 from ndjax.training.loop import NonFiniteError, train
 from ndjax.verbs.plot import plot
 

@@ -14,8 +14,10 @@ import jax
 import pytest
 from conftest import tiny_config
 
-from ndjax import compiler, planner, roofline
 from ndjax.experiment import Experiment
+from ndjax.hardware import roofline
+from ndjax.planning import planner
+from ndjax.runtime import compiler
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 H100 = roofline.HARDWARE["h100"]
@@ -123,7 +125,7 @@ def test_plan_for_the_top_layouts_compiles_less_and_ranks_the_same(tmp_path):
     best = _plan(config, tight, tmp_path, some, n=4, top=1)
     first = full.by_status("ranked")[0]
     # The least step time of each layout, from its shardings, is below what it compiles to
-    # (ndjax.traffic_bound), and not a trivial 0.
+    # (ndjax.planning.traffic_bound), and not a trivial 0.
     compiled = [c for c in full.candidates if c.estimate is not None]
     assert compiled and all(0 < c.least_step_s <= c.estimate.serial_s for c in compiled)
     assert best.by_status("ranked")[0].layout == first.layout
@@ -282,7 +284,7 @@ def _wait_until(condition, timeout_s: float) -> bool:
 def test_stopped_planner_ends_its_workers(signum, tmp_path):
     """SIGTERM (timeout, SLURM), SIGINT (Ctrl-C) or SIGKILL of the planner ends its compile
     workers too: they once compiled on for an hour after ``timeout`` ended the planner."""
-    from ndjax.children import children
+    from ndjax.runtime.children import children
 
     cmd = [sys.executable, "-m", "ndjax.plan", "--config=configs/llama_fsdp.py",
            "--config.model.vocab_size=256", "--config.model.dim=64",

@@ -13,9 +13,9 @@ import torch
 from conftest import tiny_config
 from helpers import assert_same_training, first_step_grads, run_steps
 
-from ndjax.errors import ConfigError
 from ndjax.experiment import Experiment
 from ndjax.models import lora, quant
+from ndjax.runtime.errors import ConfigError
 
 # Head dim 8 in the tiny model: blocks of 8 values per scale.
 QLORA = {"lora": {"rank": 4, "alpha": 16.0, "quantize": "nf4", "quant_block": 8}}
@@ -147,7 +147,7 @@ def test_import_quantizes_each_shard_like_the_whole_and_exports_merged(cpu_devic
     import safetensors.numpy
     from test_hf import FSDP_TP, config_for, make_hf
 
-    from ndjax import hf
+    from ndjax.runs import hf
 
     make_hf(tmp_path / "base")
     config = config_for(tmp_path / "base", mesh=FSDP_TP)

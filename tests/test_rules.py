@@ -2,9 +2,9 @@ import jax
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from ndjax.errors import ConfigError
 from ndjax.parallel.mesh import ParallelDims, build_mesh
 from ndjax.parallel.rules import PRESETS, Rules, constrain, get_table, use
+from ndjax.runtime.errors import ConfigError
 
 
 @pytest.fixture(scope="module")

@@ -19,8 +19,8 @@ from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
 from ndjax.data.loader import make_loader
 from ndjax.data.tokenizers import ByteTokenizer, load_tokenizer
-from ndjax.errors import ConfigError
 from ndjax.experiment import Experiment
+from ndjax.runtime.errors import ConfigError
 
 # Qwen2's: the vocabulary holds <|endoftext|> (one of ndjax's usual EOS names), but
 # tokenizer_config.json says the end token is <|im_end|>; no BOS.

@@ -4,8 +4,8 @@ import jax
 import pytest
 from conftest import tiny_config
 
-from ndjax.errors import ConfigError
 from ndjax.experiment import Experiment
+from ndjax.runtime.errors import ConfigError
 
 KV_ONLY_REPLICATED = (
     ("act_batch", ("replica", "fsdp")), ("act_seq", "context"), ("act_res_seq", "context"),

@@ -12,10 +12,10 @@ from data_files import texts, write_jsonl, write_tokenizer
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 from ndjax.data.tokenizers import load_tokenizer
+from ndjax.runs.workdir import SOURCE, TOKENIZER, run_config
 from ndjax.training.loop import _keep_metrics_until, train
 from ndjax.verbs import generate, plot
 from ndjax.verbs.export import export_checkpoint
-from ndjax.workdir import SOURCE, TOKENIZER, run_config
 
 SCALING = dict(factor=4.0, low_freq_factor=1.0, high_freq_factor=4.0,
                original_max_position_embeddings=16)

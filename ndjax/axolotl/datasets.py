@@ -11,7 +11,7 @@ from typing import Any
 
 from ndjax.axolotl.fields import Fields, Out, Unmapped, bad, reason
 from ndjax.axolotl.run import steps_of
-from ndjax.errors import ConfigError
+from ndjax.runtime.errors import ConfigError
 
 _HUB_ID = re.compile(r"[\w.-]+/[\w.-]+")
 _DATA_EXTS = (".jsonl", ".json", ".parquet")

@@ -9,7 +9,7 @@ import math
 from collections.abc import Mapping
 from typing import Any, NoReturn
 
-from ndjax.errors import ConfigError
+from ndjax.runtime.errors import ConfigError
 
 UNSET = object()
 # Why common fields are not mapped, by exact name or prefix (first match wins).

@@ -9,7 +9,7 @@ import os
 import re
 
 from ndjax.axolotl.fields import Fields, Out, bad
-from ndjax.errors import ConfigError
+from ndjax.runtime.errors import ConfigError
 
 # Optimizers that are AdamW as ndjax's is (decoupled decay, float32 moments).
 ADAMW = ("adamw_torch", "adamw_torch_fused", "adamw_hf", "adamw_apex_fused",

@@ -49,7 +49,7 @@ import numpy as np
 from ndjax.data.chat_template import ChatTemplate, TemplateRefused
 from ndjax.data.sources import Document
 from ndjax.data.tokenizers import HFTokenizer
-from ndjax.errors import ConfigError
+from ndjax.runtime.errors import ConfigError
 
 ROLES = ("system", "user", "assistant", "tool")
 # The content of a conversation's first message, when it is the assistant's, in the

@@ -27,7 +27,7 @@ from collections.abc import Iterator
 from datetime import datetime
 from typing import Any
 
-from ndjax.errors import ConfigError
+from ndjax.runtime.errors import ConfigError
 
 # The named special tokens transformers passes to every template (its SPECIAL_TOKENS_ATTRIBUTES).
 SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token",

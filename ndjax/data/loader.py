@@ -32,7 +32,7 @@ from ndjax.data.chat_template import ChatTemplate, load_chat_template
 from ndjax.data.streams import ChatRows, RowSource, TextRows, TokenRows
 from ndjax.data.synthetic import SyntheticSource
 from ndjax.data.tokenizers import Tokenizer, load_tokenizer
-from ndjax.errors import ConfigError
+from ndjax.runtime.errors import ConfigError
 
 STATE_VERSION = 1
 _TOKENIZE_BATCH = 256  # documents per encode_batch call (the HF tokenizer threads over them)

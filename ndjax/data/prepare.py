@@ -24,7 +24,7 @@ from tqdm import tqdm
 
 from ndjax.data import sources
 from ndjax.data.tokenizers import load_tokenizer, token_dtype
-from ndjax.errors import ConfigError
+from ndjax.runtime.errors import ConfigError
 
 _BATCH = 256  # documents per encode_batch call
 

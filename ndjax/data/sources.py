@@ -31,7 +31,7 @@ from collections.abc import Iterator
 
 import numpy as np
 
-from ndjax.errors import ConfigError
+from ndjax.runtime.errors import ConfigError
 
 TEXT_KINDS = ("builtin", "text", "jsonl", "parquet")
 RECORD_KINDS = ("chat",)  # JSON Lines or Parquet (by extension), read as records

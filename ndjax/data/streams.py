@@ -46,7 +46,7 @@ from ndjax.data.packing import (
     segments_from_eos,
 )
 from ndjax.data.sources import TokenFile
-from ndjax.errors import ConfigError
+from ndjax.runtime.errors import ConfigError
 
 
 class RowSource(Protocol):

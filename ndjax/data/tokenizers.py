@@ -24,7 +24,7 @@ from typing import Protocol
 import numpy as np
 
 from ndjax.data.chat_template import token_text
-from ndjax.errors import ConfigError
+from ndjax.runtime.errors import ConfigError
 
 # Special tokens of HF tokenizers that end a document, most specific first: the guess
 # when neither data.eos_token nor tokenizer_config.json names one.

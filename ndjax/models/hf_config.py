@@ -11,9 +11,9 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from ndjax.errors import ConfigError
 from ndjax.models.decoder import FULL, SLIDING, DecoderConfig
 from ndjax.models.layers import ROPE_TYPES, RopeScaling
+from ndjax.runtime.errors import ConfigError
 
 
 def config_error(where: str, key: str, fix: str = "") -> ConfigError:

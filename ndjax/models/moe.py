@@ -52,11 +52,10 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import NamedSharding, PartitionSpec
 
-from ndjax import platforms
-from ndjax.errors import ConfigError
 from ndjax.models.layers import ACTIVATION_FNS, init_param, project, use_param
 from ndjax.ops.grouped_matmul import grouped_matmul, resolved
 from ndjax.ops.ragged_exchange import exchange, exclusive_cumsum
+from ndjax.parallel import platforms
 from ndjax.parallel.rules import (
     ParamUse,
     active,
@@ -67,6 +66,7 @@ from ndjax.parallel.rules import (
     stacked_sum,
     suspended,
 )
+from ndjax.runtime.errors import ConfigError
 
 ROUTER_LOGITS = ("act_batch", "act_seq", "act_experts")
 

@@ -15,9 +15,9 @@ import types
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from ndjax.errors import ConfigError
 from ndjax.models import decoder
 from ndjax.models.decoder import DecoderConfig
+from ndjax.runtime.errors import ConfigError
 
 # The modules that register the families (imported on first use).
 FAMILY_MODULES = ("llama", "mistral", "qwen", "gemma", "mixtral", "qwen3_moe", "qwen2_moe")
@@ -27,7 +27,7 @@ MOE_FIELDS = ("n_experts", "experts_per_token", "moe_ffn_dim", "norm_topk_prob",
               "router_aux_loss_coef", "shared_expert_dim")
 
 # Of those, what is a choice of training rather than of the model: a config sets it over
-# model.init_from's config.json (ndjax.hf.override_dims).
+# model.init_from's config.json (ndjax.runs.hf.override_dims).
 TRAINING_FIELDS = ("router_aux_loss_coef",)
 
 # DecoderConfig fields beyond the dims that some families have, as config fields

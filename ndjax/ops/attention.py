@@ -54,12 +54,12 @@ import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec
 
-from ndjax import platforms
-from ndjax.errors import ConfigError
 from ndjax.ops import all_to_all_attention as a2a
 from ndjax.ops import kernel_vjp
 from ndjax.ops import ring_attention as ring
+from ndjax.parallel import platforms
 from ndjax.parallel.rules import Rules, active, axes_of, suspended
+from ndjax.runtime.errors import ConfigError
 
 # The logical names of q (and the output), and of k and v, (b, s, heads, head_dim).
 HEADS = ("act_batch", "act_seq", "act_heads", "act_head_dim")

@@ -39,9 +39,9 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from ndjax import platforms
-from ndjax.errors import ConfigError
+from ndjax.parallel import platforms
 from ndjax.parallel.rules import active
+from ndjax.runtime.errors import ConfigError
 
 IMPLS = ("auto", "xla", "mosaic")
 # The contraction block (64 bfloat16 values: one 128-byte swizzle row) and the
@@ -155,7 +155,7 @@ def grouped_matmul(x: jax.Array, w: jax.Array, sizes: jax.Array, impl: str = "xl
 def _default_device() -> jax.Device | None:
     from jax._src import config
 
-    device = config.default_device.value  # ndjax.gpu_target.compiling_for sets it
+    device = config.default_device.value  # ndjax.hardware.gpu_target.compiling_for sets it
     return device if isinstance(device, jax.Device) else None
 
 
@@ -170,7 +170,7 @@ def _interpreted() -> bool:
 @contextlib.contextmanager
 def _kernel_context() -> Iterator[None]:
     """Where the kernels are traced: on a GPU as they are; for CPUs in Mosaic GPU's
-    interpret mode; for GPUs from a CPU process (``ndjax.gpu_target``) with
+    interpret mode; for GPUs from a CPU process (``ndjax.hardware.gpu_target``) with
     ``jax.devices()`` answering the target GPU while they are traced, because
     ``transposed_ragged_dot_mgpu`` sizes its persistent grid from
     ``jax.devices()[0].core_count`` (the SMs), which a CPU device does not have."""

@@ -29,7 +29,7 @@ def exchange(rows: jax.Array, out_rows: int, input_offsets: jax.Array,
     """``rows`` (n, ...) of this device; per device ``j`` of ``axis``: ``send_sizes[j]``
     rows from ``input_offsets[j]`` go to ``j``'s output at ``output_offsets[j]``, and
     ``recv_sizes[j]`` rows come from ``j``. Returns this device's (out_rows, ...).
-    ``platform``: the step's (``ndjax.platforms.current()`` outside the shard_map,
+    ``platform``: the step's (``ndjax.parallel.platforms.current()`` outside the shard_map,
     whose body runs with no active rules)."""
     ints = [a.astype(jnp.int32) for a in (input_offsets, send_sizes, output_offsets,
                                           recv_sizes)]

@@ -24,7 +24,7 @@ from typing import Any
 import jax
 import ml_collections
 
-from ndjax.errors import ConfigError
+from ndjax.runtime.errors import ConfigError
 
 # Config fields that may differ between the processes of one run.
 PER_PROCESS_FIELDS = ("runtime.process_id",)

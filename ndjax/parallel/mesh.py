@@ -24,7 +24,7 @@ import numpy as np
 from jax.experimental import mesh_utils
 from jax.sharding import AxisType, Mesh
 
-from ndjax.errors import ConfigError
+from ndjax.runtime.errors import ConfigError
 
 AXES: tuple[str, ...] = ("replica", "fsdp", "expert", "context", "tensor")
 
@@ -51,7 +51,7 @@ class ParallelDims:
 
         ``labels`` maps each axis to the field that set it (default ``mesh.<axis>``)
         and ``where`` names the whole, so that callers with other names for the same
-        degrees (``ndjax.parallelism.ParallelismConfig``) get errors in their names.
+        degrees (``ndjax.parallel.parallelism.ParallelismConfig``) get errors in their names.
         """
         field = _fields(labels)
         for axis, size in zip(AXES, self.sizes):

@@ -30,8 +30,8 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from ndjax.errors import ConfigError
 from ndjax.parallel.mesh import AXES
+from ndjax.runtime.errors import ConfigError
 
 MeshAxes = None | str | tuple[str, ...]
 

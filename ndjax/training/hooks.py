@@ -18,15 +18,15 @@ from typing import TYPE_CHECKING, Any, Protocol
 import jax
 import numpy as np
 
-from ndjax.errors import ConfigError
-from ndjax.flops import flops_per_token, peak_tflops
+from ndjax.hardware.flops import flops_per_token, peak_tflops
+from ndjax.runtime.errors import ConfigError
 from ndjax.training.stop_signals import StopSignals
 
 if TYPE_CHECKING:
-    from ndjax.checkpoint import Checkpointer
     from ndjax.experiment import Experiment
-    from ndjax.state import TrainState
-    from ndjax.train_step import Batch
+    from ndjax.runs.checkpoint import Checkpointer
+    from ndjax.step.state import TrainState
+    from ndjax.step.train_step import Batch
     from ndjax.training.sinks import Sinks
 
 
@@ -122,12 +122,12 @@ def device_memory() -> dict[str, int | None]:
 class Log(Hook):
     """A metrics record every ``every`` steps (and the last): the step's values, its
     time, throughput, TFLOP/s and MFU (6 x parameters + attention FLOPs per token,
-    ndjax.flops, over the device's peak), data counts and device memory."""
+    ndjax.hardware.flops, over the device's peak), data counts and device memory."""
 
     def __init__(self, every: int, last_step: int, data_counts: dict[str, int],
                  batch: tuple[int, int] = (0, 0), peak: float | None = None):
         """``batch``: (train.batch_size, train.seq_len); ``peak``: log.peak_tflops (None:
-        the device's from ndjax.flops' table)."""
+        the device's from ndjax.hardware.flops' table)."""
         self.every, self.last_step, self.data_counts = every, last_step, data_counts
         self.batch, self.peak_setting = batch, peak
 
@@ -256,7 +256,7 @@ class Export(Hook):
     def end(self, trainer: TrainerView) -> None:
         if trainer.stop_reason:
             return
-        from ndjax import hf
+        from ndjax.runs import hf
         if self.adapter_dir:
             hf.export_adapter(trainer.state.params, trainer.exp.model_cfg, self.adapter_dir,
                               self.base)
@@ -270,7 +270,7 @@ class Export(Hook):
 
 class Sample(Hook):
     """Every ``every`` steps, the greedy completion of ``prompt`` from the current
-    parameters (ndjax.sampling on the training mesh), printed and appended to
+    parameters (ndjax.models.sampling on the training mesh), printed and appended to
     ``path`` (JSON Lines: step, prompt, completion). The prompt is tokenized as the
     training data was (no BOS) and checked against train.seq_len when the hook is
     made, before anything compiles; the decode programs compile at the first sample."""
@@ -279,7 +279,7 @@ class Sample(Hook):
                  tokenizer: Any, seq_len: int):
         """``exp``: the model and its layout; ``tokenizer``: the training data's;
         ``seq_len``: train.seq_len."""
-        from ndjax.sampling import Generator
+        from ndjax.models.sampling import Generator
         self.every, self.prompt, self.path = every, prompt, path
         self.tokenizer = tokenizer
         self.ids = self.tokenizer.encode(prompt)

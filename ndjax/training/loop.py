@@ -17,19 +17,19 @@ from typing import Any
 import jax
 import ml_collections
 
-from ndjax import hf, summary
-from ndjax import workdir as workdir_lib
-from ndjax.checkpoint import Checkpointer, check_resume
 from ndjax.config import Settings
 from ndjax.data.loader import dropped_overlong, open_loader
 from ndjax.data.tokenizers import load_tokenizer
 from ndjax.experiment import Experiment
-from ndjax.lock import claim
-from ndjax.state import TrainState
-from ndjax.train_step import Batch
+from ndjax.runs import hf
+from ndjax.runs import workdir as workdir_lib
+from ndjax.runs.checkpoint import Checkpointer, check_resume
+from ndjax.runs.lock import claim
+from ndjax.step.state import TrainState
+from ndjax.step.train_step import Batch
 from ndjax.training import hooks as hooks_lib
 from ndjax.training import sinks as sinks_lib
-from ndjax.training import stop_signals
+from ndjax.training import stop_signals, summary
 from ndjax.training.hooks import NonFiniteError  # noqa: F401 -- train.py and tests catch it from here
 from ndjax.training.sinks import Sinks
 
@@ -157,7 +157,7 @@ def default_hooks(exp: Experiment, workdir: str, data_counts: dict[str, int],
 
 def _warn(line: str) -> None:
     # Something was wrong and was handled: a warning, one line in train.py
-    # (ndjax.console.one_line_warnings), a UserWarning for a program calling train().
+    # (ndjax.runtime.console.one_line_warnings), a UserWarning for a program calling train().
     warnings.warn(line, stacklevel=2)
 
 

@@ -14,5 +14,5 @@ A verb defines its absl flags in ``define_flags()``, called by ``main()``, never
 import: verbs share flag names (``--step``, ``--devices``, ``--config``) and absl
 refuses a flag defined twice in one process, so a test or a script that imports two
 verbs would fail. ``--help`` prints the shim's docstring (absl reads ``__main__``'s)
-and the flags ``ndjax.cli.show_in_help`` lists for it.
+and the flags ``ndjax.runtime.cli.show_in_help`` lists for it.
 """

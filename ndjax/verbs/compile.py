@@ -28,7 +28,7 @@ import numpy as np
 from absl import app, flags
 from ml_collections import config_flags
 
-from ndjax.cli import (
+from ndjax.runtime.cli import (
     BAD_OVERRIDE,
     config_flags_parser,
     fail,
@@ -36,7 +36,7 @@ from ndjax.cli import (
     loaded_config,
     show_in_help,
 )
-from ndjax.console import import_jax_quietly, native_stderr
+from ndjax.runtime.console import import_jax_quietly, native_stderr
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import_jax_quietly()
@@ -78,8 +78,8 @@ def define_flags() -> list[flags.FlagHolder]:
 
 
 def _check_flags() -> None:
-    from ndjax import gpu_target
-    from ndjax.errors import ConfigError
+    from ndjax.hardware import gpu_target
+    from ndjax.runtime.errors import ConfigError
 
     args = flags.FLAGS  # the parsed command line
     gpu_target.hardware(args.hardware)
@@ -99,9 +99,9 @@ def _check_flags() -> None:
 
 def _decode_programs(config: Any, devices: list, max_new_tokens: int) -> tuple[Any, dict]:
     """Generation's two programs, as ``python -m ndjax.generate`` builds them."""
-    from ndjax.errors import ConfigError
     from ndjax.experiment import Experiment
-    from ndjax.sampling import Generator
+    from ndjax.models.sampling import Generator
+    from ndjax.runtime.errors import ConfigError
     from ndjax.verbs.generate import for_generation
 
     t = config.train
@@ -121,9 +121,9 @@ def compile_for(config: Any, hardware: str, n: int, per_node: int = 8,
     """Compile ``step`` of ``config`` for ``n`` GPUs of kind ``hardware``; what it
     needs (the JSON fields of ``--json``) and, under ``hlo``, the optimized HLO (for
     ``decode``, of whichever of prefill and decode needs more memory)."""
-    from ndjax import gpu_target
     from ndjax.experiment import Experiment
-    from ndjax.planner import collective_records
+    from ndjax.hardware import gpu_target
+    from ndjax.planning.planner import collective_records
 
     hw = gpu_target.hardware(hardware)
     with native_stderr() as native:
@@ -169,7 +169,7 @@ def _weight_bytes(exp: Any) -> dict[str, Any]:
     LoRA, the frozen base apart, and how that base is stored (``base_storage``: its
     dtype, or the QLoRA quantization)."""
     from ndjax.models import lora
-    from ndjax.planner import bytes_per_device
+    from ndjax.planning.planner import bytes_per_device
 
     train, frozen = lora.split(exp.abstract_state.params, exp.adapters_only)
     q = exp.model_cfg.lora.quant if exp.adapters_only else None
@@ -233,13 +233,13 @@ def run(argv: list[str]) -> None:
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
     config = loaded_config(PROGRAM, args["config"])
-    from ndjax.console import quiet_libraries
+    from ndjax.runtime.console import quiet_libraries
     quiet_libraries(PROGRAM)
 
-    from ndjax import gpu_target
     from ndjax.config import check_keys
-    from ndjax.errors import ConfigError
-    from ndjax.planner import mem_fraction_default
+    from ndjax.hardware import gpu_target
+    from ndjax.planning.planner import mem_fraction_default
+    from ndjax.runtime.errors import ConfigError
 
     # CPU devices only: the GPUs are compile-only devices of the CUDA plugin, and
     # this machine need not have (or may have other) GPUs.

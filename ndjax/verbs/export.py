@@ -20,17 +20,17 @@ from collections.abc import Sequence
 
 from absl import app, flags
 
-from ndjax.cli import show_in_help
-from ndjax.console import quiet_libraries, start_jax_quietly
+from ndjax.runtime.cli import show_in_help
+from ndjax.runtime.console import quiet_libraries, start_jax_quietly
 
 start_jax_quietly()  # before jax: the CUDA plugin's lines on a machine without a GPU
 import jax  # noqa: E402
 
-from ndjax import hf  # noqa: E402
-from ndjax import workdir as workdir_lib  # noqa: E402
-from ndjax.checkpoint import saved_step  # noqa: E402
-from ndjax.errors import ConfigError  # noqa: E402
 from ndjax.experiment import Experiment  # noqa: E402
+from ndjax.runs import hf  # noqa: E402
+from ndjax.runs import workdir as workdir_lib  # noqa: E402
+from ndjax.runs.checkpoint import saved_step  # noqa: E402
+from ndjax.runtime.errors import ConfigError  # noqa: E402
 
 
 def export_checkpoint(workdir: str, out: str, step: int | None = None,

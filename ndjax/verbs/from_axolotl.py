@@ -23,8 +23,8 @@ from typing import Any, NoReturn
 
 from ndjax.axolotl import adapter, datasets, run
 from ndjax.axolotl.fields import Fields, Out, Unmapped, reason
-from ndjax.cli import fail
-from ndjax.errors import ConfigError
+from ndjax.runtime.cli import fail
+from ndjax.runtime.errors import ConfigError
 
 PROGRAM = "ndjax.from_axolotl"
 
@@ -111,7 +111,7 @@ def check(text: str, conv: Conversion) -> None:
     """Loads the rendered file and runs ndjax's checks that need no devices
     (``Settings.parse`` and ``experiment.check_fields``: the checkpoint, tokenizer, chat
     template and data files); a failure names the Axolotl fields the value came from."""
-    from ndjax.console import import_jax_quietly
+    from ndjax.runtime.console import import_jax_quietly
 
     import_jax_quietly()
     from ndjax.experiment import check_fields
@@ -169,7 +169,7 @@ def read_yaml(path: str) -> Mapping[str, Any]:
 
 def main(argv: Sequence[str] | None = None) -> None:
     args = _parser().parse_args(argv)
-    from ndjax.console import one_line_warnings
+    from ndjax.runtime.console import one_line_warnings
 
     one_line_warnings(PROGRAM)
     try:

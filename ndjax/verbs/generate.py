@@ -31,14 +31,12 @@ import ml_collections
 from absl import app, flags
 from ml_collections import config_flags
 
-from ndjax.cli import show_in_help
-from ndjax.console import quiet_libraries, start_jax_quietly
+from ndjax.runtime.cli import show_in_help
+from ndjax.runtime.console import quiet_libraries, start_jax_quietly
 
 start_jax_quietly()  # before jax: the CUDA plugin's lines on a machine without a GPU
 import jax  # noqa: E402
 
-from ndjax import workdir as workdir_lib  # noqa: E402
-from ndjax.checkpoint import saved_step  # noqa: E402
 from ndjax.config import default_config  # noqa: E402
 from ndjax.data.chat_template import (  # noqa: E402
     ChatTemplate,
@@ -47,9 +45,11 @@ from ndjax.data.chat_template import (  # noqa: E402
     token_text,
 )
 from ndjax.data.tokenizers import ByteTokenizer, HFTokenizer, load_tokenizer  # noqa: E402
-from ndjax.errors import ConfigError  # noqa: E402
 from ndjax.experiment import Experiment  # noqa: E402
-from ndjax.sampling import Generator, Sampling  # noqa: E402
+from ndjax.models.sampling import Generator, Sampling  # noqa: E402
+from ndjax.runs import workdir as workdir_lib  # noqa: E402
+from ndjax.runs.checkpoint import saved_step  # noqa: E402
+from ndjax.runtime.errors import ConfigError  # noqa: E402
 
 
 @dataclasses.dataclass
@@ -158,7 +158,7 @@ def load(workdir: str | None = None, hf_dir: str | None = None, step: int | None
 
 
 def source_config(workdir: str | None, hf_dir: str | None) -> ml_collections.ConfigDict:
-    """The run's saved config (reading the copies its workdir keeps: ndjax.workdir), or
+    """The run's saved config (reading the copies its workdir keeps: ndjax.runs.workdir), or
     the defaults with the model from ``hf_dir``."""
     if workdir:
         return workdir_lib.run_config(workdir)

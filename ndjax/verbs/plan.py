@@ -8,7 +8,7 @@ Every factorisation of --devices into replica x fsdp x context x tensor, under
 each rule preset, is checked as train.py would check it (a failing layout is
 listed as rejected, with the reason), compiled ahead of time on simulated CPU
 devices in the target's dtypes, and priced with a roofline of the hardware
-(``ndjax/roofline.py``). See ``ndjax/planner.py`` for the method and "Choosing a
+(``ndjax/hardware/roofline.py``). See ``ndjax/planning/planner.py`` for the method and "Choosing a
 layout" in docs/compile-and-plan.md for how to read the table. Progress goes to
 stderr; with --json stdout holds only the JSON list of every layout.
 """
@@ -23,7 +23,7 @@ import numpy as np
 from absl import app, flags
 from ml_collections import config_flags
 
-from ndjax.cli import (
+from ndjax.runtime.cli import (
     BAD_OVERRIDE,
     config_flags_parser,
     fail,
@@ -31,7 +31,7 @@ from ndjax.cli import (
     loaded_config,
     show_in_help,
 )
-from ndjax.console import import_jax_quietly
+from ndjax.runtime.console import import_jax_quietly
 
 import_jax_quietly()
 
@@ -74,7 +74,7 @@ def define_flags() -> list[flags.FlagHolder]:
 
 
 def _check_flags(hardware_names: list[str], presets: list[str]) -> None:
-    from ndjax.errors import ConfigError
+    from ndjax.runtime.errors import ConfigError
 
     args = flags.FLAGS  # the parsed command line
     n, per_node = args.devices, args.devices_per_node
@@ -116,7 +116,7 @@ def _table(rows: list[list[str]]) -> list[str]:
 
 def report(plan, config, top: int) -> str:  # noqa: ANN001 -- planner.Plan, ConfigDict
     """The ranked table, then what does not fit, what failed and what was rejected."""
-    from ndjax.planner import CONFIG_RULES
+    from ndjax.planning.planner import CONFIG_RULES
 
     hw, t = plan.hardware, config.train
     model = config.model.preset if not config.model.init_from else config.model.init_from
@@ -134,7 +134,7 @@ def report(plan, config, top: int) -> str:  # noqa: ANN001 -- planner.Plan, Conf
         f"{len(failed)} failed to compile"
         + (f", {len(slower)} not compiled (slower than #{top} at best)" if slower else ""),
         "step time: roofline, compute + communication with no overlap (overlapped in "
-        "brackets); see ndjax/roofline.py",
+        "brackets); see ndjax/hardware/roofline.py",
         "memory: " + (f"XLA's GPU compiler for {hw.name} (no cuBLAS/cuDNN workspaces)"
                       if plan.measured_by != "cpu" else
                       "XLA's CPU compiler on simulated devices, a stand-in (it widens bf16 "
@@ -190,16 +190,18 @@ def run(argv: list[str]) -> None:
     args = flags.FLAGS  # the parsed command line
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-    from ndjax.console import quiet_libraries
+    from ndjax.runtime.console import quiet_libraries
     quiet_libraries(PROGRAM)
     config = loaded_config(PROGRAM, args["config"])
 
     import jax
 
-    from ndjax import children, planner, roofline
     from ndjax.config import check_keys
-    from ndjax.errors import ConfigError
+    from ndjax.hardware import roofline
     from ndjax.parallel.rules import PRESETS
+    from ndjax.planning import planner
+    from ndjax.runtime import children
+    from ndjax.runtime.errors import ConfigError
 
     def progress(message: str) -> None:
         print(f"{PROGRAM}: {message}", file=sys.stderr, flush=True)
@@ -214,8 +216,8 @@ def run(argv: list[str]) -> None:
     # any, are the CUDA plugin's compile-only devices.
     jax.config.update("jax_platforms", "cpu")
     jax.config.update("jax_num_cpu_devices", n)
-    from ndjax import gpu_target
-    from ndjax.console import native_stderr
+    from ndjax.hardware import gpu_target
+    from ndjax.runtime.console import native_stderr
 
     target = None
     if args.compiler == "gpu" or (args.compiler == "auto" and not gpu_target.missing()):

@@ -37,7 +37,7 @@ On CPUs one option keeps remat working on unrolled layers:
   layers' remat already held there) and cannot compile one left in, so it gets no
   such option. Tested: tests/test_memory_and_hlo.py.
 
-The process's memory allocator on a CPU-only host is set up by ``ndjax.cpu_malloc``
+The process's memory allocator on a CPU-only host is set up by ``ndjax.runtime.cpu_malloc``
 when ndjax is imported; XLA's other CPU options are left at their defaults
 (``bench/cpu_vs_torch.py`` measured the candidates: see BENCHMARKS.md).
 
@@ -98,7 +98,7 @@ def options(platform: str | None = None, env: dict[str, str] | None = None) -> d
     return {k: v for k, v in chosen.items() if f"--{k}=" not in xla_flags}
 
 
-# LLVM's optimisations off (as the planner measures: ndjax.planner.MEASURE_OPTIONS).
+# LLVM's optimisations off (as the planner measures: ndjax.planning.planner.MEASURE_OPTIONS).
 CPU_QUICK_OPTIONS: dict[str, Any] = {"xla_backend_optimization_level": 0,
                                      "xla_llvm_disable_expensive_passes": True}
 # Below this many parameters the init compiles quickly rather than runs quickly. Its
@@ -135,5 +135,5 @@ def compile_step(lowered: jax.stages.Lowered,
             if not unknown or unknown.group(1) not in chosen:
                 raise
             warnings.warn(f"XLA does not know the compile option {unknown.group(1)!r} "
-                          f"(ndjax.compiler); compiling without it.", stacklevel=2)
+                          f"(ndjax.runtime.compiler); compiling without it.", stacklevel=2)
             del chosen[unknown.group(1)]

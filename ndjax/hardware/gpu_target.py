@@ -3,7 +3,7 @@
 XLA's GPU compiler runs without a GPU when it is told what the GPU is: jax's CUDA
 plugin makes compile-only devices from a *topology* (nodes x GPUs per node) and a
 ``GpuTargetConfigProto`` describing one GPU. ``devices(hw, n, per_node)`` builds
-them from ``ndjax.roofline.HARDWARE``, the one table of each GPU's figures, and
+them from ``ndjax.hardware.roofline.HARDWARE``, the one table of each GPU's figures, and
 ``Experiment.from_config(config, devices)`` then lowers and compiles the real
 train step for them: the GPU's own buffer assignment, kernels (cuDNN custom
 calls, Pallas/Triton), collectives and compiler options. Nothing runs.
@@ -28,8 +28,8 @@ from typing import Any
 
 import jax
 
-from ndjax.errors import ConfigError
-from ndjax.roofline import HARDWARE, Hardware
+from ndjax.hardware.roofline import HARDWARE, Hardware
+from ndjax.runtime.errors import ConfigError
 
 # What compiling for a GPU needs on a CPU machine, beyond ndjax's own install: the
 # CUDA plugin of this jax (compile-only devices), ptxas (nvcc) and cuDNN.

@@ -33,10 +33,10 @@ from flax import nnx
 from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding
 
-from ndjax.errors import ConfigError
 from ndjax.models import registry
 from ndjax.models.decoder import DecoderConfig
 from ndjax.parallel import rules as rules_lib
+from ndjax.runtime.errors import ConfigError
 
 MIN_PROMPT_SLOTS = 8
 
@@ -194,7 +194,8 @@ class Generator:
         """Prefill and decode compiled for a batch of ``n_prompts`` prompts of up to
         ``longest`` tokens, against abstract inputs (``params`` may be abstract too):
         what ``python -m ndjax.compile --step=decode`` reads."""
-        from ndjax import compiler, platforms
+        from ndjax.parallel import platforms
+        from ndjax.runtime import compiler
 
         rows, slots = self.shapes(n_prompts, longest)
         mesh = self.rules.mesh

@@ -49,7 +49,7 @@ GB = 1e9
 @dataclasses.dataclass(frozen=True)
 class Chip:
     """What XLA's GPU compiler needs to know of a GPU to compile for it without one
-    (``ndjax.gpu_target`` writes it as a ``GpuTargetConfigProto``): from the data
+    (``ndjax.hardware.gpu_target`` writes it as a ``GpuTargetConfigProto``): from the data
     sheets and the CUDA programming guide's table of compute capabilities."""
 
     sms: int                      # streaming multiprocessors
@@ -149,7 +149,7 @@ def recomputed_forward_flops(cfg: Any, seq_len: int, remat: str) -> dict[str, fl
     """FLOPs per token that ``model.remat=remat`` runs again in the backward pass, by
     matmul (over all layers; a multiply-add is 2). ``cfg``: a ``DecoderConfig``.
 
-    Attention is priced as ``ndjax.flops`` counts it, QK^T and PV over the causal
+    Attention is priced as ``ndjax.hardware.flops`` counts it, QK^T and PV over the causal
     half of the keys (a local layer's: those in its window); how much of it a kernel
     really reruns is the kernel's (the dense kernel reruns PV under full, and its
     QK^T under every policy, none too)."""
@@ -178,7 +178,7 @@ def recompute_factor(remat: str) -> float:
     weights under save_attn), so the factor carries over roughly."""
     # Imported here: the model pulls in jax and flax, and this module is the light
     # table of hardware figures that gpu_target imports.
-    from ndjax.flops import flops_per_token
+    from ndjax.hardware.flops import flops_per_token
     from ndjax.models.registry import config_from_preset
 
     cfg, seq = config_from_preset("llama", "llama3_8b"), 4096
@@ -259,7 +259,7 @@ class Estimate:
 def estimate(hw: Hardware, link: Link, model_flops: float, tokens: int, devices: int,
              remat: str, recompute_flops: float | None = None,
              host_bytes: float = 0.0) -> Estimate:
-    """``model_flops``: training FLOPs of one step over all devices (ndjax.flops);
+    """``model_flops``: training FLOPs of one step over all devices (ndjax.hardware.flops);
     ``recompute_flops``: what ``remat`` reruns in that step, all devices
     (``recomputed_forward_flops`` x tokens), else priced by ``recompute_factor``;
     ``host_bytes``: what each device offloads to host memory (out in the forward

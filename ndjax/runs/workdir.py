@@ -29,7 +29,7 @@ from typing import Any
 import ml_collections
 
 from ndjax import config as config_lib
-from ndjax.errors import ConfigError
+from ndjax.runtime.errors import ConfigError
 
 RUN = "run"
 TOKENIZER = os.path.join(RUN, "tokenizer")
@@ -135,7 +135,7 @@ def source_config(workdir: str) -> dict | None:
 def source(workdir: str) -> Any:
     """That copy as an ``hf.Checkpoint`` without tensors: what ``hf.export`` takes as
     its ``source`` (config.json fields and files to carry along)."""
-    from ndjax import hf
+    from ndjax.runs import hf
     config = source_config(workdir)
     return None if config is None else hf.Checkpoint(source_dir(workdir), config, {}, {})
 

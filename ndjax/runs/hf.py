@@ -61,7 +61,7 @@ from ndjax.config import (  # noqa: F401
     shard_size,
 )
 from ndjax.data.tokenizers import HFTokenizer, Tokenizer, load_tokenizer
-from ndjax.errors import ConfigError
+from ndjax.runtime.errors import ConfigError
 from ndjax.models import decoder, lora, registry
 from ndjax.models import quant as quant_lib
 from ndjax.models.decoder import DecoderConfig
@@ -585,7 +585,7 @@ def export(params: Any, cfg: DecoderConfig, out_dir: str, dtype: str = "bfloat16
     # A LoRA's adapters folded into their base weights: the model it trained.
     tensors = list(_tensors(lora.merged(params, cfg), cfg))
     plan = _plan(tensors, np_dtype.itemsize, shard_bytes)
-    with _atomic_dir(out_dir, "ndjax.hf.export") as tmp:
+    with _atomic_dir(out_dir, "ndjax.runs.hf.export") as tmp:
         for name, group in plan.items():
             _write_file(tmp and os.path.join(tmp, name), group, np_dtype)
         if tmp:
@@ -662,7 +662,7 @@ def export_adapter(params: Any, cfg: DecoderConfig, out_dir: str,
               "target_modules": [lora.TARGETS[t] for t in cfg.lora.targets], "bias": "none",
               "fan_in_fan_out": False, "inference_mode": True, "modules_to_save": None,
               "base_model_name_or_path": base}
-    with _atomic_dir(out_dir, "ndjax.hf.export_adapter") as tmp:
+    with _atomic_dir(out_dir, "ndjax.runs.hf.export_adapter") as tmp:
         _write_file(tmp and os.path.join(tmp, ADAPTER_FILES[0]), tensors, np.dtype(np.float32))
         if tmp:
             with open(os.path.join(tmp, ADAPTER_FILES[1]), "w") as f:

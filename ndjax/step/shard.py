@@ -16,7 +16,7 @@ and a rule table (``ndjax.parallel.rules``: a preset such as ``"default"``, or a
     state, metrics = step(state, batch)   # metrics: loss, grad_norm
 
 Parameters are created already sharded (no device holds a whole copy), the
-optimizer's moments are laid out like their parameters (``ndjax.state.state_shardings``),
+optimizer's moments are laid out like their parameters (``ndjax.step.state.state_shardings``),
 gradients are constrained to the parameters' layout (the partitioner sums them
 with a reduce-scatter), and the step is one ``jax.jit`` traced under the mesh and
 the rules (``ndjax.parallel.rules.use``), so that ``ndjax.parallel.rules.constrain``
@@ -42,9 +42,9 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from ndjax import state as state_lib
-from ndjax.errors import ConfigError
 from ndjax.parallel import rules as rules_lib
+from ndjax.runtime.errors import ConfigError
+from ndjax.step import state as state_lib
 
 M = TypeVar("M", bound=nnx.Module)
 # A preset name, a table of (logical_name, mesh_axes) pairs, or a table bound to a mesh.
@@ -154,7 +154,7 @@ def loss_and_grads(loss_fn: LossFn, graphdef: nnx.GraphDef, params: dict, batch:
 class TrainStep:
     """``make_train_step``'s result: ``step(state, batch) -> (state, metrics)``.
 
-    ``state`` is an ``ndjax.state.TrainState`` (step, params: the model's
+    ``state`` is an ``ndjax.step.state.TrainState`` (step, params: the model's
     parameters as a nested dict, opt_state) from ``init``; it is donated, so use
     the returned one. ``batch`` is any pytree whose leaves have the batch along
     their leading dimensions (``batch_names``): numpy arrays, or jax arrays that

@@ -16,7 +16,7 @@ For one config and N devices:
    the CPU kernel with the same memory class (linear in the sequence).
 3. ``measure``: the real train step lowered against abstract inputs and compiled
    (nothing is allocated): by XLA's GPU compiler for N GPUs of the target kind
-   where the gpu-compile extra is installed (``ndjax.gpu_target``; the fused
+   where the gpu-compile extra is installed (``ndjax.hardware.gpu_target``; the fused
    kernels compiled for real, with the train step's GPU options), else on N
    simulated CPU devices, in worker processes; from the compiled module: argument
    and temporary bytes per device (``memory_analysis``), every collective
@@ -24,7 +24,7 @@ For one config and N devices:
    A layout whose inputs alone (parameters, optimizer state, batch: known from
    their shardings) overflow the budget is not compiled. With ``top`` the layouts
    compile best first, by their least step time (``Checked.least_step_s``: compute
-   and ``ndjax.traffic_bound``), and one that cannot beat the ``top``-th best that
+   and ``ndjax.planning.traffic_bound``), and one that cannot beat the ``top``-th best that
    fits is not compiled (status ``slower``). Results are cached on
    disk, keyed by the config, N, the compiler, the jax version and ndjax's source.
 4. A layout over the memory budget whose parameters, optimizer state and batch
@@ -33,7 +33,7 @@ For one config and N devices:
    With ``top``, a retry whose step time cannot beat the ``top``-th best layout
    that fits (its measured communication plus the compute of more remat: more
    remat adds compute and never removes a collective) is not compiled.
-5. ``ndjax.roofline`` turns FLOPs and collectives into a step time on the target
+5. ``ndjax.hardware.roofline`` turns FLOPs and collectives into a step time on the target
    hardware; fitting layouts are ranked by it (no-overlap figure).
 
 The CPU compiler is a stand-in for the GPU one: memory figures are XLA's CPU
@@ -60,12 +60,15 @@ from typing import Any
 import jax
 import ml_collections
 
-from ndjax import children, compiler, platforms, roofline, traffic_bound
 from ndjax.config import Settings, as_settings, default_config
-from ndjax.errors import ConfigError
+from ndjax.hardware import roofline
+from ndjax.parallel import platforms
 from ndjax.parallel.collectives import collectives
 from ndjax.parallel.mesh import AXES
 from ndjax.parallel.rules import PRESETS
+from ndjax.planning import traffic_bound
+from ndjax.runtime import children, compiler
+from ndjax.runtime.errors import ConfigError
 
 CONFIG_RULES = "config"          # the config's own rule table (not a preset name)
 REMAT_LADDER = ("none", "save_proj", "full")
@@ -197,7 +200,7 @@ class Checked:
     arguments: int = 0
     # What the layout's remat reruns in the backward pass, FLOPs of one step, all devices.
     recompute_flops: float = 0.0
-    # The least traffic its step can have, from its shardings (ndjax.traffic_bound).
+    # The least traffic its step can have, from its shardings (ndjax.planning.traffic_bound).
     least_link: roofline.Link | None = None
 
     def least_step_s(self, hardware: roofline.Hardware) -> float:
@@ -221,7 +224,7 @@ def check(config: ml_collections.ConfigDict | Settings, layout: Layout,
     ``inputs`` (``experiment.Inputs``): the checkpoint and data, checked once for all
     layouts (None: checked here)."""
     from ndjax.experiment import Experiment
-    from ndjax.flops import flops_per_token
+    from ndjax.hardware.flops import flops_per_token
     from ndjax.ops import attention as attention_ops
 
     settings = as_settings(config)
@@ -321,10 +324,10 @@ def measure(config_json: str, n: int, target: str | None = None,
             per_node: int = 8) -> dict[str, Any]:
     """Compile the train step of one layout for n devices and read it: the first n
     CPU devices, or with ``target`` (a ``roofline.HARDWARE`` name) n GPUs of that
-    kind, ``per_node`` to a node, by XLA's GPU compiler (``ndjax.gpu_target``)."""
-    from ndjax import gpu_target
-    from ndjax.console import native_stderr
+    kind, ``per_node`` to a node, by XLA's GPU compiler (``ndjax.hardware.gpu_target``)."""
     from ndjax.experiment import Experiment
+    from ndjax.hardware import gpu_target
+    from ndjax.runtime.console import native_stderr
 
     config = config_from_json(config_json)
     start = time.perf_counter()
@@ -418,7 +421,7 @@ class Compiler:
     def describe(self) -> str:
         if self.target:
             return f"compiling with XLA's GPU compiler for {roofline.HARDWARE[self.target].name}"
-        from ndjax.gpu_target import INSTALL
+        from ndjax.hardware.gpu_target import INSTALL
         return ("compiling with the CPU compiler on simulated devices, a stand-in (the GPU's "
                 f"own figures: {INSTALL})")
 

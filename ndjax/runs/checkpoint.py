@@ -23,10 +23,10 @@ import jax
 import orbax.checkpoint as ocp
 from etils import epath
 
-from ndjax import checkpoint_faults as faults
+from ndjax.runs import checkpoint_faults as faults
 from ndjax.config import CheckpointSettings
-from ndjax.errors import ConfigError
-from ndjax.state import TrainState
+from ndjax.runtime.errors import ConfigError
+from ndjax.step.state import TrainState
 
 # <step>.superseded, and .superseded.<n> for a step moved aside more than once.
 _SUPERSEDED = re.compile(rf"\d+{re.escape(faults.SUPERSEDED_SUFFIX)}(\.\d+)?")
@@ -126,7 +126,7 @@ class Checkpointer:
         """Reads ``step`` completely (every array on its devices) or raises. Through the
         item handlers, not the manager, whose restore ends in a barrier of all
         processes: a process whose read failed would leave the others waiting there
-        instead of agreeing with them (ndjax.checkpoint_faults.all_read)."""
+        instead of agreeing with them (ndjax.runs.checkpoint_faults.all_read)."""
         self.check_compatible(step, abstract_state)
         path = epath.Path(self.directory) / str(step)
         state = ocp.StandardCheckpointHandler().restore(

@@ -1,4 +1,4 @@
-"""What ndjax.checkpoint does when the disk fails it: a checkpoint that no longer
+"""What ndjax.runs.checkpoint does when the disk fails it: a checkpoint that no longer
 reads (a file cut short by a host crash or a bad disk) and a save that cannot be
 written (disk full, quota, file-size limit, I/O error).
 
@@ -25,7 +25,7 @@ from ndjax.parallel import distributed
 
 QUARANTINE_SUFFIX = ".unreadable"
 # Checkpoints newer than an explicit checkpoint.resume=<step>, moved aside until the
-# resumed run has saved one of its own (ndjax.checkpoint.Checkpointer.supersede_newer_than).
+# resumed run has saved one of its own (ndjax.runs.checkpoint.Checkpointer.supersede_newer_than).
 SUPERSEDED_SUFFIX = ".superseded"
 _AGREE_TIMEOUT_MS = 10 * 60 * 1000  # reading a large checkpoint takes a while
 
@@ -128,7 +128,7 @@ def _is_late_tensorstore_callback(value: BaseException) -> bool:
 
 
 def quiet_failed_saves() -> None:
-    """Keeps a failed save to the one line ndjax.checkpoint reports.
+    """Keeps a failed save to the one line ndjax.runs.checkpoint reports.
 
     Orbax re-raises a background save's error in the main thread (at the next save or
     wait), where Checkpointer turns it into a SaveError; meanwhile it logs it with a
@@ -138,7 +138,7 @@ def quiet_failed_saves() -> None:
     that with PyErr_WriteUnraisable (so through sys.unraisablehook), about a hundred
     tracebacks that say nothing but "Event loop is closed"; the reads and writes
     abandoned beside the one that failed are reported again as "Exception ignored"
-    when they are garbage-collected. All are dropped: ndjax.checkpoint reports the
+    when they are garbage-collected. All are dropped: ndjax.runs.checkpoint reports the
     failure once. Anything else passes.
     """
     for name in ("absl", "asyncio"):  # orbax logs through absl; asyncio on its own

@@ -39,7 +39,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from ndjax import roofline
+from ndjax.hardware import roofline
 from ndjax.models import moe
 
 

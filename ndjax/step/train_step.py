@@ -13,7 +13,7 @@ import optax
 from ndjax.models import lora
 from ndjax.ops.cross_entropy import loss_sums
 from ndjax.parallel.rules import Weight, constrain
-from ndjax.state import TrainState
+from ndjax.step.state import TrainState
 
 Batch = dict[str, jax.Array]
 # (params, inputs, positions, segment_ids) -> (final hidden states (b, s, dim),

@@ -35,8 +35,8 @@ import jax
 import ml_collections
 from jax.sharding import Mesh
 
-from ndjax.errors import ConfigError
 from ndjax.parallel.mesh import ParallelDims, build_mesh
+from ndjax.runtime.errors import ConfigError
 
 # mesh axis -> the field that sets it, for errors in the user's names.
 FIELDS = {"replica": "dp_replicate_size", "fsdp": "dp_shard_size", "expert": "ep_size",
@@ -69,7 +69,7 @@ def _cp_impl(handler: Any) -> str | None:
     if not hasattr(handler, "cp_comm_strategy"):
         raise ConfigError(
             f"cp_handler={handler!r} has no cp_comm_strategy; pass "
-            "ndjax.parallelism.ContextParallelConfig(cp_comm_strategy='ring' or 'alltoall').")
+            "ndjax.ContextParallelConfig(cp_comm_strategy='ring' or 'alltoall').")
     strategy = handler.cp_comm_strategy
     if strategy is None:
         return None

@@ -27,7 +27,7 @@ from collections.abc import Callable
 
 import jax
 
-from ndjax.errors import ConfigError
+from ndjax.runtime.errors import ConfigError
 from ndjax.parallel import distributed
 
 NAME = ".lock"

@@ -1,6 +1,6 @@
 """Which platform a step is built for: that of its devices, not jax's default backend.
 
-The two differ when compiling for GPUs from a CPU process (``ndjax.gpu_target``):
+The two differ when compiling for GPUs from a CPU process (``ndjax.hardware.gpu_target``):
 the dtypes ``auto`` picks, the attention kernel, the layer loop and the compiler
 options must be the GPU's. Code below ``Experiment`` asks ``current()``, which
 reads the devices of the active rule table's mesh.

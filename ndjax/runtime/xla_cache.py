@@ -22,13 +22,13 @@ from collections.abc import Mapping
 
 import jax
 
-from ndjax.errors import ConfigError
+from ndjax.runtime.errors import ConfigError
 
 AUTO, OFF = "auto", "off"
 ENV_DIR = "JAX_COMPILATION_CACHE_DIR"
 ENV_MIN_TIME = "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"
 # jax's default (1 s) would leave out an init compiled with the quick CPU options
-# (ndjax.compiler.init_options, ~1 s); an eager op's tiny program (milliseconds)
+# (ndjax.runtime.compiler.init_options, ~1 s); an eager op's tiny program (milliseconds)
 # stays out.
 MIN_COMPILE_SECS = 0.2
 

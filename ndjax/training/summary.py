@@ -11,7 +11,7 @@ import numpy as np
 
 from ndjax.experiment import Experiment
 from ndjax.models import decoder, lora
-from ndjax.report import format_bytes
+from ndjax.training.report import format_bytes
 
 
 def _size(n: float) -> str:
