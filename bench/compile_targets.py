@@ -1,7 +1,7 @@
 """Memory per device of the planner's layouts: XLA's CPU compiler (the planner's
 stand-in) next to XLA's GPU compiler for the GPUs themselves, side by side.
 
-For each case below (the top rows BENCHMARKS.md records for ``python -m ndjax.plan``,
+For each case below (the top rows BENCHMARKS.md records for ``ndjax plan``,
 and two without remat),
 the same train step is compiled twice through ``ndjax.planning.planner.measure``: on N
 simulated CPU devices with the planner's CPU options, the fused attention kernel
@@ -15,7 +15,7 @@ ratio CPU / GPU is the error band of a CPU-compiled plan.
 
 ``--kernels``: the whole ``llama3_8b`` train step on 8 H100s (fsdp=4 x tensor=2,
 batch 8, ``configs/llama_fsdp_tp.py``), GPU-compiled, for each attention kernel at
-4096 and 16384 tokens, remat none and full: ``python -m ndjax.compile``'s figures.
+4096 and 16384 tokens, remat none and full: ``ndjax compile``'s figures.
 """
 
 from __future__ import annotations

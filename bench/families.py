@@ -1,5 +1,5 @@
 """Each model family's real-size preset, compiled by XLA's GPU compiler for 8 H100s
-(``python -m ndjax.compile``'s figures), and a sliding window's memory at 32k tokens
+(``ndjax compile``'s figures), and a sliding window's memory at 32k tokens
 next to the same model attending globally.
 
     PYTHONPATH=. python bench/families.py           # ~10 compiles, a few minutes on 2 cores

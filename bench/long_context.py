@@ -1,7 +1,7 @@
 """Long-context records, compiled for H100s on a machine without one: the ring and
 all-to-all side by side, with and without activation offload.
 
-Each case compiles the whole train step (``python -m ndjax.compile --json``, one
+Each case compiles the whole train step (``ndjax compile --json``, one
 subprocess each: XLA's GPU compiler for N H100s, nothing runs) and reads its memory
 per device, host memory (``model.remat=offload``) and collectives. The step time is
 ``ndjax.hardware.roofline``'s: model FLOPs plus what the remat reruns at the bf16 peak,
@@ -59,7 +59,7 @@ TINY = [("llama3_8b", 8, 32_768, 1, dict(context=8), "default", "offload")]
 
 def compile_one(preset, devices, seq, batch, mesh, rules, remat, cp) -> dict:
     sizes = {**dict(replica=1, fsdp=1, context=1, tensor=1), **mesh}
-    cmd = [sys.executable, "-m", "ndjax.compile", "--config=configs/llama_fsdp_cp.py",
+    cmd = [sys.executable, "-m", "ndjax", "compile", "--config=configs/llama_fsdp_cp.py",
            "--hardware=h100", f"--devices={devices}", "--json", "--mem_fraction=0.75",
            f"--config.model.preset={preset}", f"--config.train.seq_len={seq}",
            f"--config.train.batch_size={batch}", f"--config.model.remat={remat}",
@@ -127,7 +127,7 @@ def main() -> None:
                 continue
             cfg = config_from_preset("llama", preset)
             e = estimate(r, cfg, seq, batch, remat, hw)
-            # fits: ndjax.compile's verdict, device and host memory within the budget.
+            # fits: ndjax compile's verdict, device and host memory within the budget.
             row += [f"{r['memory_bytes'] / GiB:.2f}", "yes" if r["fits"] else "no",
                     f"{r['host_bytes'] / GiB:.0f}",
                     f"{e.serial_s:.1f} ({e.overlapped_s:.1f})",

@@ -1,6 +1,6 @@
 """LoRA against full fine-tuning, side by side in one run: the memory per GPU of the
 train step compiled by XLA's GPU compiler for GPUs this machine does not have
-(``python -m ndjax.compile``'s figures; the gpu-compile extra), with QLoRA (the same
+(``ndjax compile``'s figures; the gpu-compile extra), with QLoRA (the same
 adapters over an NF4 base) beside them, and the tokens/s of full fine-tuning and LoRA
 on this machine's CPUs on the tiny model.
 

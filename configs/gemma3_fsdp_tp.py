@@ -2,7 +2,7 @@
 with a 16-token window, 1 global, 2 local).
 
     python train.py --config=configs/gemma3_fsdp_tp.py
-    python -m ndjax.plan --config=configs/gemma3_fsdp_tp.py --devices=64 \\
+    ndjax plan --config=configs/gemma3_fsdp_tp.py --devices=64 \\
         --config.model.preset=gemma3_12b
     python train.py --config=configs/gemma3_fsdp_tp.py --config.model.init_from=DIR
 

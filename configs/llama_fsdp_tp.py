@@ -9,7 +9,7 @@ def get_config():
     c.mesh.tensor = 2
     c.rules = "default"
     # The README's first run, on the builtin corpus: rows of 128 bytes, so that
-    # `python -m ndjax.generate --workdir=runs/llama_fsdp_tp` has room for a prompt and
+    # `ndjax generate --workdir=runs/llama_fsdp_tp` has room for a prompt and
     # 64 new tokens (generation's --max_len is the run's train.seq_len). The model stays
     # the preset's: the README and docs/ compile and plan this config with
     # --config.model.preset=llama3_8b and start it from checkpoints (model.init_from),

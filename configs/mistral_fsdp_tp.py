@@ -2,7 +2,7 @@
 48-token sliding window).
 
     python train.py --config=configs/mistral_fsdp_tp.py
-    python -m ndjax.plan --config=configs/mistral_fsdp_tp.py --devices=64 \\
+    ndjax plan --config=configs/mistral_fsdp_tp.py --devices=64 \\
         --config.model.preset=mistral_7b_v0_1
     python train.py --config=configs/mistral_fsdp_tp.py --config.model.init_from=DIR
 

@@ -1,7 +1,7 @@
 """FSDP x tensor parallelism on 4 x 2 devices: the tiny Qwen 2.5 (q/k/v biases, tied embeddings).
 
     python train.py --config=configs/qwen2_fsdp_tp.py
-    python -m ndjax.plan --config=configs/qwen2_fsdp_tp.py --devices=64 \\
+    ndjax plan --config=configs/qwen2_fsdp_tp.py --devices=64 \\
         --config.model.preset=qwen2_5_7b
     python train.py --config=configs/qwen2_fsdp_tp.py --config.model.init_from=DIR
 

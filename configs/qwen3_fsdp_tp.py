@@ -2,7 +2,7 @@
 64 over dim 256).
 
     python train.py --config=configs/qwen3_fsdp_tp.py
-    python -m ndjax.plan --config=configs/qwen3_fsdp_tp.py --devices=64 \\
+    ndjax plan --config=configs/qwen3_fsdp_tp.py --devices=64 \\
         --config.model.preset=qwen3_8b
     python train.py --config=configs/qwen3_fsdp_tp.py --config.model.init_from=DIR
 

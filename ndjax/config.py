@@ -28,7 +28,6 @@ from typing import Any
 import ml_collections
 from ml_collections import config_dict
 
-from ndjax.data import SOURCES
 from ndjax.runtime.errors import ConfigError
 
 
@@ -341,6 +340,12 @@ class TrainSettings:
     eval_every: int = setting(0, ge=0, hint=" (loss on the validation split every N steps; "
                                             "0 = never)")
     eval_steps: int = setting(4, ge=1, hint=" (batches per evaluation)")
+
+
+# data.source's values. The pipeline (ndjax/data/) reads them from here: it is handed
+# this section, and the config sits below it.
+SOURCES = ("builtin", "synthetic", "text", "jsonl", "parquet", "tokens", "chat")
+FILE_SOURCES = ("text", "jsonl", "parquet", "tokens", "chat")  # those that read data.files
 
 
 @dataclasses.dataclass(frozen=True)

@@ -17,7 +17,7 @@ from test_memory_and_hlo import batch_bytes_per_device
 
 from ndjax.config import as_settings
 from ndjax.experiment import Experiment
-from ndjax.runs.workdir import run_config  # what ndjax.export reads a run with
+from ndjax.runs.workdir import run_config  # what ndjax export reads a run with
 from ndjax.training.report import sharding_table
 
 FSDP_TP = dict(fsdp=4, tensor=2)

@@ -536,7 +536,7 @@ def stop_words(refs):
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_cli_generates_as_transformers(family, tmp_path):
-    """``python -m ndjax.generate --hf_dir`` on a random model with its family's own
+    """``ndjax generate --hf_dir`` on a random model with its family's own
     (word-level) tokenizer: each prompt's completion and token counts are those of
     transformers' greedy generate on that prompt alone (ndjax: one left-padded batch,
     a KV cache, windows over the cache), stopping at generation_config.json's EOS ids.

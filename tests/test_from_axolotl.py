@@ -1,4 +1,4 @@
-"""python -m ndjax.from_axolotl: Axolotl YAML configs (in the shape Axolotl's docs give:
+"""ndjax from_axolotl: Axolotl YAML configs (in the shape Axolotl's docs give:
 docs/nd_parallelism.qmd, docs/dataset-formats/conversation.qmd) into ndjax config files
 that build, every unmapped field listed, bad input one line with exit 2."""
 
@@ -341,7 +341,7 @@ def test_a_value_ndjax_refuses_fails_at_conversion_naming_its_axolotl_field(file
 
 def cli(*args, cwd=ROOT):
     env = {**os.environ, "PYTHONPATH": ROOT}
-    return subprocess.run([sys.executable, "-m", "ndjax.from_axolotl", *args], cwd=cwd, env=env,
+    return subprocess.run([sys.executable, "-m", "ndjax", "from_axolotl", *args], cwd=cwd, env=env,
                           capture_output=True, text=True, timeout=120)
 
 
@@ -352,7 +352,7 @@ def test_cli_writes_the_config_and_lists_what_it_left_out(files):
     result = cli(str(root / "nd.yml"), f"--out={out}")
     assert result.returncode == 0, result.stderr
     lines = result.stderr.splitlines()
-    assert "ndjax.from_axolotl: not mapped: flash_attention: true (ndjax picks its attention " \
+    assert "ndjax from_axolotl: not mapped: flash_attention: true (ndjax picks its attention " \
            "kernel and packing itself (model.attn_impl=auto))" in lines, lines
     assert lines[-1].endswith(f"train with: python train.py --config={out} "
                               "--workdir=./outputs/nd"), lines
@@ -363,7 +363,7 @@ def test_cli_writes_the_config_and_lists_what_it_left_out(files):
     before = out.read_text()
     refused = cli(str(root / "nd.yml"), f"--out={out}")
     assert refused.returncode == 2 and out.read_text() == before
-    assert refused.stderr.strip() == f"ndjax.from_axolotl: error: --out={out} exists; pass " \
+    assert refused.stderr.strip() == f"ndjax from_axolotl: error: --out={out} exists; pass " \
                                      "--force to overwrite it."
     out.write_text("stale")
     assert cli(str(root / "nd.yml"), f"--out={out}", "--force").returncode == 0
@@ -386,7 +386,7 @@ def test_bad_input_is_one_line_exit_2_and_nothing_written(tmp_path, case, text, 
     result = cli(str(config), f"--out={out}")
     assert result.returncode == 2, result.stderr
     assert len(result.stderr.splitlines()) == 1, result.stderr
-    assert result.stderr.startswith("ndjax.from_axolotl: error: ") and message in result.stderr
+    assert result.stderr.startswith("ndjax from_axolotl: error: ") and message in result.stderr
     assert not out.exists() and not result.stdout
 
 

@@ -1,4 +1,4 @@
-"""Generation (ndjax.generate, ndjax.models.sampling) against transformers' generate.
+"""Generation (ndjax generate, ndjax.models.sampling) against transformers' generate.
 
 Greedy decoding of a random tiny Llama must give transformers' tokens exactly:
 both sides compute in float32 and differ by ~1e-6 in the logits (test_hf.py),
@@ -201,7 +201,7 @@ def test_chat_uses_the_runs_template(workdir, hf_dirs, tmp_path):
 
 
 def run_generate(*args):
-    return subprocess.run([sys.executable, "-m", "ndjax.generate", *args], cwd=ROOT,
+    return subprocess.run([sys.executable, "-m", "ndjax", "generate", *args], cwd=ROOT,
                           capture_output=True, text=True, env={**os.environ, "PYTHONPATH": ROOT},
                           timeout=300)
 
@@ -243,7 +243,7 @@ def test_cli_from_hf_dir(hf_dirs, tmp_path):
 def assert_one_line_error(result, message):
     assert result.returncode == 2, result.stderr[-2000:]
     assert result.stderr.splitlines() == [result.stderr.strip()], result.stderr[-2000:]
-    assert result.stderr.startswith("ndjax.generate: error:") and message in result.stderr, \
+    assert result.stderr.startswith("ndjax generate: error:") and message in result.stderr, \
         result.stderr[-2000:]
 
 

@@ -52,7 +52,7 @@ def _env():
 
 
 def _compile_cli(*args):
-    return subprocess.run([sys.executable, "-m", "ndjax.compile",
+    return subprocess.run([sys.executable, "-m", "ndjax", "compile",
                            "--config=configs/llama_fsdp_tp.py", *args],
                           cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=600)
 
@@ -70,10 +70,10 @@ def test_compile_without_the_extra_is_one_line():
 @pytest.mark.parametrize("args, message", [
     (["train.py", "--config=configs/llama_fsdp.py", "--config.train.steps=-1"],
      "train.py: error: train.steps=-1 must be an int >= 0."),
-    (["-m", "ndjax.generate", "--prompt=hi"], "ndjax.generate: error: --workdir="),
-    (["-m", "ndjax.export", "--out=hf"], "ndjax.export: error: --workdir="),
-    (["-m", "ndjax.plan", "--config=configs/llama_fsdp.py", "--devices=0"],
-     "ndjax.plan: error: --devices=0 must be >= 1."),
+    (["-m", "ndjax", "generate", "--prompt=hi"], "ndjax generate: error: --workdir="),
+    (["-m", "ndjax", "export", "--out=hf"], "ndjax export: error: --workdir="),
+    (["-m", "ndjax", "plan", "--config=configs/llama_fsdp.py", "--devices=0"],
+     "ndjax plan: error: --devices=0 must be >= 1."),
 ], ids=["train", "generate", "export", "plan"])
 def test_a_bad_value_is_one_line_where_the_extra_finds_no_gpu(tmp_path, args, message):
     """With the extra's CUDA plugin installed and JAX_PLATFORMS unset, on a machine
@@ -86,7 +86,7 @@ def test_a_bad_value_is_one_line_where_the_extra_finds_no_gpu(tmp_path, args, me
         pytest.skip("a machine with an NVIDIA GPU: the plugin's check passes or says why")
     env = {k: v for k, v in _env().items()
            if k not in ("JAX_PLATFORMS", "JAX_SKIP_CUDA_CONSTRAINTS_CHECK")}
-    workdir = [] if "ndjax.plan" in args else [f"--workdir={tmp_path / 'run'}"]
+    workdir = [] if "plan" in args else [f"--workdir={tmp_path / 'run'}"]
     out = subprocess.run([sys.executable, *args, *workdir], cwd=ROOT, env=env,
                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                          timeout=300)

@@ -422,7 +422,7 @@ def test_train_py_exports_at_the_end(saved, trained_run):
 
 def test_export_cli_writes_what_training_exported(trained_run):
     out = trained_run / "from_checkpoint"
-    result = run_py("-m", "ndjax.export", f"--workdir={trained_run / 'w'}", f"--out={out}",
+    result = run_py("-m", "ndjax", "export", f"--workdir={trained_run / 'w'}", f"--out={out}",
                     "--dtype=float32")
     assert result.returncode == 0, result.stderr[-2000:]
     assert "exported checkpoint step 2" in result.stdout
@@ -447,7 +447,7 @@ def test_export_cli_bad_input(trained_run, tmp_path):
 
 def exported_run(tmp_path, tokenizer="byte", **data):
     """One step of a tiny model from scratch on text, on one device, exported afterwards
-    with ndjax.export; returns the export directory."""
+    with ndjax export; returns the export directory."""
     write_text(tmp_path / "txt", texts(24))
     c = data_config("text", str(tmp_path / "txt" / "*.txt"), tokenizer=tokenizer, **data)
     c.model.tie_embeddings = False

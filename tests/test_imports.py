@@ -1,5 +1,6 @@
-"""The package's import graph: every module imports on its own, and no two modules
-import each other, directly or round a longer loop.
+"""The package's import graph: every module imports on its own, no two modules import
+each other, directly or round a longer loop, and the folders stand in layers: a module
+imports from its own folder or from folders below its own, never from one beside or above.
 
 A circle works by accident of import order (whichever module is imported first sees
 the other half-built), and it leaves no bottom layer to start reading from. Every
@@ -23,6 +24,25 @@ import ndjax
 
 ROOT = Path(ndjax.__file__).parent
 PACKAGE = "ndjax"
+
+# ndjax's folders and top-level modules, bottom first. Those on one line are neighbours
+# that import neither each other nor anything on their line or above; docs/architecture.md
+# draws the same picture. A new folder or top-level module takes its place here.
+LAYERS = (
+    ("runtime",),     # the process: one-line errors, console, flags, XLA's options
+    ("parallel",),    # the mesh, the rule tables, collectives, processes, platforms
+    ("ops",),         # kernels: attention, grouped matmuls, cross-entropy, layer scan
+    ("models",),      # families, layers, LoRA and quantization, the sampler
+    ("config", "hardware", "axolotl"),  # the typed config; GPUs' figures; Axolotl's fields
+    ("data",),        # documents -> packed rows, handed the config's data section
+    ("step",),        # the train state and the jitted step
+    ("runs",),        # a run on disk: directory, lock, checkpoints, Hugging Face files
+    ("experiment",),  # the config checked and built into mesh, model, state and step
+    ("planning",),    # layouts ranked before renting GPUs
+    ("training",),    # the loop and what runs around each step
+    ("verbs",),       # the commands
+    ("__init__", "__main__"),  # the package's names; ``python -m ndjax <verb>``
+)
 
 
 def module_files() -> dict[str, Path]:
@@ -143,6 +163,42 @@ def test_every_module_imports_in_a_fresh_interpreter():
     assert result.returncode == 0, result.stderr[-4000:]
 
 
+def layer_of(module: str) -> str:
+    """The folder of a module, or its own name at the top of the package."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else "__init__"
+
+
+def layering_violations(graph: dict[str, set[str]]) -> list[str]:
+    """Each import that reaches a folder beside or above the importer's own."""
+    rank = {name: i for i, line in enumerate(LAYERS) for name in line}
+    return sorted(f"{a} -> {b}" for a, targets in graph.items() for b in targets
+                  if layer_of(a) != layer_of(b)
+                  and rank.get(layer_of(b), len(LAYERS)) >= rank.get(layer_of(a), -1))
+
+
+def test_every_folder_and_top_level_module_has_a_layer():
+    placed = {name for line in LAYERS for name in line}
+    assert {layer_of(name) for name in module_files()} == placed
+
+
+def test_the_folders_stand_in_layers():
+    violations = layering_violations(import_graph())
+    assert not violations, "imports beside or up the layers:\n" + "\n".join(violations)
+
+
+def test_the_layering_check_refuses_sideways_and_upward_imports():
+    graph = {"ndjax.models.moe": {"ndjax.ops.attention", "ndjax.models.layers"},
+             "ndjax.ops.attention": {"ndjax.models.layers"},
+             "ndjax.config": {"ndjax.hardware.roofline"},
+             "ndjax.planning.planner": {"ndjax.experiment"}}
+    assert layering_violations(graph) == ["ndjax.config -> ndjax.hardware.roofline",
+                                          "ndjax.ops.attention -> ndjax.models.layers"]
+    # A module outside every layer is below nothing and above nothing.
+    assert layering_violations({"ndjax.newfolder.x": {"ndjax.runtime.errors"}}) == \
+        ["ndjax.newfolder.x -> ndjax.runtime.errors"]
+
+
 def test_no_import_cycles():
     cycles = find_cycles(import_graph())
     assert not cycles, "import cycles:\n" + "\n".join(" -> ".join(c) for c in cycles)
@@ -155,7 +211,7 @@ def test_no_import_cycles():
     ("from ndjax.training import hooks as hooks_lib, sinks",
      {"ndjax.training.hooks", "ndjax.training.sinks"}),
     ("from ndjax.data.loader import make_loader", {"ndjax.data.loader"}),
-    ("from ndjax.data import SOURCES, loader", {"ndjax.data", "ndjax.data.loader"}),
+    ("from ndjax.data import BATCH_FIELDS, loader", {"ndjax.data", "ndjax.data.loader"}),
     ("import ndjax.models.decoder as d", {"ndjax.models.decoder"}),
     ("def f():\n    from ndjax.training import hooks", {"ndjax.training.hooks"}),
     ("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from ndjax.training import loop",

@@ -186,7 +186,7 @@ def test_checkpoints_hold_the_adapters_and_resume_exactly_on_any_layout(tmp_path
         export_checkpoint(str(tmp_path / "ref"), str(tmp_path / f"{out}_verb"), adapters=adapters)
         assert ((tmp_path / f"{out}_verb" / file).read_bytes()
                 == (tmp_path / out / file).read_bytes())
-    # python -m ndjax.generate --workdir: the base re-read, the trained adapters restored.
+    # ndjax generate --workdir: the base re-read, the trained adapters restored.
     import safetensors.numpy
 
     from ndjax.verbs import generate

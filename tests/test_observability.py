@@ -114,7 +114,7 @@ def test_plot_two_runs(run_dir, tmp_path):
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"
     # The CLI: default output next to the first run.
     env = {**os.environ, "PYTHONPATH": os.path.dirname(os.path.dirname(__file__))}
-    subprocess.run([sys.executable, "-m", "ndjax.plot", f"--workdir={run_dir}",
+    subprocess.run([sys.executable, "-m", "ndjax", "plot", f"--workdir={run_dir}",
                     f"--workdir={other}"], check=True, env=env, capture_output=True)
     assert os.path.getsize(os.path.join(run_dir, "plot.png")) > 1000
 

@@ -1,4 +1,4 @@
-"""The layout planner (python -m ndjax.plan): candidates, checks, compiled memory, remedies."""
+"""The layout planner (ndjax plan): candidates, checks, compiled memory, remedies."""
 
 import dataclasses
 import json
@@ -216,7 +216,7 @@ def test_traffic_splits_by_the_nodes_a_group_spans():
 
 def _cli(*args, tmp_path):
     return subprocess.run(
-        [sys.executable, "-m", "ndjax.plan", "--config=configs/llama_fsdp.py",
+        [sys.executable, "-m", "ndjax", "plan", "--config=configs/llama_fsdp.py",
          "--config.model.vocab_size=256", "--config.model.dim=64", "--config.model.n_layers=2",
          "--config.model.ffn_dim=128", "--config.train.seq_len=64",
          "--config.data.source=synthetic", "--workers=0", f"--cache_dir={tmp_path}", *args],
@@ -247,7 +247,7 @@ def test_cli_bad_input_is_one_line(args, message, tmp_path):
     r = _cli(*args, tmp_path=tmp_path)
     assert r.returncode == 2
     assert r.stdout == "" and len(r.stderr.strip().splitlines()) == 1
-    assert r.stderr.startswith("ndjax.plan: error:") and message in r.stderr
+    assert r.stderr.startswith("ndjax plan: error:") and message in r.stderr
 
 
 def _alive(pid: int) -> bool:
@@ -286,7 +286,7 @@ def test_stopped_planner_ends_its_workers(signum, tmp_path):
     workers too: they once compiled on for an hour after ``timeout`` ended the planner."""
     from ndjax.runtime.children import children
 
-    cmd = [sys.executable, "-m", "ndjax.plan", "--config=configs/llama_fsdp.py",
+    cmd = [sys.executable, "-m", "ndjax", "plan", "--config=configs/llama_fsdp.py",
            "--config.model.vocab_size=256", "--config.model.dim=64",
            # 96 unrolled layers: a compile takes minutes, as a real model's does, so
            # that a planner which waits for the running compiles (what SIGINT did) fails.

@@ -231,7 +231,7 @@ def test_qlora_on_a_mixture_of_experts_quantizes_its_experts(cpu_devices, tmp_pa
 
 
 def test_qlora_generates_as_transformers_does_on_the_read_back_base(tmp_path):
-    """``ndjax.generate`` of a QLoRA model (fresh adapters) from an HF directory: the
+    """``ndjax generate`` of a QLoRA model (fresh adapters) from an HF directory: the
     greedy tokens of transformers' model whose projections hold the read-back weights."""
     from test_generate import N_NEW, hf_greedy, prompts, write_tokenizer
     from test_hf import make_hf

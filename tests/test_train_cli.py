@@ -49,7 +49,7 @@ def test_layouts_log_the_same_losses(tmp_path):
                   "data synthetic", f"workdir: {a}; starting at step 1",
                   "compiled the train step in", "memory per device:", "done: step 3, train loss",
                   "tokens/s", f"checkpoint: {a / 'checkpoints' / '3'}",
-                  f"python -m ndjax.plot --workdir={a}"):
+                  f"ndjax plot --workdir={a}"):
         assert field in out, (field, out)
     assert out.index("workdir:") < out.index("compiled the") < out.index("step 1/3") \
         < out.index("done: step 3")
@@ -161,7 +161,7 @@ def test_nan_stop_exits_non_zero_with_one_line(tmp_path):
 
 def test_default_experiment_config_fits_the_sampling_example():
     """configs/llama_fsdp_tp.py (train.py's default) parses, and its rows hold docs/sampling.md's
-    `python -m ndjax.generate --prompt='def main(' --max_new_tokens=64` (max_len is the run's
+    `ndjax generate --prompt='def main(' --max_new_tokens=64` (max_len is the run's
     train.seq_len). Its model stays the preset's, so that the
     `--config.model.preset=llama3_8b` and model.init_from runs of this config in the README
     and docs/ get their own dims, not a demo's."""

@@ -1,5 +1,5 @@
-"""The command-line verbs: each lives in ndjax/verbs/, runs as ``python -m ndjax.<verb>``
-through a shim at the old path, and its --help fits on a screen."""
+"""The command-line verbs: each lives in ndjax/verbs/, runs as ``ndjax <verb>`` (or
+``python -m ndjax <verb>``), and its --help fits on a screen."""
 
 import ast
 import os
@@ -23,30 +23,44 @@ def _runs_as_main(path: Path) -> bool:
     return False
 
 
-def test_every_program_in_the_package_root_is_a_verbs_shim():
-    # A new verb goes into ndjax/verbs/ (see its __init__), not beside the library.
+def test_the_one_program_in_the_package_root_is_ndjax_and_it_runs_every_verb():
+    # A new verb goes into ndjax/verbs/ (see its __init__) and __main__.VERBS, not beside
+    # the library.
+    from ndjax.__main__ import VERBS as COMMANDS
     programs = {p.stem for p in (ROOT / "ndjax").glob("*.py") if _runs_as_main(p)}
-    assert programs == set(VERBS)
+    assert programs == {"__main__"}
     assert {p.stem for p in (ROOT / "ndjax" / "verbs").glob("*.py")} - {"__init__"} == set(VERBS)
-    for verb in VERBS:
-        shim = (ROOT / "ndjax" / f"{verb}.py").read_text()
-        assert f"from ndjax.verbs.{verb} import main" in shim, verb
+    assert set(COMMANDS) == {*VERBS, "prepare"}
+    assert all(COMMANDS[verb] == f"ndjax.verbs.{verb}" for verb in VERBS)
 
 
-def test_the_shims_keep_the_old_import_paths():
-    from ndjax import compile, export, generate, plan, plot  # noqa: A004
-    from ndjax.verbs import compile as compile_verb
-    from ndjax.verbs import export as export_verb
-    from ndjax.verbs import generate as generate_verb
-
-    assert compile.compile_for is compile_verb.compile_for
-    assert export.export_checkpoint is export_verb.export_checkpoint
-    assert generate.load is generate_verb.load
-    assert callable(plan.report) and callable(plot.plot)
+def _ndjax(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "ndjax", *args], cwd=ROOT, capture_output=True,
+                          text=True, env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=300)
 
 
-@pytest.mark.parametrize("command", [*(("-m", f"ndjax.{verb}") for verb in VERBS),
-                                     ("train.py",)], ids=[*VERBS, "train.py"])
+def test_ndjax_alone_lists_the_verbs_and_an_unknown_one_is_one_line():
+    alone = _ndjax()
+    assert alone.returncode == 2 and all(verb in alone.stdout for verb in (*VERBS, "prepare"))
+    unknown = _ndjax("trian", "--config=configs/llama_fsdp.py")
+    assert unknown.returncode == 2 and not unknown.stdout
+    assert unknown.stderr.strip().splitlines() == [
+        "ndjax: error: no verb 'trian'; one of plan, compile, generate, export, plot, "
+        "from_axolotl, prepare (ndjax --help says what each does)."]
+
+
+def test_the_installed_command_is_ndjax():
+    # pip install puts it beside the interpreter (pyproject's [project.scripts]).
+    command = Path(sys.executable).parent / "ndjax"
+    if not command.exists():
+        pytest.skip(f"ndjax is not installed beside {sys.executable} (not a pip install)")
+    result = subprocess.run([str(command), "plot", "--help"], capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 0 and result.stdout.startswith("usage: ndjax plot"), result
+
+
+@pytest.mark.parametrize("command", [*(("-m", "ndjax", verb) for verb in (*VERBS, "prepare")),
+                                     ("train.py",)], ids=[*VERBS, "prepare", "train.py"])
 def test_help_fits_a_screen_and_lists_the_flags(command):
     result = subprocess.run([sys.executable, *command, "--help"], cwd=ROOT, capture_output=True,
                             text=True, env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=300)
@@ -55,3 +69,5 @@ def test_help_fits_a_screen_and_lists_the_flags(command):
     lines = result.stdout.splitlines()
     assert len(lines) < HELP_LINES, result.stdout
     assert sum(line.lstrip().startswith("--") for line in lines) >= 2, result.stdout
+    if command[0] == "-m":  # the verb's own usage, not ndjax's list of verbs
+        assert f"ndjax {command[2]} " in result.stdout, result.stdout

@@ -86,7 +86,7 @@ def test_generate_export_and_resume_after_the_source_is_gone(tmp_path, cpu_devic
 
 def test_torn_and_bad_metrics_lines_never_block_a_resume(tmp_path):
     """A host crash or a full disk mid-write leaves a torn last line in metrics.jsonl:
-    the resume's trimming and ndjax.plot leave it (and any other line that is not a
+    the resume's trimming and ndjax plot leave it (and any other line that is not a
     record) out with one warning, instead of a JSONDecodeError on every later resume."""
     path = tmp_path / "metrics.jsonl"
     good = [json.dumps({"step": s, "loss": 1.0 / s}) + "\n" for s in (1, 2, 3, 4)]

@@ -1,1 +1,1 @@
-"""Axolotl config fields -> ndjax config fields, for ``python -m ndjax.from_axolotl``."""
+"""Axolotl config fields -> ndjax config fields, for ``ndjax from_axolotl``."""

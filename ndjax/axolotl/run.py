@@ -214,7 +214,7 @@ def workdir(f: Fields, out: Out, adapters: bool) -> str:
     # format) into output_dir; ndjax's workdir holds the run, so the export goes beside it.
     if adapters:
         out.set("export.adapter_dir", os.path.join(workdir, "adapter"),
-                "output_dir: the adapter, as Axolotl saves it (merged: python -m ndjax.export)")
+                "output_dir: the adapter, as Axolotl saves it (merged: ndjax export)")
     else:
         out.set("export.hf_dir", os.path.join(workdir, "hf"), "output_dir: the tuned model")
     return workdir

@@ -8,14 +8,10 @@
 - ``packing``: token windows -> the batch fields (segment ids, positions, loss mask)
 - ``streams``: the rows of any global batch as a pure function of (data, seed, step, row)
 - ``loader``: config -> checks -> a prefetching iterator with a resumable position
-- ``prepare``: ``python -m ndjax.data.prepare``, offline pre-tokenization
+- ``prepare``: ``ndjax prepare``, offline pre-tokenization
 - ``synthetic``: a learnable Markov-chain source that needs no files (tests, layouts)
 
 Every batch is a dict of int32 arrays ``(rows, train.seq_len)`` with the fields below.
 """
 
 BATCH_FIELDS = ("inputs", "targets", "positions", "segment_ids", "loss_mask")
-# data.source's values, here and not in ``loader`` so that ndjax.config can check the
-# field without importing the pipeline (which imports ndjax.config).
-SOURCES = ("builtin", "synthetic", "text", "jsonl", "parquet", "tokens", "chat")
-FILE_SOURCES = ("text", "jsonl", "parquet", "tokens", "chat")  # those that read data.files

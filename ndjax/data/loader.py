@@ -26,8 +26,8 @@ import ml_collections
 import numpy as np
 from jax.experimental import multihost_utils
 
-from ndjax.config import DataSettings, Settings, as_settings
-from ndjax.data import FILE_SOURCES, chat, sources
+from ndjax.config import FILE_SOURCES, DataSettings, Settings, as_settings
+from ndjax.data import chat, sources
 from ndjax.data.chat_template import ChatTemplate, load_chat_template
 from ndjax.data.streams import ChatRows, RowSource, TextRows, TokenRows
 from ndjax.data.synthetic import SyntheticSource

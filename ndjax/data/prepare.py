@@ -1,6 +1,6 @@
 """Pre-tokenize a corpus into a flat token file (nanoGPT style) and a JSON sidecar.
 
-    python -m ndjax.data.prepare --source=jsonl --files='corpus/*.jsonl' \\
+    ndjax prepare --source=jsonl --files='corpus/*.jsonl' \\
         --tokenizer=tokenizer.json --out=data/train.bin
 
 writes ``data/train.bin`` (every document's ids followed by EOS, uint16 when the
@@ -88,7 +88,7 @@ def prepare(source: str, files: str, out: str, *, tokenizer: str = "byte", eos_t
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m ndjax.data.prepare",
+    p = argparse.ArgumentParser(prog="ndjax prepare",
                                 description=__doc__.splitlines()[0])
     p.add_argument("--source", default="builtin", help=", ".join(sources.TEXT_KINDS))
     p.add_argument("--files", default="", help="comma-separated paths or globs")

@@ -1,6 +1,6 @@
 """A roofline of one train step on GPUs that are not here: compute, then each collective.
 
-The planner (``ndjax.plan``) compiles the step for N simulated devices and hands
+The planner (``ndjax plan``) compiles the step for N simulated devices and hands
 this module what the compiled module says: model FLOPs per device and every
 collective with its bytes, group and executions per step. The estimate is
 

@@ -193,7 +193,7 @@ class Generator:
                       ) -> tuple[jax.stages.Compiled, jax.stages.Compiled]:
         """Prefill and decode compiled for a batch of ``n_prompts`` prompts of up to
         ``longest`` tokens, against abstract inputs (``params`` may be abstract too):
-        what ``python -m ndjax.compile --step=decode`` reads."""
+        what ``ndjax compile --step=decode`` reads."""
         from ndjax.parallel import platforms
         from ndjax.runtime import compiler
 

@@ -1,4 +1,4 @@
-"""Every mesh for N GPUs, checked, compiled ahead of time and priced (``python -m ndjax.plan``).
+"""Every mesh for N GPUs, checked, compiled ahead of time and priced (``ndjax plan``).
 
 For one config and N devices:
 

@@ -305,7 +305,7 @@ def saved_step(workdir: str, config: CheckpointSettings, step: int | None = None
     """The checkpoints of a train.py ``workdir`` (``config``: its checkpoint group) and
     the step to read: ``step``, or the newest if None. A one-line ConfigError naming
     ``--workdir`` or ``--step`` when there is no such checkpoint (for the CLIs that
-    read a run: ``ndjax.export``, ``ndjax.generate``)."""
+    read a run: ``ndjax export``, ``ndjax generate``)."""
     if not os.path.isdir(os.path.join(workdir, "checkpoints")):
         raise ConfigError(f"--workdir={workdir!r} has no checkpoints; train.py saves one at the "
                           "end of a run and every checkpoint.every steps.")

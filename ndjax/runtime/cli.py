@@ -43,8 +43,8 @@ def loaded_config(program: str, flag: flags.FlagHolder | flags.Flag) -> Any:
 
 def show_in_help(holders: Iterable[flags.FlagHolder]) -> None:
     """Lists a verb's flags under ``--help``, which shows only the flags of the program's
-    own file (``sys.argv[0]``): ``python -m ndjax.plan`` runs ndjax/plan.py, a shim,
-    while ndjax/verbs/plan.py defines the flags. Each default joins its flag's text
+    own file (``sys.argv[0]``): ``ndjax plan`` runs ndjax/__main__.py, while
+    ndjax/verbs/plan.py defines the flags. Each default joins its flag's text
     (absl gives it a line of its own), and "None" is left out, so that a verb's help
     fits on a screen."""
     for holder in holders:

@@ -120,8 +120,8 @@ def start_jax_quietly() -> None:
     """``import_jax_quietly``, and on a machine without an NVIDIA GPU where jax's CUDA
     plugin is installed (the gpu-compile extra), the plugins loaded now, quietly.
 
-    For the programs that run on the platform jax picks (train.py, ndjax.generate,
-    ndjax.export); call it before anything imports jax. There, jax would load the
+    For the programs that run on the platform jax picks (train.py, ndjax generate,
+    ndjax export); call it before anything imports jax. There, jax would load the
     plugin when it first makes a backend, and the plugin's check of the CUDA libraries
     fails without a driver: a 20-line traceback (jax 0.10; a warning in later jax) and
     another native line, before the program's first line, for a backend jax then
@@ -129,7 +129,7 @@ def start_jax_quietly() -> None:
     is skipped on such a machine alone, and only when JAX_PLATFORMS chooses nothing: a
     machine with a GPU, or a run that asks for CUDA, loads the plugin when and as
     before, with every error it reports. The compile verbs choose the CPU platform
-    themselves, which skips the check too (ndjax.compile, ndjax.plan).
+    themselves, which skips the check too (ndjax compile, ndjax plan).
     """
     import_jax_quietly()
     import jax

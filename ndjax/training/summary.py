@@ -129,5 +129,5 @@ def end(logged: list[dict[str, Any]], wall_seconds: float, workdir: str,
     if hf_dir:
         lines.append(f"Hugging Face export: {hf_dir}")
     lines.append(f"metrics: {os.path.join(workdir, 'metrics.jsonl')}; plot them with: "
-                 f"python -m ndjax.plot --workdir={shlex.quote(workdir)}")
+                 f"ndjax plot --workdir={shlex.quote(workdir)}")
     return lines

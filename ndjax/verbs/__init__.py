@@ -1,7 +1,7 @@
-"""The command-line verbs, one module each. ``python -m ndjax.<verb>`` runs
-``ndjax/<verb>.py``, a shim that keeps the old import path and calls this package's
-module's ``main()``; train.py (the repository root) trains, and
-``python -m ndjax.data.prepare`` stays with the data pipeline it belongs to.
+"""The command-line verbs, one module each. ``ndjax <verb>`` (``python -m ndjax <verb>``,
+ndjax/__main__.py) calls its module's ``main()``, as ``python -m ndjax.verbs.<verb>``
+does; train.py (the repository root) trains, and ``ndjax prepare`` is
+ndjax/data/prepare.py, with the data pipeline it belongs to.
 
 - ``plan``: rank every mesh for N GPUs by compiled memory and communication
 - ``compile``: compile one step for N GPUs of a kind this machine lacks; what it needs
@@ -13,6 +13,7 @@ module's ``main()``; train.py (the repository root) trains, and
 A verb defines its absl flags in ``define_flags()``, called by ``main()``, never on
 import: verbs share flag names (``--step``, ``--devices``, ``--config``) and absl
 refuses a flag defined twice in one process, so a test or a script that imports two
-verbs would fail. ``--help`` prints the shim's docstring (absl reads ``__main__``'s)
-and the flags ``ndjax.runtime.cli.show_in_help`` lists for it.
+verbs would fail. ``--help`` prints the verb module's docstring (ndjax/__main__.py hands
+it to absl, which reads ``__main__``'s) and the flags ``ndjax.runtime.cli.show_in_help``
+lists for it.
 """

@@ -1,20 +1,21 @@
-"""Compile a step for N NVIDIA GPUs on a machine without them, and say what it needs.
+r"""Compile a step for N NVIDIA GPUs on a machine without them, and say what it needs.
 
-    python -m ndjax.compile --config=configs/llama_fsdp_tp.py --hardware=h100 --devices=8 \
-        [--config.model.preset=llama3_8b --config.train.seq_len=16384 ...] \
-        [--devices_per_node=8] [--step=train|eval] [--json] [--dump_hlo=DIR]
+    ndjax compile --config=configs/llama_fsdp_tp.py --hardware=h100 --devices=8 \
+        [--config.train.seq_len=16384 ...] [--step=train|eval|decode] [--json]
 
-The same step train.py runs (``Experiment.from_config`` with every check, then
-the jitted step with the GPU compiler options), lowered against abstract inputs
-and compiled by XLA's GPU compiler for the GPUs of ``--hardware`` (``ndjax/
-gpu_target.py``; needs ``pip install -e '.[gpu-compile]'``). Nothing is allocated
-or run. It prints the memory per device (arguments, temporaries, output, total,
-against the GPU's memory and the budget), the attention kernel and why, every
-collective, and the compile time. ``--json``: one object on stdout.
-
-What the compile cannot see: autotuning, cuBLAS/cuDNN workspaces, speed
-(docs/compile-and-plan.md, "Compiling for GPUs you don't have").
+Needs the gpu-compile extra; what it cannot see: docs/compile-and-plan.md.
 """
+
+# The same step train.py runs (``Experiment.from_config`` with every check, then
+# the jitted step with the GPU compiler options), lowered against abstract inputs
+# and compiled by XLA's GPU compiler for the GPUs of ``--hardware`` (``ndjax/hardware/
+# gpu_target.py``; needs ``pip install -e '.[gpu-compile]'``). Nothing is allocated
+# or run. It prints the memory per device (arguments, temporaries, output, total,
+# against the GPU's memory and the budget), the attention kernel and why, every
+# collective, and the compile time. ``--json``: one object on stdout.
+#
+# What the compile cannot see: autotuning, cuBLAS/cuDNN workspaces, speed
+# (docs/compile-and-plan.md, "Compiling for GPUs you don't have").
 
 from __future__ import annotations
 
@@ -44,7 +45,7 @@ import jax  # noqa: E402
 
 from ndjax.ops import grouped_matmul  # noqa: E402
 
-PROGRAM = "ndjax.compile"
+PROGRAM = "ndjax compile"
 STEPS = ("train", "eval", "decode")
 
 
@@ -64,7 +65,7 @@ def define_flags() -> list[flags.FlagHolder]:
         f.DEFINE_integer("devices_per_node", 8, "GPUs per node (NVLink domain)."),
         f.DEFINE_string("step", "train", "train | eval | decode: which step to compile. "
                         "decode: generation's prefill and decode loop (python -m "
-                        "ndjax.generate) for train.batch_size prompts of train.seq_len - "
+                        "ndjax generate) for train.batch_size prompts of train.seq_len - "
                         "--max_new_tokens tokens, with a KV cache of train.seq_len."),
         f.DEFINE_integer("max_new_tokens", 256, "--step=decode: tokens to generate."),
         f.DEFINE_bool("json", False, "Print one JSON object on stdout, nothing else."),
@@ -98,7 +99,7 @@ def _check_flags() -> None:
 
 
 def _decode_programs(config: Any, devices: list, max_new_tokens: int) -> tuple[Any, dict]:
-    """Generation's two programs, as ``python -m ndjax.generate`` builds them."""
+    """Generation's two programs, as ``ndjax generate`` builds them."""
     from ndjax.experiment import Experiment
     from ndjax.models.sampling import Generator
     from ndjax.runtime.errors import ConfigError
@@ -273,7 +274,7 @@ def run(argv: list[str]) -> None:
 
 
 def main() -> None:
-    """``python -m ndjax.compile``."""
+    """``ndjax compile``."""
     show_in_help(define_flags())
     app.run(run, flags_parser=config_flags_parser(PROGRAM))
 

@@ -1,6 +1,6 @@
-"""Export a training checkpoint as a Hugging Face Llama directory.
+r"""Export a training checkpoint as a Hugging Face Llama directory.
 
-    python -m ndjax.export --workdir=runs/llama_fsdp_tp --out=hf/llama [--step=N] \
+    ndjax export --workdir=runs/llama_fsdp_tp --out=hf/llama [--step=N] \
         [--dtype=bfloat16] [--adapters]
 
 The run's experiment is rebuilt from ``<workdir>/config.json`` (written by
@@ -79,7 +79,7 @@ def run(argv: list[str]) -> None:
     args = flags.FLAGS  # the parsed command line
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-    quiet_libraries("ndjax.export")
+    quiet_libraries("ndjax export")
     try:
         if not args.workdir or not args.out:
             raise ConfigError("--workdir and --out are required.")
@@ -89,13 +89,13 @@ def run(argv: list[str]) -> None:
         step = export_checkpoint(args.workdir, args.out, args.step, args.dtype,
                                  adapters=args.adapters)
     except ConfigError as e:
-        print(f"ndjax.export: error: {' '.join(str(e).split())}", file=sys.stderr)
+        print(f"ndjax export: error: {' '.join(str(e).split())}", file=sys.stderr)
         sys.exit(2)
     print(f"exported checkpoint step {step} of {args.workdir} to {args.out}")
 
 
 def main() -> None:
-    """``python -m ndjax.export``."""
+    """``ndjax export``."""
     show_in_help(define_flags())
     app.run(run)
 

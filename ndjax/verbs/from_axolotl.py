@@ -1,6 +1,6 @@
 """Convert an Axolotl YAML config into an ndjax config file.
 
-    python -m ndjax.from_axolotl config.yml [--out=configs/mine.py] [--force] [--devices=N]
+    ndjax from_axolotl config.yml [--out=configs/mine.py] [--force] [--devices=N]
 
 ``convert`` maps the fields ndjax has (mesh, model, data, optimiser, schedule,
 checkpoints) and lists every other one with the reason; ``render`` writes the result
@@ -26,7 +26,7 @@ from ndjax.axolotl.fields import Fields, Out, Unmapped, reason
 from ndjax.runtime.cli import fail
 from ndjax.runtime.errors import ConfigError
 
-PROGRAM = "ndjax.from_axolotl"
+PROGRAM = "ndjax from_axolotl"
 
 
 @dataclasses.dataclass
@@ -70,7 +70,7 @@ def render(conv: Conversion, source: str) -> str:
     commented with the Axolotl fields it comes from, the unmapped ones listed on top."""
     sections = ("mesh", "runtime", "model", "data", "train", "checkpoint", "log", "export")
     lines = [
-        '"""ndjax config converted from an Axolotl config by python -m ndjax.from_axolotl."""',
+        '"""ndjax config converted from an Axolotl config by ndjax from_axolotl."""',
         "",
         f"# Converted from: {_one_line(source)}",
         f"# Train: python train.py --config=THIS_FILE --workdir={_one_line(conv.workdir)}",
@@ -133,7 +133,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = _Parser(prog=f"python -m {PROGRAM}", description="Write an ndjax config file (for "
+    p = _Parser(prog=PROGRAM, description="Write an ndjax config file (for "
                 "train.py --config) from an Axolotl YAML config. Every Axolotl field it does "
                 "not map is listed on stderr with the reason; docs/from-axolotl.md has the "
                 "mapping.")

@@ -1,22 +1,22 @@
 r"""Sample completions from a training run or a Hugging Face model directory.
 
-    python -m ndjax.generate --workdir=runs/llama_fsdp_tp [--step=N] --prompt='import os' \
-        [--max_new_tokens=64] [--temperature=0.8 --top_p=0.95 --top_k=50 --seed=0] [--json]
-    python -m ndjax.generate --hf_dir=checkpoints/llama3_1b_instruct --chat \
-        --prompts_file=prompts.jsonl --config.mesh.tensor=2
+    ndjax generate --workdir=runs/llama_fsdp_tp --prompt='import os' [--json]
+    ndjax generate --hf_dir=DIR --chat --prompts_file=prompts.jsonl
 
-From ``--workdir`` the run's saved config rebuilds model, mesh and rules (as
-``ndjax.export`` does) and restores the parameters of step N (default: the newest)
-onto the devices present; prompts are tokenized as its training data was
-(``data.tokenizer``, no BOS), and ``--chat`` renders each as one user message with
-the template training used (``data.chat_template``, else the tokenizer's). From
-``--hf_dir``: the directory's ``config.json``, weights, ``tokenizer.json`` and chat
-template; prompts get the tokenizer's special tokens (BOS), as transformers adds
-them, by tokenizer.json as written (transformers rebuilds a qwen2 directory's from
-its vocabulary as a byte-level BPE). Generation stops at ``--max_new_tokens`` or an
-end-of-sequence token (``generation_config.json``, else ``config.json``, else the
-tokenizer's). Bad input is one line on stderr, exit code 2.
+How prompts are tokenized and where generation stops: docs/sampling.md.
 """
+
+# From ``--workdir`` the run's saved config rebuilds model, mesh and rules (as
+# ``ndjax export`` does) and restores the parameters of step N (default: the newest)
+# onto the devices present; prompts are tokenized as its training data was
+# (``data.tokenizer``, no BOS), and ``--chat`` renders each as one user message with
+# the template training used (``data.chat_template``, else the tokenizer's). From
+# ``--hf_dir``: the directory's ``config.json``, weights, ``tokenizer.json`` and chat
+# template; prompts get the tokenizer's special tokens (BOS), as transformers adds
+# them, by tokenizer.json as written (transformers rebuilds a qwen2 directory's from
+# its vocabulary as a byte-level BPE). Generation stops at ``--max_new_tokens`` or an
+# end-of-sequence token (``generation_config.json``, else ``config.json``, else the
+# tokenizer's). Bad input is one line on stderr, exit code 2.
 
 from __future__ import annotations
 
@@ -343,7 +343,7 @@ FLAGS: dict[str, Any] = {}
 
 
 def _fail(message: object) -> None:
-    print(f"ndjax.generate: error: {' '.join(str(message).split())}", file=sys.stderr,
+    print(f"ndjax generate: error: {' '.join(str(message).split())}", file=sys.stderr,
           flush=True)
     sys.exit(2)
 
@@ -372,7 +372,7 @@ def run(argv: list[str]) -> None:
     """The program, on the parsed flags."""
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-    quiet_libraries("ndjax.generate")
+    quiet_libraries("ndjax generate")
     a = {k: v.value for k, v in FLAGS.items() if k != "config"}
     try:
         if bool(a["workdir"]) == bool(a["hf_dir"]):
@@ -406,7 +406,7 @@ def run(argv: list[str]) -> None:
 
 
 def main() -> None:
-    """``python -m ndjax.generate``."""
+    """``ndjax generate``."""
     try:
         # config_flags applies --config.* overrides as soon as the flag is defined.
         FLAGS.update(define_flags())

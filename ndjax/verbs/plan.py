@@ -1,17 +1,17 @@
-"""Rank every mesh for N GPUs by compiled memory and communication, before renting them.
+r"""Rank every mesh for N GPUs by compiled memory and communication, before renting them.
 
-    python -m ndjax.plan --config=configs/llama_fsdp.py --devices=64 \
-        [--config.model.preset=llama3_8b --config.train.seq_len=8192 ...] \
-        [--devices_per_node=8] [--hardware=h100] [--top=5] [--json]
+    ndjax plan --config=configs/llama_fsdp.py --devices=64 \
+        [--config.model.preset=llama3_8b ...] [--hardware=h100] [--top=5] [--json]
 
-Every factorisation of --devices into replica x fsdp x context x tensor, under
-each rule preset, is checked as train.py would check it (a failing layout is
-listed as rejected, with the reason), compiled ahead of time on simulated CPU
-devices in the target's dtypes, and priced with a roofline of the hardware
-(``ndjax/hardware/roofline.py``). See ``ndjax/planning/planner.py`` for the method and "Choosing a
-layout" in docs/compile-and-plan.md for how to read the table. Progress goes to
-stderr; with --json stdout holds only the JSON list of every layout.
+Reading the table: docs/compile-and-plan.md ("Choosing a layout").
 """
+
+# Every factorisation of --devices into replica x fsdp x context x tensor, under
+# each rule preset, is checked as train.py would check it (a failing layout is
+# listed as rejected, with the reason), compiled ahead of time on simulated CPU
+# devices in the target's dtypes, and priced with a roofline of the hardware
+# (``ndjax/hardware/roofline.py``). See ``ndjax/planning/planner.py`` for the method.
+# Progress goes to stderr; with --json stdout holds only the JSON list of every layout.
 
 from __future__ import annotations
 
@@ -35,7 +35,7 @@ from ndjax.runtime.console import import_jax_quietly
 
 import_jax_quietly()
 
-PROGRAM = "ndjax.plan"
+PROGRAM = "ndjax plan"
 
 
 def define_flags() -> list[flags.FlagHolder]:
@@ -253,7 +253,7 @@ def run(argv: list[str]) -> None:
 
 
 def main() -> None:
-    """``python -m ndjax.plan``."""
+    """``ndjax plan``."""
     show_in_help(define_flags())
     app.run(run, flags_parser=config_flags_parser(PROGRAM))
 

@@ -1,6 +1,6 @@
 """Plot runs side by side: loss (train, eval), tokens/s and MFU against step.
 
-    python -m ndjax.plot --workdir=runs/fsdp_tp --workdir=runs/dp [--out=compare.png]
+    ndjax plot --workdir=runs/fsdp_tp --workdir=runs/dp [--out=compare.png]
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ PANELS = (("loss", "loss"), ("tokens_per_sec", "tokens/s (global)"), ("mfu", "MF
 def read_metrics(workdir: str) -> list[dict]:
     path = os.path.join(workdir, "metrics.jsonl")
     if not os.path.exists(path):
-        raise SystemExit(f"ndjax.plot: error: {path} does not exist; is --workdir a run directory?")
+        raise SystemExit(f"ndjax plot: error: {path} does not exist; is --workdir a run directory?")
     return [record for record, _ in read_records(path)]  # a torn line: a warning
 
 
