@@ -43,6 +43,7 @@ from ndjax.runs import hf
 from ndjax.runtime import compiler
 from ndjax.runtime.errors import ConfigError
 from ndjax.step import state as state_lib
+from ndjax.step.objectives import CrossEntropy, Objective
 from ndjax.step.precision import DTYPES, Precision
 from ndjax.step.train_step import Batch, StepOptions, eval_step, train_step
 
@@ -388,9 +389,14 @@ class Experiment:
                                                          dropout)
 
     @property
+    def objective(self) -> Objective:
+        """The loss the step minimises (ndjax.step.objectives): next-token cross-entropy."""
+        return CrossEntropy()
+
+    @property
     def step_options(self) -> StepOptions:
         t = self.settings.train
-        return StepOptions(skip_nonfinite=t.on_nan == "skip",
+        return StepOptions(objective=self.objective, skip_nonfinite=t.on_nan == "skip",
                            nan_at_step=int(self.settings.debug.nan_at_step),
                            loss_chunk=t.loss_chunk, grad_accum=t.grad_accum,
                            grad_dtype=self.precision.grad_accum,
@@ -543,7 +549,8 @@ class Experiment:
     def lower_eval(self) -> jax.stages.Lowered:
         """The loss without the update, in the train step's shardings: (params, batch) ->
         {loss, tokens}."""
-        step = functools.partial(eval_step, self.features, self.settings.train.loss_chunk)
+        step = functools.partial(eval_step, self.features, self.objective,
+                                 self.settings.train.loss_chunk)
         replicated = NamedSharding(self.mesh, PartitionSpec())
         with rules_lib.use(self.rules), self.for_target():
             jitted = jax.jit(step, in_shardings=(self.state_sharding.params, self.batch_sharding),

@@ -114,6 +114,38 @@ def test_scan_and_unrolled_agree():
     np.testing.assert_allclose(scanned(*args), unrolled(*args), atol=1e-5)
 
 
+@pytest.mark.parametrize("scan_layers", [True, False])
+@pytest.mark.parametrize("model", ["gemma_pattern", "moe"])
+def test_the_layer_stack_cut_into_stages_runs_as_the_whole(model, scan_layers):
+    # What a pipeline stage runs (Decoder.layer_stack over its contiguous layers): the
+    # stages in turn give the whole stack's stream, and their routers' statistics add up
+    # to the whole's. Cuts inside and across a period of local and global layers (3 in
+    # 7), and a MoE stack whose statistics are per layer.
+    overrides = (dict(n_layers=7, sliding_window=5, sliding_window_pattern=3)
+                 if model == "gemma_pattern" else dict(n_layers=4, n_experts=4,
+                                                       experts_per_token=2))
+    graphdef, params = make_split(scan_layers=scan_layers, **overrides)
+    tokens, positions, seg = inputs()
+    n = overrides["n_layers"]
+
+    @functools.partial(jax.jit, static_argnums=1)
+    def staged(params, cuts):
+        net = nnx.merge(graphdef, params)
+        x, _ = net.embed_tokens(tokens)
+        tables, total = net.rope_tables(positions), {}
+        for start, stop in zip(cuts[:-1], cuts[1:]):
+            x, stats = net.layer_stack(x, tables, seg, start=start, stop=stop)
+            total = jax.tree.map(jnp.add, total, stats) if total else stats
+        return x, total
+
+    whole = staged(params, (0, n))
+    for cuts in [(0, 1, n), (0, 2, 5, n) if n > 5 else (0, 2, 3, n), (0, n - 1, n)]:
+        jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6),
+                     staged(params, cuts), whole)
+    if model == "moe":
+        assert whole[1], "the MoE stack's statistics"
+
+
 @functools.cache
 def loss_and_grads(remat, **overrides):
     graphdef, params = make_split(remat=remat, **overrides)

@@ -459,7 +459,25 @@ class Decoder(nnx.Module):
         """
         cfg = self.cfg
         x, embed = self.embed_tokens(tokens)
-        tables = self.rope_tables(positions)
+        x, stats = self.layer_stack(x, self.rope_tables(positions), segment_ids, dropout)
+        aux = aux_metrics(stats, cfg.n_experts, cfg.experts_per_token) if cfg.n_experts else {}
+
+        x = constrain(self.final_norm(x), HIDDEN)
+        if cfg.tie_embeddings:
+            return x, Weight(*embed).T, aux
+        return x, Weight(*use_param(self.lm_head, cfg.dtype, param_dtype=cfg.param_dtype)), aux
+
+    def layer_stack(self, x: jax.Array, tables: dict[str, tuple[jax.Array, jax.Array]],
+                    segment_ids: jax.Array, dropout: lora_lib.Dropout | None = None,
+                    start: int = 0, stop: int | None = None
+                    ) -> tuple[jax.Array, dict[str, jax.Array]]:
+        """Layers ``start`` .. ``stop - 1`` (default: all) on the residual stream ``x``
+        -> (the stream after them, the routers' statistics summed over them; {} for a
+        dense model). ``features`` runs every layer; a pipeline stage runs its own
+        contiguous range, each layer with its type, index and parameters as in the whole
+        stack, and the stages' statistics add up to the whole stack's."""
+        cfg = self.cfg
+        stop = cfg.n_layers if stop is None else stop
         graphdef, stacked = nnx.split(self.layers)
         policy = REMAT_POLICIES[cfg.remat]
         consts: tuple = (tables, segment_ids)
@@ -525,30 +543,26 @@ class Decoder(nnx.Module):
             (x, _), stats = jax.lax.scan(body, (x, segment_ids), params)
             return x, jax.tree.map(lambda a: jnp.sum(a, axis=0), stats)
 
-        types, period, n = cfg.types, cfg.period, cfg.n_layers
+        types, period = cfg.types, cfg.period
         stats: dict = {}
         if cfg.scan_layers:
-            whole = n // period * period
-            if whole:
-                x, part = scanned(types[:period], x,
-                                  _layer_slice(stacked, 0, whole, period if period > 1 else None))
+            whole = start + (stop - start) // period * period
+            if whole > start:
+                x, part = scanned(types[start:start + period], x,
+                                  _layer_slice(stacked, start, whole,
+                                               period if period > 1 else None))
                 stats = add(stats, part)
-            if whole < n:  # the layers after the last whole period, as one group
-                rest = n - whole
-                x, part = scanned(types[whole:], x,
-                                  _layer_slice(stacked, whole, n, rest if rest > 1 else None))
+            if whole < stop:  # the layers after the last whole period, as one group
+                rest = stop - whole
+                x, part = scanned(types[whole:stop], x,
+                                  _layer_slice(stacked, whole, stop, rest if rest > 1 else None))
                 stats = add(stats, part)
         else:
-            for i in range(n):
+            for i in range(start, stop):
                 body = jax.checkpoint(block(types[i]), policy=policy, prevent_cse=True)
                 x, part = body(x, jax.tree.map(lambda a, i=i: a[i], stacked), consts)
                 stats = add(stats, part)
-        aux = aux_metrics(stats, cfg.n_experts, cfg.experts_per_token) if cfg.n_experts else {}
-
-        x = constrain(self.final_norm(x), HIDDEN)
-        if cfg.tie_embeddings:
-            return x, Weight(*embed).T, aux
-        return x, Weight(*use_param(self.lm_head, cfg.dtype, param_dtype=cfg.param_dtype)), aux
+        return x, stats
 
     def __call__(self, tokens: jax.Array, positions: jax.Array,
                  segment_ids: jax.Array) -> jax.Array:

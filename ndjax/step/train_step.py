@@ -11,36 +11,16 @@ import jax.numpy as jnp
 import optax
 
 from ndjax.models import lora
-from ndjax.ops.cross_entropy import loss_sums
-from ndjax.parallel.rules import Weight, constrain
+from ndjax.parallel.rules import constrain
+from ndjax.step.objectives import Batch, CrossEntropy, FeaturesFn, Objective
 from ndjax.step.state import TrainState
 
-Batch = dict[str, jax.Array]
-# (params, inputs, positions, segment_ids) -> (final hidden states (b, s, dim),
-# LM head (dim, vocab) as stored, rules.Weight, the MoE router's metrics: {} or
-# aux_loss and the experts' loads); see Decoder.features.
-FeaturesFn = Callable[[Any, jax.Array, jax.Array, jax.Array],
-                      tuple[jax.Array, Weight, dict[str, jax.Array]]]
 
-
-def loss_sum(features: FeaturesFn, params: Any, batch: Batch, chunk: int,
-             dropout: lora.Dropout | None = None
-             ) -> tuple[jax.Array, jax.Array, dict[str, jax.Array]]:
-    """(summed next-token cross-entropy over the unmasked tokens, their count, the
-    router's metrics: ``moe.aux_metrics``, {} for a dense model). ``dropout``: LoRA's,
-    for the tokens ``batch["token_ids"]`` names."""
-    args = [batch["inputs"], batch["positions"], batch["segment_ids"]]
-    if dropout is not None:
-        args.append(dataclasses.replace(dropout, token_ids=batch["token_ids"]))
-    x, head, aux = features(params, *args)
-    return (*loss_sums(x, head, batch["targets"], batch["loss_mask"], chunk), aux)
-
-
-def eval_step(features: FeaturesFn, chunk: int, params: Any, batch: Batch
-              ) -> dict[str, jax.Array]:
+def eval_step(features: FeaturesFn, objective: Objective, chunk: int, params: Any,
+              batch: Batch) -> dict[str, jax.Array]:
     """The train step's loss without the update: for the validation split."""
-    total, tokens, _ = loss_sum(features, params, batch, chunk)
-    return {"loss": total / jnp.maximum(tokens, 1.0), "tokens": tokens}
+    total, tokens, _ = objective.loss_sum(features, params, batch, chunk)
+    return {"loss": total / jnp.maximum(objective.weight(batch), 1.0), "tokens": tokens}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,6 +45,8 @@ class StepOptions:
     lora_dropout: float = 0.0
     dropout_seed: int = 0
     seq_permutation: Any = dataclasses.field(default=None, compare=False)
+    # The loss minimised (ndjax.step.objectives): next-token cross-entropy.
+    objective: Objective = CrossEntropy()
 
 
 BATCH_NAMES = ("act_batch", "act_seq")
@@ -114,7 +96,8 @@ def loss_aux_and_grads(features: FeaturesFn, options: StepOptions, params: Any, 
                        ) -> tuple[jax.Array, jax.Array, Any, dict[str, jax.Array]]:
     """(mean loss, tokens, float32 gradients, the router's metrics) over the whole
     batch, token-weighted: every real token counts once, whichever row or micro-batch
-    it sits in. The loss is the cross-entropy; the gradients are those of it plus
+    it sits in. The loss is ``options.objective``'s (the cross-entropy); the gradients
+    are those of it plus
     ``aux_loss_coef`` x the MoE's load-balancing loss (``aux_loss`` among the
     metrics) and ``z_loss_coef`` x its router z-loss (``router_z_loss``), which,
     like transformers' load-balancing loss, are formed per forward pass: under
@@ -129,14 +112,15 @@ def loss_aux_and_grads(features: FeaturesFn, options: StepOptions, params: Any, 
     (``layers.use_param``), so the forward pass and its all-gathers are unchanged.
     """
     tokens = jnp.sum(batch["loss_mask"].astype(jnp.float32))
-    denom = jnp.maximum(tokens, 1.0)
+    denom = jnp.maximum(options.objective.weight(batch), 1.0)
     if dropout is not None:  # the token ids are split into micro-batches with the rows
         batch = {**batch, "token_ids": dropout.token_ids}
 
     k = options.grad_accum
 
     def scaled_loss(p, b):
-        total, _, aux = loss_sum(features, p, b, options.loss_chunk, dropout)
+        total, _, aux = options.objective.loss_sum(features, p, b, options.loss_chunk,
+                                                   dropout)
         loss = total / denom
         objective = loss + router_loss(options, aux) / k
         return objective, (loss, jax.tree.map(lambda a: a / k, aux))

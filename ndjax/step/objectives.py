@@ -1,0 +1,63 @@
+"""The loss the train step minimises, as an object the step is given
+(``StepOptions.objective``): how a batch's loss is summed from the model's features, and
+what it is averaged over. Next-token cross-entropy (``CrossEntropy``, ``train`` and
+``eval`` alike) is the only one today; preference and RL objectives land beside it."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any, Protocol
+
+import jax
+import jax.numpy as jnp
+
+from ndjax.models import lora
+from ndjax.ops.cross_entropy import loss_sums
+from ndjax.parallel.rules import Weight
+
+Batch = dict[str, jax.Array]
+# (params, inputs, positions, segment_ids) -> (final hidden states (b, s, dim),
+# LM head (dim, vocab) as stored, rules.Weight, the MoE router's metrics: {} or
+# aux_loss and the experts' loads); see Decoder.features.
+FeaturesFn = Callable[[Any, jax.Array, jax.Array, jax.Array],
+                      tuple[jax.Array, Weight, dict[str, jax.Array]]]
+
+
+class Objective(Protocol):
+    """What the step asks of a loss. The step divides ``loss_sum``'s total by
+    ``weight`` of the whole batch (not of a micro-batch), so that grad_accum and the
+    layouts leave the loss as one device's; the router's losses are added by the step."""
+
+    def loss_sum(self, features: FeaturesFn, params: Any, batch: Batch, chunk: int,
+                 dropout: lora.Dropout | None = None
+                 ) -> tuple[jax.Array, jax.Array, dict[str, jax.Array]]:
+        """(the loss summed over the batch, the tokens it counted, the router's
+        metrics: ``moe.aux_metrics``, {} for a dense model)."""
+        ...
+
+    def weight(self, batch: Batch) -> jax.Array:
+        """What the summed loss is divided by: float32, the whole batch's."""
+        ...
+
+
+@dataclasses.dataclass(frozen=True)
+class CrossEntropy:
+    """Next-token cross-entropy, token-weighted: every token ``loss_mask`` keeps counts
+    once, whichever row or micro-batch it sits in (the head applied chunk by chunk:
+    ``ndjax.ops.cross_entropy``)."""
+
+    def loss_sum(self, features: FeaturesFn, params: Any, batch: Batch, chunk: int,
+                 dropout: lora.Dropout | None = None
+                 ) -> tuple[jax.Array, jax.Array, dict[str, jax.Array]]:
+        """(summed next-token cross-entropy over the unmasked tokens, their count, the
+        router's metrics). ``dropout``: LoRA's, for the tokens ``batch["token_ids"]``
+        names."""
+        args = [batch["inputs"], batch["positions"], batch["segment_ids"]]
+        if dropout is not None:
+            args.append(dataclasses.replace(dropout, token_ids=batch["token_ids"]))
+        x, head, aux = features(params, *args)
+        return (*loss_sums(x, head, batch["targets"], batch["loss_mask"], chunk), aux)
+
+    def weight(self, batch: Batch) -> jax.Array:
+        return jnp.sum(batch["loss_mask"].astype(jnp.float32))
