@@ -63,7 +63,8 @@ from ndjax.models import hf_config, registry
 from ndjax.parallel import rules as rules_lib
 from ndjax.runs import hf
 from ndjax.runtime.errors import ConfigError
-from ndjax.step.train_step import loss_sum, router_loss
+from ndjax.step.objectives import CrossEntropy
+from ndjax.step.train_step import router_loss
 from ndjax.training import summary
 
 WINDOW = 8  # < S, and < each packed document below
@@ -212,7 +213,8 @@ def ndjax_loss(exp, toks):
                  positions=np.broadcast_to(np.arange(S, dtype=np.int32), toks.shape),
                  segment_ids=np.ones_like(toks))
     with rules_lib.use(exp.rules):
-        total, n, aux = jax.jit(lambda p, b: loss_sum(exp.features, p, b, S))(load(exp), batch)
+        total, n, aux = jax.jit(lambda p, b: CrossEntropy().loss_sum(exp.features, p, b, S)
+                                 )(load(exp), batch)
     return float(total / n + router_loss(exp.step_options, aux))
 
 

@@ -303,7 +303,7 @@ def program_signature(rules: Any, mesh: Any) -> tuple:
 
 def _source_digest() -> str:
     """ndjax's own code: a change to it invalidates every cached measurement."""
-    root = os.path.dirname(os.path.abspath(__file__))
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # ndjax/, not planning/
     h = hashlib.sha256()
     for folder, dirs, files in sorted(os.walk(root)):
         dirs.sort()

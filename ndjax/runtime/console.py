@@ -28,7 +28,9 @@ def quiet_libraries(program: str | None = None) -> None:
         one_line_warnings(program)
 
 
-_NDJAX = os.path.dirname(os.path.abspath(__file__)) + os.sep
+# The package's root (this module is in ndjax/runtime/): ndjax's warnings come from
+# anywhere under it.
+_NDJAX = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 
 
 def one_line_warnings(program: str) -> None:
