@@ -315,8 +315,10 @@ class TrainSettings:
     seq_len: int = setting(64, ge=1)
     seed: int = setting(0, ge=0, lt=2**32)
     lr: float = setting(3e-3, ge=0)
-    # cosine (warmup + cosine decay) | constant (warmup + flat)
-    schedule: str = setting("cosine", choices=("cosine", "constant"))
+    # After a linear warmup from 0: cosine (cosine decay to lr * min_lr_ratio) | linear
+    # (linear decay to 0 at train.steps, transformers' get_linear_schedule_with_warmup)
+    # | constant (flat)
+    schedule: str = setting("cosine", choices=("cosine", "linear", "constant"))
     warmup_steps: int = setting(5, ge=0)
     min_lr_ratio: float = setting(0.1, ge=0, le=1, hint=" (cosine decays to lr * min_lr_ratio)")
     weight_decay: float = setting(0.1, ge=0)

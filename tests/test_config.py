@@ -121,7 +121,7 @@ BAD = {
     "train.seq_len": (0, r" must be an int >= 1"),
     "train.seed": (-1, r" must be an int >= 0 and < 4294967296"),
     "train.lr": (-3e-4, r" must be a number >= 0"),
-    "train.schedule": ("linear", r": choose one of"),
+    "train.schedule": ("cosine_with_restarts", r": choose one of"),
     "train.warmup_steps": (-1, r" must be an int >= 0"),
     "train.min_lr_ratio": (1.5, r" must be a number >= 0 and <= 1"),
     "train.weight_decay": (-0.1, r" must be a number >= 0"),

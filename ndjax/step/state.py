@@ -1,4 +1,4 @@
-"""Train state and optimizer: AdamW with warmup + cosine/constant, clipping."""
+"""Train state and optimizer: AdamW with warmup + cosine/linear/constant, clipping."""
 
 from __future__ import annotations
 
@@ -21,6 +21,8 @@ class TrainState:
 
 def make_schedule(train: TrainSettings) -> optax.Schedule:
     warmup = max(int(train.warmup_steps), 0)
+    if train.schedule == "linear":
+        return _linear(train.lr, warmup, int(train.steps))
     if train.schedule == "constant":
         if warmup == 0:
             return optax.constant_schedule(train.lr)
@@ -31,6 +33,20 @@ def make_schedule(train: TrainSettings) -> optax.Schedule:
     return optax.warmup_cosine_decay_schedule(
         init_value=0.0, peak_value=train.lr, warmup_steps=warmup, decay_steps=decay_steps,
         end_value=train.lr * train.min_lr_ratio)
+
+
+def _linear(lr: float, warmup: int, steps: int) -> optax.Schedule:
+    """transformers' get_linear_schedule_with_warmup: up from 0 over ``warmup`` steps,
+    then down to 0 at ``steps``. The decay is (steps - step) / (steps - warmup), as
+    there, not optax.linear_schedule's 1 - elapsed fraction, whose cancellation near the
+    end would leave the last steps' rates only a few float32 digits right."""
+    up, down = max(warmup, 1), max(steps - warmup, 1)
+
+    def schedule(count: jax.Array) -> jax.Array:
+        step = jnp.asarray(count, jnp.float32)
+        return lr * jnp.where(step < warmup, step / up, jnp.maximum(steps - step, 0.0) / down)
+
+    return schedule
 
 
 def _cast_floats(tree: Any, dtype: Any) -> Any:
