@@ -1,6 +1,7 @@
 """ndjax from_axolotl: Axolotl YAML configs (in the shape Axolotl's docs give:
 docs/nd_parallelism.qmd, docs/dataset-formats/conversation.qmd) into ndjax config files
-that build, every unmapped field listed, bad input one line with exit 2."""
+that build, every unmapped field listed; bad input is every problem in one report (with
+the fields not mapped), exit 2, nothing written."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import pytest
 import yaml
 from conftest import tiny_config
 from data_files import conversations, texts, write_chat_tokenizer, write_jsonl
+from transformers import TrainingArguments
 
 from ndjax.experiment import Experiment
 from ndjax.runs import hf
@@ -24,6 +26,7 @@ from ndjax.verbs import from_axolotl
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 VOCAB = 384  # the chat tokenizer's 360 ids fit
+MOE = dict(family="qwen3_moe", head_dim=16, n_experts=4, experts_per_token=2, moe_ffn_dim=32)
 
 ND_YAML = """\
 base_model: {hf}
@@ -120,9 +123,16 @@ def files(tmp_path_factory):
     for name, chats in (("chats.jsonl", conversations(40)), ("eval.jsonl", conversations(8, 1))):
         (root / name).write_text("".join(json.dumps({"conversations": c}) + "\n" for c in chats))
     write_jsonl(root / "text.jsonl", texts(40), field="body")
+    # A mixture of experts (4 experts) for expert parallelism, in the same way.
+    moe = Experiment.from_config(tiny_config(model=dict(vocab_size=VOCAB, **MOE)),
+                                 jax.devices()[:1])
+    zeros = jax.tree.map(lambda s: jax.numpy.zeros(s.shape, s.dtype), moe.param_shapes)
+    hf.export(zeros, moe.model_cfg, str(root / "moe"), "float32")
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(tokenizer.parent / name, root / "moe")
     return {"hf": str(root / "hf"), "chats": str(root / "chats.jsonl"),
             "eval_chats": str(root / "eval.jsonl"), "text": str(root / "text.jsonl"),
-            "root": root}
+            "moe": str(root / "moe"), "root": root}
 
 
 def yaml_of(template: str, files: dict) -> dict:
@@ -159,30 +169,28 @@ def test_nd_parallel_yaml_maps_the_mesh_and_builds(files):
     raw = yaml_of(ND_YAML, files)
     conv = from_axolotl.convert(raw)
     o = conv.overrides
-    assert {a: o[f"mesh.{a}"] for a in ("replica", "fsdp", "context", "tensor")} == dict(
-        replica=1, fsdp=2, context=2, tensor=2)
+    assert {a: o[f"mesh.{a}"] for a in ("replica", "fsdp", "expert", "context", "tensor")} == \
+        dict(replica=1, fsdp=2, expert=1, context=2, tensor=2)
     # Axolotl's global batch: micro_batch_size x accumulation x dp_replicate x dp_shard.
     assert (o["train.batch_size"], o["train.grad_accum"]) == (2 * 2 * 2, 2)
-    # Expert parallelism takes its GPUs out of dp_shard: the same GPUs and batch.
-    ep = from_axolotl.convert({**raw, "expert_parallel_size": 2}).overrides
-    assert (ep["mesh.expert"], ep["mesh.fsdp"], ep["train.batch_size"]) == (2, 1, 8)
     assert (o["data.source"], o["data.files"], o["data.text_field"]) == (
         "jsonl", files["text"], "body")
     assert o["data.packing"] is True and o["model.dtype"] == "bfloat16"
     assert (o["train.steps"], o["train.lr"], o["train.seed"]) == (200, 2e-4, 7)
     assert o["train.warmup_steps"] == 6  # Axolotl's default: 3% of the steps
+    assert o["train.schedule"] == "linear" and "train.min_lr_ratio" not in o
     # Axolotl's defaults where ndjax's differ.
-    assert (o["train.weight_decay"], o["train.b2"], o["train.min_lr_ratio"]) == (0.0, 0.999, 0.0)
+    assert (o["train.weight_decay"], o["train.b2"]) == (0.0, 0.999)
     assert conv.workdir == "./outputs/nd"
     reasons = {u.field: u.reason for u in conv.unmapped}
     assert set(reasons) >= {"datasets[1].path", "datasets[2]", "fsdp_version", "fsdp_config",
-                            "lr_scheduler", "flash_attention"}, reasons
+                            "flash_attention"}, reasons
+    assert "lr_scheduler" not in reasons  # linear is ndjax's train.schedule=linear
     assert "download" in reasons["datasets[1].path"]
     # adapter: lora -> model.lora, on PEFT's default targets; the adapter is the output.
     assert {k: o[f"model.lora.{k}"] for k in ("rank", "alpha", "target_modules")} == dict(
         rank=16, alpha=32.0, target_modules="q_proj,v_proj")
     assert o["export.adapter_dir"] == "./outputs/nd/adapter" and "export.hf_dir" not in o
-    assert "cosine" in reasons["lr_scheduler"]  # linear is not ndjax's; it says what is used
     assert_every_field_accounted_for(raw, conv)
 
     config, exp = build(conv)
@@ -242,6 +250,8 @@ def test_sft_yaml_with_chat_template_datasets(files):
     assert o["train.lr"] == 2e-5  # YAML reads 2e-5 as a string; Axolotl takes it
     assert (o["train.b2"], o["train.weight_decay"]) == (0.95, 0.01)
     assert o["train.warmup_steps"] == 5  # warmup_ratio x max_steps
+    # lr_scheduler: cosine without cosine_min_lr_ratio is transformers' cosine, down to 0.
+    assert (o["train.schedule"], o["train.min_lr_ratio"]) == ("cosine", 0.0)
     assert (o["train.eval_every"], o["checkpoint.every"], o["log.every"]) == (10, 25, 5)
     assert o["export.hf_dir"] == os.path.join("./outputs/sft", "hf")
     unmapped = {u.field: u for u in conv.unmapped}
@@ -263,9 +273,24 @@ def test_sft_yaml_with_chat_template_datasets(files):
 
 @pytest.mark.parametrize("change, message", [
     ({"max_steps": None, "num_epochs": 2}, "max_steps is not set"),
-    ({"dp_shard_size": 3}, "--devices=8: dp_replicate_size 2 x dp_shard_size 3 x "
-     "context_parallel_size 1 x tensor_parallel_size 1 is 6 GPUs"),
+    ({"dp_shard_size": 3}, "--devices=8: expert_parallel_size 1 x dp_replicate_size 2 x "
+     "dp_shard_size 3 x context_parallel_size 1 x tensor_parallel_size 1 is 6 GPUs"),
     ({"warmup_steps": 3}, "warmup_steps: 3 and warmup_ratio: 0.1 are both set"),
+    ({"warmup_ratio": None, "warmup_steps": 2.5},
+     "warmup_steps: 2.5 must be a whole number of steps >= 0, or a fraction of max_steps "
+     "below 1"),
+    ({"warmup_ratio": None, "warmup_steps": "0.1"}, "warmup_steps: '0.1' must be a whole "
+     "number of steps >= 0, or a fraction of max_steps below 1 (transformers' rule); e.g. "
+     "warmup_steps: 10, or warmup_steps: 0.1 for a tenth of the steps, without quotes"),
+    ({"lr_scheduler": "cosine_decay"}, "lr_scheduler: 'cosine_decay' must be one of "
+     "transformers' schedulers (linear, cosine, "),
+    ({"lr_scheduler": "cosine_with_min_lr", "cosine_min_lr_ratio": 0.1},
+     "lr_scheduler: 'cosine_with_min_lr' needs lr_scheduler_kwargs' min_lr_rate or min_lr"),
+    ({"lr_scheduler": "cosine_with_min_lr", "lr_scheduler_kwargs": {"min_lr": 1e-4}},
+     "lr_scheduler_kwargs: min_lr 0.0001 / learning_rate is 5, a floor above learning_rate"),
+    ({"expert_parallel_size": 2}, "expert_parallel_size: 2: base_model is a dense llama, "
+     "with no experts to split; set expert_parallel_size: 1"),
+    ({"expert_parallel_size": 3}, "expert_parallel_size: 3 does not divide --devices=8"),
     ({"sample_packing": "yes"}, "sample_packing: 'yes' must be true or false"),
     ({"adapter": "dora"}, "adapter: 'dora' must be lora or qlora"),
     ({"adapter": "lora", "lora_r": 0}, "lora_r: 0 must be a whole number >= 1"),
@@ -339,6 +364,109 @@ def test_a_value_ndjax_refuses_fails_at_conversion_naming_its_axolotl_field(file
         from_axolotl.check(from_axolotl.render(conv, "config.yml"), conv)
 
 
+def transformers_warmup(warmup_steps: float, steps: int) -> int:
+    """The warmup steps transformers runs for a warmup_steps Axolotl hands it."""
+    return TrainingArguments(output_dir="unused", warmup_steps=warmup_steps,
+                             report_to=[]).get_warmup_steps(steps)
+
+
+@pytest.mark.parametrize("value, steps, warmup", [(0.1, 45, 5), (0.01, 50, 1), (0.5, 7, 4),
+                                                  (12, 50, 12)])
+def test_warmup_steps_below_1_is_a_fraction_of_the_steps_as_in_transformers(files, value,
+                                                                            steps, warmup):
+    """Axolotl passes warmup_steps to transformers as it is, which reads a value below 1
+    as that fraction of the steps, rounded up (0.1 of 45 steps: 5, not 4; 0.01 of 50: 1,
+    which Axolotl's "1 becomes 2" never sees)."""
+    raw = {**yaml_of(SFT_YAML, files), "warmup_ratio": None, "warmup_steps": value,
+           "max_steps": steps}
+    conv = from_axolotl.convert(raw, devices=8)
+    assert conv.overrides["train.warmup_steps"] == warmup == transformers_warmup(value, steps)
+    assert "warmup_steps" in conv.notes["train.warmup_steps"]
+
+
+def test_warmup_steps_0_beside_a_ratio_wins_as_in_axolotl(files):
+    """Axolotl refuses warmup_steps with warmup_ratio only when both are non-zero, and
+    then reads warmup_steps."""
+    raw = {**yaml_of(SFT_YAML, files), "warmup_steps": 0}
+    conv = from_axolotl.convert(raw, devices=8)
+    assert conv.overrides["train.warmup_steps"] == 0
+    assert "warmup_steps is set" in {u.field: u.reason for u in conv.unmapped}["warmup_ratio"]
+    assert_every_field_accounted_for(raw, conv)
+
+
+@pytest.mark.parametrize("change, schedule, min_lr_ratio, listed", [
+    ({"lr_scheduler": "linear"}, "linear", None, {}),
+    ({"lr_scheduler": "linear", "cosine_min_lr_ratio": 0.1}, "linear", None,
+     {"cosine_min_lr_ratio": "Axolotl reads it only with lr_scheduler: cosine"}),
+    ({"lr_scheduler": "cosine"}, "cosine", 0.0, {}),
+    ({"cosine_min_lr_ratio": 0, "lr_quadratic_warmup": False,
+      "lr_scheduler_kwargs": {"num_cycles": 0.5}}, "cosine", 0.0, {}),
+    ({"lr_scheduler": None, "cosine_min_lr_ratio": 0.1}, "cosine", 0.1, {}),
+    ({"cosine_min_lr_ratio": 0.1, "cosine_constant_lr_ratio": 0.8}, "cosine", 0.1,
+     {"cosine_constant_lr_ratio": "ndjax's cosine decays over the whole run"}),
+    ({"lr_scheduler": "cosine_with_min_lr", "lr_scheduler_kwargs": {"min_lr_rate": 0.2}},
+     "cosine", 0.2, {}),
+    ({"lr_scheduler": "cosine_with_min_lr", "lr_scheduler_kwargs": {"min_lr": 4e-6},
+      "cosine_min_lr_ratio": 0.5}, "cosine", pytest.approx(0.2),
+     {"cosine_min_lr_ratio": "cosine_with_min_lr's floor is lr_scheduler_kwargs.min_lr_rate"}),
+    ({"lr_scheduler": "cosine", "lr_scheduler_kwargs": {"num_cycles": 1.5}}, "cosine", 0.0,
+     {"lr_scheduler_kwargs.num_cycles": "ndjax's cosine goes down once"}),
+    ({"lr_scheduler": "constant_with_warmup"}, "constant", None, {}),
+    ({"lr_scheduler": "cosine_with_restarts"}, "cosine", 0.0,
+     {"lr_scheduler": "the config uses cosine, Axolotl's default"}),
+    ({"lr_scheduler": "one_cycle"}, "cosine", 0.0,
+     {"lr_scheduler": "ndjax's schedules are cosine (to a floor), linear and constant"}),
+    ({"lr_scheduler": "polynomial", "lr_scheduler_kwargs": {"power": 2.0}}, "cosine", 0.0,
+     {"lr_scheduler": "the config uses cosine",
+      "lr_scheduler_kwargs.power": "ndjax's cosine schedule has no such argument"}),
+], ids=["linear", "linear_floor", "cosine", "cosine_defaults", "cosine_floor", "cosine_constant",
+        "min_lr_rate", "min_lr", "cycles", "constant_with_warmup", "restarts", "one_cycle",
+        "polynomial"])
+def test_lr_scheduler_is_mapped_or_listed(files, change, schedule, min_lr_ratio, listed):
+    """Each lr_scheduler as Axolotl runs it: linear, cosine (to 0, or Axolotl's own to
+    lr x cosine_min_lr_ratio), transformers' cosine_with_min_lr (its floor from
+    lr_scheduler_kwargs) and constant_with_warmup are ndjax schedules
+    (tests/test_schedule.py compares them with transformers'); a scheduler, ratio or
+    argument ndjax lacks is listed with the reason, never dropped."""
+    raw = {**yaml_of(SFT_YAML, files), **change}
+    conv = from_axolotl.convert(raw, devices=8)
+    o = conv.overrides
+    assert (o["train.schedule"], o["train.warmup_steps"]) == (schedule, 5)  # 0.1 x 50
+    assert o.get("train.min_lr_ratio") == min_lr_ratio
+    reasons = {u.field: u.reason for u in conv.unmapped}
+    for field, why in listed.items():
+        assert why in reasons.get(field, ""), (field, reasons)
+    assert not {"lr_scheduler", "cosine_min_lr_ratio", "cosine_constant_lr_ratio"} & (
+        set(reasons) - set(listed)), reasons
+    assert_every_field_accounted_for(raw, conv)
+
+
+def test_expert_parallel_comes_on_top_of_dp_shard_as_in_axolotl(files):
+    """Axolotl's expert_parallel_size x dp_shard_size (x the other sizes) is its world
+    size, each expert-parallel rank reading its own micro-batches: mesh.expert beside
+    mesh.fsdp, as many GPUs, the same global batch."""
+    raw = {**yaml_of(SFT_YAML, {**files, "hf": files["moe"]}), "expert_parallel_size": 2}
+    docs = from_axolotl.convert({**raw, "dp_shard_size": 2}).overrides  # Axolotl's example
+    assert {a: docs[f"mesh.{a}"] for a in ("replica", "fsdp", "expert", "context", "tensor")} \
+        == dict(replica=1, fsdp=2, expert=2, context=1, tensor=1)
+    assert (docs["runtime.cpu_devices"], docs["train.batch_size"]) == (4, 1 * 2 * 4)
+    # Unset, dp_shard_size is what the experts leave of --devices.
+    conv = from_axolotl.convert(raw, devices=8)
+    o = conv.overrides
+    assert (o["mesh.fsdp"], o["mesh.expert"], o["runtime.cpu_devices"]) == (4, 2, 8)
+    assert o["train.batch_size"] == 1 * 2 * 8
+    assert "inferred as Axolotl does from --devices=8" in conv.notes["mesh.fsdp"]
+    _, exp = build(conv)
+    assert dict(exp.mesh.shape) == {"replica": 1, "fsdp": 4, "expert": 2, "context": 1,
+                                    "tensor": 1}
+    with pytest.raises(ConfigError, match=re.escape(
+            "expert_parallel_size: 3 does not divide base_model's 4 experts")):
+        from_axolotl.convert({**raw, "expert_parallel_size": 3}, devices=6)
+    with pytest.raises(ConfigError, match=re.escape(
+            "expert_parallel_size: 4 does not divide --devices=6")):
+        from_axolotl.convert({**raw, "expert_parallel_size": 4}, devices=6)
+
+
 def cli(*args, cwd=ROOT):
     env = {**os.environ, "PYTHONPATH": ROOT}
     return subprocess.run([sys.executable, "-m", "ndjax", "from_axolotl", *args], cwd=cwd, env=env,
@@ -373,14 +501,9 @@ def test_cli_writes_the_config_and_lists_what_it_left_out(files):
 @pytest.mark.parametrize("case, text, message", [
     ("not_yaml", "base_model: [unclosed\n", "is not valid YAML at line 2"),
     ("not_a_mapping", "- base_model\n", "holds a list, not a mapping of Axolotl fields"),
-    ("wrong_type", "base_model: x\ndp_shard_size: 1\nmicro_batch_size: two\n",
-     "micro_batch_size: 'two' must be a whole number >= 1; write it without quotes"),
-    ("hub_model", "base_model: meta-llama/Llama-3.2-1B\ndp_shard_size: 1\nmax_steps: 1\n"
-     "learning_rate: 1.0e-5\n", "`hf download meta-llama/Llama-3.2-1B --local-dir DIR`"),
-    ("expert_parallel", "base_model: x\ndp_shard_size: 3\nexpert_parallel_size: 2\n",
-     "expert_parallel_size: 2 does not divide dp_shard_size: 3"),
 ])
-def test_bad_input_is_one_line_exit_2_and_nothing_written(tmp_path, case, text, message):
+def test_a_file_that_is_no_config_is_one_line_exit_2_and_nothing_written(tmp_path, case, text,
+                                                                         message):
     config, out = tmp_path / f"{case}.yml", tmp_path / "out.py"
     config.write_text(text)
     result = cli(str(config), f"--out={out}")
@@ -388,6 +511,83 @@ def test_bad_input_is_one_line_exit_2_and_nothing_written(tmp_path, case, text, 
     assert len(result.stderr.splitlines()) == 1, result.stderr
     assert result.stderr.startswith("ndjax from_axolotl: error: ") and message in result.stderr
     assert not out.exists() and not result.stdout
+
+
+REPORT_YAML = """\
+base_model: {hf}
+datasets:
+  - path: {chats}
+    type: chat_template
+    field_messages: conversations
+  - path: missing.jsonl
+    type: chat_template
+dp_shard_size: 1
+micro_batch_size: two
+max_steps: 20
+warmup_steps: 2.5
+lr_scheduler: cosine_with_min_lr
+flash_attention: true
+adapter: dora
+"""
+
+
+def test_every_problem_is_in_one_report_with_the_fields_not_mapped(files, tmp_path):
+    """Each field the converter cannot take and each check that fails is a line of its
+    own, after the fields not mapped, then a count: exit 2, nothing written."""
+    config, out = tmp_path / "many.yml", tmp_path / "out.py"
+    config.write_text(REPORT_YAML.format(**files))
+    result = cli(str(config), f"--out={out}")
+    assert result.returncode == 2 and not out.exists() and not result.stdout, result.stderr
+    lines = result.stderr.splitlines()
+    assert all(line.startswith("ndjax from_axolotl: ") for line in lines), lines
+    assert lines[0] == "ndjax from_axolotl: not mapped: flash_attention: true (ndjax picks " \
+                       "its attention kernel and packing itself (model.attn_impl=auto))", lines
+    errors = [line.removeprefix("ndjax from_axolotl: error: ") for line in lines[1:-1]]
+    expected = ["micro_batch_size: 'two' must be a whole number >= 1; write it without quotes",
+                "learning_rate is not set; Axolotl needs it too.",
+                "warmup_steps: 2.5 must be a whole number of steps >= 0",
+                "lr_scheduler: 'cosine_with_min_lr' needs lr_scheduler_kwargs' min_lr_rate",
+                "datasets[1].path: 'missing.jsonl' is not a file or directory",
+                "adapter: 'dora' must be lora or qlora"]
+    assert len(errors) == len(expected) and all(
+        e.startswith(x) for e, x in zip(errors, expected)), errors
+    assert lines[-1] == "ndjax from_axolotl: 6 problems (the error lines), 1 field not mapped; " \
+                        "nothing written.", lines
+    # The same in-process: ConversionError holds every problem and the fields not mapped.
+    with pytest.raises(from_axolotl.ConversionError) as e:
+        from_axolotl.convert(yaml.safe_load(config.read_text()))
+    assert e.value.conversion.problems == errors
+    assert [u.field for u in e.value.conversion.unmapped] == ["flash_attention"]
+
+
+@pytest.mark.parametrize("case, change, message, listed", [
+    ("none_readable", {"datasets": [{"path": "org/data", "type": "chat_template"},
+                                    {"path": "{chats}", "type": "alpaca"}]},
+     "datasets: none of them is a local chat_template or completion file that ndjax reads "
+     "(each is listed as not mapped)", ["datasets[0].path: 'org/data'", "datasets[1]: "]),
+    ("ndjax_check", {"seed": 2**33}, "the converted config fails ndjax's checks: "
+     "train.seed=8589934592", ["model_type: 'AutoModelForCausalLM'"]),
+    ("hub_model", {"base_model": "meta-llama/Llama-3.2-1B"},
+     "`hf download meta-llama/Llama-3.2-1B --local-dir DIR`", []),
+])
+def test_one_problem_comes_with_the_fields_not_mapped(files, tmp_path, case, change, message,
+                                                      listed):
+    """The datasets ndjax cannot read, which the error points to, are listed above it;
+    a value that only ndjax's checks of the converted file refuse is reported the same
+    way."""
+    raw = {**yaml_of(SFT_YAML, files), **json.loads(json.dumps(change).replace(
+        "{chats}", files["chats"]))}
+    config, out = tmp_path / f"{case}.yml", tmp_path / "out.py"
+    config.write_text(yaml.safe_dump(raw, sort_keys=False))
+    result = cli(str(config), f"--out={out}", "--devices=8")
+    assert result.returncode == 2 and not out.exists() and not result.stdout, result.stderr
+    lines = result.stderr.splitlines()
+    errors = [i for i, line in enumerate(lines) if line.startswith("ndjax from_axolotl: error: ")]
+    assert len(errors) == 1 and message in lines[errors[0]], lines
+    assert errors[0] == len(lines) - 2 and "1 problem (the error lines)" in lines[-1], lines
+    for field in listed:
+        assert any(line.startswith(f"ndjax from_axolotl: not mapped: {field}")
+                   for line in lines[:errors[0]]), (field, lines)
 
 
 def test_help_is_short():

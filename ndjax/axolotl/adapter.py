@@ -6,7 +6,7 @@ as the quantized base of model.lora.quantize."""
 
 from __future__ import annotations
 
-from ndjax.axolotl.fields import Fields, Out, bad
+from ndjax.axolotl.fields import Fields, Out, refusal
 
 # What PEFT adapts when target_modules is unset, for every family ndjax reads
 # (peft.utils.constants.TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING: llama,
@@ -17,23 +17,25 @@ PEFT_DEFAULT_RANK, PEFT_DEFAULT_ALPHA = 8, 8
 
 
 def lora(f: Fields, out: Out) -> bool:
-    """Maps the adapter fields; returns whether the run trains adapters."""
+    """Maps the adapter fields; returns whether the run trains adapters. A refused
+    adapter kind is reported and the other fields are read as LoRA's, so that their
+    problems are reported with it."""
     kind = f.value("adapter")
     if kind is None:
         return False
     if kind not in ("lora", "qlora"):
-        bad("adapter", kind, "lora or qlora", "; ndjax trains LoRA adapters (or, without "
-            "adapter:, every weight)")
+        out.problem(refusal("adapter", kind, "lora or qlora", "; ndjax trains LoRA adapters "
+                            "(or, without adapter:, every weight)"))
     _quantization(f, out, kind)
     rank = f.integer("lora_r", PEFT_DEFAULT_RANK, minimum=1)
     out.set("model.lora.rank", rank, f.note("lora_r", f"PEFT's default {PEFT_DEFAULT_RANK}"))
     alpha = f.number("lora_alpha", float(PEFT_DEFAULT_ALPHA), minimum=0.0)
     if alpha <= 0:
-        bad("lora_alpha", alpha, "a number > 0", "; PEFT scales the update by lora_alpha / "
-            "lora_r")
+        out.problem(refusal("lora_alpha", alpha, "a number > 0", "; PEFT scales the update by "
+                            "lora_alpha / lora_r"))
     out.set("model.lora.alpha", alpha, f.note("lora_alpha", f"PEFT's default "
                                                             f"{PEFT_DEFAULT_ALPHA}"))
-    targets, note = _targets(f)
+    targets, note = _targets(f, out)
     out.set("model.lora.target_modules", targets, note)
     if f.flag("peft_use_rslora", False):
         out.set("model.lora.use_rslora", True, "peft_use_rslora")
@@ -47,7 +49,7 @@ def lora(f: Fields, out: Out) -> bool:
     return True
 
 
-def _targets(f: Fields) -> tuple[str, str]:
+def _targets(f: Fields, out: Out) -> tuple[str, str]:
     """model.lora.target_modules and its note: every projection under lora_target_linear
     (Axolotl adds the listed modules to it), else the listed ones, else PEFT's default for
     the family. ndjax's own check names a module it cannot adapt."""
@@ -57,16 +59,18 @@ def _targets(f: Fields) -> tuple[str, str]:
         listed = [listed]  # PEFT reads one string as a regular expression: refused below
     if listed is not None and (not isinstance(listed, list)
                                or not all(isinstance(m, str) and m for m in listed)):
-        bad("lora_target_modules", listed, "a list of module names",
-            "; e.g. [q_proj, k_proj, v_proj, o_proj]")
+        out.problem(refusal("lora_target_modules", listed, "a list of module names",
+                            "; e.g. [q_proj, k_proj, v_proj, o_proj]"))
+        listed = None
     if linear:
         return "all-linear", "lora_target_linear" + (
             " (lora_target_modules adds nothing to every projection)" if listed else "")
     if listed:
         for name in listed:
             if not name.replace("_", "").isalnum():
-                bad("lora_target_modules", name, "a module name such as q_proj (ndjax "
-                    "reads no regular expressions)", "; list the names")
+                out.problem(refusal("lora_target_modules", name, "a module name such as "
+                                    "q_proj (ndjax reads no regular expressions)",
+                                    "; list the names"))
         return ",".join(listed), "lora_target_modules"
     return PEFT_DEFAULT_TARGETS, "lora_target_modules unset: PEFT's default for the family"
 
@@ -76,8 +80,8 @@ def _quantization(f: Fields, out: Out, kind: str) -> None:
     NF4 with Axolotl's default 4-bit type), int8 for ``load_in_8bit``."""
     four, eight = f.flag("load_in_4bit", False), f.flag("load_in_8bit", False)
     if four and eight:
-        bad("load_in_8bit", True, "false when load_in_4bit is true", "; the base is "
-            "quantized one way")
+        out.problem(refusal("load_in_8bit", True, "false when load_in_4bit is true",
+                            "; the base is quantized one way"))
     if kind == "qlora" or four:
         out.set("model.lora.quantize", "nf4", ", ".join(
             [*(["adapter: qlora"] if kind == "qlora" else []), *(["load_in_4bit"] if four

@@ -9,7 +9,7 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
-from ndjax.axolotl.fields import Fields, Out, Unmapped, bad, reason
+from ndjax.axolotl.fields import Fields, Out, Unmapped, bad, reason, refusal
 from ndjax.axolotl.run import steps_of
 from ndjax.runtime.errors import ConfigError
 
@@ -30,9 +30,10 @@ class _Kind:
                          [f"{p}={v!r}" for p, v in self.settings])
 
 
-def data(f: Fields, out: Out, steps: int, tokenizer: str, context: int) -> None:
-    """Rows (sequence_len, sample_packing), the tokenizer, and the training and validation
-    files (datasets, test_datasets) with what to read in them."""
+def data(f: Fields, out: Out, steps: int, tokenizer: str | None, context: int) -> None:
+    """Rows (sequence_len, sample_packing), the tokenizer (None: base_model was refused),
+    and the training and validation files (datasets, test_datasets) with what to read in
+    them. Each refused dataset is one problem, and the others are still read."""
     seq_len = f.integer("sequence_len", 512, minimum=1)
     out.set("train.seq_len", seq_len, f.note("sequence_len", "Axolotl's default"))
     chunk = _loss_chunk(seq_len, context)
@@ -40,21 +41,25 @@ def data(f: Fields, out: Out, steps: int, tokenizer: str, context: int) -> None:
         out.set("train.loss_chunk", chunk, "divides sequence_len (ndjax's 1024 does not)")
     out.set("data.packing", bool(f.flag("sample_packing", False)),
             f.note("sample_packing", "false"))
-    out.set("data.tokenizer", tokenizer, "base_model's (or tokenizer_config's) tokenizer.json")
+    if tokenizer is not None:
+        out.set("data.tokenizer", tokenizer, "base_model's (or tokenizer_config's) "
+                "tokenizer.json")
     train = f.value("datasets")
+    kind, files, refused = _datasets(f, out, "datasets", train, None) if train is not None \
+        else (None, [], False)
     if train is None:
-        raise ConfigError("datasets is not set: list the local chat_template or completion "
-                          "files to train on.")
-    kind, files = _datasets(f, out, "datasets", train, None)
-    if kind is None:
-        raise ConfigError("datasets: none of them is a local chat_template or completion "
-                          "file that ndjax reads (each is listed above); without one the run "
-                          "would train on ndjax's demo corpus.")
-    out.set("data.source", kind.source, "datasets[].type")
-    out.set("data.files", ",".join(files), "datasets[].path")
-    for path, value in kind.settings:
-        out.set(path, value, _NOTES[path])
-    if kind.source == "chat":
+        out.problem("datasets is not set: list the local chat_template or completion files "
+                    "to train on.")
+    elif kind is None and not refused:  # a refused one is a problem of its own
+        out.problem("datasets: none of them is a local chat_template or completion file that "
+                    "ndjax reads (each is listed as not mapped); without one the run would "
+                    "train on ndjax's demo corpus.")
+    if kind is not None:
+        out.set("data.source", kind.source, "datasets[].type")
+        out.set("data.files", ",".join(files), "datasets[].path")
+        for path, value in kind.settings:
+            out.set(path, value, _NOTES[path])
+    if kind is None or kind.source == "chat":
         strategy = f.text("excess_length_strategy", "drop")
         if strategy in ("drop", "truncate"):
             out.set("data.overlong", strategy, "excess_length_strategy")
@@ -65,14 +70,15 @@ def data(f: Fields, out: Out, steps: int, tokenizer: str, context: int) -> None:
         else:
             f.read.discard("train_on_inputs")  # listed as off
     tests = f.value("test_datasets")
-    _, eval_files = _datasets(f, out, "test_datasets", tests, kind) if tests else (None, [])
+    _, eval_files, _ = _datasets(f, out, "test_datasets", tests, kind) if tests \
+        else (None, [], False)
     if f.number("val_set_size", 0.0, maximum=1.0) > 0:
         out.skip("val_set_size", f.raw["val_set_size"], "ndjax splits off no fraction: put "
                  "the validation rows in a file of their own under test_datasets")
-    every = steps_of(f, "eval_steps", steps)
+    every = out.attempt(steps_of, f, "eval_steps", steps)
     if eval_files:
         out.set("data.eval_files", ",".join(eval_files), "test_datasets[].path")
-        if every is None:
+        if every is None and not f.has("eval_steps"):  # a refused one is reported
             out.skip("eval_steps", None, "unset: Axolotl evaluates once an epoch, which ndjax "
                      "cannot count; set eval_steps to evaluate on test_datasets")
         else:
@@ -91,14 +97,19 @@ def _loss_chunk(seq_len: int, context: int) -> int | None:
 
 
 def _datasets(f: Fields, out: Out, name: str, entries: Any, kind: _Kind | None
-              ) -> tuple[_Kind | None, list[str]]:
-    """The files of the entries ndjax reads as ``kind`` (None: as the first one)."""
+              ) -> tuple[_Kind | None, list[str], bool]:
+    """The files of the entries ndjax reads as ``kind`` (None: as the first one), and
+    whether any entry was refused (each is recorded as a problem)."""
     if not isinstance(entries, list):
-        bad(name, entries, "a list of datasets, each with path: and type:")
-    files = []
+        out.problem(refusal(name, entries, "a list of datasets, each with path: and type:"))
+        return kind, [], True
+    files, refused = [], False
     for i, entry in enumerate(entries):
         where = f"{name}[{i}]"
-        got = _dataset(f, where, entry)
+        got = out.attempt(_dataset, f, where, entry)
+        if got is None:
+            refused = True
+            continue
         if isinstance(got, Unmapped):
             out.skip(got.field, got.value, got.reason)
             continue
@@ -112,7 +123,7 @@ def _datasets(f: Fields, out: Out, name: str, entries: Any, kind: _Kind | None
         f.read.update(root_keys)  # the top-level chat template this dataset uses
         for u in skipped:
             out.skip(u.field, u.value, u.reason)
-    return kind, files
+    return kind, files, refused
 
 
 def _dataset(root: Fields, where: str, entry: Any
@@ -121,7 +132,7 @@ def _dataset(root: Fields, where: str, entry: Any
     or why ndjax cannot read it."""
     if not isinstance(entry, Mapping):
         bad(where, entry, "a mapping with path: and type:")
-    d = Fields(entry, f"{where}.")
+    d = root.child(entry, f"{where}.")
     path, kind = d.text("path"), d.value("type")
     if kind not in ("chat_template", "completion"):
         return Unmapped(where, dict(entry), "ndjax reads datasets of type chat_template "

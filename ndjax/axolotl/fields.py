@@ -1,17 +1,19 @@
-"""Reading an Axolotl config: typed reads that remember what was read, and why the
-fields ndjax does not map are not mapped."""
+"""Reading an Axolotl config: typed reads that remember what was read, the problems
+found (all of them, reported together), and why the fields ndjax does not map are not
+mapped."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
 import math
-from collections.abc import Mapping
-from typing import Any, NoReturn
+from collections.abc import Callable, Mapping
+from typing import Any, NoReturn, TypeVar
 
 from ndjax.runtime.errors import ConfigError
 
 UNSET = object()
+T = TypeVar("T")
 # Why common fields are not mapped, by exact name or prefix (first match wins).
 REASONS = (
     (("peft_use_dora", "peft_layers_to_transform", "peft_layers_pattern", "lora_modules_to_save",
@@ -75,16 +77,33 @@ def show(value: Any) -> str:
     return text if len(text) <= 80 else text[:77] + "..."
 
 
+def refusal(name: str, value: Any, what: str, fix: str = "") -> str:
+    """The one line that names a field, its value and a fix."""
+    return f"{name}: {show(value)} must be {what}{fix}."
+
+
 def bad(name: str, value: Any, what: str, fix: str = "") -> NoReturn:
-    raise ConfigError(f"{name}: {show(value)} must be {what}{fix}.")
+    raise ConfigError(refusal(name, value, what, fix))
 
 
 class Fields:
     """One YAML mapping (the top level or a dataset entry): typed reads that remember
-    which keys were read, so that every other key can be reported."""
+    which keys were read, so that every other key can be reported.
 
-    def __init__(self, raw: Mapping[str, Any], prefix: str = ""):
+    A value of the wrong type or range is recorded in ``problems`` (shared with the
+    mappings nested in this one and with ``Out``) and the read returns the default, so
+    that the conversion goes on and reports every problem at once; a required key
+    (no default) that is missing or bad raises ``ConfigError``, for the caller's
+    ``Out.attempt`` to record."""
+
+    def __init__(self, raw: Mapping[str, Any], prefix: str = "",
+                 problems: list[str] | None = None):
         self.raw, self.prefix, self.read = raw, prefix, set()
+        self.problems: list[str] = [] if problems is None else problems
+
+    def child(self, raw: Mapping[str, Any], prefix: str) -> Fields:
+        """A mapping nested in this one, its problems reported with this one's."""
+        return Fields(raw, prefix, self.problems)
 
     def has(self, key: str) -> bool:
         return self.raw.get(key) is not None
@@ -98,8 +117,8 @@ class Fields:
         value = self._required(key, default)
         if value is not default and (not isinstance(value, int) or isinstance(value, bool)
                                      or value < minimum):
-            bad(self.prefix + key, value, f"a whole number >= {minimum}",
-                f"; write it without quotes, e.g. {key}: {max(minimum, 1)}")
+            return self._refuse(key, value, default, f"a whole number >= {minimum}",
+                                f"; write it without quotes, e.g. {key}: {max(minimum, 1)}")
         return value
 
     def number(self, key: str, default: Any = UNSET, minimum: float = 0.0,
@@ -119,21 +138,22 @@ class Fields:
         if not ok:
             bound = (f" and <= {maximum:g}" if maximum is not None else "") + \
                 (f" and < {below:g}" if below is not None else "")
-            bad(self.prefix + key, value, f"a number >= {minimum:g}{bound}",
-                "; write it as a number, such as 2.0e-5 or 0.9")
+            return self._refuse(key, value, default, f"a number >= {minimum:g}{bound}",
+                                "; write it as a number, such as 2.0e-5 or 0.9")
         return float(number)
 
     def flag(self, key: str, default: Any = UNSET) -> Any:
         value = self._required(key, default)
         if value is not default and not isinstance(value, bool):
-            bad(self.prefix + key, value, "true or false", "; write it without quotes")
+            return self._refuse(key, value, default, "true or false",
+                                "; write it without quotes")
         return value
 
     def text(self, key: str, default: Any = UNSET) -> Any:
         value = self._required(key, default)
         if value is not default and (not isinstance(value, str) or not value):
-            bad(self.prefix + key, value, "a non-empty string", "; write the text after "
-                f"{key}:")
+            return self._refuse(key, value, default, "a non-empty string",
+                                f"; write the text after {key}:")
         return value
 
     def _required(self, key: str, default: Any) -> Any:
@@ -141,6 +161,15 @@ class Fields:
         if value is UNSET:
             raise ConfigError(f"{self.prefix}{key} is not set; Axolotl needs it too.")
         return value
+
+    def _refuse(self, key: str, value: Any, default: Any, what: str, fix: str) -> Any:
+        """A bad value: recorded, and the default read in its place (the conversion
+        writes nothing once a problem is recorded); raised where there is no default."""
+        message = refusal(self.prefix + key, value, what, fix)
+        if default is UNSET:
+            raise ConfigError(message)
+        self.problems.append(message)
+        return default
 
     def note(self, key: str, unset: str) -> str:
         """Where a value came from, for the config file's comments."""
@@ -152,12 +181,26 @@ class Fields:
 
 class Out:
     """What the conversion found: ndjax settings, each with a note saying where it came
-    from, and the Axolotl fields not mapped (one entry a field)."""
+    from, the Axolotl fields not mapped (one entry a field), and the problems (one line
+    each) that keep it from writing a config."""
 
     def __init__(self) -> None:
         self.overrides: dict[str, Any] = {}
         self.notes: dict[str, str] = {}
         self.unmapped: dict[str, Unmapped] = {}
+        self.problems: list[str] = []
+
+    def problem(self, message: str) -> None:
+        self.problems.append(message)
+
+    def attempt(self, fn: Callable[..., T], *args: Any, fallback: T | None = None) -> T | None:
+        """``fn(*args)``, or ``fallback`` with its ConfigError recorded: one refused field
+        stops only the part of the conversion that needs it."""
+        try:
+            return fn(*args)
+        except ConfigError as e:
+            self.problem(str(e))
+            return fallback
 
     def set(self, path: str, value: Any, note: str) -> None:
         self.overrides[path] = value

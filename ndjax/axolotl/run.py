@@ -1,5 +1,7 @@
 """The mesh, batch, optimiser, schedule, precision, checkpoints and model of an Axolotl
-config. Fields Axolotl leaves unset get Axolotl's defaults (HF Trainer's), not ndjax's."""
+config. Fields Axolotl leaves unset get Axolotl's defaults (HF Trainer's), not ndjax's.
+A refused value is recorded in ``out.problems`` and the conversion goes on with a
+stand-in, so that every problem is reported at once (nothing is written then)."""
 
 from __future__ import annotations
 
@@ -7,59 +9,96 @@ import json
 import math
 import os
 import re
+from collections.abc import Mapping
+from typing import NamedTuple
 
-from ndjax.axolotl.fields import Fields, Out, bad
+from ndjax.axolotl.fields import Fields, Out, bad, refusal, show
 from ndjax.runtime.errors import ConfigError
 
 # Optimizers that are AdamW as ndjax's is (decoupled decay, float32 moments).
 ADAMW = ("adamw_torch", "adamw_torch_fused", "adamw_hf", "adamw_apex_fused",
          "adamw_torch_xla", "adamw_torch_npu_fused", "paged_adamw_32bit")
 
+# Every lr_scheduler Axolotl runs: transformers' (trainer_utils.SchedulerType) and its
+# own one_cycle and rex. transformers refuses any other name when the trainer starts.
+TRANSFORMERS_SCHEDULERS = (
+    "linear", "cosine", "cosine_with_restarts", "polynomial", "constant",
+    "constant_with_warmup", "inverse_sqrt", "reduce_lr_on_plateau", "cosine_with_min_lr",
+    "cosine_warmup_with_min_lr", "warmup_stable_decay", "greedy")
+AXOLOTL_SCHEDULERS = ("one_cycle", "rex")
+# Those ndjax has, as train.schedule (the others are listed as not mapped).
+MAPPED_SCHEDULERS = {"cosine": "cosine", "cosine_with_min_lr": "cosine", "linear": "linear",
+                     "constant_with_warmup": "constant", "constant": "constant"}
 
-def mesh(f: Fields, out: Out, devices: int | None) -> tuple[int, int]:
-    """Sets the mesh as Axolotl lays out its ranks; returns (data-parallel GPUs, context)."""
+
+class Layout(NamedTuple):
+    data: int     # GPUs that each read their own micro-batches (the global batch's factor)
+    context: int  # context_parallel_size
+    expert: int   # expert_parallel_size
+
+
+# Where a size was refused: the rest of the conversion goes on with one GPU.
+NO_LAYOUT = Layout(1, 1, 1)
+
+
+def mesh(f: Fields, out: Out, devices: int | None) -> Layout:
+    """Sets the mesh as Axolotl lays out its ranks: accelerate's ParallelismConfig with
+    the expert-parallel axis Axolotl adds to it (axolotl/monkeypatch/accelerate/
+    parallelism_config.py), so the GPUs are expert_parallel_size x dp_replicate_size x
+    dp_shard_size x context_parallel_size x tensor_parallel_size, and the first three
+    are data axes (each rank reads its own micro-batches)."""
+    start = len(out.problems)
     expert = f.integer("expert_parallel_size", 1, minimum=1)
     tensor = f.integer("tensor_parallel_size", 1, minimum=1)
     context = f.integer("context_parallel_size", None, minimum=1)
     old = f.integer("sequence_parallel_degree", None, minimum=1)  # its deprecated name
     if context is not None and old is not None and old != context:
-        raise ConfigError(f"context_parallel_size: {context} and sequence_parallel_degree: "
-                          f"{old} disagree; keep context_parallel_size only.")
+        out.problem(f"context_parallel_size: {context} and sequence_parallel_degree: {old} "
+                    "disagree; keep context_parallel_size only.")
     context = context or old or 1
     shard = f.integer("dp_shard_size", None, minimum=1)
     replica = f.integer("dp_replicate_size", None, minimum=1)
+    if len(out.problems) > start:
+        return NO_LAYOUT  # a layout of the other sizes would only add wrong counts
     if devices is None:
         if shard is None:
-            raise ConfigError(
-                "dp_shard_size is not set: Axolotl then shards over every GPU it is launched "
-                "on, and its global batch (micro_batch_size x gradient_accumulation_steps x "
-                "data-parallel GPUs) depends on how many; pass --devices=N, the GPUs you will "
-                "train on, or set dp_shard_size.")
+            out.problem("dp_shard_size is not set: Axolotl then shards over the GPUs it is "
+                        "launched on (those that expert, context and tensor parallelism "
+                        "leave), and its global batch (micro_batch_size x "
+                        "gradient_accumulation_steps x data-parallel GPUs) depends on how "
+                        "many; pass --devices=N, the GPUs you will train on, or set "
+                        "dp_shard_size.")
+            return NO_LAYOUT
         replica = replica or 1
-    else:  # Axolotl's inference (axolotl.utils.distributed._get_parallel_config_kwargs)
-        rest = devices // (tensor * context)
+    else:
+        # Axolotl's inference (axolotl.utils.distributed._get_parallel_config_kwargs):
+        # the experts' GPUs come out of the world size first, then tensor and context
+        # parallelism's; an unset dp_shard_size takes what dp_replicate_size leaves, an
+        # unset dp_replicate_size what dp_shard_size leaves.
+        if devices % expert:
+            out.problem(f"expert_parallel_size: {expert} does not divide --devices={devices}; "
+                        "Axolotl refuses that too (expert_parallel_size x dp_shard_size x "
+                        "the other sizes is the GPU count): use a divisor of the GPUs, or "
+                        "change --devices.")
+            return NO_LAYOUT
+        rest = devices // (expert * tensor * context)
         if shard is None:
             shard = max(rest // (replica or 1), 1)
         replica = replica or max(rest // shard, 1)
-    layout = (f"dp_replicate_size {replica} x dp_shard_size {shard} x context_parallel_size "
-              f"{context} x tensor_parallel_size {tensor}")
-    total = replica * shard * context * tensor
+    total = expert * replica * shard * context * tensor
     if devices is not None and total != devices:
-        raise ConfigError(f"--devices={devices}: {layout} is {total} GPUs; change a size or "
-                          "--devices.")
+        out.problem(f"--devices={devices}: expert_parallel_size {expert} x dp_replicate_size "
+                    f"{replica} x dp_shard_size {shard} x context_parallel_size {context} x "
+                    f"tensor_parallel_size {tensor} is {total} GPUs; change a size or "
+                    "--devices.")
+        return NO_LAYOUT
     inferred = f"inferred as Axolotl does from --devices={devices}" if devices else "unset: 1"
-    if expert > 1:
-        # ndjax's expert axis is one more data axis outside the experts: it takes its
-        # degree out of the sharded data-parallel group (as torchtitan's EP does), so the
-        # GPU count and the global batch stay Axolotl's.
-        if shard % expert:
-            raise ConfigError(
-                f"expert_parallel_size: {expert} does not divide dp_shard_size: {shard}: "
-                "ndjax's expert axis takes its GPUs out of the dp_shard group. Use a "
-                f"divisor of {shard}.")
-        out.set("mesh.expert", expert, "expert_parallel_size (out of dp_shard_size's GPUs)")
+    # ndjax's axes are Axolotl's: fsdp is dp_shard, and expert is its ep axis, one more
+    # data axis whose GPUs split the experts while the other weights shard over it too
+    # (as Axolotl's FSDP shards them over ep x dp_shard x cp).
     for axis, size, source in (("replica", replica, "dp_replicate_size"),
-                               ("fsdp", shard // expert, "dp_shard_size"),
+                               ("fsdp", shard, "dp_shard_size"),
+                               ("expert", expert, "expert_parallel_size"),
                                ("context", context, "context_parallel_size"),
                                ("tensor", tensor, "tensor_parallel_size")):
         if f.has(source):
@@ -70,12 +109,13 @@ def mesh(f: Fields, out: Out, devices: int | None) -> tuple[int, int]:
             note = f"{source} {inferred if axis in ('replica', 'fsdp') else 'unset: 1'}"
         out.set(f"mesh.{axis}", size, note)
     out.set("runtime.cpu_devices", total, "the same mesh simulated on a CPU-only host")
-    return replica * shard, context
+    return Layout(expert * replica * shard, context, expert)
 
 
 def schedule(f: Fields, out: Out, dp: int) -> int:
-    """Batch, length, AdamW and the learning-rate schedule; returns the steps. Fields
-    Axolotl leaves unset get its defaults (HF Trainer's), not ndjax's."""
+    """Batch, length, AdamW and the learning-rate schedule; returns the steps (1 where
+    max_steps is refused). Fields Axolotl leaves unset get its defaults (HF Trainer's),
+    not ndjax's."""
     micro = f.integer("micro_batch_size", 1, minimum=1)
     accum = f.integer("gradient_accumulation_steps", 1, minimum=1)
     out.set("train.batch_size", micro * accum * dp, f"micro_batch_size {micro} x "
@@ -83,13 +123,15 @@ def schedule(f: Fields, out: Out, dp: int) -> int:
     out.set("train.grad_accum", accum, "gradient_accumulation_steps")
     steps = f.integer("max_steps", None, minimum=1)
     if steps is None:
-        raise ConfigError("max_steps is not set: ndjax counts a run in optimizer steps and "
-                          "cannot turn num_epochs into steps without reading the data; set "
-                          "max_steps (the rows of an epoch x num_epochs / the global batch).")
+        if not f.has("max_steps"):  # a refused value is reported by the read
+            out.problem("max_steps is not set: ndjax counts a run in optimizer steps and "
+                        "cannot turn num_epochs into steps without reading the data; set "
+                        "max_steps (the rows of an epoch x num_epochs / the global batch).")
+        steps = 1
     out.set("train.steps", steps, "max_steps")
     if f.has("num_epochs"):
         out.skip("num_epochs", f.value("num_epochs"), "max_steps sets the length, as in Axolotl")
-    lr = f.number("learning_rate")
+    lr = out.attempt(f.number, "learning_rate", fallback=0.0)
     for path, key, default in (("train.weight_decay", "weight_decay", 0.0),
                                ("train.b1", "adam_beta1", 0.9), ("train.b2", "adam_beta2", 0.999),
                                ("train.eps", "adam_epsilon", 1e-8),
@@ -105,52 +147,170 @@ def schedule(f: Fields, out: Out, dp: int) -> int:
                  "ndjax's AdamW keeps float32 moments (train.opt_state_dtype=bfloat16 halves "
                  "them); the config uses it" if low_bit else
                  "ndjax has AdamW only; the config uses it")
-    _lr_schedule(f, out, steps)
+    _lr_schedule(f, out, steps, lr)
     return steps
 
 
-def _lr_schedule(f: Fields, out: Out, steps: int) -> None:
-    kind = f.text("lr_scheduler", "cosine")
-    kind_note = f.note("lr_scheduler", "Axolotl's cosine")
-    warmup_steps = f.integer("warmup_steps", None)
+def _warmup(f: Fields, out: Out, steps: int) -> tuple[int, str]:
+    """train.warmup_steps and its note, as Axolotl hands warmup to transformers
+    (AxolotlTrainerBuilder._configure_warmup_and_logging) and transformers counts it
+    (TrainingArguments.get_warmup_steps)."""
+    value = f.value("warmup_steps")
     ratio = f.number("warmup_ratio", None, maximum=1.0)
-    if warmup_steps is not None and ratio is not None:
-        raise ConfigError(f"warmup_steps: {warmup_steps} and warmup_ratio: {ratio} are both "
-                          "set; Axolotl refuses that too: keep one.")
-    if warmup_steps is not None:
-        warmup, note = warmup_steps, "warmup_steps"
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int | float)
+                              or not 0 <= value < math.inf or (value >= 1 and value != int(value))):
+        out.problem(refusal("warmup_steps", value, "a whole number of steps >= 0, or a "
+                            "fraction of max_steps below 1 (transformers' rule)",
+                            "; e.g. warmup_steps: 10, or warmup_steps: 0.1 for a tenth of "
+                            "the steps, without quotes"))
+        return 0, "warmup_steps refused"
+    if value and ratio:  # Axolotl's check: warmup_steps: 0 beside a ratio is allowed
+        out.problem(f"warmup_steps: {show(value)} and warmup_ratio: {ratio:g} are both set; "
+                    "Axolotl refuses that too: keep one.")
+        return 0, "warmup_steps and warmup_ratio refused"
+    if value is not None and ratio is not None:
+        out.skip("warmup_ratio", ratio, "unused: warmup_steps is set, and Axolotl reads it "
+                 "first")
+    if value is not None and 0 < value < 1:
+        # transformers reads a warmup_steps below 1 as that fraction of the run's steps,
+        # rounded up, and Axolotl passes the value on as it is (so its "1 becomes 2"
+        # below, on the value, never applies here).
+        return math.ceil(value * steps), (f"warmup_steps {value:g} < 1: that fraction of "
+                                          "max_steps, rounded up (transformers' rule)")
+    if value is not None:
+        warmup, note = int(value), "warmup_steps"
     elif ratio is not None:
-        warmup, note = int(ratio * steps), f"warmup_ratio {ratio} x max_steps"
+        warmup, note = int(ratio * steps), f"warmup_ratio {ratio:g} x max_steps"
     else:
         warmup, note = min(int(0.03 * steps), 100), "Axolotl's default: 3% of max_steps, <= 100"
     if warmup == 1:
         warmup, note = 2, note + " (Axolotl makes 1 step 2)"
-    min_ratio = f.number("cosine_min_lr_ratio", None)
+    return warmup, note
+
+
+def _lr_schedule(f: Fields, out: Out, steps: int, lr: float) -> None:
+    """train.schedule, warmup_steps and min_lr_ratio as Axolotl's scheduler runs
+    (axolotl/core/trainers/mixins/scheduler.py): its own cosine to lr x
+    cosine_min_lr_ratio under lr_scheduler: cosine, else transformers' get_scheduler
+    with lr_scheduler_kwargs."""
+    kind = f.text("lr_scheduler", "cosine")
+    note = f.note("lr_scheduler", "Axolotl's cosine")
+    warmup, warmup_note = _warmup(f, out, steps)
+    min_ratio = f.number("cosine_min_lr_ratio", None, maximum=1.0)
+    raw_kwargs = f.value("lr_scheduler_kwargs", {})
+    if not raw_kwargs:
+        f.read.discard("lr_scheduler_kwargs")  # listed as off
+    elif not isinstance(raw_kwargs, Mapping):
+        out.problem(refusal("lr_scheduler_kwargs", raw_kwargs, "a mapping of the scheduler's "
+                            "arguments", ", e.g. {min_lr_rate: 0.1}"))
+        raw_kwargs = {}
+    kwargs = f.child(raw_kwargs, "lr_scheduler_kwargs.")
+    if kind not in TRANSFORMERS_SCHEDULERS + AXOLOTL_SCHEDULERS:
+        out.problem(refusal("lr_scheduler", kind, "one of transformers' schedulers ("
+                            f"{', '.join(TRANSFORMERS_SCHEDULERS)}) or Axolotl's one_cycle or "
+                            "rex", "; transformers refuses any other when training starts"))
+        kind = "cosine"
+    elif kind not in MAPPED_SCHEDULERS:
+        out.skip("lr_scheduler", kind, "ndjax's schedules are cosine (to a floor), linear and "
+                 "constant, with linear warmup; the config uses cosine, Axolotl's default")
+        kind, note = "cosine", f"lr_scheduler {kind} is not mapped: cosine"
+    schedule = MAPPED_SCHEDULERS[kind]
     if kind == "constant":  # HF's constant schedule has no warmup; constant_with_warmup has
         for key in ("warmup_steps", "warmup_ratio"):
             if f.has(key):
                 out.skip(key, f.raw[key], "lr_scheduler: constant has no warmup in Axolotl; "
                          "use constant_with_warmup")
-        warmup, note = 0, "lr_scheduler: constant"
-    elif kind not in ("cosine", "constant_with_warmup"):
-        out.skip("lr_scheduler", kind, "ndjax has cosine and constant(_with_warmup) schedules; "
-                 "the config uses cosine")
-        kind, kind_note = "cosine", f"lr_scheduler {kind} is not mapped: cosine"
-    schedule = "cosine" if kind == "cosine" else "constant"
-    out.set("train.schedule", schedule, kind_note)
-    out.set("train.warmup_steps", warmup, note)
-    if schedule == "cosine":
-        out.set("train.min_lr_ratio", min_ratio or 0.0,
-                "cosine_min_lr_ratio" if min_ratio is not None else "cosine decays to 0")
-    elif min_ratio is not None:
-        out.skip("cosine_min_lr_ratio", min_ratio, "the schedule is not cosine")
+        warmup, warmup_note = 0, "lr_scheduler: constant"
+    out.set("train.schedule", schedule, note)
+    out.set("train.warmup_steps", warmup, warmup_note)
+    if kind == "cosine":
+        _cosine(f, out, kwargs, min_ratio)
+    elif kind == "cosine_with_min_lr":
+        _cosine_with_min_lr(out, kwargs, lr)
+    if min_ratio is not None and kind != "cosine":
+        out.skip("cosine_min_lr_ratio", min_ratio, "Axolotl reads it only with lr_scheduler: "
+                 "cosine" + ("; cosine_with_min_lr's floor is lr_scheduler_kwargs.min_lr_rate"
+                             if kind == "cosine_with_min_lr" else ""))
+    for key in kwargs.rest():
+        out.skip(f"lr_scheduler_kwargs.{key}", raw_kwargs[key],
+                 f"ndjax's {schedule} schedule has no such argument")
+
+
+def _cosine(f: Fields, out: Out, kwargs: Fields, min_ratio: float | None) -> None:
+    """lr_scheduler: cosine. With a cosine_min_lr_ratio, Axolotl's own cosine to lr x
+    that ratio (its lr_scheduler_kwargs unread); without, transformers' cosine to 0."""
+    if f.flag("lr_quadratic_warmup", False):
+        out.skip("lr_quadratic_warmup", True, "ndjax warms up linearly")
+    constant = f.number("cosine_constant_lr_ratio", None, maximum=1.0)
+    f.read -= {k for k in ("lr_quadratic_warmup", "cosine_constant_lr_ratio")
+               if not f.raw.get(k)}  # off: listed as such
+    if min_ratio:
+        out.set("train.min_lr_ratio", min_ratio, "cosine_min_lr_ratio")
+        if constant:
+            out.skip("cosine_constant_lr_ratio", constant, "ndjax's cosine decays over the "
+                     "whole run, not to cosine_min_lr_ratio by this fraction of it")
+        for key in kwargs.rest():
+            kwargs.read.add(key)
+            out.skip(f"lr_scheduler_kwargs.{key}", kwargs.raw[key], "unused: Axolotl's cosine "
+                     "with cosine_min_lr_ratio takes no arguments")
+        return
+    out.set("train.min_lr_ratio", 0.0, ("cosine_min_lr_ratio 0: " if min_ratio is not None
+                                        else "") + "cosine decays to 0 (transformers' "
+            "get_cosine_schedule_with_warmup)")
+    if constant:
+        out.skip("cosine_constant_lr_ratio", constant, "unused: Axolotl reads it only with a "
+                 "cosine_min_lr_ratio")
+    _half_cycle(out, kwargs)
+
+
+def _cosine_with_min_lr(out: Out, kwargs: Fields, lr: float) -> None:
+    """lr_scheduler: cosine_with_min_lr, transformers' get_cosine_with_min_lr_schedule_
+    with_warmup: a cosine to lr x min_lr_rate (or to min_lr) of lr_scheduler_kwargs,
+    which it requires; Axolotl's cosine_min_lr_ratio does not reach it."""
+    rate, floor = kwargs.number("min_lr_rate", None), kwargs.number("min_lr", None)
+    if kwargs.has("min_lr_rate") and kwargs.has("min_lr"):
+        out.problem("lr_scheduler_kwargs: min_lr_rate and min_lr are both set; transformers "
+                    "refuses that too: keep one.")
+        return
+    if not kwargs.has("min_lr_rate") and not kwargs.has("min_lr"):
+        out.problem("lr_scheduler: 'cosine_with_min_lr' needs lr_scheduler_kwargs' "
+                    "min_lr_rate or min_lr, and transformers refuses it without (Axolotl "
+                    "reads cosine_min_lr_ratio only with lr_scheduler: cosine); set "
+                    "lr_scheduler_kwargs: {min_lr_rate: 0.1} for a floor of a tenth of "
+                    "learning_rate, or use lr_scheduler: cosine with cosine_min_lr_ratio.")
+        return
+    if rate is None and floor is None:
+        return  # the value was refused, and reported by the read
+    if rate is not None:
+        ratio, source = rate, "min_lr_rate"
+    else:
+        ratio, source = (floor / lr if lr > 0 else math.inf), f"min_lr {floor:g} / learning_rate"
+    if ratio > 1:
+        out.problem(f"lr_scheduler_kwargs: {source} is {ratio:g}, a floor above "
+                    "learning_rate; ndjax's cosine decays from learning_rate down "
+                    "(train.min_lr_ratio <= 1): set a floor below learning_rate.")
+        return
+    out.set("train.min_lr_ratio", ratio, f"lr_scheduler_kwargs.{source} (transformers' "
+            "cosine_with_min_lr)")
+    _half_cycle(out, kwargs)
+
+
+def _half_cycle(out: Out, kwargs: Fields) -> None:
+    """transformers' cosines take num_cycles (0.5: down once); ndjax's is that one."""
+    cycles = kwargs.number("num_cycles", None)
+    if cycles is not None and cycles != 0.5:
+        out.skip("lr_scheduler_kwargs.num_cycles", cycles, "ndjax's cosine goes down once "
+                 "(num_cycles 0.5)")
+    elif cycles is not None:
+        out.notes["train.schedule"] += " (lr_scheduler_kwargs.num_cycles 0.5: down once)"
 
 
 def precision(f: Fields, out: Out) -> None:
     bf16 = f.value("bf16", "auto")
     if bf16 not in ("auto", "full", True, False):
-        bad("bf16", bf16, "true, false, auto or full", "; write one of those, without quotes "
-            "for true and false")
+        out.problem(refusal("bf16", bf16, "true, false, auto or full", "; write one of those, "
+                            "without quotes for true and false"))
+        bf16 = "auto"
     fp16, pure = f.flag("fp16", None), f.flag("bfloat16", None)
     f.read -= {k for k, v in (("fp16", fp16), ("bfloat16", pure)) if not v}  # listed as off
     if pure:  # no mixed precision: parameters in bfloat16 too
@@ -169,11 +329,12 @@ def precision(f: Fields, out: Out) -> None:
     remat = {False: "none", True: "full", "offload": "offload"}.get(checkpointing) \
         if isinstance(checkpointing, bool | str) else None
     if remat is None:
-        if checkpointing != "offload_disk":
-            bad("gradient_checkpointing", checkpointing, "true, false or offload",
-                "; write one of those")
-        out.skip("gradient_checkpointing", checkpointing, "ndjax offloads to host memory, not "
-                 "disk; the config recomputes every layer (model.remat=full)")
+        if checkpointing == "offload_disk":
+            out.skip("gradient_checkpointing", checkpointing, "ndjax offloads to host memory, "
+                     "not disk; the config recomputes every layer (model.remat=full)")
+        else:
+            out.problem(refusal("gradient_checkpointing", checkpointing, "true, false or "
+                                "offload", "; write one of those"))
         remat = "full"
     out.set("model.remat", remat, f.note("gradient_checkpointing", "false"))
 
@@ -195,7 +356,7 @@ def outputs(f: Fields, out: Out, steps: int) -> None:
     seed = f.integer("seed", None)
     if seed is not None:
         out.set("train.seed", seed, "seed")
-    every = steps_of(f, "save_steps", steps)
+    every = out.attempt(steps_of, f, "save_steps", steps)
     if every is not None:
         out.set("checkpoint.every", every, "save_steps")
         if f.raw.get("save_strategy") in (None, "steps"):  # what save_steps implies
@@ -230,10 +391,11 @@ def base_model(f: Fields) -> str:
     return base
 
 
-def tokenizer(f: Fields, base: str) -> str:
+def tokenizer(f: Fields, base: str | None) -> str | None:
+    """data.tokenizer: tokenizer_config's, else base_model's (None: base_model refused)."""
     other = f.text("tokenizer_config", None)
     if other is None:
-        return os.path.join(base, "tokenizer.json")
+        return None if base is None else os.path.join(base, "tokenizer.json")
     if os.path.isdir(other):
         return os.path.join(other, "tokenizer.json")
     if os.path.isfile(other) and other.endswith(".json"):
@@ -264,7 +426,7 @@ def family(base: str) -> str:
 OVERRIDES = ("overrides_of_model_config", "model_config")  # the field and its alias
 
 
-def router(f: Fields, out: Out, base: str) -> None:
+def router(f: Fields, out: Out, base: str | None) -> None:
     """``output_router_logits`` and ``router_aux_loss_coef`` of overrides_of_model_config
     (alias model_config), which Axolotl sets on base_model's config: transformers then
     adds router_aux_loss_coef x the load-balancing loss to the loss only where
@@ -279,12 +441,12 @@ def router(f: Fields, out: Out, base: str) -> None:
     if not isinstance(overrides, dict):
         bad(key, overrides, "a mapping of config.json fields", "; write one per line under "
             f"{key}:")
-    g = Fields(overrides, f"{key}.")
+    g = f.child(overrides, f"{key}.")
     on, coef = g.flag("output_router_logits", None), g.number("router_aux_loss_coef", None)
     for other in g.rest():
         out.skip(f"{key}.{other}", overrides[other], "ndjax's model comes from base_model's "
                  "config.json")
-    if on is None and coef is None:
+    if on is None and coef is None or base is None:  # None: base_model refused, reported
         return
     config = _config_json(base)
     fam = registry.for_config_json(config, base)
@@ -302,3 +464,27 @@ def router(f: Fields, out: Out, base: str) -> None:
             f"{key}: output_router_logits {str(c['output_router_logits']).lower()}, "
             f"router_aux_loss_coef {float(c['router_aux_loss_coef']):g} (transformers adds the "
             "load-balancing loss only with output_router_logits true)")
+
+
+def experts(base: str, expert: int) -> None:
+    """expert_parallel_size against base_model: ndjax's expert axis splits a mixture of
+    experts' experts (on a dense model it is refused when the run starts), and divides
+    them, as Axolotl's expert-parallel plugin requires of num_experts too."""
+    if expert == 1:
+        return
+    from ndjax.models import registry
+
+    config = _config_json(base)
+    fam = registry.for_config_json(config, base)
+    if fam.moe_names is None:
+        raise ConfigError(f"expert_parallel_size: {expert}: base_model is a dense "
+                          f"{fam.name}, with no experts to split; set expert_parallel_size: 1 "
+                          "(or leave it out).")
+    try:
+        n = fam.read_config_json(config, base).get("n_experts")
+    except ConfigError:
+        return  # ndjax's checks of the converted config name what config.json lacks
+    if n and n % expert:
+        raise ConfigError(f"expert_parallel_size: {expert} does not divide base_model's {n} "
+                          "experts (each GPU of the expert axis holds an equal share); use a "
+                          f"divisor of {n}.")

@@ -3,10 +3,13 @@
     ndjax from_axolotl config.yml [--out=configs/mine.py] [--force] [--devices=N]
 
 ``convert`` maps the fields ndjax has (mesh, model, data, optimiser, schedule,
-checkpoints) and lists every other one with the reason; ``render`` writes the result
-as a ``configs/*.py``-style file, which ``main`` loads and checks as train.py would
-(every field's type and range, the checkpoint, tokenizer, chat template and data
-files) before it writes anything. docs/from-axolotl.md has the whole mapping.
+checkpoints), lists every other one with the reason, and collects every problem (a
+value it cannot take, a check that fails) rather than stopping at the first; ``render``
+writes the result as a ``configs/*.py``-style file, which ``main`` loads and checks as
+train.py would (every field's type and range, the checkpoint, tokenizer, chat template
+and data files) before it writes anything. A failure is one report on stderr: the
+fields not mapped, then each problem on a line of its own, exit 2, nothing written.
+docs/from-axolotl.md has the whole mapping.
 """
 
 from __future__ import annotations
@@ -35,32 +38,55 @@ class Conversion:
     notes: dict[str, str]       # "section.field" -> the Axolotl fields it comes from
     unmapped: list[Unmapped]
     workdir: str                # train.py's --workdir (output_dir)
+    problems: list[str] = dataclasses.field(default_factory=list)  # one line each
+
+
+class ConversionError(ConfigError):
+    """Every problem of a conversion, one a line; ``conversion`` holds the rest of what
+    it found (the fields not mapped), for the report."""
+
+    def __init__(self, conversion: Conversion):
+        super().__init__("\n".join(conversion.problems))
+        self.conversion = conversion
 
 
 def convert(raw: Mapping[str, Any], devices: int | None = None) -> Conversion:
     """An Axolotl config (the YAML's top-level mapping) as ndjax config overrides and
     the fields left unmapped. Reads base_model's config.json and lists the data files'
     directories; writes nothing. ``devices``: the GPUs the run will use (Axolotl's world
-    size), needed where Axolotl would infer dp_shard_size or dp_replicate_size from it."""
-    f, out = Fields(raw), Out()
-    dp, context = run.mesh(f, out, devices)
-    steps = run.schedule(f, out, dp)
+    size), needed where Axolotl would infer dp_shard_size or dp_replicate_size from it.
+
+    Raises ``ConversionError`` with every problem found: each part of the conversion
+    goes on past a refused value (with a stand-in, never written), and the parts that
+    need a refused one (the family and tokenizer of a refused base_model, say) are left
+    out, so that each problem is reported once, under its own field."""
+    out = Out()
+    f = Fields(raw, problems=out.problems)
+    layout = run.mesh(f, out, devices)
+    steps = run.schedule(f, out, layout.data)
     run.precision(f, out)
     run.outputs(f, out, steps)
-    base = run.base_model(f)
-    datasets.data(f, out, steps, run.tokenizer(f, base), context)
+    base = out.attempt(run.base_model, f)
+    datasets.data(f, out, steps, out.attempt(run.tokenizer, f, base), layout.context)
     # Last: the family's look-up imports the model registry (jax), so bad input above is
     # reported without that wait.
-    out.set("model.family", run.family(base), "from base_model's config.json (model_type)")
-    out.set("model.init_from", base, "base_model: its config.json and safetensors")
-    run.router(f, out, base)
-    workdir = run.workdir(f, out, adapter.lora(f, out))
+    family = out.attempt(run.family, base) if base is not None else None
+    if family is not None:
+        out.set("model.family", family, "from base_model's config.json (model_type)")
+        out.set("model.init_from", base, "base_model: its config.json and safetensors")
+        out.attempt(run.experts, base, layout.expert)
+    out.attempt(run.router, f, out, base if family is not None else None)
+    workdir = run.workdir(f, out, out.attempt(adapter.lora, f, out, fallback=True))
     for key in f.rest():
         out.skip(str(key), f.raw[key], reason(str(key), f.raw[key]))
     order = {str(key): i for i, key in enumerate(raw)}  # as the YAML lists them
     unmapped = sorted(out.unmapped.values(),
                       key=lambda u: order.get(re.split(r"[.\[]", u.field)[0], len(order)))
-    return Conversion(out.overrides, out.notes, unmapped, workdir)
+    problems = list(dict.fromkeys(out.problems))  # a value read twice is reported once
+    conv = Conversion(out.overrides, out.notes, unmapped, workdir, problems)
+    if problems:
+        raise ConversionError(conv)
+    return conv
 
 
 # ----- the config file ----------------------------------------------------------
@@ -177,13 +203,30 @@ def main(argv: Sequence[str] | None = None) -> None:
             raise ConfigError(f"--out={args.out} exists; pass --force to overwrite it.")
         if args.devices is not None and args.devices < 1:
             raise ConfigError(f"--devices={args.devices} must be >= 1.")
-        conv = convert(read_yaml(args.config), args.devices)
-        text = render(conv, args.config)
-        check(text, conv)
-    except ConfigError as e:
+        raw = read_yaml(args.config)
+    except ConfigError as e:  # no fields to report: one line
         fail(PROGRAM, e)
+    try:
+        conv = convert(raw, args.devices)
+    except ConversionError as e:
+        conv = e.conversion
+    text = render(conv, args.config)
+    if not conv.problems:
+        # Only a whole conversion is checked: one with stand-ins for refused values
+        # would fail again for them, under other names.
+        try:
+            check(text, conv)
+        except ConfigError as e:
+            conv.problems.append(str(e))
     for u in conv.unmapped:
         print(f"{PROGRAM}: not mapped: {_one_line(u.line())}", file=sys.stderr)
+    if conv.problems:
+        for problem in conv.problems:
+            print(f"{PROGRAM}: error: {_one_line(problem)}", file=sys.stderr)
+        n, m = len(conv.problems), len(conv.unmapped)
+        print(f"{PROGRAM}: {n} problem{'s' * (n != 1)} (the error lines), {m} field"
+              f"{'s' * (m != 1)} not mapped; nothing written.", file=sys.stderr, flush=True)
+        sys.exit(2)
     target = args.out or "<the file you save it as>"
     if args.out:
         tmp = f"{args.out}.tmp"
