@@ -23,8 +23,8 @@ import jax
 import orbax.checkpoint as ocp
 from etils import epath
 
-from ndjax.runs import checkpoint_faults as faults
 from ndjax.config import CheckpointSettings
+from ndjax.runs import checkpoint_faults as faults
 from ndjax.runtime.errors import ConfigError
 from ndjax.step.state import TrainState
 

@@ -61,11 +61,11 @@ from ndjax.config import (  # noqa: F401
     shard_size,
 )
 from ndjax.data.tokenizers import HFTokenizer, Tokenizer, load_tokenizer
-from ndjax.runtime.errors import ConfigError
 from ndjax.models import decoder, lora, registry
 from ndjax.models import quant as quant_lib
 from ndjax.models.decoder import DecoderConfig
 from ndjax.models.quant import QuantConfig
+from ndjax.runtime.errors import ConfigError
 
 _DTYPES = {"F32": np.dtype(np.float32), "F16": np.dtype(np.float16),
            "BF16": np.dtype(jnp.bfloat16)}

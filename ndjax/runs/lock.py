@@ -27,8 +27,8 @@ from collections.abc import Callable
 
 import jax
 
-from ndjax.runtime.errors import ConfigError
 from ndjax.parallel import distributed
+from ndjax.runtime.errors import ConfigError
 
 NAME = ".lock"
 
