@@ -201,8 +201,8 @@ def test_rows_hold_whole_conversations_with_their_masks(tokenizers, tmp_path, na
         assert dropped_overlong(loader) == len(encoded) - len(kept) > 0
         by_ids = {tuple(int(i) for i in ids): mask for ids, mask in kept}
         seen, most = set(), 0
-        n_rows = sum(len(bins) for _, bins in loader.source.slots.values())
-        for step in range(n_rows):  # one epoch of every slot, and more
+        n_rows = len(loader.source.epoch(0))
+        for step in range(-(-n_rows // 4)):  # the first epoch, and a little more
             batch = loader.batch(step)
             for r in range(4):
                 row = {k: v[r] for k, v in batch.items()}
@@ -246,8 +246,8 @@ def test_overlong_truncate_keeps_the_beginning_and_drop_counts(tokenizers, tmp_p
         config = chat_config(tmp_path, path, chats, overlong=policy)
         config.train.batch_size = 1
         with make_loader(config, VOCAB, prefetch=0) as loader:
-            assert dropped_overlong(loader) == loader.source.dropped[0] == dropped
-            convs = loader.source.slots[0][0]
+            assert dropped_overlong(loader) == loader.source.dropped == dropped
+            convs = loader.source.convs
             assert len(convs) == len(chats) - dropped
             assert all(len(c[0]) <= ROW for c in convs)
             if policy == "truncate":  # the long one's first ROW tokens, masks and all
@@ -259,7 +259,7 @@ def test_overlong_truncate_keeps_the_beginning_and_drop_counts(tokenizers, tmp_p
 def test_everything_dropped_is_a_clear_error(tokenizers, tmp_path):
     long = [{"role": "user", "content": "alpha " * 300}, {"role": "assistant", "content": "b"}]
     config = chat_config(tmp_path, tokenizers["llama3"], [long] * 8)
-    with pytest.raises(ConfigError, match=r"keeps no conversation: 2 of them are longer than "
+    with pytest.raises(ConfigError, match=r"no conversation is kept: all 8 are longer than "
                                           r"train.seq_len=112 \+ 1 tokens .*overlong=truncate"):
         make_loader(config, VOCAB, prefetch=0)
 
@@ -332,7 +332,7 @@ def test_parquet_conversations_match_jsonl(tokenizers, tmp_path):
     parquet.data.files = str(tmp_path / "c.parquet")
     with make_loader(jsonl, VOCAB, prefetch=0) as a, make_loader(parquet, VOCAB, prefetch=0) as b:
         got = lambda loader: sorted(tuple(int(i) for i in c[0])  # noqa: E731
-                                    for cs, _ in loader.source.slots.values() for c in cs)
+                                    for c in loader.source.convs)
         assert got(a) == got(b)
 
 

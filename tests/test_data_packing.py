@@ -47,7 +47,7 @@ def test_one_row_per_epoch_gives_every_document_back():
     rng = np.random.default_rng(0)
     docs = _docs(rng, 7, 1, 9)
     seq_len = sum(len(d) + 1 for d in docs) - 1  # the whole share is exactly one window
-    rows = TextRows({0: docs}, seq_len, seed=3, eos_id=EOS, pad_id=PAD)
+    rows = TextRows(docs, seq_len, 1, seed=3, eos_id=EOS, pad_id=PAD)
     orders = []
     for step in range(3):  # each step is a new epoch with a new document order
         row = {k: v[0] for k, v in rows.rows(step, 0, 1).items()}
@@ -62,14 +62,14 @@ def test_one_row_per_epoch_gives_every_document_back():
 
 def test_windows_of_an_epoch_tile_the_shuffled_stream():
     rng = np.random.default_rng(1)
-    docs, seq_len, seed, slot = _docs(rng, 40, 1, 30), 16, 5, 2
-    rows = TextRows({slot: docs}, seq_len, seed, EOS, PAD)
+    docs, seq_len, seed = _docs(rng, 40, 1, 30), 16, 5
+    rows = TextRows(docs, seq_len, 1, seed, EOS, PAD)
     total = sum(len(d) + 1 for d in docs)
     n_windows = (total - 1) // seq_len
     stream = np.full(n_windows * seq_len + 1, -1)
-    offsets = permute(np.arange(n_windows), n_windows, [seed, slot, 0, 1]) * seq_len
+    offsets = permute(np.arange(n_windows), n_windows, [seed, 0, 1]) * seq_len
     for step, offset in enumerate(offsets):
-        row = {k: v[0] for k, v in rows.rows(step, slot, 1).items()}
+        row = {k: v[0] for k, v in rows.rows(step, 0, 1).items()}
         stream[offset:offset + seq_len] = row["inputs"]
         stream[offset + seq_len] = row["targets"][-1]
         # Inside a row, every segment but the first and the last is a whole document.
@@ -79,13 +79,13 @@ def test_windows_of_an_epoch_tile_the_shuffled_stream():
     # Split at EOS: the documents, whole, in the epoch's order.
     ends = np.flatnonzero(stream == EOS)
     found = [stream[a + 1:b].tolist() for a, b in zip(np.r_[-1, ends[:-1]], ends)]
-    order = np.random.default_rng([seed, slot, 0]).permutation(len(docs))
+    order = np.random.default_rng([seed, 0]).permutation(len(docs))
     assert found == [docs[i].tolist() for i in order[:len(found)]]
 
 
 def test_positions_restart_and_mask_follows_segments():
     rng = np.random.default_rng(2)
-    rows = TextRows({0: _docs(rng, 30, 1, 12), 1: _docs(rng, 30, 1, 12)}, 24, 0, EOS, PAD)
+    rows = TextRows(_docs(rng, 60, 1, 12), 24, 2, 0, EOS, PAD)
     batch = rows.rows(4, 0, 2)
     seg, pos, inputs = batch["segment_ids"], batch["positions"], batch["inputs"]
     new = np.concatenate([np.ones((2, 1), bool), seg[:, 1:] != seg[:, :-1]], 1)
@@ -97,7 +97,7 @@ def test_positions_restart_and_mask_follows_segments():
 
 def test_unpacked_rows_are_padded_pieces_of_one_document():
     docs = [np.arange(1, 4, dtype=np.uint16), np.arange(1, 41, dtype=np.uint16)]
-    rows = TextRows({0: docs}, 16, 0, EOS, PAD, packing=False)
+    rows = TextRows(docs, 16, 1, 0, EOS, PAD, packing=False)
     # 4 tokens with EOS -> 1 piece; 41 tokens -> pieces [0,16], [16,32], [32,40].
     pieces = [{k: v[0] for k, v in rows.rows(t, 0, 1).items()} for t in range(4)]
     short = next(p for p in pieces if p["inputs"][0] == 1 and p["inputs"][3] == PAD)
@@ -132,18 +132,20 @@ def digest(batches) -> str:
 
 
 def test_without_a_bound_rows_are_as_before_the_bound_existed():
-    """The digests of rows made before packers took a bound: with none, nothing changed."""
+    """The digests of rows without a bound: synthetic rows and pack_bins as made before
+    packers took a bound; text and chat rows as the one stream over the whole corpus
+    makes them (issue 48 changed them from one stream per batch row)."""
     rng = np.random.default_rng(4)
-    text = TextRows({0: _docs(rng, 40, 1, 12), 3: _docs(rng, 40, 1, 30)}, 16, 2, EOS, PAD)
+    text = TextRows(_docs(rng, 40, 1, 12) + _docs(rng, 40, 1, 30), 16, 4, 2, EOS, PAD)
     convs = [(d, np.arange(len(d)) % 2) for d in _docs(rng, 30, 2, 14)]
-    chat = ChatRows({0: convs[:15], 1: convs[15:]}, 16, 1, PAD)
+    chat = ChatRows(convs, 16, 2, 1, PAD)
     synthetic = SyntheticSource(300, 64, 5)
     steps = (0, 1, 7, 50)
     got = [digest(text.rows(t, 0, 1) for t in steps), digest(text.rows(t, 3, 1) for t in steps),
            digest(chat.rows(t, 0, 2) for t in steps),
            digest(synthetic.rows(t, 1, 3) for t in steps),
            str(pack_bins([5, 3, 9, 2, 7, 7, 1, 4], 10, [3, 1, 0, 7, 2, 6, 5, 4]))]
-    assert got == ["c3302f1838c99fb5", "1f15cfc18b142c9d", "5c557aff8b4afe74",
+    assert got == ["0c0749af5ecc5c7b", "76902c112cbae3bd", "00a01f85f4efe3c2",
                    "4515080d3363b582", "[[3, 1, 0], [7, 6], [2], [5], [4]]"], got
 
 
@@ -164,8 +166,8 @@ def _learned(batches):
 def test_packed_rows_within_a_bound_hold_every_token_once(bound):
     rng = np.random.default_rng(3)
     docs = _numbered_docs(rng, 80, 1, 8)  # 2-8 tokens with EOS: ~8 documents in a row of 32
-    rows = TextRows({0: docs}, 32, 4, EOS, PAD, max_runs=bound)
-    n = len(rows.slots[0].layout(0))
+    rows = TextRows(docs, 32, 1, 4, EOS, PAD, max_runs=bound)
+    n = len(rows.stream.layout(0))
     epoch = [rows.rows(t, 0, 1) for t in range(n)]
     assert max(runs_per_row(b["segment_ids"]).max() for b in epoch) == bound
     inputs = np.concatenate([b["inputs"][b["segment_ids"] > 0] for b in epoch])
@@ -181,18 +183,42 @@ def test_packed_rows_within_a_bound_hold_every_token_once(bound):
         assert (b["loss_mask"][0][seg == 0] == 0).all() and (b["inputs"][0][seg == 0] == PAD).all()
     # Random access: a step three epochs on, asked first, is the one reached by walking there.
     far = [rows.rows(t, 0, 1) for t in range(3 * n + 5)][-1]
-    fresh = TextRows({0: docs}, 32, 4, EOS, PAD, max_runs=bound).rows(3 * n + 4, 0, 1)
+    fresh = TextRows(docs, 32, 1, 4, EOS, PAD, max_runs=bound).rows(3 * n + 4, 0, 1)
     assert digest([far]) == digest([fresh])
 
 
 def test_conversations_and_synthetic_rows_within_a_bound():
     rng = np.random.default_rng(5)
     convs = [(d, np.ones(len(d), np.uint8)) for d in _numbered_docs(rng, 60, 2, 6)]
-    rows = ChatRows({0: convs}, 32, 1, PAD, max_runs=3)
-    bins = rows.slots[0][1]
+    rows = ChatRows(convs, 32, 1, 1, PAD, max_runs=3)
+    bins = rows.epoch(0)
     assert max(len(b) for b in bins) == 2  # and the padding after them: 3 runs
     assert sorted(c for b in bins for c in b) == list(range(len(convs)))
     epoch = [rows.rows(t, 0, 1) for t in range(len(bins))]
     assert max(runs_per_row(b["segment_ids"]).max() for b in epoch) <= 3
     synthetic = SyntheticSource(300, 512, 0, mean_doc_len=8, max_runs=6).rows(0, 0, 4)
     np.testing.assert_array_equal(runs_per_row(synthetic["segment_ids"]), [6] * 4)
+
+
+def test_an_epoch_visits_every_conversation_once_whichever_batch_row_it_lands_in():
+    # 50 conversations, batches of 4 rows: the rows of epoch 0, wherever they fall in the
+    # batches, hold each conversation once (not a fixed share per batch row), packed
+    # best-fit; epoch 1 holds them all again, in another order.
+    rng = np.random.default_rng(6)
+    convs = [(d, np.ones(len(d), np.uint8)) for d in _numbered_docs(rng, 50, 2, 12)]
+    batch = 4
+    rows = ChatRows(convs, 32, batch, 1, PAD)
+    sizes = [len(rows.epoch(e)) for e in range(2)]
+    flat = [{k: v[j] for k, v in rows.rows(step, 0, batch).items()}
+            for step in range(-(-sum(sizes) // batch)) for j in range(batch)]
+    firsts = sorted(int(c[0][0]) for c in convs)
+    epochs = [flat[:sizes[0]], flat[sizes[0]:sum(sizes)]]
+    seen = [[int(piece[0]) for row in epoch for piece in unpack(row)] for epoch in epochs]
+    assert sorted(seen[0]) == firsts and sorted(seen[1]) == firsts
+    assert seen[0] != seen[1]
+    assert sizes[0] < len(convs) / 2  # packed: several conversations to a row
+    assert rows.epoch_at(0) == 0 and rows.epoch_at(sizes[0]) == 1.0
+    assert rows.epoch_at(sizes[0] // 2) == pytest.approx((sizes[0] // 2) / sizes[0])
+    # A process feeding rows 1..2 of each batch gets exactly those rows of the stream.
+    part = rows.rows(3, 1, 2)
+    np.testing.assert_array_equal(part["inputs"], rows.rows(3, 0, batch)["inputs"][1:3])

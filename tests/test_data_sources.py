@@ -164,14 +164,10 @@ BAD = {
     "token file EOS differs from the tokenizer": (
         lambda p, t: data_config("tokens", _prepared(p, t)),
         r"t.bin was written with EOS id 0 .* data.tokenizer='byte' has EOS id 256"),
-    "corpus shorter than one batch": (
+    "corpus shorter than one row": (
         lambda p, t: data_config("text", _write(p / "short.txt", "hi\n")),
-        r"short.txt.*shorter than one batch"),
-    "a row's share shorter than a row": (
-        lambda p, t: data_config("text", _write(p / "short.txt", ("x" * 9 + "\n") * 20),
-                                 seq_len=64),
-        r"data.files: the corpus is shorter than one batch: batch row 0 of train.batch_size=8 "
-        r"reads bytes 0..25 of 200 and gets 31 tokens in 1 document"),
+        r"data.files: the corpus \(.*short.txt\) is shorter than one row: 4 tokens in 1 "
+        r"document\(s\), fewer than train.seq_len=16 \+ 1"),
     "token files shorter than one batch": (
         lambda p, t: data_config("tokens", _npy(p, range(100))),
         r"tokens.npy hold 6 rows of train.seq_len=16 \(\+1\) tokens, shorter than one batch"),

@@ -90,6 +90,25 @@ def test_log_writes_every_n_steps_and_the_last():
     assert r["data/dropped_overlong"] == 2 and r["step_time"] == 0.5
 
 
+def test_log_records_the_epoch_and_says_once_when_a_batch_is_mostly_padding():
+    t = fake_trainer()
+    log = hooks.Log(every=1, last_step=4, data_counts={}, epoch_after=lambda step: step / 4)
+    log.devices, log.tokens_per_step, log.flops_per_step, log.peak = 1, 100, 1e12, None
+    for step, fill in zip(range(1, 5), (0.9, 0.3, 0.2, 0.8)):
+        log.on_metrics(t, step, values(**{"data/fill": fill}))
+    assert [r["data/epoch"] for r in t.records] == [0.25, 0.5, 0.75, 1.0]
+    assert [r["data/fill"] for r in t.records] == [0.9, 0.3, 0.2, 0.8]
+    assert t.sinks.messages == [
+        "data: step 2's batch is 30% tokens and 70% padding: pack short documents "
+        "(data.packing=true), or use a smaller train.seq_len or batch_size."]
+    # A source without epochs (synthetic) logs none.
+    t2 = fake_trainer()
+    quiet = hooks.Log(every=1, last_step=1, data_counts={}, epoch_after=lambda step: None)
+    quiet.devices, quiet.tokens_per_step, quiet.flops_per_step, quiet.peak = 1, 100, 1e12, None
+    quiet.on_metrics(t2, 1, values(**{"data/fill": 1.0}))
+    assert "data/epoch" not in t2.records[0] and not t2.sinks.messages
+
+
 def test_evaluate_when_due_flushes_first_and_restarts_the_clock(monkeypatch):
     t = fake_trainer(exp="EXP")
     calls = []

@@ -5,10 +5,11 @@ takes ``DataSettings``, the batches' shape (``Batches``: train.batch_size, seq_l
 seed) and the model's vocabulary, runs the cheap checks (file names and sizes,
 tokenizer against the vocabulary), loads the tokenizer and chat template once and
 returns them as a ``DataInput``; ``Experiment.from_config`` calls it before anything
-compiles. ``open_loader`` then reads and tokenizes this process's share (its rows
-of every global batch) and returns a ``Loader``: an iterator of batches (numpy, or
-on device after ``transform``), prepared ahead by a thread, whose position is a
-small dict of ints (``get_state`` / ``set_state``). ``make_loader`` is both at once,
+compiles. ``open_loader`` then reads and tokenizes the corpus (every process all of
+it: an epoch's order is global) and returns a ``Loader`` of this process's rows of
+every global batch: an iterator of batches (numpy, or on device after ``transform``),
+prepared ahead by a thread, whose position is a small dict of ints (``get_state`` /
+``set_state``). ``make_loader`` is both at once,
 from a whole config (scripts and tests).
 """
 
@@ -24,7 +25,6 @@ from typing import Any
 import jax
 import ml_collections
 import numpy as np
-from jax.experimental import multihost_utils
 
 from ndjax.config import FILE_SOURCES, DataSettings, Settings, as_settings
 from ndjax.data import chat, sources
@@ -34,7 +34,9 @@ from ndjax.data.synthetic import SyntheticSource
 from ndjax.data.tokenizers import Tokenizer, load_tokenizer
 from ndjax.runtime.errors import ConfigError
 
-STATE_VERSION = 1
+# 2: one stream over the whole corpus, an epoch a pass over every document (1: each
+# batch row read its own share); a position saved by one does not name the other's rows.
+STATE_VERSION = 2
 _TOKENIZE_BATCH = 256  # documents per encode_batch call (the HF tokenizer threads over them)
 
 
@@ -150,12 +152,9 @@ def check(d: DataSettings, batches: Batches, vocab_size: int, eval_every: int = 
         else:
             corpus = sources.open_corpus(d.source, _files(d, split), field,
                                          d.text_field, split, columns=_chat_columns(d))
-            if corpus.total < b.batch_size:
-                raise ConfigError(
-                    f"{corpus.field}: the corpus ({_names(corpus.files)}) has {corpus.total} "
-                    f"{_unit(corpus)} in all, shorter than one batch: each of the "
-                    f"train.batch_size={b.batch_size} rows reads its own share of the corpus. "
-                    "Use more data or a smaller batch_size.")
+            if corpus.total == 0:
+                raise ConfigError(f"{corpus.field}: the corpus ({_names(corpus.files)}) is "
+                                  "empty; name files that hold data.")
     return DataInput(d, b, vocab_size, tok, template)
 
 
@@ -176,10 +175,6 @@ def _names(files: tuple[str, ...]) -> str:
     return ", ".join(sorted(files)[:3]) + more
 
 
-def _unit(corpus: sources.Corpus) -> str:
-    return "rows" if corpus.kind == "parquet" else "bytes"
-
-
 def process_rows(batch_size: int, process_index: int | None = None,
                  process_count: int | None = None) -> tuple[int, int]:
     """This process's rows of every global batch: ``(start, count)``."""
@@ -192,62 +187,46 @@ def process_rows(batch_size: int, process_index: int | None = None,
     return index * per_process, per_process
 
 
-def _text_rows(inp: DataInput, split: str, slots: range,
-               max_runs: int | None) -> tuple[TextRows, int]:
-    """Reads and tokenizes the shares of ``slots`` only; checks each is long enough."""
+def _text_rows(inp: DataInput, split: str, max_runs: int | None) -> tuple[TextRows, int]:
+    """Reads and tokenizes the whole corpus; checks it fills a row."""
     d, t, tok = inp.data, inp.batches, inp.tokenizer
     field = _files_field(split)
     corpus = sources.open_corpus(d.source, _files(d, split), field, d.text_field,
                                  split, seed=t.seed)
-    cuts = {j: (j * corpus.total // t.batch_size, (j + 1) * corpus.total // t.batch_size)
-            for j in slots}
-    # Read everything first: a bad record anywhere is a clearer error than a short share.
-    docs = {j: _tokenize(corpus.share(lo, hi), tok) for j, (lo, hi) in cuts.items()}
+    docs = _tokenize(corpus.share(0, corpus.total), tok)
     need = t.seq_len + 1 if d.packing else 1
-    for j, (lo, hi) in cuts.items():
-        tokens = sum(len(x) + 1 for x in docs[j])
-        if tokens < need:
-            raise ConfigError(
-                f"{corpus.field}: the corpus is shorter than one batch: batch row {j} of "
-                f"train.batch_size={t.batch_size} reads {_unit(corpus)} {lo}..{hi} of "
-                f"{corpus.total} and gets {tokens} tokens in {len(docs[j])} document(s), fewer "
-                f"than one row (train.seq_len={t.seq_len} + 1). Use more data or a smaller "
-                "batch_size or seq_len.")
-    rows = TextRows(docs, t.seq_len, t.seed, tok.eos_id, tok.pad_id, packing=d.packing,
-                    max_runs=max_runs)
+    tokens = sum(len(x) + 1 for x in docs)
+    if tokens < need:
+        raise ConfigError(
+            f"{corpus.field}: the corpus ({_names(corpus.files)}) is shorter than one row: "
+            f"{tokens} tokens in "
+            f"{len(docs)} document(s), fewer than train.seq_len={t.seq_len} + 1. Use more "
+            "data or a smaller seq_len.")
+    rows = TextRows(docs, t.seq_len, t.batch_size, t.seed, tok.eos_id, tok.pad_id,
+                    packing=d.packing, max_runs=max_runs)
     return rows, corpus.fingerprint()
 
 
-def _chat_rows(inp: DataInput, split: str, slots: range,
-               max_runs: int | None) -> tuple[ChatRows, int]:
-    """Renders, tokenizes and fits the conversations of ``slots`` only; checks each slot
-    keeps at least one."""
+def _chat_rows(inp: DataInput, split: str, max_runs: int | None) -> tuple[ChatRows, int]:
+    """Renders, tokenizes and fits every conversation; checks one is kept."""
     d, t, tok, template = inp.data, inp.batches, inp.tokenizer, inp.template
     corpus = sources.open_corpus(d.source, _files(d, split), _files_field(split),
                                  d.text_field, split, seed=t.seed, columns=_chat_columns(d))
-    cuts = {j: (j * corpus.total // t.batch_size, (j + 1) * corpus.total // t.batch_size)
-            for j in slots}
-    convs, dropped = {}, {}
-    for j, (lo, hi) in cuts.items():
-        docs = list(corpus.share(lo, hi))
-        encoded = [chat.encode(docs[k:k + _TOKENIZE_BATCH], template, tok,
-                               messages_field=d.messages_field, prompt_field=d.prompt_field,
-                               completion_field=d.completion_field)
-                   for k in range(0, len(docs), _TOKENIZE_BATCH)]
-        fitted = [chat.fit(ids, mask, t.seq_len + 1, d.overlong)
-                  for batch in encoded for ids, mask in batch]
-        convs[j] = [c for c in fitted if c is not None]
-        dropped[j] = len(fitted) - len(convs[j])
-    for j, (lo, hi) in cuts.items():
-        if not convs[j]:
-            raise ConfigError(
-                f"{corpus.field}: batch row {j} of train.batch_size={t.batch_size} reads "
-                f"{_unit(corpus)} {lo}..{hi} of {corpus.total} and keeps no conversation: "
-                f"{dropped[j]} of them are longer than train.seq_len={t.seq_len} + 1 tokens "
-                f"(data.overlong={d.overlong!r}). Use more data, a smaller batch_size, a larger "
-                "seq_len or data.overlong=truncate.")
-    rows = ChatRows(convs, t.seq_len, t.seed, tok.pad_id, packing=d.packing, dropped=dropped,
-                    max_runs=max_runs)
+    docs = list(corpus.share(0, corpus.total))
+    encoded = [chat.encode(docs[k:k + _TOKENIZE_BATCH], template, tok,
+                           messages_field=d.messages_field, prompt_field=d.prompt_field,
+                           completion_field=d.completion_field)
+               for k in range(0, len(docs), _TOKENIZE_BATCH)]
+    fitted = [chat.fit(ids, mask, t.seq_len + 1, d.overlong)
+              for batch in encoded for ids, mask in batch]
+    convs = [c for c in fitted if c is not None]
+    if not convs:
+        raise ConfigError(
+            f"{corpus.field}: no conversation is kept: all {len(fitted)} are longer than "
+            f"train.seq_len={t.seq_len} + 1 tokens (data.overlong={d.overlong!r}). Use a larger "
+            "seq_len or data.overlong=truncate.")
+    rows = ChatRows(convs, t.seq_len, t.batch_size, t.seed, tok.pad_id, packing=d.packing,
+                    dropped=len(fitted) - len(convs), max_runs=max_runs)
     # The rendering decides the tokens, so a changed template or policy changes the batches.
     key = f"{corpus.fingerprint()}:{template.text}:{d.overlong}:{d.packing}"
     return rows, zlib.crc32(key.encode())
@@ -282,7 +261,7 @@ def open_loader(inp: DataInput, split: str = "train", *,
                 prefetch: int | None = None,
                 transform: Callable[[dict[str, np.ndarray]], Any] | None = None,
                 max_runs: int | None = None) -> Loader:
-    """This process's loader for ``split`` ('train' or 'eval'); reads its share now.
+    """This process's loader for ``split`` ('train' or 'eval'); reads the corpus now.
 
     ``max_runs`` (``Experiment.max_runs``: the attention kernel's bound, e.g. cuDNN's
     model.attn_max_docs) is the most runs of equal segment ids a row may hold, the
@@ -316,7 +295,7 @@ def open_loader(inp: DataInput, split: str = "train", *,
                                      tuple(f.n_tokens for f in files), field, "").fingerprint()
     else:
         make_rows = _chat_rows if d.source == "chat" else _text_rows
-        source, fingerprint = make_rows(inp, split, range(start, start + count), max_runs)
+        source, fingerprint = make_rows(inp, split, max_runs)
     state_key = {"batch_size": t.batch_size, "seq_len": t.seq_len, "seed": t.seed,
                  "corpus": fingerprint}
     return Loader(source, start, count, state_key,
@@ -324,16 +303,9 @@ def open_loader(inp: DataInput, split: str = "train", *,
 
 
 def dropped_overlong(loader: Loader) -> int:
-    """Conversations left out for length (``data.overlong``) in all rows of the batch,
-    over all processes: a collective when there are several, so every process calls it
-    at the same point. A row that several processes load (context parallelism across
-    them) counts once."""
-    per_row = np.full(loader.batch_size, -1, np.int64)  # -1: a row this process does not load
-    for j, n in getattr(loader.source, "dropped", {}).items():
-        per_row[j] = n
-    if jax.process_count() > 1:
-        per_row = np.asarray(multihost_utils.process_allgather(per_row)).max(axis=0)
-    return int(per_row.clip(min=0).sum())
+    """Conversations left out for length (``data.overlong``): every process reads the
+    whole corpus, so each counts them all."""
+    return int(getattr(loader.source, "dropped", 0))
 
 
 class Loader:
@@ -344,8 +316,8 @@ class Loader:
     pure function of (data, seed, step), so ``set_state`` only moves the
     position, and the next batch is the one an uninterrupted run would have
     seen, whatever the number of processes now. Changing train.batch_size,
-    seq_len, seed or the files between save and restore is refused: each batch
-    row reads its own 1/batch_size share of the corpus, so those change every row.
+    seq_len, seed or the files between save and restore is refused: they change the
+    rows of the stream, or where a step's rows start in it.
     """
 
     def __init__(self, source: RowSource, start: int, count: int, state_key: dict[str, int],
@@ -364,6 +336,12 @@ class Loader:
     def batch(self, step: int) -> dict[str, np.ndarray]:
         """This process's rows of the batch of ``step`` (random access, no thread)."""
         return self.source.rows(step, self.start, self.count)
+
+    def epoch_after(self, step: int) -> float | None:
+        """Epochs of the corpus done once step ``step`` (1-based, as logged) has run: None
+        for a source without epochs (synthetic)."""
+        epoch_at = getattr(self.source, "epoch_at", None)
+        return None if epoch_at is None else float(epoch_at(step * self.batch_size))
 
     def __iter__(self) -> Loader:
         return self
@@ -386,8 +364,12 @@ class Loader:
 
     def set_state(self, state: dict[str, Any]) -> None:
         if state.get("version") != STATE_VERSION:
-            raise ConfigError(f"data loader state has version {state.get('version')!r}; this "
-                              f"ndjax reads version {STATE_VERSION}.")
+            raise ConfigError(
+                f"data loader state has version {state.get('version')!r}; this ndjax reads "
+                f"version {STATE_VERSION}, whose batches are other rows (version 2: one "
+                "shuffled pass over the whole corpus per epoch), so the saved position names "
+                "other data. Resume with the ndjax that saved it, or start afresh in another "
+                "--workdir (or checkpoint.resume=never).")
         for key, now in self.state_key.items():
             if state.get(key) != now:
                 field = {"corpus": "data files (names or sizes)"}.get(key, f"train.{key}")

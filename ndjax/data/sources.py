@@ -1,4 +1,4 @@
-"""Where documents come from, and how a process reads only its share of them.
+"""Where documents come from, read whole or by ranges of the corpus.
 
 A text corpus (``builtin``, ``text``, ``jsonl``, ``parquet``) is a list of files
 laid end to end in one *unit space*: bytes for text and JSON Lines, rows for
@@ -297,8 +297,8 @@ def _parquet_rows(path: str, a: int, b: int, text_field: str, field: str,
 
 def open_corpus(kind: str, spec: str, field: str, text_field: str, split: str = "train",
                 seed: int | None = None, columns: tuple[str, ...] = ()) -> Corpus:
-    """Lists and sizes the files (reading no contents). ``seed`` shuffles the file order,
-    so that each contiguous share of the corpus mixes files from everywhere. ``kind``
+    """Lists and sizes the files (reading no contents). ``seed`` shuffles the file order
+    (the documents are shuffled again each epoch, ``streams``). ``kind``
     'chat' reads ``columns`` of Parquet files, or JSON Lines records, as dicts."""
     if kind == "builtin":
         files = builtin_files(split)

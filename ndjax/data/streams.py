@@ -5,20 +5,26 @@ the global batch of ``step``. Nothing depends on which process asks or on what
 was asked before, so batches are the same for any mesh layout or number of
 processes, and resuming is just asking for the next step.
 
-- ``TextRows``: row ``j`` of every batch (*slot* ``j``) reads its own stream:
-  the documents of the ``j``-th ``1/batch_size`` share of the corpus, each
-  followed by EOS, in a fresh seeded order every epoch. An epoch of slot ``j``
-  is its ``W`` windows of ``L+1`` tokens at stride ``L``, in a seeded order;
-  row ``j`` of step ``t`` is window ``t mod W`` of epoch ``t // W``. A process
-  builds only the slots of its rows, so it reads and tokenizes only its share.
-- ``ChatRows``: rows of whole conversations (chat data). Slot ``j`` packs its
-  conversations (in a seeded order) into ``B`` rows of at most ``L+1`` tokens
-  once (``pack_bins``; one per row without packing); row ``j`` of step ``t`` is
-  row ``permute(t mod B)`` of epoch ``t // B``, so each epoch visits every row
-  once in a fresh seeded order.
+Each source is one stream of rows over the whole corpus: global row ``g`` (``step x
+batch_size + j``) is row ``g`` of the stream, and an epoch is one pass over every
+document, in a fresh seeded order. A process holds the whole corpus (every process
+reads and tokenizes it all) and builds only the rows it feeds.
+
+- ``TextRows``: the documents of epoch ``e``, each followed by EOS, in a seeded order;
+  the epoch's stream is cut into its ``W`` windows of ``L+1`` tokens at stride ``L``,
+  visited in a seeded order: global row ``g`` is window ``permute(g mod W)`` of epoch
+  ``g // W``.
+- ``ChatRows``: rows of whole conversations (chat data). Epoch ``e`` takes every
+  conversation once, in a seeded order, packed best-fit into rows of at most ``L+1``
+  tokens (``pack_bins``, as Axolotl's multipack; one per row without packing), and
+  visits those rows in a seeded order. How many rows an epoch has depends on its
+  order; a step finds its epoch by counting the rows of the epochs before it.
 - ``TokenRows``: windows of ``L+1`` tokens of pre-tokenized files at stride
   ``L``; global row ``g = step*batch_size + j`` is window ``permute(g mod n)``
   of epoch ``g // n``, a seeded bijection, so every window is seen once per epoch.
+
+Every source also says where a row stands in the epochs (``epoch_at``): the epochs
+done before it and the fraction of its own.
 
 With ``max_runs`` (an attention kernel's bound, ``Kernel.max_runs``) every row holds
 at most that many runs of one segment id, its padding counted as one: text streams
@@ -32,7 +38,7 @@ let their last document fill the row. Without it the rows are as they always wer
 from __future__ import annotations
 
 import bisect
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import Protocol
 
 import numpy as np
@@ -51,6 +57,15 @@ from ndjax.runtime.errors import ConfigError
 
 class RowSource(Protocol):
     def rows(self, step: int, start: int, count: int) -> dict[str, np.ndarray]: ...
+
+
+class EpochSource(RowSource, Protocol):
+    """A source over a finite corpus (all but the synthetic one)."""
+
+    def epoch_at(self, row: int) -> float:
+        """Global row ``row``'s place in the epochs: epochs before it + the share of its
+        own epoch before it."""
+        ...
 
 
 _MASK64 = np.uint64(0xFFFFFFFFFFFFFFFF)
@@ -86,7 +101,7 @@ def permute(index: np.ndarray, n: int, key: Sequence[int]) -> np.ndarray:
 
 
 class _Slot:
-    """One row slot's infinite stream over its documents (see the module docstring)."""
+    """The infinite stream of rows over a corpus's documents (see the module docstring)."""
 
     packed = True
 
@@ -123,6 +138,9 @@ class _Slot:
         order, ends = self.epoch(e, len(self.lengths))
         offset = int(permute(np.array([i]), n_windows, [*self.key, e, 1])[0]) * seq_len
         return self.take(order, ends, offset, seq_len + 1)
+
+    def epoch_at(self, t: int, seq_len: int) -> float:
+        return t / ((self.total - 1) // seq_len)
 
     def take(self, order: np.ndarray, ends: np.ndarray, offset: int, width: int
              ) -> tuple[np.ndarray, np.ndarray]:
@@ -165,11 +183,18 @@ class _BoundedSlot(_Slot):
             cached = self._layouts[e] = bounded_rows(ends, self.seq_len, self.max_runs)
         return cached
 
-    def row(self, t: int, seq_len: int) -> tuple[np.ndarray, np.ndarray]:
-        """Row ``t``, padded to ``seq_len + 1`` tokens; the padding's key is -1."""
+    def _epoch_of(self, t: int) -> int:
         while self._firsts[-1] <= t:
             self._firsts.append(self._firsts[-1] + len(self.layout(len(self._firsts) - 1)))
-        e = bisect.bisect_right(self._firsts, t) - 1
+        return bisect.bisect_right(self._firsts, t) - 1
+
+    def epoch_at(self, t: int, seq_len: int) -> float:
+        e = self._epoch_of(t)
+        return e + (t - self._firsts[e]) / len(self.layout(e))
+
+    def row(self, t: int, seq_len: int) -> tuple[np.ndarray, np.ndarray]:
+        """Row ``t``, padded to ``seq_len + 1`` tokens; the padding's key is -1."""
+        e = self._epoch_of(t)
         rows = self.layout(e)
         i = int(permute(np.array([t - self._firsts[e]]), len(rows), [*self.key, e, 1])[0])
         start, stop = (int(x) for x in rows[i])
@@ -196,6 +221,9 @@ class _PaddedSlot(_Slot):
         self.piece_k = np.arange(len(self.piece_doc)) - np.repeat(np.cumsum(counts) - counts,
                                                                   counts)
 
+    def epoch_at(self, t: int, seq_len: int) -> float:
+        return t / len(self.piece_doc)
+
     def piece(self, t: int) -> np.ndarray:
         e, i = divmod(t, len(self.piece_doc))
         p = self.epoch(e, len(self.piece_doc))[0][i]
@@ -205,36 +233,33 @@ class _PaddedSlot(_Slot):
 
 
 class TextRows:
-    """Rows of tokenized documents, one stream per row slot (see the module docstring).
+    """Rows of tokenized documents, one stream over all of them (see the module docstring).
 
-    ``docs`` maps each slot this process feeds to that slot's documents (token
-    arrays without EOS; at least one, and at least ``seq_len + 1`` tokens in all
-    when packing).
+    ``docs``: every document of the corpus (token arrays without EOS; at least one, and
+    at least ``seq_len + 1`` tokens in all when packing).
     """
 
-    def __init__(self, docs: Mapping[int, Sequence[np.ndarray]], seq_len: int, seed: int,
+    def __init__(self, docs: Sequence[np.ndarray], seq_len: int, batch_size: int, seed: int,
                  eos_id: int, pad_id: int, packing: bool = True, max_runs: int | None = None):
-        self.seq_len, self.pad_id, self.packing = seq_len, pad_id, packing
+        self.seq_len, self.batch_size, self.pad_id, self.packing = (seq_len, batch_size,
+                                                                    pad_id, packing)
         # Only packed rows need the bound: an unpacked row holds a piece and its padding.
         self.bounded = packing and max_runs is not None
+        if not packing:
+            self.stream: _Slot = _PaddedSlot(docs, [seed], eos_id, seq_len)
+        elif max_runs is None:
+            self.stream = _Slot(docs, [seed], eos_id)
+        else:
+            self.stream = _BoundedSlot(docs, [seed], eos_id, seq_len, max_runs, pad_id)
 
-        def slot(j: int, d: Sequence[np.ndarray]) -> _Slot:
-            if not packing:
-                return _PaddedSlot(d, [seed, j], eos_id, seq_len)
-            if max_runs is None:
-                return _Slot(d, [seed, j], eos_id)
-            return _BoundedSlot(d, [seed, j], eos_id, seq_len, max_runs, pad_id)
-
-        self.slots: dict[int, _Slot] = {j: slot(j, d) for j, d in docs.items()}
+    def epoch_at(self, row: int) -> float:
+        return self.stream.epoch_at(row, self.seq_len)
 
     def rows(self, step: int, start: int, count: int) -> dict[str, np.ndarray]:
-        missing = sorted(set(range(start, start + count)) - set(self.slots))
-        if missing:
-            raise ValueError(f"rows {missing} are not loaded by this process")
-        slots = [self.slots[j] for j in range(start, start + count)]
+        g = range(step * self.batch_size + start, step * self.batch_size + start + count)
         if not self.packing:
-            return padded_fields([s.piece(step) for s in slots], self.seq_len, self.pad_id)
-        windows = [s.row(step, self.seq_len) for s in slots]
+            return padded_fields([self.stream.piece(t) for t in g], self.seq_len, self.pad_id)
+        windows = [self.stream.row(t, self.seq_len) for t in g]
         tokens, docs = np.stack([w[0] for w in windows]), np.stack([w[1] for w in windows])
         if self.bounded:  # rows may end in padding, keyed -1
             return chat_fields(tokens, docs, (docs >= 0).astype(np.uint8))
@@ -242,47 +267,64 @@ class TextRows:
 
 
 class ChatRows:
-    """Rows of whole conversations, one stream per row slot (see the module docstring).
+    """Rows of whole conversations, one stream over all of them (see the module docstring).
 
-    ``convs`` maps each slot this process feeds to its conversations: ``(ids, mask)``
-    pairs of at most ``seq_len + 1`` tokens (``chat.fit`` has cut or dropped the
-    others), at least one per slot. ``dropped`` counts, per slot, the conversations
-    left out for length; it is reported, not used.
+    ``convs``: every conversation kept, ``(ids, mask)`` pairs of at most ``seq_len + 1``
+    tokens (``chat.fit`` has cut or dropped the others), at least one. ``dropped``
+    counts the conversations left out for length; it is reported, not used.
     """
 
-    def __init__(self, convs: Mapping[int, Sequence[tuple[np.ndarray, np.ndarray]]],
-                 seq_len: int, seed: int, pad_id: int, packing: bool = True,
-                 dropped: Mapping[int, int] | None = None, max_runs: int | None = None):
-        self.seq_len, self.seed, self.pad_id = seq_len, seed, pad_id
-        self.dropped = dict(dropped or {})
-        self.slots = {}
-        for j, c in convs.items():
-            order = np.random.default_rng([seed, j, 0xC4A7]).permutation(len(c))
-            # max_runs - 1 conversations leave a run for the padding after them.
-            most = None if max_runs is None else max_runs - 1
-            bins = (pack_bins([len(ids) for ids, _ in c], seq_len + 1, order, most) if packing
-                    else [[int(i)] for i in order])
-            self.slots[j] = (list(c), bins)
+    def __init__(self, convs: Sequence[tuple[np.ndarray, np.ndarray]], seq_len: int,
+                 batch_size: int, seed: int, pad_id: int, packing: bool = True,
+                 dropped: int = 0, max_runs: int | None = None):
+        self.seq_len, self.batch_size, self.seed, self.pad_id = seq_len, batch_size, seed, pad_id
+        self.convs, self.packing, self.dropped = list(convs), packing, dropped
+        self.lengths = np.array([len(ids) for ids, _ in self.convs], np.int64)
+        # max_runs - 1 conversations leave a run for the padding after them.
+        self.most = None if max_runs is None else max_runs - 1
+        self._epochs: dict[int, list[list[int]]] = {}
+        self._firsts = [0]  # the first row of epochs 0, 1, ...: as far as laid out
 
-    def _row(self, j: int, step: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        convs, bins = self.slots[j]
-        e, i = divmod(step, len(bins))
-        b = bins[int(permute(np.array([i]), len(bins), [self.seed, j, e, 3])[0])]
+    def epoch(self, e: int) -> list[list[int]]:
+        """Epoch ``e``'s rows: every conversation once, in a seeded order, packed. Only
+        the latest two epochs are kept: steps move forward."""
+        cached = self._epochs.get(e)
+        if cached is None:
+            for old in sorted(self._epochs)[:-1]:
+                self._epochs.pop(old, None)
+            order = np.random.default_rng([self.seed, e, 0xC4A7]).permutation(len(self.convs))
+            cached = self._epochs[e] = (
+                pack_bins(self.lengths, self.seq_len + 1, order, self.most) if self.packing
+                else [[int(i)] for i in order])
+        return cached
+
+    def _epoch_of(self, g: int) -> int:
+        while self._firsts[-1] <= g:
+            self._firsts.append(self._firsts[-1] + len(self.epoch(len(self._firsts) - 1)))
+        return bisect.bisect_right(self._firsts, g) - 1
+
+    def epoch_at(self, row: int) -> float:
+        e = self._epoch_of(row)
+        return e + (row - self._firsts[e]) / len(self.epoch(e))
+
+    def _row(self, g: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        e = self._epoch_of(g)
+        bins = self.epoch(e)
+        i = g - self._firsts[e]
+        b = bins[int(permute(np.array([i]), len(bins), [self.seed, e, 3])[0])]
         width = self.seq_len + 1
         tokens = np.full(width, self.pad_id, np.int64)
         docs, mask = np.full(width, -1, np.int64), np.zeros(width, np.uint8)
         at = 0
         for k, c in enumerate(b):
-            ids, m = convs[c]
+            ids, m = self.convs[c]
             tokens[at:at + len(ids)], docs[at:at + len(ids)], mask[at:at + len(ids)] = ids, k, m
             at += len(ids)
         return tokens, docs, mask
 
     def rows(self, step: int, start: int, count: int) -> dict[str, np.ndarray]:
-        missing = sorted(set(range(start, start + count)) - set(self.slots))
-        if missing:
-            raise ValueError(f"rows {missing} are not loaded by this process")
-        rows = [self._row(j, step) for j in range(start, start + count)]
+        first = step * self.batch_size + start
+        rows = [self._row(g) for g in range(first, first + count)]
         return chat_fields(*(np.stack([r[k] for r in rows]) for k in range(3)))
 
 
@@ -331,6 +373,9 @@ class TokenRows:
                     done = w + 1
                 out.append(whole[done:])
         return np.concatenate(out).astype(np.int64)
+
+    def epoch_at(self, row: int) -> float:
+        return row / self.n_rows
 
     def rows(self, step: int, start: int, count: int) -> dict[str, np.ndarray]:
         g = step * self.batch_size + np.arange(start, start + count, dtype=np.int64)

@@ -234,6 +234,8 @@ def train_step(features: FeaturesFn, optimizer: optax.GradientTransformation,
         "grad_norm": grad_norm,
         "lr": schedule(state.step),
         "tokens": tokens,
+        # Real tokens / slots of the batch (padding has segment id 0): packing's fill.
+        "data/fill": jnp.mean((batch["segment_ids"] > 0).astype(jnp.float32)),
         "finite": finite,
         **aux,  # MoE: aux_loss, router_z_loss, expert_load_min, expert_load_max
     }

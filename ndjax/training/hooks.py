@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
 import jax
@@ -124,12 +124,19 @@ class Log(Hook):
     time, throughput, TFLOP/s and MFU (6 x parameters + attention FLOPs per token,
     ndjax.hardware.flops, over the device's peak), data counts and device memory."""
 
+    # Below this share of real tokens in a batch, the run is told once (most of each step
+    # computes padding).
+    MOSTLY_PADDING = 0.5
+
     def __init__(self, every: int, last_step: int, data_counts: dict[str, int],
-                 batch: tuple[int, int] = (0, 0), peak: float | None = None):
+                 batch: tuple[int, int] = (0, 0), peak: float | None = None,
+                 epoch_after: Callable[[int], float | None] | None = None):
         """``batch``: (train.batch_size, train.seq_len); ``peak``: log.peak_tflops (None:
-        the device's from ndjax.hardware.flops' table)."""
+        the device's from ndjax.hardware.flops' table); ``epoch_after``: the corpus's
+        epochs done after a step (the loader's), logged as data/epoch."""
         self.every, self.last_step, self.data_counts = every, last_step, data_counts
-        self.batch, self.peak_setting = batch, peak
+        self.batch, self.peak_setting, self.epoch_after = batch, peak, epoch_after
+        self.told_padding = False
 
     def start(self, trainer: TrainerView) -> None:
         exp, (batch_size, seq_len) = trainer.exp, self.batch
@@ -149,6 +156,16 @@ class Log(Hook):
                   "tflops_per_device": tflops, "mfu": tflops / self.peak if self.peak else None,
                   "skipped_steps": values.get("skipped_steps", 0), **self.data_counts,
                   **device_memory()}
+        epoch = None if self.epoch_after is None else self.epoch_after(step)
+        if epoch is not None:
+            record["data/epoch"] = epoch
+        fill = record.get("data/fill")
+        if fill is not None and fill < self.MOSTLY_PADDING and not self.told_padding:
+            self.told_padding = True
+            trainer.sinks.message(
+                f"data: step {step}'s batch is {100 * fill:.0f}% tokens and "
+                f"{100 - 100 * fill:.0f}% padding: pack short documents (data.packing=true), "
+                "or use a smaller train.seq_len or batch_size.")
         trainer.sinks.write(record)
         trainer.records.append(record)
 

@@ -11,7 +11,7 @@ import contextlib
 import os
 import time
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import jax
@@ -123,16 +123,17 @@ def _eval_batches(exp: Experiment) -> list[Batch]:
 
 
 def default_hooks(exp: Experiment, workdir: str, data_counts: dict[str, int],
-                  source: hf.Checkpoint | None, extra: Sequence[hooks_lib.Hook] = ()
+                  source: hf.Checkpoint | None, extra: Sequence[hooks_lib.Hook] = (),
+                  epoch_after: Callable[[int], float | None] | None = None
                   ) -> list[hooks_lib.Hook]:
     """What train.py runs, in order: a NaN is caught before anything logs or saves
     the step; ``extra`` hooks, SIGTERM and Ctrl-C may stop the run before the checkpoint
-    hook decides whether to save."""
+    hook decides whether to save. ``epoch_after``: the data loader's epochs after a step."""
     s = exp.settings
     hooks: list[hooks_lib.Hook] = [
         hooks_lib.NonFinite(s.train.on_nan),
         hooks_lib.Log(s.log.every, s.train.steps, data_counts,
-                      (s.train.batch_size, s.train.seq_len), s.log.peak_tflops),
+                      (s.train.batch_size, s.train.seq_len), s.log.peak_tflops, epoch_after),
         hooks_lib.Profile(s.log.profile_steps, os.path.join(workdir, "profile")),
     ]
     if s.train.eval_every:
@@ -201,7 +202,7 @@ def train(config: ml_collections.ConfigDict, workdir: str,
     # (checkpoint saves in flight, event files, a profile) is done: ``held`` unwinds
     # after ``cleanup``.
     with contextlib.ExitStack() as held, contextlib.ExitStack() as cleanup:
-        # This process reads and tokenizes its share now, before anything compiles
+        # This process reads and tokenizes the corpus now, before anything compiles
         # or is written, so bad data fails fast; a thread then prepares batches
         # (already on the devices) ahead of the steps.
         data = open_loader(exp.data, rows=exp.local_rows, transform=exp.device_batch,
@@ -214,7 +215,7 @@ def train(config: ml_collections.ConfigDict, workdir: str,
         # The hooks too (the validation batches, a sample prompt's length) before
         # anything is written.
         source = exp.checkpoint or workdir_lib.source(workdir)
-        hooks = default_hooks(exp, workdir, data_counts, source, extra_hooks)
+        hooks = default_hooks(exp, workdir, data_counts, source, extra_hooks, data.epoch_after)
         for hook in hooks:
             cleanup.callback(hook.close)
         check_resume(workdir, s.checkpoint)  # nothing is created for a step not there

@@ -92,7 +92,9 @@ class Sinks:
         if self._bar is not None:
             self._bar.n = step
             self._bar.set_postfix(loss=f"{record['loss']:.4f}",
-                                  tok_s=f"{record['tokens_per_sec']:.0f}")
+                                  tok_s=f"{record['tokens_per_sec']:.0f}",
+                                  **({"epoch": f"{record['data/epoch']:.2f}"}
+                                     if "data/epoch" in record else {}))
         elif self.verbose:
             mfu = record.get("mfu")
             print(f"step {step}/{self.total_steps}  loss {record['loss']:.4f}  "
@@ -100,7 +102,10 @@ class Sinks:
                   + f"grad_norm {record['grad_norm']:.3f}  lr {record['lr']:.2e}  "
                   f"{record['tokens_per_sec']:.0f} tok/s  "
                   f"{record['tflops_per_device']:.3g} TFLOP/s/device"
-                  + (f"  MFU {100 * mfu:.1f}%" if mfu is not None else ""), flush=True)
+                  + (f"  MFU {100 * mfu:.1f}%" if mfu is not None else "")
+                  + (f"  epoch {record['data/epoch']:.2f}" if "data/epoch" in record else "")
+                  + (f"  fill {100 * record['data/fill']:.0f}%" if "data/fill" in record
+                     else ""), flush=True)
 
     def write_eval(self, record: dict[str, Any]) -> None:
         """An evaluation record: {step, eval_loss, eval_perplexity, eval_tokens}."""
