@@ -348,6 +348,9 @@ class TrainSettings:
 # this section, and the config sits below it.
 SOURCES = ("builtin", "synthetic", "text", "jsonl", "parquet", "tokens", "chat")
 FILE_SOURCES = ("text", "jsonl", "parquet", "tokens", "chat")  # those that read data.files
+# data.format's values: how a chat record becomes tokens and a mask (Axolotl's dataset
+# types; ndjax.data.prompt_formats for all but chat).
+FORMATS = ("chat", "alpaca", "completion", "input_output")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -365,6 +368,15 @@ class DataSettings:
     messages_field: str = setting("messages")      # a list of {role, content}
     prompt_field: str = setting("prompt")          # or a prompt (user) ...
     completion_field: str = setting("completion")  # ... and completion (assistant) pair
+    # Each message's role and content keys (Axolotl's message_property_mappings:
+    # ShareGPT's from / value); other keys than these read roles human and gpt as user
+    # and assistant, as Axolotl does.
+    role_field: str = setting("role")
+    content_field: str = setting("content")
+    # How a record becomes tokens (Axolotl's dataset type): chat (the above, rendered
+    # with the chat template) | alpaca (instruction, input, output) | completion (one
+    # text field, every token learned) | input_output (segments of text and label)
+    format: str = setting("chat", choices=FORMATS)
     chat_template: str = setting("")  # a Jinja template file; "" = the tokenizer's own
     # a conversation longer than seq_len + 1 tokens: drop | truncate
     overlong: str = setting("drop", choices=("drop", "truncate"),

@@ -16,7 +16,7 @@ from data_files import (
     write_chat_tokenizer,
 )
 
-from ndjax.data import chat
+from ndjax.data import chat, prompt_formats
 from ndjax.data.chat_template import load_chat_template
 from ndjax.data.loader import dropped_overlong, make_loader
 from ndjax.data.packing import unpack
@@ -372,3 +372,51 @@ def test_sft_config_passes_the_checks(tokenizers, tmp_path):
     assert exp.model_cfg.vocab_size == VOCAB  # from the directory's config.json
     assert dict(exp.mesh.shape) == {"replica": 1, "fsdp": 4, "expert": 1, "context": 1,
                                     "tensor": 2}
+
+
+def _loaded_samples(config):
+    """The (ids, mask) of every sample the loader keeps, sorted (rows of whole samples
+    with their masks: test_rows_hold_whole_conversations_with_their_masks)."""
+    with make_loader(config, VOCAB, prefetch=0) as loader:
+        return sorted((tuple(ids.tolist()), tuple(mask.tolist()))
+                      for ids, mask in loader.source.convs)
+
+
+@pytest.mark.parametrize("fmt, records", [
+    ("alpaca", [{"instruction": f"Name a colour {i}.", "input": "" if i % 2 else "warm",
+                 "output": f"red {i}"} for i in range(9)]),
+    ("input_output", [{"segments": [{"text": f"<|begin_of_text|>Q{i}: ", "label": False},
+                                    {"text": f"A {i}<|end_of_text|>", "label": True}]}
+                      for i in range(9)]),
+])
+def test_axolotl_formats_are_read_through_the_loader(tokenizers, tmp_path, fmt, records):
+    # The loader's samples are prompt_formats.encode's (checked against Axolotl's code in
+    # tests/test_prompt_formats.py).
+    path = tmp_path / "records.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    config = data_config("chat", str(path), vocab_size=VOCAB, batch_size=4, seq_len=512,
+                         tokenizer=tokenizers["llama3"], format=fmt)
+    tok = HFTokenizer(tokenizers["llama3"])
+    want = sorted((tuple(ids.tolist()), tuple(mask.tolist()))
+                  for ids, mask in prompt_formats.encode(records, fmt, tok))
+    assert _loaded_samples(config) == want
+
+
+def test_sharegpt_keys_and_roles_read_as_messages(tokenizers, tmp_path):
+    chats = conversations(6)
+    sharegpt = [[{"from": {"user": "human", "assistant": "gpt"}.get(m["role"], m["role"]),
+                  "value": m["content"]} for m in c] for c in chats]
+    plain = chat_config(tmp_path / "plain", tokenizers["llama3"], chats)
+    mapped = chat_config(tmp_path / "mapped", tokenizers["llama3"], sharegpt,
+                         role_field="from", content_field="value")
+    assert _loaded_samples(mapped) == _loaded_samples(plain)
+
+
+def test_a_bad_alpaca_record_names_file_and_line(tokenizers, tmp_path):
+    path = tmp_path / "records.jsonl"
+    path.write_text(json.dumps({"instruction": "a", "output": "b"}) + "\n"
+                    + json.dumps({"instruction": "a"}) + "\n")
+    config = data_config("chat", str(path), vocab_size=VOCAB, batch_size=1, seq_len=512,
+                         tokenizer=tokenizers["llama3"], format="alpaca")
+    with pytest.raises(ConfigError, match=r"records.jsonl:2: .*'output'.*data.format='alpaca'"):
+        make_loader(config, VOCAB, prefetch=0)

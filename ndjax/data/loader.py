@@ -27,7 +27,7 @@ import ml_collections
 import numpy as np
 
 from ndjax.config import FILE_SOURCES, DataSettings, Settings, as_settings
-from ndjax.data import chat, sources
+from ndjax.data import chat, prompt_formats, sources
 from ndjax.data.chat_template import ChatTemplate, load_chat_template
 from ndjax.data.streams import ChatRows, RowSource, TextRows, TokenRows
 from ndjax.data.synthetic import SyntheticSource
@@ -131,7 +131,10 @@ def check(d: DataSettings, batches: Batches, vocab_size: int, eval_every: int = 
     if d.source == "synthetic":
         return DataInput(d, b, vocab_size)
     tok = _tokenizer(d, vocab_size)
-    template = load_chat_template(d.tokenizer, d.chat_template) if d.source == "chat" else None
+    # Only conversations are rendered with a template (Axolotl's prompt formats write their
+    # own text), so a base model's tokenizer without one reads alpaca data.
+    template = (load_chat_template(d.tokenizer, d.chat_template)
+                if d.source == "chat" and d.format == "chat" else None)
     for split in ("train", "eval") if eval_every else ("train",):
         field = _files_field(split)
         if d.source == "tokens":
@@ -167,7 +170,12 @@ def check_config(config: Settings | ml_collections.ConfigDict, vocab_size: int) 
 
 
 def _chat_columns(d: DataSettings) -> tuple[str, ...]:
-    return (d.messages_field, d.prompt_field, d.completion_field) if d.source == "chat" else ()
+    """The columns a chat record is read from (Parquet reads no others)."""
+    if d.source != "chat":
+        return ()
+    return {"alpaca": ("instruction", "input", "output"), "completion": (d.text_field,),
+            "input_output": ("segments",)}.get(
+        d.format, (d.messages_field, d.prompt_field, d.completion_field, "system"))
 
 
 def _names(files: tuple[str, ...]) -> str:
@@ -213,12 +221,10 @@ def _chat_rows(inp: DataInput, split: str, max_runs: int | None) -> tuple[ChatRo
     corpus = sources.open_corpus(d.source, _files(d, split), _files_field(split),
                                  d.text_field, split, seed=t.seed, columns=_chat_columns(d))
     docs = list(corpus.share(0, corpus.total))
-    encoded = [chat.encode(docs[k:k + _TOKENIZE_BATCH], template, tok,
-                           messages_field=d.messages_field, prompt_field=d.prompt_field,
-                           completion_field=d.completion_field)
-               for k in range(0, len(docs), _TOKENIZE_BATCH)]
-    fitted = [chat.fit(ids, mask, t.seq_len + 1, d.overlong)
-              for batch in encoded for ids, mask in batch]
+    encoded = [pair for k in range(0, len(docs), _TOKENIZE_BATCH)
+               for pair in _encode(docs[k:k + _TOKENIZE_BATCH], d, tok, template, t.seq_len)]
+    fitted = [chat.fit(ids, mask, t.seq_len + 1, d.overlong) for ids, mask in encoded
+              if mask[1:].any()]  # nothing to learn (Axolotl drops such samples too)
     convs = [c for c in fitted if c is not None]
     if not convs:
         raise ConfigError(
@@ -228,8 +234,47 @@ def _chat_rows(inp: DataInput, split: str, max_runs: int | None) -> tuple[ChatRo
     rows = ChatRows(convs, t.seq_len, t.batch_size, t.seed, tok.pad_id, packing=d.packing,
                     dropped=len(fitted) - len(convs), max_runs=max_runs)
     # The rendering decides the tokens, so a changed template or policy changes the batches.
-    key = f"{corpus.fingerprint()}:{template.text}:{d.overlong}:{d.packing}"
+    rendering = template.text if template is not None else d.format
+    key = (f"{corpus.fingerprint()}:{rendering}:{d.role_field}:{d.content_field}:"
+           f"{d.overlong}:{d.packing}")
     return rows, zlib.crc32(key.encode())
+
+
+def _encode(docs: list[sources.Document], d: DataSettings, tok: Tokenizer,
+            template: ChatTemplate | None, seq_len: int) -> list[tuple[np.ndarray, np.ndarray]]:
+    """``(ids, mask)`` of each record as ``data.format`` reads it: a conversation with the
+    chat template, else one of Axolotl's prompt formats (a completion cut into seq_len
+    pieces, as Axolotl does)."""
+    if d.format == "chat":
+        if (d.role_field, d.content_field) != ("role", "content"):
+            docs = [_mapped_messages(doc, d) for doc in docs]
+        return chat.encode(docs, template, tok, messages_field=d.messages_field,
+                           prompt_field=d.prompt_field, completion_field=d.completion_field)
+    records = [{k: v for k, v in doc.content.items() if v is not None} for doc in docs]
+    try:
+        encoded = prompt_formats.encode(records, d.format, tok, field=d.text_field)
+    except prompt_formats.BadRecord as e:
+        doc = docs[e.index]
+        raise ConfigError(f"{doc.field}: {doc.where()}: {e} (data.format={d.format!r})"
+                          ) from None
+    if d.format == "completion":
+        return [piece for ids, mask in encoded for piece in prompt_formats.chunks(ids, mask,
+                                                                                  seq_len)]
+    return encoded
+
+
+def _mapped_messages(doc: sources.Document, d: DataSettings) -> sources.Document:
+    """A record's messages with their keys renamed (``data.role_field``,
+    ``data.content_field``: ShareGPT's from / value) and Axolotl's role names read."""
+    record = {k: v for k, v in doc.content.items() if v is not None}
+    if d.messages_field not in record:
+        return doc  # a prompt / completion pair: chat.encode says what is missing
+    try:
+        messages = prompt_formats.chat_messages(
+            record, d.messages_field, {"role": d.role_field, "content": d.content_field})
+    except prompt_formats.BadRecord as e:
+        raise ConfigError(f"{doc.field}: {doc.where()}: {e}") from None
+    return dataclasses.replace(doc, content={**record, d.messages_field: messages})
 
 
 def _tokenize(documents: Iterator[sources.Document], tok: Tokenizer) -> list[np.ndarray]:
