@@ -31,6 +31,7 @@ from collections.abc import Iterator
 
 import numpy as np
 
+from ndjax.data import hf_datasets  # light: it imports ``datasets`` only when used
 from ndjax.runtime.errors import ConfigError
 
 TEXT_KINDS = ("builtin", "text", "jsonl", "parquet")
@@ -51,8 +52,9 @@ class Document:
     field: str = "data.files"  # the config field that named the file, for errors
 
     def where(self, extra: int = 0) -> str:
-        """``path:line`` (``path row N`` for Parquet), for error messages."""
-        if self.kind == "parquet":
+        """``path:line`` (``path row N`` for Parquet and ``datasets`` rows), for error
+        messages."""
+        if self.kind in ("parquet", "dataset"):
             return f"{self.path} row {self.offset}"
         return f"{self.path}:{line_number(self.path, self.offset + extra)}"
 
@@ -296,10 +298,17 @@ def _parquet_rows(path: str, a: int, b: int, text_field: str, field: str,
 
 
 def open_corpus(kind: str, spec: str, field: str, text_field: str, split: str = "train",
-                seed: int | None = None, columns: tuple[str, ...] = ()) -> Corpus:
+                seed: int | None = None, columns: tuple[str, ...] = ()
+                ) -> Corpus | hf_datasets.DatasetCorpus:
     """Lists and sizes the files (reading no contents). ``seed`` shuffles the file order
     (the documents are shuffled again each epoch, ``streams``). ``kind``
-    'chat' reads ``columns`` of Parquet files, or JSON Lines records, as dicts."""
+    'chat' reads ``columns`` of Parquet files, or JSON Lines records, as dicts; a
+    save_to_disk folder, .csv or .arrow files, a folder of data files or a cached hub id
+    go through Hugging Face ``datasets`` instead (``hf_datasets``: it loads them)."""
+    if kind in RECORD_KINDS:
+        if hf_datasets.is_dataset_spec(split_patterns(spec)):
+            return hf_datasets.open_dataset(split_patterns(spec), field, split, columns,
+                                            Document)
     if kind == "builtin":
         files = builtin_files(split)
         field = "data.source='builtin'"
