@@ -173,8 +173,9 @@ def test_nd_parallel_yaml_maps_the_mesh_and_builds(files):
         dict(replica=1, fsdp=2, expert=1, context=2, tensor=2)
     # Axolotl's global batch: micro_batch_size x accumulation x dp_replicate x dp_shard.
     assert (o["train.batch_size"], o["train.grad_accum"]) == (2 * 2 * 2, 2)
-    assert (o["data.source"], o["data.files"], o["data.text_field"]) == (
-        "jsonl", files["text"], "body")
+    # Axolotl's completion type, as Axolotl tokenizes it (ndjax.data.prompt_formats).
+    assert (o["data.source"], o["data.format"], o["data.files"], o["data.text_field"]) == (
+        "chat", "completion", files["text"], "body")
     assert o["data.packing"] is True and o["model.dtype"] == "bfloat16"
     assert (o["train.steps"], o["train.lr"], o["train.seed"]) == (200, 2e-4, 7)
     assert o["train.warmup_steps"] == 6  # Axolotl's default: 3% of the steps
@@ -183,10 +184,11 @@ def test_nd_parallel_yaml_maps_the_mesh_and_builds(files):
     assert (o["train.weight_decay"], o["train.b2"]) == (0.0, 0.999)
     assert conv.workdir == "./outputs/nd"
     reasons = {u.field: u.reason for u in conv.unmapped}
-    assert set(reasons) >= {"datasets[1].path", "datasets[2]", "fsdp_version", "fsdp_config",
+    assert set(reasons) >= {"datasets[1]", "datasets[2]", "fsdp_version", "fsdp_config",
                             "flash_attention"}, reasons
     assert "lr_scheduler" not in reasons  # linear is ndjax's train.schedule=linear
-    assert "download" in reasons["datasets[1].path"]
+    # A hub chat_template dataset and an alpaca one are other kinds than the first.
+    assert all("one kind of dataset per run" in reasons[f"datasets[{i}]"] for i in (1, 2))
     # adapter: lora -> model.lora, on PEFT's default targets; the adapter is the output.
     assert {k: o[f"model.lora.{k}"] for k in ("rank", "alpha", "target_modules")} == dict(
         rank=16, alpha=32.0, target_modules="q_proj,v_proj")
@@ -298,8 +300,6 @@ def test_sft_yaml_with_chat_template_datasets(files):
      "lora_target_modules: '.*_proj' must be a module name such as q_proj"),
     ({"datasets": [{"path": "missing.jsonl", "type": "chat_template"}]},
      "datasets[0].path: 'missing.jsonl' is not a file or directory"),
-    ({"datasets": [{"path": "org/data", "type": "chat_template"}]},
-     "datasets: none of them is a local chat_template or completion file"),
 ])
 def test_bad_values_name_the_field(files, change, message):
     raw = {**yaml_of(SFT_YAML, files), **change}
@@ -561,12 +561,14 @@ def test_every_problem_is_in_one_report_with_the_fields_not_mapped(files, tmp_pa
 
 
 @pytest.mark.parametrize("case, change, message, listed", [
-    ("none_readable", {"datasets": [{"path": "org/data", "type": "chat_template"},
-                                    {"path": "{chats}", "type": "alpaca"}]},
-     "datasets: none of them is a local chat_template or completion file that ndjax reads "
-     "(each is listed as not mapped)", ["datasets[0].path: 'org/data'", "datasets[1]: "]),
+    ("none_readable", {"datasets": [{"path": "{chats}", "type": "pygmalion"},
+                                    {"path": "{chats}", "type": "alpaca:phi"}]},
+     "datasets: none of them is a dataset ndjax reads (each is listed as not mapped)",
+     ["datasets[0]: ", "datasets[1]: "]),
     ("ndjax_check", {"seed": 2**33}, "the converted config fails ndjax's checks: "
      "train.seed=8589934592", ["model_type: 'AutoModelForCausalLM'"]),
+    ("hub_dataset", {"datasets": [{"path": "org/data", "type": "chat_template"}]},
+     "`hf download org/data --repo-type dataset`", []),
     ("hub_model", {"base_model": "meta-llama/Llama-3.2-1B"},
      "`hf download meta-llama/Llama-3.2-1B --local-dir DIR`", []),
 ])

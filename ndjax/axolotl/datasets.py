@@ -1,5 +1,7 @@
-"""An Axolotl config's datasets as ndjax's data.* fields: local chat_template and
-completion files, one kind per run (data.* holds one source and one set of fields)."""
+"""An Axolotl config's datasets as ndjax's data.* fields: chat_template (ShareGPT keys
+too), alpaca, completion and input_output datasets, from local files, save_to_disk
+folders or hub datasets in the local cache, one kind per run (data.* holds one source
+and one set of fields)."""
 
 from __future__ import annotations
 
@@ -15,8 +17,18 @@ from ndjax.runtime.errors import ConfigError
 
 _HUB_ID = re.compile(r"[\w.-]+/[\w.-]+")
 _DATA_EXTS = (".jsonl", ".json", ".parquet")
+# What Hugging Face datasets reads for ndjax (ndjax.data.hf_datasets): these files, and
+# folders (save_to_disk or of data files).
+_DATASET_EXTS = (".csv", ".arrow")
 _NOTES = {"data.text_field": "datasets[].field", "data.messages_field": "datasets[].field_messages",
-          "data.chat_template": "chat_template, chat_template_jinja ('': the tokenizer's own)"}
+          "data.chat_template": "chat_template, chat_template_jinja ('': the tokenizer's own)",
+          "data.format": "datasets[].type",
+          "data.role_field": "datasets[].message_property_mappings.role",
+          "data.content_field": "datasets[].message_property_mappings.content"}
+# Axolotl's dataset types ndjax reads, as data.format (ndjax.data.prompt_formats):
+# alpaca is its instruct style (the alpaca:chat / :chatml / :phi styles are not mapped).
+_FORMATS = {"chat_template": "chat", "alpaca": "alpaca", "alpaca_instruct": "alpaca",
+            "completion": "completion", "input_output": "input_output"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,9 +63,8 @@ def data(f: Fields, out: Out, steps: int, tokenizer: str | None, context: int) -
         out.problem("datasets is not set: list the local chat_template or completion files "
                     "to train on.")
     elif kind is None and not refused:  # a refused one is a problem of its own
-        out.problem("datasets: none of them is a local chat_template or completion file that "
-                    "ndjax reads (each is listed as not mapped); without one the run would "
-                    "train on ndjax's demo corpus.")
+        out.problem("datasets: none of them is a dataset ndjax reads (each is listed as not "
+                    "mapped); without one the run would train on ndjax's demo corpus.")
     if kind is not None:
         out.set("data.source", kind.source, "datasets[].type")
         out.set("data.files", ",".join(files), "datasets[].path")
@@ -134,9 +145,9 @@ def _dataset(root: Fields, where: str, entry: Any
         bad(where, entry, "a mapping with path: and type:")
     d = root.child(entry, f"{where}.")
     path, kind = d.text("path"), d.value("type")
-    if kind not in ("chat_template", "completion"):
-        return Unmapped(where, dict(entry), "ndjax reads datasets of type chat_template "
-                        "(conversations) and completion (text); convert this one's rows")
+    if kind not in _FORMATS:
+        return Unmapped(where, dict(entry), "ndjax reads datasets of type "
+                        f"{', '.join(_FORMATS)}; convert this one's rows")
     files = _local_files(where, path)
     if isinstance(files, Unmapped):
         return files
@@ -145,9 +156,11 @@ def _dataset(root: Fields, where: str, entry: Any
     if d.value("split") not in (None, "train"):
         skipped.append(Unmapped(f"{where}.split", entry["split"], "ndjax reads every row"))
     d.read.add("ds_type")  # the files' extensions say it
-    if kind == "completion":
-        source = "parquet" if files.endswith(".parquet") else "jsonl"
-        this = _Kind(source, (("data.text_field", d.text("field", "text")),))
+    if kind != "chat_template":
+        settings: tuple[tuple[str, Any], ...] = (("data.format", _FORMATS[kind]),)
+        if kind == "completion":
+            settings += (("data.text_field", d.text("field", "text")),)
+        this = _Kind("chat", settings)
     else:
         messages = d.text("field_messages", "messages")
         mapping = d.value("message_property_mappings", {})
@@ -157,10 +170,10 @@ def _dataset(root: Fields, where: str, entry: Any
         mapping = dict(mapping)
         mapping.setdefault("role", d.value("message_field_role", "role"))
         mapping.setdefault("content", d.value("message_field_content", "content"))
-        if mapping != {"role": "role", "content": "content"}:
-            skipped.append(Unmapped(f"{where}.message_property_mappings", mapping,
-                                    "ndjax reads each message's role and content keys; "
-                                    "rename the keys in the data"))
+        extra = {k: v for k, v in mapping.items() if k not in ("role", "content")}
+        if extra:
+            skipped.append(Unmapped(f"{where}.message_property_mappings", extra,
+                                    "ndjax maps each message's role and content keys only"))
         for key, same in (("roles_to_train", ["assistant"]), ("train_on_eos", "turn"),
                           ("train_on_eot", "turn")):
             value = d.value(key)
@@ -169,33 +182,29 @@ def _dataset(root: Fields, where: str, entry: Any
                                         "turn and its end-of-turn token only"))
         template, root_keys = _template(root, d, where, skipped)
         this = _Kind("chat", (("data.messages_field", messages),
-                              ("data.chat_template", template)))
+                              ("data.chat_template", template),
+                              ("data.role_field", str(mapping["role"])),
+                              ("data.content_field", str(mapping["content"]))))
     skipped += [Unmapped(f"{where}.{k}", entry[k], reason(str(k), entry[k])) for k in d.rest()]
     return this, files, skipped, root_keys
 
 
 def _local_files(where: str, path: str) -> str | Unmapped:
-    """``path`` as data.files: a JSON Lines or Parquet file, or a directory's files of one kind."""
+    """``path`` as data.files: a JSON Lines, Parquet, CSV or Arrow file, a folder
+    (save_to_disk, or of data files: Hugging Face datasets reads it), or a hub id, read
+    from the local cache (ndjax's check of the converted file says if it is not there)."""
     if "," in path:
         return Unmapped(f"{where}.path", path, "ndjax's data.files splits paths at commas")
     if os.path.isdir(path):
-        kinds = sorted({os.path.splitext(n)[1] for n in os.listdir(path)} & set(_DATA_EXTS))
-        if len(kinds) != 1:
-            return Unmapped(f"{where}.path", path, f"a directory with {kinds or 'no'} data "
-                            "files; ndjax needs .jsonl or .parquet files, one kind")
-        pattern = os.path.join(path, "*" + kinds[0])
-        sample = sorted(os.path.join(path, n) for n in os.listdir(path) if n.endswith(kinds[0]))
-        if kinds[0] == ".json" and _json_array(sample[0]):
-            return Unmapped(f"{where}.path", path, "JSON arrays; ndjax reads JSON Lines")
-        return pattern
+        return path
     if not os.path.isfile(path):
-        if _HUB_ID.fullmatch(path) and not path.endswith(_DATA_EXTS):
-            return Unmapped(f"{where}.path", path, "a Hugging Face hub dataset; ndjax does not "
-                            "download: save it as JSON Lines and point path: at the file")
+        if _HUB_ID.fullmatch(path) and not path.endswith(_DATA_EXTS + _DATASET_EXTS):
+            return path
         raise ConfigError(f"{where}.path: {path!r} is not a file or directory (relative paths "
                           "are read from the directory you run in).")
-    if not path.endswith(_DATA_EXTS):
-        return Unmapped(f"{where}.path", path, "ndjax reads JSON Lines and Parquet files")
+    if not path.endswith(_DATA_EXTS + _DATASET_EXTS):
+        return Unmapped(f"{where}.path", path, "ndjax reads JSON Lines, Parquet, CSV and Arrow "
+                        "files, save_to_disk folders and hub datasets")
     if path.endswith(".json") and _json_array(path):
         return Unmapped(f"{where}.path", path, "a JSON array; ndjax reads JSON Lines (one "
                         "record a line): convert it, e.g. jq -c '.[]'")
