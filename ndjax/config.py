@@ -311,6 +311,10 @@ class RuntimeSettings:
 class TrainSettings:
     # Defaults are the CPU demo (tiny model, builtin corpus).
     steps: int = setting(100, ge=0)
+    # Passes over the data; > 0 sets steps from the rows an epoch packs into (Axolotl's
+    # num_epochs, counted after packing): steps = ceil(epochs x max(rows // batch_size, 1)).
+    epochs: float = setting(0.0, ge=0, hint=" (passes over the data; 0: train.steps sets the "
+                                            "length)")
     batch_size: int = setting(8, ge=1, hint=" (global batch, in rows of seq_len tokens)")
     seq_len: int = setting(64, ge=1)
     seed: int = setting(0, ge=0, lt=2**32)
@@ -320,6 +324,10 @@ class TrainSettings:
     # | constant (flat)
     schedule: str = setting("cosine", choices=("cosine", "linear", "constant"))
     warmup_steps: int = setting(5, ge=0)
+    # > 0: ceil(ratio x steps) warmup steps in place of warmup_steps, transformers' rule
+    # (for a run whose length is counted in epochs).
+    warmup_ratio: float = setting(0.0, ge=0, le=1, hint=" (a fraction of the steps; 0: "
+                                                        "train.warmup_steps)")
     min_lr_ratio: float = setting(0.1, ge=0, le=1, hint=" (cosine decays to lr * min_lr_ratio)")
     weight_decay: float = setting(0.1, ge=0)
     b1: float = setting(0.9, ge=0, lt=1)
@@ -342,6 +350,21 @@ class TrainSettings:
     eval_every: int = setting(0, ge=0, hint=" (loss on the validation split every N steps; "
                                             "0 = never)")
     eval_steps: int = setting(4, ge=1, hint=" (batches per evaluation)")
+    # With train.epochs: evaluations an epoch, which set eval_every (Axolotl's
+    # evals_per_epoch); 0: eval_every as given.
+    evals_per_epoch: int = setting(0, ge=0)
+
+    def in_steps(self, rows_per_epoch: int) -> TrainSettings:
+        """This section with its epoch-based fields turned into steps, for an epoch of
+        ``rows_per_epoch`` rows (the data's, after packing); as it is without epochs."""
+        if not self.epochs:
+            return self
+        per_epoch = max(rows_per_epoch // self.batch_size, 1)
+        steps = math.ceil(self.epochs * per_epoch)
+        changes: dict[str, Any] = {"steps": steps}
+        if self.evals_per_epoch:
+            changes["eval_every"] = max(per_epoch // self.evals_per_epoch, 1)
+        return dataclasses.replace(self, **changes)
 
 
 # data.source's values. The pipeline (ndjax/data/) reads them from here: it is handed
@@ -397,6 +420,8 @@ class DataSettings:
 class CheckpointSettings:
     every: int = setting(0, ge=0, hint=" (save every N steps; 0: only at the end and on "
                                        "SIGTERM)")
+    # With train.epochs: saves an epoch, which set every (Axolotl's saves_per_epoch).
+    saves_per_epoch: int = setting(0, ge=0)
     keep: int = setting(3, ge=0, hint=" (newest checkpoints kept; 0: all)")
     # write files in the background while training goes on (was ``async``, a Python
     # keyword that a --config override cannot name)
@@ -528,6 +553,19 @@ class Settings:
                                   f"{values!r}.")
             sections[name] = _parse_section(name, section, values)
         return cls(**sections, rules=config["rules"] if "rules" in config else "default")
+
+    def in_steps(self, rows_per_epoch: int) -> Settings:
+        """The settings with train.epochs (and what is counted per epoch) turned into
+        steps, for an epoch of ``rows_per_epoch`` rows: ``TrainSettings.in_steps``, and
+        checkpoint.every from checkpoint.saves_per_epoch."""
+        t = self.train
+        if not t.epochs:
+            return self
+        c = self.checkpoint
+        if c.saves_per_epoch:
+            per_epoch = max(rows_per_epoch // t.batch_size, 1)
+            c = dataclasses.replace(c, every=max(per_epoch // c.saves_per_epoch, 1))
+        return dataclasses.replace(self, train=t.in_steps(rows_per_epoch), checkpoint=c)
 
     def to_dict(self) -> dict[str, Any]:
         """Plain values for config.json (a table of rules as lists)."""

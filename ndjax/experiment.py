@@ -206,9 +206,26 @@ def check_inputs(settings: Settings, platform: str | None = None
     if checkpoint is not None:
         hf.check_tokenizer(settings, checkpoint)
     t = settings.train
+    _check_epochs(settings)
     data = loader.check(settings.data, loader.Batches(t.batch_size, t.seq_len, t.seed),
-                        model_cfg.vocab_size, t.eval_every)
+                        model_cfg.vocab_size, t.eval_every or t.evals_per_epoch)
     return model_cfg, Inputs(checkpoint, data)
+
+
+def _check_epochs(settings: Settings) -> None:
+    """A length in epochs needs a corpus to count them in; what is counted per epoch
+    needs the length in epochs (``Settings.in_steps``)."""
+    t = settings.train
+    if t.epochs and settings.data.source == "synthetic":
+        raise ConfigError(f"train.epochs={t.epochs:g} counts passes over a corpus, and "
+                          "data.source='synthetic' has none: set train.steps instead.")
+    if not t.epochs:
+        for field, value in (("train.evals_per_epoch", t.evals_per_epoch),
+                             ("checkpoint.saves_per_epoch", settings.checkpoint.saves_per_epoch)):
+            if value:
+                raise ConfigError(f"{field}={value} counts per epoch, and train.epochs is 0: "
+                                  "set train.epochs (e.g. 3), or count in steps "
+                                  "(train.eval_every, checkpoint.every).")
 
 
 def check_fields(config: ml_collections.ConfigDict | Settings, platform: str | None = None

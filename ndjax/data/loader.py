@@ -388,6 +388,12 @@ class Loader:
         epoch_at = getattr(self.source, "epoch_at", None)
         return None if epoch_at is None else float(epoch_at(step * self.batch_size))
 
+    def rows_per_epoch(self) -> int | None:
+        """Rows of the corpus's first epoch, after packing: what train.epochs counts in
+        (``Settings.in_steps``); None for a source without epochs (synthetic)."""
+        rows = getattr(self.source, "rows_per_epoch", None)
+        return None if rows is None else int(rows())
+
     def __iter__(self) -> Loader:
         return self
 

@@ -67,6 +67,11 @@ class EpochSource(RowSource, Protocol):
         own epoch before it."""
         ...
 
+    def rows_per_epoch(self) -> int:
+        """The rows of the first epoch (later ones may differ by a few where packing
+        depends on the epoch's order)."""
+        ...
+
 
 _MASK64 = np.uint64(0xFFFFFFFFFFFFFFFF)
 
@@ -142,6 +147,9 @@ class _Slot:
     def epoch_at(self, t: int, seq_len: int) -> float:
         return t / ((self.total - 1) // seq_len)
 
+    def rows_per_epoch(self, seq_len: int) -> int:
+        return (self.total - 1) // seq_len
+
     def take(self, order: np.ndarray, ends: np.ndarray, offset: int, width: int
              ) -> tuple[np.ndarray, np.ndarray]:
         """``width`` tokens of the stream in ``order`` from ``offset``, and a document key
@@ -192,6 +200,9 @@ class _BoundedSlot(_Slot):
         e = self._epoch_of(t)
         return e + (t - self._firsts[e]) / len(self.layout(e))
 
+    def rows_per_epoch(self, seq_len: int) -> int:
+        return len(self.layout(0))
+
     def row(self, t: int, seq_len: int) -> tuple[np.ndarray, np.ndarray]:
         """Row ``t``, padded to ``seq_len + 1`` tokens; the padding's key is -1."""
         e = self._epoch_of(t)
@@ -224,6 +235,9 @@ class _PaddedSlot(_Slot):
     def epoch_at(self, t: int, seq_len: int) -> float:
         return t / len(self.piece_doc)
 
+    def rows_per_epoch(self, seq_len: int) -> int:
+        return len(self.piece_doc)
+
     def piece(self, t: int) -> np.ndarray:
         e, i = divmod(t, len(self.piece_doc))
         p = self.epoch(e, len(self.piece_doc))[0][i]
@@ -254,6 +268,9 @@ class TextRows:
 
     def epoch_at(self, row: int) -> float:
         return self.stream.epoch_at(row, self.seq_len)
+
+    def rows_per_epoch(self) -> int:
+        return self.stream.rows_per_epoch(self.seq_len)
 
     def rows(self, step: int, start: int, count: int) -> dict[str, np.ndarray]:
         g = range(step * self.batch_size + start, step * self.batch_size + start + count)
@@ -306,6 +323,9 @@ class ChatRows:
     def epoch_at(self, row: int) -> float:
         e = self._epoch_of(row)
         return e + (row - self._firsts[e]) / len(self.epoch(e))
+
+    def rows_per_epoch(self) -> int:
+        return len(self.epoch(0))
 
     def _row(self, g: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         e = self._epoch_of(g)
@@ -376,6 +396,9 @@ class TokenRows:
 
     def epoch_at(self, row: int) -> float:
         return row / self.n_rows
+
+    def rows_per_epoch(self) -> int:
+        return self.n_rows
 
     def rows(self, step: int, start: int, count: int) -> dict[str, np.ndarray]:
         g = step * self.batch_size + np.arange(start, start + count, dtype=np.int64)

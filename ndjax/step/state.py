@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import jax
@@ -20,7 +21,8 @@ class TrainState:
 
 
 def make_schedule(train: TrainSettings) -> optax.Schedule:
-    warmup = max(int(train.warmup_steps), 0)
+    warmup = (math.ceil(train.warmup_ratio * train.steps) if train.warmup_ratio
+              else max(int(train.warmup_steps), 0))
     if train.schedule == "linear":
         return _linear(train.lr, warmup, int(train.steps))
     if train.schedule == "constant":

@@ -20,7 +20,7 @@ import ml_collections
 from ndjax.config import Settings
 from ndjax.data.loader import dropped_overlong, open_loader
 from ndjax.data.tokenizers import load_tokenizer
-from ndjax.experiment import Experiment
+from ndjax.experiment import Experiment, Inputs
 from ndjax.runs import hf
 from ndjax.runs import workdir as workdir_lib
 from ndjax.runs.checkpoint import Checkpointer, check_resume
@@ -208,6 +208,16 @@ def train(config: ml_collections.ConfigDict, workdir: str,
         data = open_loader(exp.data, rows=exp.local_rows, transform=exp.device_batch,
                            max_runs=exp.max_runs)
         cleanup.callback(data.close)
+        epoch_note = None
+        if s.train.epochs:
+            # A length in epochs is known once the data is packed: the experiment is built
+            # again on its steps (nothing has compiled; the inputs are not checked twice).
+            rows = data.rows_per_epoch()
+            exp = Experiment.from_config(s.in_steps(rows), devices,
+                                         inputs=Inputs(exp.checkpoint, exp.data))
+            s = exp.settings
+            epoch_note = (f"data: an epoch is {rows} rows; train.epochs={s.train.epochs:g} is "
+                          f"{s.train.steps} steps of {s.train.batch_size} rows")
         # Chat conversations too long for a row (data.overlong), over all processes;
         # known once the shares are read, logged with every step.
         data_counts = ({"data/dropped_overlong": dropped_overlong(data)}
@@ -248,6 +258,8 @@ def train(config: ml_collections.ConfigDict, workdir: str,
         cleanup.callback(sinks.close)
         for line in summary.startup(exp, workdir, resume_step):
             sinks.message(line)
+        if epoch_note:
+            sinks.message(epoch_note)
         if data_counts.get("data/dropped_overlong"):
             sinks.message(f"data: left out {data_counts['data/dropped_overlong']} conversations "
                           f"longer than train.seq_len + 1 = {s.train.seq_len + 1} tokens "
