@@ -273,8 +273,27 @@ def test_sft_yaml_with_chat_template_datasets(files):
     assert exp.settings.train.eval_every == 10 and exp.settings.data.source == "chat"
 
 
+def test_num_epochs_is_a_length_in_epochs_with_evals_and_saves_per_epoch(files):
+    # Axolotl's usual length (225 of its 245 dataset examples): ndjax counts the steps
+    # from the rows an epoch packs into (train.epochs), and what is counted per epoch
+    # with it; the converted config passes ndjax's checks and builds.
+    raw = {**yaml_of(SFT_YAML, files), "max_steps": None, "num_epochs": 2, "eval_steps": None,
+           "save_steps": None, "saves_per_epoch": 4}
+    raw = {k: v for k, v in raw.items() if v is not None}
+    conv = from_axolotl.convert(raw, devices=8)
+    o = conv.overrides
+    assert "train.steps" not in o and o["train.epochs"] == 2.0
+    assert o["train.warmup_ratio"] == 0.1 and "train.warmup_steps" not in o
+    assert o["train.evals_per_epoch"] == 1  # Axolotl's default: once an epoch
+    assert o["checkpoint.saves_per_epoch"] == 4 and "checkpoint.every" not in o
+    assert_every_field_accounted_for(raw, conv)
+    config, exp = build(conv)
+    assert exp.settings.train.epochs == 2.0
+
+
 @pytest.mark.parametrize("change, message", [
-    ({"max_steps": None, "num_epochs": 2}, "max_steps is not set"),
+    ({"max_steps": None, "num_epochs": 2}, "save_steps: 0.5 must be a whole number of steps "
+     "when num_epochs sets the length"),
     ({"dp_shard_size": 3}, "--devices=8: expert_parallel_size 1 x dp_replicate_size 2 x "
      "dp_shard_size 3 x context_parallel_size 1 x tensor_parallel_size 1 is 6 GPUs"),
     ({"warmup_steps": 3}, "warmup_steps: 3 and warmup_ratio: 0.1 are both set"),

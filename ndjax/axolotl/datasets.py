@@ -42,7 +42,7 @@ class _Kind:
                          [f"{p}={v!r}" for p, v in self.settings])
 
 
-def data(f: Fields, out: Out, steps: int, tokenizer: str | None, context: int) -> None:
+def data(f: Fields, out: Out, steps: int | None, tokenizer: str | None, context: int) -> None:
     """Rows (sequence_len, sample_packing), the tokenizer (None: base_model was refused),
     and the training and validation files (datasets, test_datasets) with what to read in
     them. Each refused dataset is one problem, and the others are still read."""
@@ -87,15 +87,25 @@ def data(f: Fields, out: Out, steps: int, tokenizer: str | None, context: int) -
         out.skip("val_set_size", f.raw["val_set_size"], "ndjax splits off no fraction: put "
                  "the validation rows in a file of their own under test_datasets")
     every = out.attempt(steps_of, f, "eval_steps", steps)
+    evals = f.integer("evals_per_epoch", None, minimum=0)
     if eval_files:
         out.set("data.eval_files", ",".join(eval_files), "test_datasets[].path")
         if every is None and not f.has("eval_steps"):  # a refused one is reported
-            out.skip("eval_steps", None, "unset: Axolotl evaluates once an epoch, which ndjax "
-                     "cannot count; set eval_steps to evaluate on test_datasets")
+            if steps is None:  # a length in epochs: Axolotl's default, once an epoch
+                out.set("train.evals_per_epoch", evals or 1,
+                        f.note("evals_per_epoch", "Axolotl's default: once an epoch"))
+            else:
+                out.skip("eval_steps", None, "unset: Axolotl evaluates once an epoch, which "
+                         "ndjax counts only when num_epochs sets the length; set eval_steps "
+                         "to evaluate on test_datasets")
         else:
             out.set("train.eval_every", every, "eval_steps")
     elif every is not None:
         out.skip("eval_steps", f.raw["eval_steps"], "no test_datasets to evaluate on")
+    if evals and (every is not None or steps is not None or not eval_files):
+        out.skip("evals_per_epoch", evals, "eval_steps is set, and Axolotl reads it first"
+                 if every is not None else "no test_datasets to evaluate on" if not eval_files
+                 else "ndjax counts evaluations per epoch only when num_epochs sets the length")
 
 
 def _loss_chunk(seq_len: int, context: int) -> int | None:

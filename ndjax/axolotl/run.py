@@ -112,25 +112,30 @@ def mesh(f: Fields, out: Out, devices: int | None) -> Layout:
     return Layout(expert * replica * shard, context, expert)
 
 
-def schedule(f: Fields, out: Out, dp: int) -> int:
+def schedule(f: Fields, out: Out, dp: int) -> int | None:
     """Batch, length, AdamW and the learning-rate schedule; returns the steps (1 where
-    max_steps is refused). Fields Axolotl leaves unset get its defaults (HF Trainer's),
-    not ndjax's."""
+    max_steps is refused; None for a length in epochs, whose steps the data decides).
+    Fields Axolotl leaves unset get its defaults (HF Trainer's), not ndjax's."""
     micro = f.integer("micro_batch_size", 1, minimum=1)
     accum = f.integer("gradient_accumulation_steps", 1, minimum=1)
     out.set("train.batch_size", micro * accum * dp, f"micro_batch_size {micro} x "
             f"gradient_accumulation_steps {accum} x {dp} data-parallel GPUs")
     out.set("train.grad_accum", accum, "gradient_accumulation_steps")
     steps = f.integer("max_steps", None, minimum=1)
-    if steps is None:
-        if not f.has("max_steps"):  # a refused value is reported by the read
-            out.problem("max_steps is not set: ndjax counts a run in optimizer steps and "
-                        "cannot turn num_epochs into steps without reading the data; set "
-                        "max_steps (the rows of an epoch x num_epochs / the global batch).")
+    if steps is None and f.has("max_steps"):  # a refused value is reported by the read
         steps = 1
-    out.set("train.steps", steps, "max_steps")
-    if f.has("num_epochs"):
-        out.skip("num_epochs", f.value("num_epochs"), "max_steps sets the length, as in Axolotl")
+    if steps is not None:
+        out.set("train.steps", steps, "max_steps")
+        if f.has("num_epochs"):
+            out.skip("num_epochs", f.value("num_epochs"), "max_steps sets the length, as in "
+                     "Axolotl")
+    else:  # the length in epochs, counted from the data once it is packed, as Axolotl does
+        epochs = f.number("num_epochs", 1.0)
+        if not epochs > 0:
+            out.problem(refusal("num_epochs", epochs, "a number of passes > 0", ""))
+            epochs = 1.0
+        out.set("train.epochs", float(epochs), f.note("num_epochs", "Axolotl's default") +
+                ": steps from the rows an epoch packs into")
     lr = out.attempt(f.number, "learning_rate", fallback=0.0)
     for path, key, default in (("train.weight_decay", "weight_decay", 0.0),
                                ("train.b1", "adam_beta1", 0.9), ("train.b2", "adam_beta2", 0.999),
@@ -151,7 +156,7 @@ def schedule(f: Fields, out: Out, dp: int) -> int:
     return steps
 
 
-def _warmup(f: Fields, out: Out, steps: int) -> tuple[int, str]:
+def _warmup(f: Fields, out: Out, steps: int | None) -> tuple[int | float, str]:
     """train.warmup_steps and its note, as Axolotl hands warmup to transformers
     (AxolotlTrainerBuilder._configure_warmup_and_logging) and transformers counts it
     (TrainingArguments.get_warmup_steps)."""
@@ -175,10 +180,17 @@ def _warmup(f: Fields, out: Out, steps: int) -> tuple[int, str]:
         # transformers reads a warmup_steps below 1 as that fraction of the run's steps,
         # rounded up, and Axolotl passes the value on as it is (so its "1 becomes 2"
         # below, on the value, never applies here).
+        if steps is None:  # train.warmup_ratio: the same ceil(fraction x steps)
+            return float(value), f"warmup_steps {value:g} < 1: a fraction of the steps"
         return math.ceil(value * steps), (f"warmup_steps {value:g} < 1: that fraction of "
                                           "max_steps, rounded up (transformers' rule)")
     if value is not None:
         warmup, note = int(value), "warmup_steps"
+    elif steps is None:  # a length in epochs: the share of steps, as train.warmup_ratio
+        share = 0.03 if ratio is None else ratio
+        return float(share), (f"warmup_ratio {ratio:g}" if ratio is not None else
+                              "Axolotl's default: 3% of the steps (its cap of 100 steps is not "
+                              "kept)")
     elif ratio is not None:
         warmup, note = int(ratio * steps), f"warmup_ratio {ratio:g} x max_steps"
     else:
@@ -188,7 +200,7 @@ def _warmup(f: Fields, out: Out, steps: int) -> tuple[int, str]:
     return warmup, note
 
 
-def _lr_schedule(f: Fields, out: Out, steps: int, lr: float) -> None:
+def _lr_schedule(f: Fields, out: Out, steps: int | None, lr: float) -> None:
     """train.schedule, warmup_steps and min_lr_ratio as Axolotl's scheduler runs
     (axolotl/core/trainers/mixins/scheduler.py): its own cosine to lr x
     cosine_min_lr_ratio under lr_scheduler: cosine, else transformers' get_scheduler
@@ -222,7 +234,10 @@ def _lr_schedule(f: Fields, out: Out, steps: int, lr: float) -> None:
                          "use constant_with_warmup")
         warmup, warmup_note = 0, "lr_scheduler: constant"
     out.set("train.schedule", schedule, note)
-    out.set("train.warmup_steps", warmup, warmup_note)
+    if isinstance(warmup, float):  # a share of steps the data decides
+        out.set("train.warmup_ratio", warmup, warmup_note)
+    else:
+        out.set("train.warmup_steps", warmup, warmup_note)
     if kind == "cosine":
         _cosine(f, out, kwargs, min_ratio)
     elif kind == "cosine_with_min_lr":
@@ -339,12 +354,17 @@ def precision(f: Fields, out: Out) -> None:
     out.set("model.remat", remat, f.note("gradient_checkpointing", "false"))
 
 
-def steps_of(f: Fields, key: str, steps: int) -> int | None:
-    """save_steps / eval_steps: N steps, or a fraction of the run below 1 (HF's rule)."""
+def steps_of(f: Fields, key: str, steps: int | None) -> int | None:
+    """save_steps / eval_steps: N steps, or a fraction of the run below 1 (HF's rule;
+    refused for a length in epochs, whose steps ndjax counts once the data is read)."""
     value = f.value(key)
     if value is None:
         return None
     if isinstance(value, float) and 0 < value < 1:
+        if steps is None:
+            bad(key, value, "a whole number of steps when num_epochs sets the length (ndjax "
+                "counts the steps once it reads the data); or give the count per epoch "
+                f"({'evals' if key == 'eval_steps' else 'saves'}_per_epoch)")
         return math.ceil(value * steps)
     if isinstance(value, bool) or not isinstance(value, int | float) or value < 1 \
             or value != int(value):
@@ -352,11 +372,18 @@ def steps_of(f: Fields, key: str, steps: int) -> int | None:
     return int(value)
 
 
-def outputs(f: Fields, out: Out, steps: int) -> None:
+def outputs(f: Fields, out: Out, steps: int | None) -> None:
     seed = f.integer("seed", None)
     if seed is not None:
         out.set("train.seed", seed, "seed")
     every = out.attempt(steps_of, f, "save_steps", steps)
+    saves = f.integer("saves_per_epoch", None, minimum=0)
+    if saves and steps is None and every is None:
+        out.set("checkpoint.saves_per_epoch", saves, "saves_per_epoch")
+    elif saves:
+        out.skip("saves_per_epoch", saves, "ndjax counts saves per epoch only when num_epochs "
+                 "sets the length" if steps is not None else "save_steps is set, and Axolotl "
+                 "reads it first")
     if every is not None:
         out.set("checkpoint.every", every, "save_steps")
         if f.raw.get("save_strategy") in (None, "steps"):  # what save_steps implies
