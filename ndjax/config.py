@@ -385,6 +385,10 @@ class DataSettings:
     source: str = setting("builtin", choices=SOURCES)
     files: str = setting("", hint=" (comma-separated paths or globs)")
     eval_files: str = setting("")  # the validation split of those sources, same format
+    # Or a seeded share of data.files' documents held out as the validation split
+    # (Axolotl's val_set_size); 0: none.
+    eval_fraction: float = setting(0.0, ge=0, lt=1, hint=" (the share of data.files held "
+                                                         "out for evaluation; 0: none)")
     text_field: str = setting("text")  # JSON Lines key / Parquet column holding the text
     # chat: JSON Lines / Parquet conversations, rendered with the tokenizer's chat
     # template; only the assistant's tokens are learned (docs/fine-tuning.md).

@@ -183,3 +183,23 @@ def test_resume_within_a_bound_gives_the_batches_of_an_uninterrupted_run(tmp_pat
             for step in range(25, 40):
                 assert_same(next(resumed), {k: v[p * 4:p * 4 + 4]
                                             for k, v in uninterrupted[step].items()})
+
+
+def test_eval_fraction_holds_out_a_seeded_share_of_the_documents(tmp_path):
+    # Axolotl's val_set_size: the validation split is a seeded share of data.files
+    # (rounded up), the training split the rest, no document in both, the same for any
+    # process count.
+    from ndjax.data.loader import held_out
+    docs = list(range(40))
+    train, held = held_out(docs, 0.1, 3, "train"), held_out(docs, 0.1, 3, "eval")
+    assert len(held) == 4 and sorted(train + held) == docs and not set(train) & set(held)
+    assert held != docs[-4:] and held_out(docs, 0.1, 4, "eval") != held  # seeded
+    config = config_for("jsonl", tmp_path, seq_len=32)
+    config.data.eval_fraction = 0.25
+    with make_loader(config, VOCAB, prefetch=0) as train_rows, \
+            make_loader(config, VOCAB, "eval", prefetch=0) as eval_rows:
+        assert train_rows.source.stream.total > eval_rows.source.stream.total > 0
+    config.data.eval_files = config.data.files
+    with pytest.raises(ConfigError, match=r"data.eval_fraction=0.25 holds out part of "
+                                          r"data.files .* keep one"):
+        make_loader(config, VOCAB, prefetch=0)

@@ -291,6 +291,18 @@ def test_num_epochs_is_a_length_in_epochs_with_evals_and_saves_per_epoch(files):
     assert exp.settings.train.epochs == 2.0
 
 
+def test_val_set_size_holds_out_a_share_of_the_dataset(files):
+    raw = {k: v for k, v in yaml_of(SFT_YAML, files).items() if k != "test_datasets"}
+    raw["val_set_size"] = 0.1
+    conv = from_axolotl.convert(raw, devices=8)
+    o = conv.overrides
+    assert o["data.eval_fraction"] == 0.1 and "data.eval_files" not in o
+    assert o["train.eval_every"] == 10  # eval_steps
+    assert_every_field_accounted_for(raw, conv)
+    config, exp = build(conv)
+    assert exp.settings.data.eval_fraction == 0.1
+
+
 @pytest.mark.parametrize("change, message", [
     ({"max_steps": None, "num_epochs": 2}, "save_steps: 0.5 must be a whole number of steps "
      "when num_epochs sets the length"),

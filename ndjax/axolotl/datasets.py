@@ -83,13 +83,23 @@ def data(f: Fields, out: Out, steps: int | None, tokenizer: str | None, context:
     tests = f.value("test_datasets")
     _, eval_files, _ = _datasets(f, out, "test_datasets", tests, kind) if tests \
         else (None, [], False)
-    if f.number("val_set_size", 0.0, maximum=1.0) > 0:
-        out.skip("val_set_size", f.raw["val_set_size"], "ndjax splits off no fraction: put "
-                 "the validation rows in a file of their own under test_datasets")
+    val = f.number("val_set_size", 0.0, maximum=1.0)
+    held = False
+    if val > 0 and eval_files:
+        out.skip("val_set_size", f.raw["val_set_size"], "test_datasets is the validation set, "
+                 "as in Axolotl")
+    elif val > 0 and val < 1 and kind is not None:
+        out.set("data.eval_fraction", float(val), "val_set_size: a seeded share of datasets "
+                "held out")
+        held = True
+    elif val > 0:
+        out.skip("val_set_size", f.raw["val_set_size"], "ndjax holds out a share below 1 of a "
+                 "dataset it reads")
     every = out.attempt(steps_of, f, "eval_steps", steps)
     evals = f.integer("evals_per_epoch", None, minimum=0)
-    if eval_files:
-        out.set("data.eval_files", ",".join(eval_files), "test_datasets[].path")
+    if eval_files or held:
+        if eval_files:
+            out.set("data.eval_files", ",".join(eval_files), "test_datasets[].path")
         if every is None and not f.has("eval_steps"):  # a refused one is reported
             if steps is None:  # a length in epochs: Axolotl's default, once an epoch
                 out.set("train.evals_per_epoch", evals or 1,
@@ -97,15 +107,17 @@ def data(f: Fields, out: Out, steps: int | None, tokenizer: str | None, context:
             else:
                 out.skip("eval_steps", None, "unset: Axolotl evaluates once an epoch, which "
                          "ndjax counts only when num_epochs sets the length; set eval_steps "
-                         "to evaluate on test_datasets")
+                         "to evaluate")
         else:
             out.set("train.eval_every", every, "eval_steps")
     elif every is not None:
-        out.skip("eval_steps", f.raw["eval_steps"], "no test_datasets to evaluate on")
-    if evals and (every is not None or steps is not None or not eval_files):
+        out.skip("eval_steps", f.raw["eval_steps"], "no test_datasets or val_set_size to "
+                 "evaluate on")
+    if evals and (every is not None or steps is not None or not (eval_files or held)):
         out.skip("evals_per_epoch", evals, "eval_steps is set, and Axolotl reads it first"
-                 if every is not None else "no test_datasets to evaluate on" if not eval_files
-                 else "ndjax counts evaluations per epoch only when num_epochs sets the length")
+                 if every is not None else "no test_datasets or val_set_size to evaluate on"
+                 if not (eval_files or held) else
+                 "ndjax counts evaluations per epoch only when num_epochs sets the length")
 
 
 def _loss_chunk(seq_len: int, context: int) -> int | None:

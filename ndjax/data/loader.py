@@ -16,6 +16,7 @@ from a whole config (scripts and tests).
 from __future__ import annotations
 
 import dataclasses
+import math
 import queue
 import threading
 import zlib
@@ -62,12 +63,39 @@ class DataInput:
     template: ChatTemplate | None = None
 
 
-def _files_field(split: str) -> str:
-    return "data.files" if split == "train" else "data.eval_files"
+def _held_out(d: DataSettings) -> bool:
+    """Whether the validation split is a share of data.files (data.eval_fraction)."""
+    return d.eval_fraction > 0
+
+
+def _files_field(split: str, d: DataSettings | None = None) -> str:
+    return "data.files" if split == "train" or (d and _held_out(d)) else "data.eval_files"
 
 
 def _files(d: DataSettings, split: str) -> str:
-    return d.files if split == "train" else d.eval_files
+    return d.files if split == "train" or _held_out(d) else d.eval_files
+
+
+def _corpus_split(d: DataSettings, split: str) -> str:
+    """The split of the files to read: a held-out share is taken from the training one."""
+    return "train" if _held_out(d) else split
+
+
+def held_out(documents: list, fraction: float, seed: int, split: str) -> list:
+    """``split``'s documents when a seeded ``fraction`` of them (at least one, rounded up,
+    as datasets' train_test_split rounds its test share) is the validation split; the
+    others train. The same documents for any process count."""
+    if not fraction:
+        return documents
+    n = len(documents)
+    k = min(math.ceil(fraction * n), n - 1)
+    if k < 1:
+        raise ConfigError(f"data.eval_fraction={fraction:g} of {n} document(s) holds out none "
+                          "and leaves none: use more data or data.eval_files.")
+    chosen = np.zeros(n, bool)
+    chosen[np.random.default_rng([seed, 0x5E7A]).permutation(n)[:k]] = True
+    keep = chosen if split == "eval" else ~chosen
+    return [doc for doc, kept in zip(documents, keep) if kept]
 
 
 def _check_source(d: DataSettings, eval_every: int) -> None:
@@ -77,10 +105,17 @@ def _check_source(d: DataSettings, eval_every: int) -> None:
             raise ConfigError(f"data.source={d.source!r} reads data.files, which is empty: set "
                               "it to comma-separated paths or globs, e.g. "
                               "--config.data.files='corpus/*.txt'.")
-        if eval_every and not sources.split_patterns(d.eval_files):
+        if eval_every and not sources.split_patterns(d.eval_files) and not _held_out(d):
             raise ConfigError(f"train.eval_every={eval_every} needs a validation split: set "
                               f"data.eval_files (paths or globs of {d.source} files, like "
-                              "data.files) or train.eval_every=0.")
+                              "data.files), data.eval_fraction, or train.eval_every=0.")
+        if _held_out(d) and sources.split_patterns(d.eval_files):
+            raise ConfigError(f"data.eval_fraction={d.eval_fraction:g} holds out part of "
+                              "data.files as the validation split, and data.eval_files names "
+                              "another: keep one.")
+        if _held_out(d) and d.source == "tokens":
+            raise ConfigError(f"data.eval_fraction={d.eval_fraction:g} holds out documents, "
+                              "which token files do not index: set data.eval_files instead.")
     elif sources.split_patterns(d.files) or sources.split_patterns(d.eval_files):
         raise ConfigError(f"data.source={d.source!r} reads no files, but data.files / "
                           "data.eval_files are set; did you mean data.source=text, jsonl, "
@@ -136,7 +171,7 @@ def check(d: DataSettings, batches: Batches, vocab_size: int, eval_every: int = 
     template = (load_chat_template(d.tokenizer, d.chat_template)
                 if d.source == "chat" and d.format == "chat" else None)
     for split in ("train", "eval") if eval_every else ("train",):
-        field = _files_field(split)
+        field = _files_field(split, d)
         if d.source == "tokens":
             files = sources.open_token_files(_files(d, split), field, d.token_dtype)
             _token_eos(files, tok, field)
@@ -153,8 +188,8 @@ def check(d: DataSettings, batches: Batches, vocab_size: int, eval_every: int = 
                     f"(train.batch_size={b.batch_size} rows); use more data or a smaller "
                     "batch_size/seq_len.")
         else:
-            corpus = sources.open_corpus(d.source, _files(d, split), field,
-                                         d.text_field, split, columns=_chat_columns(d))
+            corpus = sources.open_corpus(d.source, _files(d, split), field, d.text_field,
+                                         _corpus_split(d, split), columns=_chat_columns(d))
             if corpus.total == 0:
                 raise ConfigError(f"{corpus.field}: the corpus ({_names(corpus.files)}) is "
                                   "empty; name files that hold data.")
@@ -198,10 +233,11 @@ def process_rows(batch_size: int, process_index: int | None = None,
 def _text_rows(inp: DataInput, split: str, max_runs: int | None) -> tuple[TextRows, int]:
     """Reads and tokenizes the whole corpus; checks it fills a row."""
     d, t, tok = inp.data, inp.batches, inp.tokenizer
-    field = _files_field(split)
+    field = _files_field(split, d)
     corpus = sources.open_corpus(d.source, _files(d, split), field, d.text_field,
-                                 split, seed=t.seed)
-    docs = _tokenize(corpus.share(0, corpus.total), tok)
+                                 _corpus_split(d, split), seed=t.seed)
+    docs = _tokenize(iter(held_out(list(corpus.share(0, corpus.total)), d.eval_fraction,
+                                   t.seed, split)), tok)
     need = t.seq_len + 1 if d.packing else 1
     tokens = sum(len(x) + 1 for x in docs)
     if tokens < need:
@@ -218,9 +254,10 @@ def _text_rows(inp: DataInput, split: str, max_runs: int | None) -> tuple[TextRo
 def _chat_rows(inp: DataInput, split: str, max_runs: int | None) -> tuple[ChatRows, int]:
     """Renders, tokenizes and fits every conversation; checks one is kept."""
     d, t, tok, template = inp.data, inp.batches, inp.tokenizer, inp.template
-    corpus = sources.open_corpus(d.source, _files(d, split), _files_field(split),
-                                 d.text_field, split, seed=t.seed, columns=_chat_columns(d))
-    docs = list(corpus.share(0, corpus.total))
+    corpus = sources.open_corpus(d.source, _files(d, split), _files_field(split, d),
+                                 d.text_field, _corpus_split(d, split), seed=t.seed,
+                                 columns=_chat_columns(d))
+    docs = held_out(list(corpus.share(0, corpus.total)), d.eval_fraction, t.seed, split)
     encoded = [pair for k in range(0, len(docs), _TOKENIZE_BATCH)
                for pair in _encode(docs[k:k + _TOKENIZE_BATCH], d, tok, template, t.seq_len)]
     fitted = [chat.fit(ids, mask, t.seq_len + 1, d.overlong) for ids, mask in encoded
@@ -341,6 +378,8 @@ def open_loader(inp: DataInput, split: str = "train", *,
     else:
         make_rows = _chat_rows if d.source == "chat" else _text_rows
         source, fingerprint = make_rows(inp, split, max_runs)
+        if _held_out(d):  # which documents train depends on the share held out
+            fingerprint = zlib.crc32(f"{fingerprint}:{d.eval_fraction}".encode())
     state_key = {"batch_size": t.batch_size, "seq_len": t.seq_len, "seed": t.seed,
                  "corpus": fingerprint}
     return Loader(source, start, count, state_key,
