@@ -120,6 +120,11 @@ def test_vs_maxtext_tiny():
     assert len(gathers) == 1 and int(gathers[0][1].split(",")[0]) > 0, lines
 
 
+def test_sft_input_tiny():
+    lines = run_tiny("sft_input.py").stdout.splitlines()
+    assert lines[1].startswith("| tree | open s | fill |") and lines[3].startswith("| this tree |")
+
+
 def test_data_wait_tiny():
     lines = run_tiny("data_wait.py").stdout.splitlines()
     assert [r[0] for r in table_rows(lines, "2", "0")] == ["2", "0"], lines
