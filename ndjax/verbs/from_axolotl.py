@@ -79,6 +79,13 @@ def convert(raw: Mapping[str, Any], devices: int | None = None) -> Conversion:
     workdir = run.workdir(f, out, out.attempt(adapter.lora, f, out, fallback=True))
     for key in f.rest():
         out.skip(str(key), f.raw[key], reason(str(key), f.raw[key]))
+    # A field read and found off (lora_model_dir:, load_in_8bit: false, val_set_size: 0)
+    # that no setting names is listed too: nothing a user wrote goes unmentioned.
+    named = " ".join(out.notes.values())
+    for key in f.read:
+        if key in f.raw and key not in out.unmapped and key not in named and \
+                reason(str(key), f.raw[key]) == "off, nothing to map":
+            out.skip(str(key), f.raw[key], "off, nothing to map")
     order = {str(key): i for i, key in enumerate(raw)}  # as the YAML lists them
     unmapped = sorted(out.unmapped.values(),
                       key=lambda u: order.get(re.split(r"[.\[]", u.field)[0], len(order)))
