@@ -72,8 +72,8 @@ def measure(files: str, tokenizer: str, batch: int, seq_len: int, steps: int) ->
         real += int((b["segment_ids"] > 0).sum())
         for r in range(batch):
             row = {k: v[r] for k, v in b.items()}
-            # A conversation's inputs but its last token (a row's last one may end on it).
-            seen.update(tuple(piece[:-1].tolist()) for piece in unpack(row))
+            # A conversation by its first 32 tokens (its user text follows the header).
+            seen.update(tuple(piece[:32].tolist()) for piece in unpack(row))
     loader.close()
     total = sum(1 for _ in open(files))
     return {"open_s": opened, "fill": real / (steps * batch * seq_len),
@@ -105,14 +105,20 @@ def main() -> None:
             env = {**os.environ, "PYTHONPATH": os.pathsep.join([tree, str(ROOT / "tests")])}
             out = subprocess.run([sys.executable, __file__, "--child", files, tok,
                                   f"--batch={a.batch}", f"--seq_len={a.seq_len}",
-                                  f"--steps={a.steps}"], cwd=tree, env=env, check=True,
-                                 capture_output=True, text=True).stdout
-            rows.append((name, tree, json.loads(out.strip().splitlines()[-1])))
+                                  f"--steps={a.steps}"], cwd=tree, env=env,
+                                 capture_output=True, text=True)
+            if out.returncode:  # a tree that refuses the set: its one-line error
+                rows.append((name, tree, out.stderr.strip().splitlines()[-1]))
+            else:
+                rows.append((name, tree, json.loads(out.stdout.strip().splitlines()[-1])))
     print(f"{a.conversations} conversations, batch {a.batch} x {a.seq_len} tokens, "
           f"first {a.steps} steps")
     print("| tree | open s | fill | conversations seen | batches/s | tokens/s |")
     print("|:--|--:|--:|--:|--:|--:|")
     for name, _, r in rows:
+        if isinstance(r, str):
+            print(f"| {name} | refused: {r} | | | | |")
+            continue
         print(f"| {name} | {r['open_s']:.1f} | {100 * r['fill']:.1f}% | {100 * r['seen']:.1f}% "
               f"| {r['batches_per_s']:.1f} | {r['tokens_per_s']:,.0f} |")
 
