@@ -300,7 +300,13 @@ def test_dead_coordinator_stops_the_worker(tmp_path):
         kill_all(procs)
     assert procs[1].returncode != 0
     assert elapsed < 20
-    assert "leader task" in err or "lost the coordinator (process 0)" in err, err[-3000:]
+    # Named as the coordinator's loss, by jax or ndjax's watch; or, on CPU hosts only, the
+    # worker is inside a gloo collective when its peer dies and gloo aborts the process
+    # itself (an uncaught C++ exception, before Python can say more: seen in one of
+    # three CI runs on 2026-12-06). Either way the worker stops at once.
+    gloo_abort = "gloo::EnforceNotMet" in err and "Aborted" in err
+    assert "leader task" in err or "lost the coordinator (process 0)" in err or gloo_abort, \
+        err[-3000:]
     assert "spans hosts" not in finish(procs[0], 0)[1] + err
 
 
