@@ -16,14 +16,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+import datasets  # a dependency of ndjax (pyproject.toml)
 import pytest
 from data_files import conversations, data_config, write_chat_jsonl, write_chat_tokenizer
 
 from ndjax.data import sources
 from ndjax.data.loader import make_loader
 from ndjax.runtime.errors import ConfigError
-
-datasets = pytest.importorskip("datasets")
 
 COLUMNS = ("messages", "prompt", "completion")  # what data.source=chat asks for
 ROWS = [{"prompt": f"question {i}?", "completion": f"answer {i}.", "extra": i} for i in range(7)]

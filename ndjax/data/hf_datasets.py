@@ -114,11 +114,6 @@ def open_dataset(entries: Sequence[str], field: str, split: str, columns: tuple[
     """Loads data.files' ``entries`` (one dataset) with no network; ``split`` is ndjax's
     'train' or 'eval'. Every failure is one ConfigError naming ``field`` and the value."""
     spec = ",".join(entries)
-    try:
-        import datasets  # noqa: F401  (only to say what is missing)
-    except ImportError:
-        raise ConfigError(f"{field}: reading {spec!r} needs Hugging Face datasets: "
-                          "pip install 'datasets>=4'.") from None
     with _offline():
         try:
             ds, key = _load(entries, spec, field, split)

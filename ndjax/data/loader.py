@@ -236,8 +236,10 @@ def _text_rows(inp: DataInput, split: str, max_runs: int | None) -> tuple[TextRo
     field = _files_field(split, d)
     corpus = sources.open_corpus(d.source, _files(d, split), field, d.text_field,
                                  _corpus_split(d, split), seed=t.seed)
-    docs = _tokenize(iter(held_out(list(corpus.share(0, corpus.total)), d.eval_fraction,
-                                   t.seed, split)), tok)
+    documents = corpus.share(0, corpus.total)
+    if _held_out(d):  # the share held out is chosen over the whole list
+        documents = iter(held_out(list(documents), d.eval_fraction, t.seed, split))
+    docs = _tokenize(documents, tok)
     need = t.seq_len + 1 if d.packing else 1
     tokens = sum(len(x) + 1 for x in docs)
     if tokens < need:

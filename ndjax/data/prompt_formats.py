@@ -95,7 +95,7 @@ def encode(records: Sequence[dict], fmt: str, tok: HFTokenizer, *, style: str = 
         limit = None if sequence_len is None else COMPLETION_MAX * sequence_len
         return [_join([(ids, True)], dtype) for ids in _tokenize(tok, texts, limit)]
     segments = _each(records, _segments)
-    flat = tok._tok.encode_batch([t for s in segments for t, _ in s], add_special_tokens=False)
+    flat = tok.tokenizer.encode_batch([t for s in segments for t, _ in s], add_special_tokens=False)
     pieces = iter(e.ids for e in flat)
     return [_join([(next(pieces), label or train_on_inputs) for _, label in s], dtype)
             for s in segments]
@@ -194,7 +194,7 @@ def _tokenize(tok: HFTokenizer, texts: list[str], max_length: int | None, *,
               add_eos: bool = True, strip_bos: bool = False) -> list[list[int]]:
     """Axolotl's PromptTokenizingStrategy._tokenize over ``texts``: transformers'
     ``tokenizer(text, truncation=True, max_length=max_length)``, then its EOS and BOS rules."""
-    raw = tok._tok
+    raw = tok.tokenizer
     # transformers truncates before the post-processor, keeping room for its tokens.
     room = raw.post_processor.num_special_tokens_to_add(False) if raw.post_processor else 0
     out = []

@@ -38,7 +38,8 @@ let their last document fill the row. Without it the rows are as they always wer
 from __future__ import annotations
 
 import bisect
-from collections.abc import Sequence
+import threading
+from collections.abc import Callable, Sequence
 from typing import Protocol
 
 import numpy as np
@@ -105,6 +106,28 @@ def permute(index: np.ndarray, n: int, key: Sequence[int]) -> np.ndarray:
     return out.astype(np.int64)
 
 
+class _EpochStarts:
+    """Where each epoch starts in a stream whose epochs hold ``rows_in(e)`` rows (packing
+    makes them differ), laid out as far as asked, once. ``lock`` is the source's, which
+    also guards its cache of laid-out epochs: the loader thread asks for rows while the
+    training loop asks where a step stands (``epoch_at``)."""
+
+    def __init__(self, rows_in: Callable[[int], int], lock: threading.RLock):
+        self.rows_in, self.firsts, self.lock = rows_in, [0], lock
+
+    def locate(self, t: int) -> tuple[int, int]:
+        """(the epoch of global row ``t``, its row within that epoch)."""
+        with self.lock:
+            while self.firsts[-1] <= t:
+                self.firsts.append(self.firsts[-1] + self.rows_in(len(self.firsts) - 1))
+            e = bisect.bisect_right(self.firsts, t) - 1
+            return e, t - self.firsts[e]
+
+    def position(self, t: int) -> float:
+        e, i = self.locate(t)
+        return e + i / self.rows_in(e)
+
+
 class _Slot:
     """The infinite stream of rows over a corpus's documents (see the module docstring)."""
 
@@ -120,18 +143,20 @@ class _Slot:
             self.flat[s:s + n - 1], self.flat[s + n - 1] = d, eos_id
         self.total = len(self.flat)
         self._epochs: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+        self._lock = threading.RLock()  # the cache, read by the loader thread and epoch_at
 
     def epoch(self, e: int, n: int) -> tuple[np.ndarray, np.ndarray]:
         """The shuffled order of ``n`` items in epoch ``e``, and the end offset of each
         document in that order. Only the latest two epochs are kept: steps move forward."""
-        cached = self._epochs.get(e)
-        if cached is None:
-            for old in sorted(self._epochs)[:-1]:
-                self._epochs.pop(old, None)
-            order = np.random.default_rng([*self.key, e]).permutation(n)
-            ends = np.cumsum(self.lengths[order]) if self.packed else order[:0]
-            cached = self._epochs[e] = order, ends
-        return cached
+        with self._lock:
+            cached = self._epochs.get(e)
+            if cached is None:
+                for old in sorted(self._epochs)[:-1]:
+                    self._epochs.pop(old, None)
+                order = np.random.default_rng([*self.key, e]).permutation(n)
+                ends = np.cumsum(self.lengths[order]) if self.packed else order[:0]
+                cached = self._epochs[e] = order, ends
+            return cached
 
     def row(self, t: int, seq_len: int) -> tuple[np.ndarray, np.ndarray]:
         """Row ``t``: a window of ``seq_len + 1`` tokens at a multiple of ``seq_len`` in the
@@ -180,34 +205,29 @@ class _BoundedSlot(_Slot):
         super().__init__(docs, key, eos_id)
         self.seq_len, self.max_runs, self.pad_id = seq_len, max_runs, pad_id
         self._layouts: dict[int, np.ndarray] = {}
-        self._firsts = [0]  # the first step of epochs 0, 1, ...: as far as laid out
+        self._starts = _EpochStarts(lambda e: len(self.layout(e)), self._lock)
 
     def layout(self, e: int) -> np.ndarray:
-        cached = self._layouts.get(e)
-        if cached is None:
-            for old in sorted(self._layouts)[:-1]:
-                self._layouts.pop(old, None)
-            ends = self.epoch(e, len(self.lengths))[1]
-            cached = self._layouts[e] = bounded_rows(ends, self.seq_len, self.max_runs)
-        return cached
-
-    def _epoch_of(self, t: int) -> int:
-        while self._firsts[-1] <= t:
-            self._firsts.append(self._firsts[-1] + len(self.layout(len(self._firsts) - 1)))
-        return bisect.bisect_right(self._firsts, t) - 1
+        with self._lock:
+            cached = self._layouts.get(e)
+            if cached is None:
+                for old in sorted(self._layouts)[:-1]:
+                    self._layouts.pop(old, None)
+                ends = self.epoch(e, len(self.lengths))[1]
+                cached = self._layouts[e] = bounded_rows(ends, self.seq_len, self.max_runs)
+            return cached
 
     def epoch_at(self, t: int, seq_len: int) -> float:
-        e = self._epoch_of(t)
-        return e + (t - self._firsts[e]) / len(self.layout(e))
+        return self._starts.position(t)
 
     def rows_per_epoch(self, seq_len: int) -> int:
         return len(self.layout(0))
 
     def row(self, t: int, seq_len: int) -> tuple[np.ndarray, np.ndarray]:
         """Row ``t``, padded to ``seq_len + 1`` tokens; the padding's key is -1."""
-        e = self._epoch_of(t)
+        e, i = self._starts.locate(t)
         rows = self.layout(e)
-        i = int(permute(np.array([t - self._firsts[e]]), len(rows), [*self.key, e, 1])[0])
+        i = int(permute(np.array([i]), len(rows), [*self.key, e, 1])[0])
         start, stop = (int(x) for x in rows[i])
         order, ends = self.epoch(e, len(self.lengths))
         tokens, docs = self.take(order, ends, start, stop - start)
@@ -300,37 +320,33 @@ class ChatRows:
         # max_runs - 1 conversations leave a run for the padding after them.
         self.most = None if max_runs is None else max_runs - 1
         self._epochs: dict[int, list[list[int]]] = {}
-        self._firsts = [0]  # the first row of epochs 0, 1, ...: as far as laid out
+        self._lock = threading.RLock()  # the cache, read by the loader thread and epoch_at
+        self._starts = _EpochStarts(lambda e: len(self.epoch(e)), self._lock)
 
     def epoch(self, e: int) -> list[list[int]]:
         """Epoch ``e``'s rows: every conversation once, in a seeded order, packed. Only
         the latest two epochs are kept: steps move forward."""
-        cached = self._epochs.get(e)
-        if cached is None:
-            for old in sorted(self._epochs)[:-1]:
-                self._epochs.pop(old, None)
-            order = np.random.default_rng([self.seed, e, 0xC4A7]).permutation(len(self.convs))
-            cached = self._epochs[e] = (
-                pack_bins(self.lengths, self.seq_len + 1, order, self.most) if self.packing
-                else [[int(i)] for i in order])
-        return cached
-
-    def _epoch_of(self, g: int) -> int:
-        while self._firsts[-1] <= g:
-            self._firsts.append(self._firsts[-1] + len(self.epoch(len(self._firsts) - 1)))
-        return bisect.bisect_right(self._firsts, g) - 1
+        with self._lock:
+            cached = self._epochs.get(e)
+            if cached is None:
+                for old in sorted(self._epochs)[:-1]:
+                    self._epochs.pop(old, None)
+                order = np.random.default_rng([self.seed, e, 0xC4A7]).permutation(
+                    len(self.convs))
+                cached = self._epochs[e] = (
+                    pack_bins(self.lengths, self.seq_len + 1, order, self.most) if self.packing
+                    else [[int(i)] for i in order])
+            return cached
 
     def epoch_at(self, row: int) -> float:
-        e = self._epoch_of(row)
-        return e + (row - self._firsts[e]) / len(self.epoch(e))
+        return self._starts.position(row)
 
     def rows_per_epoch(self) -> int:
         return len(self.epoch(0))
 
     def _row(self, g: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        e = self._epoch_of(g)
+        e, i = self._starts.locate(g)
         bins = self.epoch(e)
-        i = g - self._firsts[e]
         b = bins[int(permute(np.array([i]), len(bins), [self.seed, e, 3])[0])]
         width = self.seq_len + 1
         tokens = np.full(width, self.pad_id, np.int64)

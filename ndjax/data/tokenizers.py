@@ -19,12 +19,15 @@ import functools
 import json
 import os
 from collections.abc import Sequence
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
 from ndjax.data.chat_template import token_text
 from ndjax.runtime.errors import ConfigError
+
+if TYPE_CHECKING:
+    import tokenizers  # imported when a tokenizer.json is read (a slow import)
 
 # Special tokens of HF tokenizers that end a document, most specific first: the guess
 # when neither data.eos_token nor tokenizer_config.json names one.
@@ -125,6 +128,13 @@ class HFTokenizer:
         self.pad_id = next((i for i in (self._tok.token_to_id(t) for t in pads if t)
                             if i is not None), self.eos_id)
         self._dtype = token_dtype(self.vocab_size)
+
+    @property
+    def tokenizer(self) -> tokenizers.Tokenizer:
+        """The ``tokenizers.Tokenizer`` read from the file, for callers that tokenize by
+        other rules than ndjax's documents (Axolotl's prompt formats: special tokens
+        added, pieces tokenized apart)."""
+        return self._tok
 
     def encode_batch(self, texts: Sequence[str | bytes]) -> list[np.ndarray]:
         # Callers decode bytes themselves (sources.Document.text names the file
