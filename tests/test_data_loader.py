@@ -1,6 +1,7 @@
 """The loader: per-process shares, determinism, resume from state, the thread."""
 
 import json
+import threading
 import types
 
 import numpy as np
@@ -116,9 +117,11 @@ def test_same_seed_same_batches_and_splits_differ():
 
 
 def test_closing_a_loader_with_a_full_queue_returns():
+    before = set(threading.enumerate())
     with make_loader(data_config("synthetic"), VOCAB, prefetch=1) as loader:
         next(loader)
-    assert loader._thread is None
+        assert set(threading.enumerate()) - before  # Grain's prefetch thread
+    assert loader._batches is None and not set(threading.enumerate()) - before  # joined
 
 
 # ----- a kernel's bound on documents per row (Kernel.max_runs, model.attn_max_docs) ------------

@@ -2,12 +2,13 @@
 
 import hashlib
 
+import grain
 import numpy as np
 import pytest
 
 from ndjax.data import BATCH_FIELDS
 from ndjax.data.packing import pack_bins, packed_fields, segments_from_eos, unpack
-from ndjax.data.streams import ChatRows, TextRows, permute
+from ndjax.data.streams import ChatRows, TextRows, shuffled
 from ndjax.data.synthetic import SyntheticSource
 from ndjax.ops.attention import runs_per_row
 
@@ -67,7 +68,7 @@ def test_windows_of_an_epoch_tile_the_shuffled_stream():
     total = sum(len(d) + 1 for d in docs)
     n_windows = (total - 1) // seq_len
     stream = np.full(n_windows * seq_len + 1, -1)
-    offsets = permute(np.arange(n_windows), n_windows, [seed, 0, 1]) * seq_len
+    offsets = shuffled(np.arange(n_windows), n_windows, rows.stream.row_seed, 0) * seq_len
     for step, offset in enumerate(offsets):
         row = {k: v[0] for k, v in rows.rows(step, 0, 1).items()}
         stream[offset:offset + seq_len] = row["inputs"]
@@ -79,7 +80,7 @@ def test_windows_of_an_epoch_tile_the_shuffled_stream():
     # Split at EOS: the documents, whole, in the epoch's order.
     ends = np.flatnonzero(stream == EOS)
     found = [stream[a + 1:b].tolist() for a, b in zip(np.r_[-1, ends[:-1]], ends)]
-    order = np.random.default_rng([seed, 0]).permutation(len(docs))
+    order = shuffled(range(len(docs)), len(docs), rows.stream.doc_seed, 0)
     assert found == [docs[i].tolist() for i in order[:len(found)]]
 
 
@@ -113,11 +114,16 @@ def test_unpacked_rows_are_padded_pieces_of_one_document():
 
 
 @pytest.mark.parametrize("n", [1, 2, 3, 7, 64, 1000, 4099])
-def test_permute_is_a_bijection(n):
-    out = permute(np.arange(n), n, [7, 1])
+def test_shuffled_is_a_bijection_and_grains_shuffle_of_each_epoch(n):
+    out = shuffled(np.arange(n), n, 7, 0)
     np.testing.assert_array_equal(np.sort(out), np.arange(n))
     if n > 8:
         assert (out != np.arange(n)).mean() > 0.5
+        assert (shuffled(np.arange(n), n, 7, 1) != out).mean() > 0.5  # a fresh epoch order
+    # What docs/data.md says the order is: Grain's MapDataset.shuffle, reseeded each epoch.
+    grains = grain.MapDataset.range(n).shuffle(seed=7).repeat()
+    epochs = np.concatenate([shuffled(range(n), n, 7, e) for e in range(3)])
+    np.testing.assert_array_equal(epochs, [grains[i] for i in range(3 * n)])
 
 
 # ----- rows within a bound on runs per row (an attention kernel's, Kernel.max_runs) ------------
@@ -134,7 +140,8 @@ def digest(batches) -> str:
 def test_without_a_bound_rows_are_as_before_the_bound_existed():
     """The digests of rows without a bound: synthetic rows and pack_bins as made before
     packers took a bound; text and chat rows as the one stream over the whole corpus
-    makes them (issue 48 changed them from one stream per batch row)."""
+    makes them (issue 48 changed them from one stream per batch row), in Grain's shuffles
+    (which changed their order again; a Grain whose shuffle differs fails here)."""
     rng = np.random.default_rng(4)
     text = TextRows(_docs(rng, 40, 1, 12) + _docs(rng, 40, 1, 30), 16, 4, 2, EOS, PAD)
     convs = [(d, np.arange(len(d)) % 2) for d in _docs(rng, 30, 2, 14)]
@@ -145,7 +152,7 @@ def test_without_a_bound_rows_are_as_before_the_bound_existed():
            digest(chat.rows(t, 0, 2) for t in steps),
            digest(synthetic.rows(t, 1, 3) for t in steps),
            str(pack_bins([5, 3, 9, 2, 7, 7, 1, 4], 10, [3, 1, 0, 7, 2, 6, 5, 4]))]
-    assert got == ["0c0749af5ecc5c7b", "76902c112cbae3bd", "00a01f85f4efe3c2",
+    assert got == ["a5d182ab15bbfddf", "684e0a5c380fc0ca", "c50795560cb3a8b1",
                    "4515080d3363b582", "[[3, 1, 0], [7, 6], [2], [5], [4]]"], got
 
 

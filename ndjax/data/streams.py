@@ -12,7 +12,7 @@ reads and tokenizes it all) and builds only the rows it feeds.
 
 - ``TextRows``: the documents of epoch ``e``, each followed by EOS, in a seeded order;
   the epoch's stream is cut into its ``W`` windows of ``L+1`` tokens at stride ``L``,
-  visited in a seeded order: global row ``g`` is window ``permute(g mod W)`` of epoch
+  visited in a seeded order: global row ``g`` is window ``shuffled(g mod W)`` of epoch
   ``g // W``.
 - ``ChatRows``: rows of whole conversations (chat data). Epoch ``e`` takes every
   conversation once, in a seeded order, packed best-fit into rows of at most ``L+1``
@@ -20,8 +20,14 @@ reads and tokenizes it all) and builds only the rows it feeds.
   visits those rows in a seeded order. How many rows an epoch has depends on its
   order; a step finds its epoch by counting the rows of the epochs before it.
 - ``TokenRows``: windows of ``L+1`` tokens of pre-tokenized files at stride
-  ``L``; global row ``g = step*batch_size + j`` is window ``permute(g mod n)``
+  ``L``; global row ``g = step*batch_size + j`` is window ``shuffled(g mod n)``
   of epoch ``g // n``, a seeded bijection, so every window is seen once per epoch.
+
+Every seeded order is Grain's shuffle (``shuffled``): epoch ``e`` of an order of ``n``
+items is what ``grain.MapDataset.range(n).shuffle(seed).repeat()`` holds at ``e*n ..
+e*n + n``, computed per index, with a seed per order (``grain_seed``). Grain's packers and
+iterators are not used here: they run per process, on its share, so their rows would
+depend on the process count (docs/data.md).
 
 Every source also says where a row stands in the epochs (``epoch_at``): the epochs
 done before it and the fraction of its own.
@@ -40,9 +46,11 @@ from __future__ import annotations
 import bisect
 import threading
 from collections.abc import Callable, Sequence
+from itertools import repeat
 from typing import Protocol
 
 import numpy as np
+from grain.experimental import index_shuffle
 
 from ndjax.data.packing import (
     bounded_rows,
@@ -74,36 +82,35 @@ class EpochSource(RowSource, Protocol):
         ...
 
 
-_MASK64 = np.uint64(0xFFFFFFFFFFFFFFFF)
+# What each seeded order is of (the second half of its key, ``grain_seed``).
+_DOCUMENTS, _ROWS, _CONVERSATIONS, _BINS, _WINDOWS = 1, 2, 3, 4, 5
 
 
-def permute(index: np.ndarray, n: int, key: Sequence[int]) -> np.ndarray:
-    """A seeded bijection of ``[0, n)`` applied to ``index``, in O(1) memory.
+def grain_seed(*key: int) -> int:
+    """The 32-bit seed Grain's shuffles take, from ndjax's key: train.seed and which order
+    it seeds (documents, windows, bins), so no two orders share a seed."""
+    return int(np.random.SeedSequence(list(key)).generate_state(1)[0])
 
-    A 4-round Feistel network over the smallest domain of an even number of bits
-    that holds ``n``; values that land in ``[n, domain)`` are sent through again
-    (cycle walking), which keeps it a bijection of ``[0, n)``. A full shuffle of
-    ``n`` windows would need ``8n`` bytes: ~1 GiB for a 10B-token file at L=64.
+
+def shuffled(index: Sequence[int] | np.ndarray, n: int, seed: int, epoch: int) -> np.ndarray:
+    """Epoch ``epoch`` of Grain's seeded shuffle of ``n`` items, at positions ``index``:
+    what ``grain.MapDataset.range(n).shuffle(seed).repeat()`` holds at ``epoch * n + i``
+    for each ``i`` of ``index``.
+
+    Grain's ``index_shuffle`` (with Grain's per-epoch seed, ``seed + epoch``) is a Feistel
+    bijection of ``[0, n)`` computed per index in O(1) memory: a full shuffle of ``n``
+    windows would need ``8n`` bytes, ~1 GiB for a 10B-token file at L=64. It takes one
+    index a call, ~6 us (a million documents' order: ~6 s; docs/data.md).
     """
-    index = np.asarray(index, np.uint64)
-    if n <= 1:
-        return np.zeros_like(index)
-    half = max(1, ((n - 1).bit_length() + 1) // 2)
-    low = np.uint64((1 << half) - 1)
-    keys = np.random.default_rng(list(key)).integers(0, 1 << 62, size=4, dtype=np.uint64)
+    index = np.asarray(index, np.int64).tolist()
+    epoch_seed = (seed + epoch) % 2**32
+    return np.fromiter(map(index_shuffle, index, repeat(n - 1), repeat(epoch_seed), repeat(4)),
+                       np.int64, count=len(index))
 
-    def rounds(x: np.ndarray) -> np.ndarray:
-        left, right = x >> np.uint64(half), x & low
-        for k in keys:
-            h = (right ^ k) * np.uint64(0x9E3779B97F4A7C15) & _MASK64
-            h ^= h >> np.uint64(29)
-            left, right = right, left ^ (h & low)
-        return (left << np.uint64(half)) | right
 
-    out = rounds(index)
-    while (bad := out >= n).any():
-        out[bad] = rounds(out[bad])
-    return out.astype(np.int64)
+def one_shuffled(i: int, n: int, seed: int, epoch: int) -> int:
+    """``shuffled`` at the one position ``i``."""
+    return index_shuffle(i, max_index=n - 1, seed=(seed + epoch) % 2**32, rounds=4)
 
 
 class _EpochStarts:
@@ -133,8 +140,8 @@ class _Slot:
 
     packed = True
 
-    def __init__(self, docs: Sequence[np.ndarray], key: Sequence[int], eos_id: int):
-        self.key = list(key)
+    def __init__(self, docs: Sequence[np.ndarray], seed: int, eos_id: int):
+        self.doc_seed, self.row_seed = grain_seed(seed, _DOCUMENTS), grain_seed(seed, _ROWS)
         dtype = np.result_type(*(d.dtype for d in docs), np.min_scalar_type(eos_id))
         self.lengths = np.array([len(d) + 1 for d in docs], np.int64)   # + EOS
         self.starts = np.cumsum(self.lengths) - self.lengths
@@ -153,7 +160,7 @@ class _Slot:
             if cached is None:
                 for old in sorted(self._epochs)[:-1]:
                     self._epochs.pop(old, None)
-                order = np.random.default_rng([*self.key, e]).permutation(n)
+                order = shuffled(np.arange(n), n, self.doc_seed, e)
                 ends = np.cumsum(self.lengths[order]) if self.packed else order[:0]
                 cached = self._epochs[e] = order, ends
             return cached
@@ -166,7 +173,7 @@ class _Slot:
         n_windows = (self.total - 1) // seq_len
         e, i = divmod(t, n_windows)
         order, ends = self.epoch(e, len(self.lengths))
-        offset = int(permute(np.array([i]), n_windows, [*self.key, e, 1])[0]) * seq_len
+        offset = one_shuffled(i, n_windows, self.row_seed, e) * seq_len
         return self.take(order, ends, offset, seq_len + 1)
 
     def epoch_at(self, t: int, seq_len: int) -> float:
@@ -200,9 +207,9 @@ class _BoundedSlot(_Slot):
     epoch has depends on its document order, so a step finds its epoch by counting
     the rows of the epochs before it (once; a resumed run lays those out again)."""
 
-    def __init__(self, docs: Sequence[np.ndarray], key: Sequence[int], eos_id: int,
+    def __init__(self, docs: Sequence[np.ndarray], seed: int, eos_id: int,
                  seq_len: int, max_runs: int, pad_id: int):
-        super().__init__(docs, key, eos_id)
+        super().__init__(docs, seed, eos_id)
         self.seq_len, self.max_runs, self.pad_id = seq_len, max_runs, pad_id
         self._layouts: dict[int, np.ndarray] = {}
         self._starts = _EpochStarts(lambda e: len(self.layout(e)), self._lock)
@@ -227,7 +234,7 @@ class _BoundedSlot(_Slot):
         """Row ``t``, padded to ``seq_len + 1`` tokens; the padding's key is -1."""
         e, i = self._starts.locate(t)
         rows = self.layout(e)
-        i = int(permute(np.array([i]), len(rows), [*self.key, e, 1])[0])
+        i = one_shuffled(i, len(rows), self.row_seed, e)
         start, stop = (int(x) for x in rows[i])
         order, ends = self.epoch(e, len(self.lengths))
         tokens, docs = self.take(order, ends, start, stop - start)
@@ -241,9 +248,9 @@ class _PaddedSlot(_Slot):
 
     packed = False
 
-    def __init__(self, docs: Sequence[np.ndarray], key: Sequence[int], eos_id: int,
+    def __init__(self, docs: Sequence[np.ndarray], seed: int, eos_id: int,
                  seq_len: int):
-        super().__init__(docs, key, eos_id)
+        super().__init__(docs, seed, eos_id)
         self.seq_len = seq_len
         # Piece k of a document (with its EOS) is tokens [k*L, k*L+L]: consecutive
         # pieces overlap by one token, so every token is a target exactly once.
@@ -280,11 +287,11 @@ class TextRows:
         # Only packed rows need the bound: an unpacked row holds a piece and its padding.
         self.bounded = packing and max_runs is not None
         if not packing:
-            self.stream: _Slot = _PaddedSlot(docs, [seed], eos_id, seq_len)
+            self.stream: _Slot = _PaddedSlot(docs, seed, eos_id, seq_len)
         elif max_runs is None:
-            self.stream = _Slot(docs, [seed], eos_id)
+            self.stream = _Slot(docs, seed, eos_id)
         else:
-            self.stream = _BoundedSlot(docs, [seed], eos_id, seq_len, max_runs, pad_id)
+            self.stream = _BoundedSlot(docs, seed, eos_id, seq_len, max_runs, pad_id)
 
     def epoch_at(self, row: int) -> float:
         return self.stream.epoch_at(row, self.seq_len)
@@ -314,7 +321,8 @@ class ChatRows:
     def __init__(self, convs: Sequence[tuple[np.ndarray, np.ndarray]], seq_len: int,
                  batch_size: int, seed: int, pad_id: int, packing: bool = True,
                  dropped: int = 0, max_runs: int | None = None):
-        self.seq_len, self.batch_size, self.seed, self.pad_id = seq_len, batch_size, seed, pad_id
+        self.seq_len, self.batch_size, self.pad_id = seq_len, batch_size, pad_id
+        self.conv_seed, self.bin_seed = grain_seed(seed, _CONVERSATIONS), grain_seed(seed, _BINS)
         self.convs, self.packing, self.dropped = list(convs), packing, dropped
         self.lengths = np.array([len(ids) for ids, _ in self.convs], np.int64)
         # max_runs - 1 conversations leave a run for the padding after them.
@@ -331,8 +339,7 @@ class ChatRows:
             if cached is None:
                 for old in sorted(self._epochs)[:-1]:
                     self._epochs.pop(old, None)
-                order = np.random.default_rng([self.seed, e, 0xC4A7]).permutation(
-                    len(self.convs))
+                order = shuffled(np.arange(len(self.convs)), len(self.convs), self.conv_seed, e)
                 cached = self._epochs[e] = (
                     pack_bins(self.lengths, self.seq_len + 1, order, self.most) if self.packing
                     else [[int(i)] for i in order])
@@ -347,7 +354,7 @@ class ChatRows:
     def _row(self, g: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         e, i = self._starts.locate(g)
         bins = self.epoch(e)
-        b = bins[int(permute(np.array([i]), len(bins), [self.seed, e, 3])[0])]
+        b = bins[one_shuffled(i, len(bins), self.bin_seed, e)]
         width = self.seq_len + 1
         tokens = np.full(width, self.pad_id, np.int64)
         docs, mask = np.full(width, -1, np.int64), np.zeros(width, np.uint8)
@@ -376,7 +383,8 @@ class TokenRows:
                  eos_id: int, vocab_size: int, field: str, max_runs: int | None = None,
                  pad_id: int = 0):
         self.files, self.seq_len, self.batch_size = list(files), seq_len, batch_size
-        self.seed, self.eos_id, self.vocab_size, self.field = seed, eos_id, vocab_size, field
+        self.eos_id, self.vocab_size, self.field = eos_id, vocab_size, field
+        self.window_seed = grain_seed(seed, _WINDOWS)
         self.arrays = [f.array() for f in self.files]  # memory maps: nothing read yet
         per_file = np.array([(f.n_tokens - 1) // seq_len for f in self.files], np.int64)
         self.ends = np.cumsum(per_file)
@@ -422,7 +430,7 @@ class TokenRows:
         window = np.empty_like(index)
         for e in np.unique(epoch):
             sel = epoch == e
-            window[sel] = permute(index[sel], self.n_rows, [self.seed, 0x70C5, int(e)])
+            window[sel] = shuffled(index[sel], self.n_rows, self.window_seed, int(e))
         if self.split is not None:
             return self._split_rows(self.split[window])
         file = np.searchsorted(self.ends, window, side="right")
