@@ -313,6 +313,12 @@ def test_bad_records_name_file_and_line(tokenizers, tmp_path, record, message):
      r"data.overlong='split': choose one of \('drop', 'truncate'\) \(drop leaves out"),
     (dict(tokenizer="byte"), r"data.source='chat' needs the model's tokenizer"),
     (dict(chat_template="missing.jinja"), r"data.chat_template='missing.jinja': no such file"),
+    (dict(chat_template="chatml3"), r"data.chat_template='chatml3': no chat template of that "
+                                    r"name; use one of chatml, gemma3, llama3, qwen3"),
+    (dict(roles_to_train="assistant,gpt"), r"data.roles_to_train='assistant,gpt': 'gpt' is "
+                                           r"not a role; list one or more of system, user"),
+    (dict(train_on_eos="first"), r"data.train_on_eos='first': choose one of \('turn', 'all', "
+                                 r"'last', 'none'\)"),
 ])
 def test_bad_chat_settings(tokenizers, tmp_path, data, message):
     config = chat_config(tmp_path, tokenizers["llama3"], conversations(8), **data)
@@ -420,3 +426,94 @@ def test_a_bad_alpaca_record_names_file_and_line(tokenizers, tmp_path):
                          tokenizer=tokenizers["llama3"], format="alpaca")
     with pytest.raises(ConfigError, match=r"records.jsonl:2: .*'output'.*data.format='alpaca'"):
         make_loader(config, VOCAB, prefetch=0)
+
+
+# ----- roles_to_train and train_on_eos --------------------------------------------------
+
+
+def chatml_reference(tok, messages, roles, eos):
+    """A hand-written ChatML renderer (ndjax's chatml template's format): each piece of
+    each turn tokenized on its own and marked by the rule itself: the content of a turn of
+    a role in ``roles``, the <|im_end|> that ``eos`` says (turn: of those turns; all: of
+    every turn; last: of the last of those turns; none); never the header or the newline."""
+    learned = [i for i, m in enumerate(messages) if m["role"] in roles]
+    ids, mask = [], []
+    for i, m in enumerate(messages):
+        eot = eos == "all" or (eos == "turn" and i in learned) or (
+            eos == "last" and learned and i == learned[-1])
+        for text, learn in ((f"<|im_start|>{m['role']}\n", False),
+                            (m["content"], m["role"] in roles), ("<|im_end|>", eot),
+                            ("\n", False)):
+            piece = tok.encode(text)
+            ids += piece
+            mask += [int(bool(learn))] * len(piece)
+    return ids, mask
+
+
+@pytest.mark.parametrize("eos", ["turn", "all", "last", "none"])
+@pytest.mark.parametrize("roles", [("assistant",), ("user", "assistant"), ("user",),
+                                   ("system", "user", "assistant")])
+def test_roles_and_end_of_turn_tokens_match_a_plain_chatml_reference(tokenizers, roles, eos):
+    path = tokenizers["chatml"]
+    tok = HFTokenizer(path)
+    template = load_chat_template(path, "chatml")
+    chats = conversations(24)
+    got = chat.encode(docs_of(chats), template, tok, roles_to_train=roles, train_on_eos=eos)
+    for messages, (ids, mask) in zip(chats, got):
+        want_ids, want_mask = chatml_reference(tok, messages, roles, eos)
+        assert [int(i) for i in ids] == want_ids
+        assert [int(x) for x in mask] == want_mask, (roles, eos, messages)
+
+
+def test_the_default_is_the_assistants_turns_and_their_end_of_turn_tokens(tokenizers):
+    path = tokenizers["llama3"]
+    template, tok = load_chat_template(path), HFTokenizer(path)
+    docs = docs_of(conversations(12))
+    for (a, m), (b, n) in zip(chat.encode(docs, template, tok),
+                              chat.encode(docs, template, tok, roles_to_train=("assistant",),
+                                          train_on_eos="turn")):
+        np.testing.assert_array_equal(a, b)
+        np.testing.assert_array_equal(m, n)
+
+
+@pytest.mark.parametrize("name", ["llama3", "gemma3"])
+def test_user_turns_are_their_trimmed_content_and_end_of_turn_token(tokenizers, name):
+    # Llama 3 and Gemma write each content trimmed; Gemma folds the system prompt into the
+    # first user turn, so it has no turn of its own and is never learned.
+    path = tokenizers[name]
+    tok = HFTokenizer(path)
+    messages = [{"role": "system", "content": "be brief"},
+                {"role": "user", "content": " alpha beta? "},
+                {"role": "assistant", "content": "gamma."},
+                {"role": "user", "content": "delta\n"}, {"role": "assistant", "content": "eta"}]
+    (ids, mask), = chat.encode(docs_of([messages]), load_chat_template(path), tok,
+                               roles_to_train=("system", "user", "assistant"),
+                               train_on_eos="last")
+    end = END[name]
+    system = [] if name == "gemma3" else ["be brief"]
+    assert runs(tok, ids, mask) == system + ["alpha beta?", "gamma.", "delta", "eta" + end]
+
+
+def test_qwen3_learns_its_replies_from_generation_blocks_and_user_turns_by_prefixes(tokenizers):
+    path = tokenizers["chatml"]
+    tok = HFTokenizer(path)
+    messages = [{"role": "user", "content": "alpha?"},
+                {"role": "assistant", "content": "<think>beta</think>gamma."},
+                {"role": "user", "content": "delta?"}, {"role": "assistant", "content": "eta"}]
+    template = load_chat_template(path, "qwen3")
+    (ids, mask), = chat.encode(docs_of([messages]), template, tok,
+                               roles_to_train=("user", "assistant"), train_on_eos="none")
+    # The earlier reply's reasoning is dropped (the template rewrites earlier turns); the
+    # last reply's (empty) think block is the assistant's.
+    assert runs(tok, ids, mask) == ["alpha?", "gamma.", "delta?",
+                                    "<think>\n\n</think>\n\neta"]
+    (ids, mask), = chat.encode(docs_of([messages]), template, tok)
+    assert runs(tok, ids, mask) == ["gamma.<|im_end|>", "<think>\n\n</think>\n\neta<|im_end|>"]
+
+
+def test_a_named_template_and_the_new_settings_load(tokenizers, tmp_path):
+    config = chat_config(tmp_path, tokenizers["chatml"], conversations(8),
+                         chat_template="chatml", roles_to_train="user, assistant",
+                         train_on_eos="last")
+    with make_loader(config, VOCAB, prefetch=0) as loader:
+        assert loader.source.convs

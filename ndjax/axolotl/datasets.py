@@ -1,7 +1,7 @@
-"""An Axolotl config's datasets as ndjax's data.* fields: chat_template (ShareGPT keys
-too), alpaca, completion and input_output datasets, from local files, save_to_disk
-folders or hub datasets in the local cache, one kind per run (data.* holds one source
-and one set of fields)."""
+"""An Axolotl config's datasets as ndjax's data.* fields: chat_template (ShareGPT keys,
+the named templates ndjax ships, roles_to_train and train_on_eos too), alpaca, completion
+and input_output datasets, from local files, save_to_disk folders or hub datasets in the
+local cache, one kind per run (data.* holds one source and one set of fields)."""
 
 from __future__ import annotations
 
@@ -13,6 +13,9 @@ from typing import Any
 
 from ndjax.axolotl.fields import Fields, Out, Unmapped, bad, reason, refusal
 from ndjax.axolotl.run import steps_of
+from ndjax.config import CHAT_ROLES, TRAIN_ON_EOS
+from ndjax.data.chat_template import template_names
+from ndjax.data.prompt_formats import ROLES as AXOLOTL_ROLES
 from ndjax.runtime.errors import ConfigError
 
 _HUB_ID = re.compile(r"[\w.-]+/[\w.-]+")
@@ -22,6 +25,8 @@ _DATA_EXTS = (".jsonl", ".json", ".parquet")
 _DATASET_EXTS = (".csv", ".arrow")
 _NOTES = {"data.text_field": "datasets[].field", "data.messages_field": "datasets[].field_messages",
           "data.chat_template": "chat_template, chat_template_jinja ('': the tokenizer's own)",
+          "data.roles_to_train": "datasets[].roles_to_train",
+          "data.train_on_eos": "datasets[].train_on_eot, else datasets[].train_on_eos",
           "data.format": "datasets[].type",
           "data.role_field": "datasets[].message_property_mappings.role",
           "data.content_field": "datasets[].message_property_mappings.content"}
@@ -196,17 +201,12 @@ def _dataset(root: Fields, where: str, entry: Any
         if extra:
             skipped.append(Unmapped(f"{where}.message_property_mappings", extra,
                                     "ndjax maps each message's role and content keys only"))
-        for key, same in (("roles_to_train", ["assistant"]), ("train_on_eos", "turn"),
-                          ("train_on_eot", "turn")):
-            value = d.value(key)
-            if value not in (None, same):
-                skipped.append(Unmapped(f"{where}.{key}", value, "ndjax learns each assistant "
-                                        "turn and its end-of-turn token only"))
+        learning = _learning(d, where, skipped)
         template, root_keys = _template(root, d, where, skipped)
         this = _Kind("chat", (("data.messages_field", messages),
                               ("data.chat_template", template),
                               ("data.role_field", str(mapping["role"])),
-                              ("data.content_field", str(mapping["content"]))))
+                              ("data.content_field", str(mapping["content"]))) + learning)
     skipped += [Unmapped(f"{where}.{k}", entry[k], reason(str(k), entry[k])) for k in d.rest()]
     return this, files, skipped, root_keys
 
@@ -238,6 +238,36 @@ def _json_array(path: str) -> bool:
         return fh.read(4096).lstrip()[:1] == b"["
 
 
+def _learning(d: Fields, where: str, skipped: list[Unmapped]) -> tuple[tuple[str, Any], ...]:
+    """data.roles_to_train and data.train_on_eos where a dataset sets other than their
+    defaults (Axolotl's too: ["assistant"], turn). Roles are read with Axolotl's names
+    (human: user, gpt: assistant); the end-of-turn tokens' setting is train_on_eot, else
+    train_on_eos, as Axolotl reads it."""
+    out: list[tuple[str, Any]] = []
+    roles = d.value("roles_to_train")
+    if roles is not None:
+        named = [AXOLOTL_ROLES.get(r, r) for r in roles] if isinstance(roles, list) and \
+            all(isinstance(r, str) for r in roles) else []
+        if named and all(r in CHAT_ROLES for r in named):
+            if named != ["assistant"]:
+                out.append(("data.roles_to_train", ",".join(dict.fromkeys(named))))
+        else:
+            skipped.append(Unmapped(f"{where}.roles_to_train", roles, "ndjax learns the "
+                                    f"turns of a non-empty list of {', '.join(CHAT_ROLES)}"))
+    eos, eot = d.value("train_on_eos"), d.value("train_on_eot")
+    value = eot if eot is not None else eos
+    if eos is not None and eot is not None and eos != eot:
+        skipped.append(Unmapped(f"{where}.train_on_eos", eos, f"train_on_eot ({eot!r}) is "
+                                "the end-of-turn tokens' setting, as in Axolotl"))
+    if value is not None and value not in TRAIN_ON_EOS:
+        skipped.append(Unmapped(f"{where}.train_on_eot" if eot is not None else
+                                f"{where}.train_on_eos", value,
+                                f"ndjax learns end-of-turn tokens {', '.join(TRAIN_ON_EOS)}"))
+    elif value not in (None, "turn"):
+        out.append(("data.train_on_eos", value))
+    return tuple(out)
+
+
 def _template(root: Fields, d: Fields, where: str, skipped: list[Unmapped]
               ) -> tuple[str, tuple[str, ...]]:
     """data.chat_template for a dataset (its own chat_template, else the top level's, as
@@ -261,8 +291,10 @@ def _template(root: Fields, d: Fields, where: str, skipped: list[Unmapped]
     if name is None or name == "tokenizer_default" or \
             str(name).startswith("tokenizer_default_fallback_"):
         return "", used
-    skipped.append(Unmapped(f"{prefix}chat_template", name, "ndjax has no built-in templates "
-                            "and renders with the tokenizer's own; to keep this one, save it as "
-                            "a .jinja file and set chat_template: jinja, chat_template_jinja: "
-                            "FILE"))
+    if name in template_names():  # the same format under the same name
+        return str(name), used
+    skipped.append(Unmapped(f"{prefix}chat_template", name, "ndjax ships "
+                            f"{', '.join(template_names())} and renders others with the "
+                            "tokenizer's own; to keep this one, save it as a .jinja file and "
+                            "set chat_template: jinja, chat_template_jinja: FILE"))
     return "", used

@@ -1,5 +1,5 @@
 """Chat and instruction data: records -> conversations -> token ids and a mask of the
-tokens the model learns (the assistant's).
+tokens the model learns (by default the assistant's).
 
 A record (a JSON Lines object or a Parquet row) holds either ``messages``
 (``data.messages_field``: a list of ``{role, content}``, roles system, user,
@@ -35,26 +35,40 @@ Which tokens are the assistant's (mask 1) is found without markers in the conver
   placeholder reply (``_PLACEHOLDER``) given as the first message, which must
   also be a prefix of the whole rendering.
 
-A token is the assistant's when its character span (the tokenizer's offsets)
-overlaps an assistant span, transformers' rule. Everything else (system, user
-and prompt text, role headers, BOS) has mask 0.
+Other roles' turns (``data.roles_to_train``, Axolotl's setting: e.g. user too) are found
+the same way, from what the template writes before a placeholder content in their place
+to the rendering that ends with them: their content (the template's writing of it) and
+their end-of-turn token, without the role header. A message the template does not write
+on its own (Gemma's system prompt, folded into the first user turn) has no turn and is not
+learned.
+
+Each turn's end-of-turn token is the special token that ends its span, if one does;
+``data.train_on_eos`` (Axolotl's) says which are learned: ``turn`` (default: those of
+the learned turns), ``all`` (every turn's), ``last`` (only the last learned turn's) or
+``none``.
+
+A token is learned when its character span (the tokenizer's offsets) overlaps a
+learned span, transformers' rule. Everything else (by default system, user and
+prompt text, role headers, BOS) has mask 0.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+import dataclasses
+from collections.abc import Collection, Iterable, Sequence
 
 import numpy as np
 
+from ndjax.config import CHAT_ROLES
 from ndjax.data.chat_template import ChatTemplate, TemplateRefused
 from ndjax.data.sources import Document
 from ndjax.data.tokenizers import HFTokenizer
 from ndjax.runtime.errors import ConfigError
 
-ROLES = ("system", "user", "assistant", "tool")
-# The content of a conversation's first message, when it is the assistant's, in the
-# rendering that finds where that reply begins (letters only: trimmed, split or escaped,
-# it stays itself).
+ROLES = CHAT_ROLES
+# A message's content in the rendering that finds where that content begins (a first
+# reply, another role's turn: ``_before``; letters only: trimmed, split or escaped, it
+# stays itself).
 _PLACEHOLDER = "ndjaxPlaceholderReplyQx7"
 OVERLONG = ("drop", "truncate")
 
@@ -118,42 +132,93 @@ def _short(value: object) -> str:
     return text if len(text) <= 60 else text[:57] + "..."
 
 
-def assistant_spans(template: ChatTemplate, messages: list[dict], special: Sequence[str]
-                    ) -> tuple[str, list[tuple[int, int]]]:
-    """The rendered conversation and the character spans of the assistant's turns (see
-    the module docstring). Raises TemplateRefused if the template rejects it."""
+@dataclasses.dataclass(frozen=True)
+class Turn:
+    """Where one message's learnable text lies in the rendered conversation: its content
+    from ``start``, its end-of-turn token from ``eot`` (``eot == end`` if it has none)."""
+    role: str
+    start: int
+    eot: int
+    end: int
+
+
+def turns(template: ChatTemplate, messages: list[dict], special: Sequence[str],
+          roles: Collection[str] = ("assistant",)) -> tuple[str, list[Turn]]:
+    """The rendered conversation and the turns of the messages with a role in ``roles``,
+    in order (see the module docstring). Raises TemplateRefused if the template rejects
+    the conversation."""
     if template.has_generation_blocks:
-        return template.render_tracked(messages)
-    full = template.render(messages)
-    spans = []
+        full, spans = template.render_tracked(messages)
+        found = [_turn("assistant", full, s, e, special) for s, e in spans] \
+            if "assistant" in roles else []
+    else:
+        full, found = template.render(messages), []
     for i, m in enumerate(messages):
-        if m["role"] != "assistant":
+        if m["role"] not in roles or (m["role"] == "assistant" and template.has_generation_blocks):
             continue
-        before = _before_reply(template, messages, i)
+        before = _before(template, messages, i)
+        if before is None and m["role"] == "assistant":
+            raise ConfigError(_rewrites(template, i, m["role"]))
+        if before is None:  # not rendered on its own (Gemma's system prompt)
+            continue
         upto = full if i == len(messages) - 1 else template.render(messages[:i + 1])
-        if before is None or not (full.startswith(upto) and upto.startswith(before)):
-            raise ConfigError(
-                f"{template.origin}: rendering the conversation up to its assistant message {i} "
-                "is not a prefix of rendering all of it (the template rewrites earlier turns), "
-                "so the assistant's tokens cannot be found by prefixes; wrap each assistant "
-                "reply in {% generation %}...{% endgeneration %} in a copy of the template and "
-                "set data.chat_template to it.")
+        if not (full.startswith(upto) and upto.startswith(before)):
+            raise ConfigError(_rewrites(template, i, m["role"]))
         start, end = len(before), len(upto)
         kept = full[start:end].rstrip()
         if kept.endswith(tuple(special)):  # trailing whitespace after the end-of-turn token
             end = start + len(kept)
-        spans.append((start, end))
-    return full, spans
+        found.append(_turn(m["role"], full, start, end, special))
+    return full, sorted(found, key=lambda t: t.start)
 
 
-def _before_reply(template: ChatTemplate, messages: list[dict], i: int) -> str | None:
-    """The rendering up to and including assistant message ``i``'s header (see the module
-    docstring); None if the template drops the placeholder reply of a first message."""
-    if i > 0:
+def _turn(role: str, full: str, start: int, end: int, special: Sequence[str]) -> Turn:
+    """A turn whose text ends with its end-of-turn token, if a special token ends it
+    (whitespace after it may follow: a {% generation %} block's)."""
+    kept = full[start:end].rstrip()
+    ending = max((t for t in special if t and kept.endswith(t)), key=len, default="")
+    eot = start + len(kept) - len(ending) if ending else end
+    return Turn(role, start, eot, end)
+
+
+def _rewrites(template: ChatTemplate, i: int, role: str) -> str:
+    fix = ("wrap each assistant reply in {% generation %}...{% endgeneration %} in a copy of "
+           "the template and set data.chat_template to it" if role == "assistant" else
+           f"leave {role} out of data.roles_to_train (and use data.train_on_eos other than "
+           "all)")
+    return (f"{template.origin}: rendering the conversation up to its {role} message {i} is "
+            "not a prefix of rendering all of it (the template rewrites earlier turns), so "
+            f"that turn's tokens cannot be found by prefixes; {fix}.")
+
+
+def _before(template: ChatTemplate, messages: list[dict], i: int) -> str | None:
+    """The rendering up to where message ``i``'s content begins (see the module
+    docstring): for a reply after the first message, the rendering before it with the
+    generation prompt; else what the template writes before a placeholder content. None
+    if the template does not write the placeholder (a first reply it drops, a system
+    prompt it folds into the next turn)."""
+    if i > 0 and messages[i]["role"] == "assistant":
         return template.render(messages[:i], add_generation_prompt=True)
-    probe = template.render([{**messages[0], "content": _PLACEHOLDER}])
+    probe = template.render(messages[:i] + [{**messages[i], "content": _PLACEHOLDER}])
     at = probe.find(_PLACEHOLDER)
     return probe[:at] if at >= 0 else None
+
+
+def learned_spans(found: Sequence[Turn], roles: Collection[str], train_on_eos: str
+                  ) -> list[tuple[int, int]]:
+    """The character spans learned: the content of each turn of a role in ``roles``, and
+    the end-of-turn tokens ``train_on_eos`` says (turn: those of the learned turns; all:
+    every turn's; last: the last learned turn's; none)."""
+    learned = [t for t in found if t.role in roles]
+    last = learned[-1] if learned else None
+    spans = []
+    for t in found:
+        if t.role in roles:
+            spans.append((t.start, t.eot))
+        if train_on_eos == "all" or (train_on_eos == "turn" and t.role in roles) \
+                or (train_on_eos == "last" and t is last):
+            spans.append((t.eot, t.end))
+    return [(s, e) for s, e in spans if s < e]
 
 
 def token_mask(offsets: np.ndarray, spans: Iterable[tuple[int, int]]) -> np.ndarray:
@@ -166,14 +231,19 @@ def token_mask(offsets: np.ndarray, spans: Iterable[tuple[int, int]]) -> np.ndar
 
 def encode(docs: Sequence[Document], template: ChatTemplate, tok: HFTokenizer, *,
            messages_field: str = "messages", prompt_field: str = "prompt",
-           completion_field: str = "completion") -> list[tuple[np.ndarray, np.ndarray]]:
+           completion_field: str = "completion", roles_to_train: Collection[str] = ("assistant",),
+           train_on_eos: str = "turn") -> list[tuple[np.ndarray, np.ndarray]]:
     """``(ids, mask)`` per record: token ids of the rendered conversation and 1 on the
-    assistant's tokens."""
+    tokens learned (``roles_to_train``' turns and the end-of-turn tokens
+    ``train_on_eos`` says: ``learned_spans``)."""
+    # The turns to find: the learned roles', or every role's when all end-of-turn tokens are.
+    needed = ROLES if train_on_eos == "all" else tuple(roles_to_train)
     texts, all_spans = [], []
     for doc in docs:
         messages = conversation(doc, messages_field, prompt_field, completion_field)
         try:
-            text, spans = assistant_spans(template, messages, tok.special_tokens)
+            text, found = turns(template, messages, tok.special_tokens, needed)
+            spans = learned_spans(found, roles_to_train, train_on_eos)
         except TemplateRefused as e:
             raise ConfigError(f"{doc.field}: {doc.where()}: the chat template ({template.origin}) "
                               f"refused this conversation: {e}. Fix the record or the "

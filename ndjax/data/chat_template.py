@@ -1,9 +1,14 @@
 """A tokenizer's chat template: found beside its tokenizer.json, rendered as transformers does.
 
 Where the template comes from, first found wins (transformers' order, plus an override):
-``data.chat_template`` (a Jinja file), ``chat_template.jinja`` beside
-``data.tokenizer``, the ``chat_template`` of the ``tokenizer_config.json`` there
-(a string, or a list of named templates of which ``default`` is used).
+``data.chat_template`` (a template ndjax ships, by name, or a Jinja file),
+``chat_template.jinja`` beside ``data.tokenizer``, the ``chat_template`` of the
+``tokenizer_config.json`` there (a string, or a list of named templates of which
+``default`` is used).
+
+The named templates (``chat_templates/<name>.jinja``: ``chatml``, ``llama3``, ``qwen3``,
+``gemma3``, Axolotl's names for them) render as the models' own templates do (checked
+against them in tests/test_chat_templates.py).
 
 Rendering matches ``transformers``' ``apply_chat_template``: a sandboxed Jinja
 environment with ``trim_blocks`` and ``lstrip_blocks``, the ``loopcontrols``
@@ -192,9 +197,9 @@ def load_chat_template(tokenizer: str, template_file: str = "",
                        needed_by: str = "data.source='chat'",
                        fix: str = "set data.chat_template to a Jinja template file"
                        ) -> ChatTemplate:
-    """The chat template for ``data.tokenizer`` (a tokenizer.json path), or the file
-    ``data.chat_template``; a ConfigError when there is none, saying who needs it and
-    the fix."""
+    """The chat template for ``data.tokenizer`` (a tokenizer.json path), or
+    ``data.chat_template`` (a template name or a file, ``template_path``); a ConfigError
+    when there is none, saying who needs it and the fix."""
     folder = os.path.dirname(os.path.abspath(tokenizer))
     config_path = os.path.join(folder, "tokenizer_config.json")
     config: dict = {}
@@ -209,10 +214,8 @@ def load_chat_template(tokenizer: str, template_file: str = "",
                  if (text := token_text(config.get(name))) is not None}
     jinja_path = os.path.join(folder, "chat_template.jinja")
     if template_file:
-        if not os.path.isfile(template_file):
-            raise ConfigError(f"data.chat_template={template_file!r}: no such file; give the "
-                              "path of a Jinja chat template, or '' for the tokenizer's own.")
-        text, origin = _read(template_file), f"data.chat_template={template_file!r}"
+        path = template_path(template_file)
+        text, origin = _read(path), f"data.chat_template={template_file!r}"
     elif os.path.isfile(jinja_path):
         text, origin = _read(jinja_path), jinja_path
     else:
@@ -225,6 +228,39 @@ def load_chat_template(tokenizer: str, template_file: str = "",
     template = ChatTemplate(text, origin, variables)
     template.check()
     return template
+
+
+TEMPLATES_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "chat_templates")
+
+
+def template_names() -> tuple[str, ...]:
+    """The chat templates ndjax ships, by name (``chat_templates/<name>.jinja``)."""
+    return tuple(sorted(f[:-len(".jinja")] for f in os.listdir(TEMPLATES_DIR)
+                        if f.endswith(".jinja")))
+
+
+def is_template_name(value: str) -> bool:
+    """Whether ``data.chat_template`` names a template rather than a file: no path
+    separator and no ``.jinja`` ending."""
+    return bool(value) and "/" not in value and os.sep not in value \
+        and not value.endswith(".jinja")
+
+
+def template_path(value: str, field: str = "data.chat_template") -> str:
+    """The Jinja file ``data.chat_template`` means: a shipped template by name, else the
+    file itself; a ConfigError naming the field when there is neither."""
+    names = template_names()
+    if value in names:
+        return os.path.join(TEMPLATES_DIR, value + ".jinja")
+    if os.path.isfile(value):
+        return value
+    if is_template_name(value):
+        raise ConfigError(f"{field}={value!r}: no chat template of that name; use one of "
+                          f"{', '.join(names)}, the path of a Jinja file, or '' for the "
+                          "tokenizer's own.")
+    raise ConfigError(f"{field}={value!r}: no such file; give the path of a Jinja chat "
+                      f"template, a template name ({', '.join(names)}), or '' for the "
+                      "tokenizer's own.")
 
 
 def _read(path: str) -> str:

@@ -41,10 +41,13 @@ from ndjax.config import default_config  # noqa: E402
 from ndjax.data.chat_template import (  # noqa: E402
     ChatTemplate,
     TemplateRefused,
+    is_template_name,
     load_chat_template,
+    template_path,
     token_text,
 )
-from ndjax.data.tokenizers import ByteTokenizer, HFTokenizer, load_tokenizer  # noqa: E402
+from ndjax.data.loader import data_tokenizer  # noqa: E402
+from ndjax.data.tokenizers import ByteTokenizer, HFTokenizer  # noqa: E402
 from ndjax.experiment import Experiment  # noqa: E402
 from ndjax.models.sampling import Generator, Sampling  # noqa: E402
 from ndjax.runs import workdir as workdir_lib  # noqa: E402
@@ -180,7 +183,7 @@ def _run_tokenizer(config: ml_collections.ConfigDict, source: str | None
     """The run's tokenizer; training ended every document with its EOS, so that stops
     generation (and so do the stop tokens of the checkpoint the run started from,
     whose files the run keeps in ``source``)."""
-    tokenizer = load_tokenizer(config.data.tokenizer, config.data.eos_token)
+    tokenizer = data_tokenizer(config.data)
     extra = eos_ids(source, None) if source else ()
     return tokenizer, tuple(dict.fromkeys((tokenizer.eos_id, *extra)))
 
@@ -230,7 +233,8 @@ def run_chat_template(tokenizer_dir: str | None, tokenizer: str, template_file: 
     """The template training rendered conversations with: ``template_file``
     (``data.chat_template``) if set, else the tokenizer's own, found as training finds
     it (``ndjax.data.chat_template``), with the tokenizer's special tokens."""
-    if template_file and not os.path.isfile(template_file):
+    if template_file and not is_template_name(template_file) and \
+            not os.path.isfile(template_file):
         # A run's config.json holds the path the run was given, as given: the file
         # may have moved or changed since, or be relative to another directory.
         raise ConfigError(f"--chat: {template_what}={template_file!r} is not a file (moved or "
@@ -243,7 +247,7 @@ def run_chat_template(tokenizer_dir: str | None, tokenizer: str, template_file: 
                               "drop --chat, use a chat model's tokenizer, or give "
                               "--config.data.chat_template=FILE.")
         # A byte-level run has no tokenizer folder, so no named special tokens.
-        with open(template_file, encoding="utf-8") as f:
+        with open(template_path(template_file, template_what), encoding="utf-8") as f:
             template = ChatTemplate(f.read(), f"{template_what}={template_file!r}", {})
         template.check()
         return template
