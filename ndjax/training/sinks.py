@@ -1,4 +1,5 @@
-"""Where metrics go: metrics.jsonl (always), TensorBoard, and the terminal.
+"""Where metrics go: metrics.jsonl (always), TensorBoard, the terminal, and the
+experiment trackers the log section turns on (W&B, MLflow: ndjax.training.trackers).
 
 Only process 0 writes or prints; other processes get a Sinks that does nothing.
 """
@@ -10,7 +11,11 @@ import math
 import os
 import sys
 import warnings
+from types import TracebackType
 from typing import Any
+
+from ndjax.config import Settings
+from ndjax.training import trackers as trackers_lib
 
 PROGRESS_FIELDS = ("loss", "tokens_per_sec")
 
@@ -66,13 +71,23 @@ def summary_writer_class() -> type:
 
 
 class Sinks:
+    """Writes each record everywhere it goes; a context manager whose exit ends the
+    trackers' runs as the run ended (success, failed, or killed by Ctrl-C).
+
+    ``settings``: the run's, for its trackers (none without); ``append``: the run
+    resumed from a checkpoint of ``workdir``, so the trackers continue their runs."""
+
     def __init__(self, workdir: str, total_steps: int, *, enabled: bool = True,
-                 tensorboard: bool = True, verbose: bool = True, append: bool = False):
+                 tensorboard: bool = True, verbose: bool = True, append: bool = False,
+                 settings: Settings | None = None):
         self.enabled, self.verbose, self.total_steps = enabled, verbose, total_steps
         self._jsonl = self._tb = self._bar = None
+        self._trackers = trackers_lib.Trackers([])
         if not enabled:
             return
         self._jsonl = open(os.path.join(workdir, "metrics.jsonl"), "a" if append else "w")
+        if settings is not None:
+            self._trackers = trackers_lib.start(settings, workdir, resumed=append)
         if tensorboard:
             self._tb = summary_writer_class()(logdir=os.path.join(workdir, "tb"))
         if verbose and sys.stdout.isatty():
@@ -84,6 +99,7 @@ class Sinks:
             return
         self._jsonl.write(json.dumps({k: _json_value(v) for k, v in record.items()}) + "\n")
         self._jsonl.flush()
+        self._trackers.log(record)
         step = record["step"]
         if self._tb is not None:
             for key, value in record.items():
@@ -113,6 +129,7 @@ class Sinks:
             return
         self._jsonl.write(json.dumps({k: _json_value(v) for k, v in record.items()}) + "\n")
         self._jsonl.flush()
+        self._trackers.log(record)
         if self._tb is not None:
             for key in ("eval_loss", "eval_perplexity"):
                 self._tb.add_scalar(key, record[key], record["step"])
@@ -123,7 +140,19 @@ class Sinks:
         if self.enabled and self.verbose:
             (self._bar.write if self._bar is not None else print)(text)
 
-    def close(self) -> None:
+    def __enter__(self) -> Sinks:
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, error: BaseException | None,
+                 traceback: TracebackType | None) -> None:
+        outcome = ("success" if kind is None else
+                   "killed" if issubclass(kind, KeyboardInterrupt) else "failed")
+        self.close(outcome)
+
+    def close(self, outcome: str = "success") -> None:
+        """Closes every sink; the trackers' runs end as ``outcome`` says (success,
+        failed or killed)."""
+        self._trackers.finish(outcome)
         if self._jsonl is not None:
             self._jsonl.close()
         if self._tb is not None:
