@@ -9,7 +9,10 @@ worktree of an older commit), in a fresh process on the same files:
 - open s: reading, rendering, tokenizing and packing, before the first batch;
 - fill: real tokens / token slots, over the first ``--steps`` batches;
 - conversations seen: distinct conversations in those batches / all of them;
-- batches/s and tokens/s: the loader alone (no prefetch thread, no model), per step.
+- batches/s and tokens/s: the loader alone (no prefetch thread, no model), per step;
+- with ``--train N``: N steps of train.py's loop on a tiny Llama (2 layers, width 64) over
+  the same batches, its prefetch thread on, and the median ``data_wait`` (seconds the step
+  waited for its batch, metrics.jsonl) and step time of steps 2..N (step 1 compiles).
 
     PYTHONPATH=. python bench/sft_input.py --conversations 10000 --before /tmp/ndjax_old
     PYTHONPATH=. python bench/sft_input.py --tiny   # smoke run: 200 conversations, 2 steps
@@ -51,7 +54,8 @@ def make_set(folder: Path, n: int, seed: int = 0) -> tuple[str, str]:
     return str(path), str(write_chat_tokenizer(folder / "tok", "llama3"))
 
 
-def measure(files: str, tokenizer: str, batch: int, seq_len: int, steps: int) -> dict:
+def measure(files: str, tokenizer: str, batch: int, seq_len: int, steps: int,
+            train_steps: int = 0) -> dict:
     """The figures of the ndjax on ``sys.path`` (run in a child process per tree)."""
     from ndjax.config import default_config
     from ndjax.data.loader import make_loader
@@ -76,9 +80,28 @@ def measure(files: str, tokenizer: str, batch: int, seq_len: int, steps: int) ->
             seen.update(tuple(piece[:32].tolist()) for piece in unpack(row))
     loader.close()
     total = sum(1 for _ in open(files))
-    return {"open_s": opened, "fill": real / (steps * batch * seq_len),
-            "seen": len(seen) / total, "batches_per_s": steps / took,
-            "tokens_per_s": steps * batch * seq_len / took}
+    out = {"open_s": opened, "fill": real / (steps * batch * seq_len),
+           "seen": len(seen) / total, "batches_per_s": steps / took,
+           "tokens_per_s": steps * batch * seq_len / took}
+    if train_steps:
+        out.update(train_wait(c, train_steps))
+    return out
+
+
+def train_wait(c, steps: int) -> dict:
+    """Median data_wait and step seconds of steps 2..``steps`` of a tiny model's run."""
+    from ndjax.training.loop import train
+
+    c.model.update(vocab_size=384, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128)
+    c.train.update(steps=steps, warmup_steps=0)
+    c.log.tensorboard = False
+    with tempfile.TemporaryDirectory() as work:
+        train(c, work, verbose=False)
+        records = [json.loads(line) for line in open(os.path.join(work, "metrics.jsonl"))]
+    later = [r for r in records if r.get("step", 0) >= 2 and "data_wait" in r]
+    return {"data_wait_s": float(np.median([r["data_wait"] for r in later])),
+            "step_s": float(np.median([r["step_time"] for r in later]))
+            if all("step_time" in r for r in later) else float("nan")}
 
 
 def main() -> None:
@@ -88,13 +111,15 @@ def main() -> None:
     p.add_argument("--seq_len", type=int, default=2048)
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--before", help="another ndjax checkout to measure beside this one")
+    p.add_argument("--train", type=int, default=0, metavar="N",
+                   help="also train a tiny model N steps on the set and report data_wait")
     p.add_argument("--tiny", action="store_true", help="smoke run: a small set, 2 steps")
     p.add_argument("--child", nargs=2, help=argparse.SUPPRESS)  # files, tokenizer
     a = p.parse_args()
     if a.tiny:
         a.conversations, a.batch, a.seq_len, a.steps = 200, 8, 512, 2
     if a.child:
-        print(json.dumps(measure(*a.child, a.batch, a.seq_len, a.steps)))
+        print(json.dumps(measure(*a.child, a.batch, a.seq_len, a.steps, a.train)))
         return
     with tempfile.TemporaryDirectory() as tmp:
         files, tok = make_set(Path(tmp), a.conversations)
@@ -105,7 +130,7 @@ def main() -> None:
             env = {**os.environ, "PYTHONPATH": os.pathsep.join([tree, str(ROOT / "tests")])}
             out = subprocess.run([sys.executable, __file__, "--child", files, tok,
                                   f"--batch={a.batch}", f"--seq_len={a.seq_len}",
-                                  f"--steps={a.steps}"], cwd=tree, env=env,
+                                  f"--steps={a.steps}", f"--train={a.train}"], cwd=tree, env=env,
                                  capture_output=True, text=True)
             if out.returncode:  # a tree that refuses the set: its one-line error
                 rows.append((name, tree, out.stderr.strip().splitlines()[-1]))
@@ -113,14 +138,16 @@ def main() -> None:
                 rows.append((name, tree, json.loads(out.stdout.strip().splitlines()[-1])))
     print(f"{a.conversations} conversations, batch {a.batch} x {a.seq_len} tokens, "
           f"first {a.steps} steps")
-    print("| tree | open s | fill | conversations seen | batches/s | tokens/s |")
-    print("|:--|--:|--:|--:|--:|--:|")
+    trained = " data_wait s | step s |" if a.train else ""
+    print("| tree | open s | fill | conversations seen | batches/s | tokens/s |" + trained)
+    print("|:--|--:|--:|--:|--:|--:|" + ("--:|--:|" if a.train else ""))
     for name, _, r in rows:
         if isinstance(r, str):
-            print(f"| {name} | refused: {r} | | | | |")
+            print(f"| {name} | refused: {r} | | | | |" + (" | |" if a.train else ""))
             continue
+        waits = f" {r['data_wait_s']:.4f} | {r['step_s']:.2f} |" if a.train else ""
         print(f"| {name} | {r['open_s']:.1f} | {100 * r['fill']:.1f}% | {100 * r['seen']:.1f}% "
-              f"| {r['batches_per_s']:.1f} | {r['tokens_per_s']:,.0f} |")
+              f"| {r['batches_per_s']:.1f} | {r['tokens_per_s']:,.0f} |" + waits)
 
 
 if __name__ == "__main__":

@@ -374,6 +374,10 @@ FILE_SOURCES = ("text", "jsonl", "parquet", "tokens", "chat")  # those that read
 # data.format's values: how a chat record becomes tokens and a mask (Axolotl's dataset
 # types; ndjax.data.prompt_formats for all but chat).
 FORMATS = ("chat", "alpaca", "completion", "input_output")
+# The roles of chat messages, and which end-of-turn tokens chat data learns
+# (data.roles_to_train, data.train_on_eos: Axolotl's settings of those names).
+CHAT_ROLES = ("system", "user", "assistant", "tool")
+TRAIN_ON_EOS = ("turn", "all", "last", "none")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -404,7 +408,17 @@ class DataSettings:
     # with the chat template) | alpaca (instruction, input, output) | completion (one
     # text field, every token learned) | input_output (segments of text and label)
     format: str = setting("chat", choices=FORMATS)
-    chat_template: str = setting("")  # a Jinja template file; "" = the tokenizer's own
+    # a template ndjax ships by name (chatml, llama3, qwen3, gemma3), a Jinja template
+    # file, or "" = the tokenizer's own
+    chat_template: str = setting("")
+    # The roles whose turns are learned, comma-separated (Axolotl's roles_to_train):
+    # system, user, assistant, tool.
+    roles_to_train: str = setting("assistant")
+    # Which turns' end-of-turn tokens are learned (Axolotl's train_on_eos): turn (those of
+    # the learned turns) | all (every turn's) | last (the last learned turn's) | none
+    train_on_eos: str = setting("turn", choices=TRAIN_ON_EOS,
+                                hint=" (turn: the learned turns' end-of-turn tokens, all: "
+                                     "every turn's, last: the last learned turn's, none)")
     # a conversation longer than seq_len + 1 tokens: drop | truncate
     overlong: str = setting("drop", choices=("drop", "truncate"),
                             hint=" (drop leaves out a conversation longer than train.seq_len "
@@ -413,11 +427,32 @@ class DataSettings:
     tokenizer: str = setting("byte")
     # a tokenizer.json's end-of-document token; "" = its tokenizer_config.json's, else a guess
     eos_token: str = setting("")
+    # a tokenizer.json's BOS and padding tokens (exports name them); "" = the files' own
+    bos_token: str = setting("")
+    pad_token: str = setting("")
+    # Tokens added to a tokenizer.json (Axolotl's tokens and special_tokens): new ids
+    # after its own, the model's embedding and LM head grown to hold them (new rows
+    # start at the mean of the old ones and are trained; not under LoRA).
+    added_tokens: tuple = setting(())
+    added_special_tokens: tuple = setting(())  # never split, and skipped when decoding
     # raw token files: uint16 | uint32; auto = from the sidecar
     token_dtype: str = setting("auto", choices=("auto", "uint16", "uint32"))
     packing: bool = setting(True)  # pack documents into full rows; False: one piece per row
     # batches a loader thread prepares ahead; 0 = no thread
     prefetch: int = setting(2, ge=0, hint=" (0: no thread)")
+
+    @property
+    def trained_roles(self) -> tuple[str, ...]:
+        """data.roles_to_train as a tuple of roles."""
+        return tuple(r.strip() for r in self.roles_to_train.split(","))
+
+    def check(self) -> None:
+        bad = [r for r in self.trained_roles if r not in CHAT_ROLES]
+        if bad:
+            raise ConfigError(f"data.roles_to_train={self.roles_to_train!r}: "
+                              f"{', '.join(map(repr, bad))} is not a role; list one or more "
+                              f"of {', '.join(CHAT_ROLES)}, comma-separated, e.g. "
+                              "'assistant' or 'user,assistant'.")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -443,6 +478,11 @@ class CheckpointSettings:
                               "step number.")
 
 
+# log.wandb_mode's values: wandb.init's mode ('': W&B's default).
+WANDB_MODES = ("", "online", "offline", "disabled")
+WANDB_RESERVED = ":;,#?/'"  # characters W&B refuses in a run id
+
+
 @dataclasses.dataclass(frozen=True)
 class LogSettings:
     every: int = setting(1, ge=1)
@@ -457,8 +497,29 @@ class LogSettings:
     sample_every: int = setting(0, ge=0)
     sample_prompt: str = setting("")
     sample_tokens: int = setting(32, ge=1)
+    # Weights & Biases (ndjax.training.trackers; pip install wandb), from process 0: the
+    # settings as the run's config, every metrics record at its step. Off while
+    # wandb_project is ''. wandb_mode '': W&B's own ($WANDB_MODE, else online);
+    # wandb_run_id '': a new run, which a resume from the workdir's checkpoint continues.
+    wandb_project: str = setting("")
+    wandb_entity: str = setting("")
+    wandb_name: str = setting("")
+    wandb_mode: str = setting("", choices=WANDB_MODES, hint=" ('': W&B's default, "
+                                                            "$WANDB_MODE or online)")
+    wandb_run_id: str = setting("")
+    # MLflow (pip install mlflow-skinny), the same records: off while mlflow_tracking_uri is
+    # ''; a server (http://host:5000) or a local directory (a path or file: URI, offline).
+    # mlflow_experiment '': MLflow's default experiment; mlflow_run_name '': MLflow's name.
+    mlflow_tracking_uri: str = setting("")
+    mlflow_experiment: str = setting("")
+    mlflow_run_name: str = setting("")
 
     def check(self) -> None:
+        run_id = self.wandb_run_id
+        if run_id and (run_id != run_id.strip() or any(c in WANDB_RESERVED for c in run_id)):
+            raise ConfigError(f"log.wandb_run_id={run_id!r}: a W&B run id has no spaces at "
+                              f"either end and none of {WANDB_RESERVED!r}; e.g. "
+                              "--config.log.wandb_run_id=llama-sft-1.")
         p = self.profile_steps
         if p and not (len(p) == 2 and all(isinstance(s, int) and not isinstance(s, bool)
                                            for s in p) and 1 <= p[0] <= p[1]):

@@ -196,6 +196,8 @@ def check_inputs(settings: Settings, platform: str | None = None
     hf.check_export(settings.export)
     init_from = settings.model.init_from
     checkpoint = hf.open_checkpoint(init_from) if init_from else None
+    if checkpoint is not None and _adds_tokens(settings):
+        checkpoint = hf.grow_vocab(checkpoint, loader.data_tokenizer(settings.data).vocab_size)
     model_cfg = model_config(settings.model, checkpoint, platform)
     if settings.export.adapter_dir is not None and model_cfg.lora is None:
         raise ConfigError(f"export.adapter_dir={settings.export.adapter_dir!r} exports LoRA "
@@ -210,6 +212,24 @@ def check_inputs(settings: Settings, platform: str | None = None
     data = loader.check(settings.data, loader.Batches(t.batch_size, t.seq_len, t.seed),
                         model_cfg.vocab_size, t.eval_every or t.evals_per_epoch)
     return model_cfg, Inputs(checkpoint, data)
+
+
+def _adds_tokens(settings: Settings) -> bool:
+    """Whether data.added_tokens / added_special_tokens give the tokenizer new ids; under
+    LoRA, whose frozen embedding would never learn their rows, that is refused."""
+    d = settings.data
+    if not (d.added_tokens or d.added_special_tokens):
+        return False
+    tok = loader.data_tokenizer(d)
+    new = tok.vocab_size - tok.file_vocab_size
+    if new and settings.model.lora.rank is not None:
+        raise ConfigError(
+            f"data.added_tokens={d.added_tokens!r}, data.added_special_tokens="
+            f"{d.added_special_tokens!r} give {new} new token id(s) whose embedding and LM "
+            f"head rows must be trained, and model.lora.rank={settings.model.lora.rank} "
+            "trains adapters only: fine-tune fully (unset model.lora.rank), or use tokens "
+            "the tokenizer has.")
+    return bool(new)
 
 
 def _check_epochs(settings: Settings) -> None:

@@ -78,8 +78,7 @@ ONE = dict(replica=1, fsdp=1, expert=1, context=1, tensor=1)
 ALPACA = dict(source="chat", format="alpaca", packing=True)
 WANDB = {"wandb_project", "wandb_entity", "wandb_watch", "wandb_name", "wandb_log_model"}
 LLAMA_LORA = {"eval_sample_packing", *WANDB, "optimizer", "tf32", "resume_from_checkpoint",
-              "attn_implementation", "loss_watchdog_threshold", "loss_watchdog_patience",
-              "special_tokens"}
+              "attn_implementation", "loss_watchdog_threshold", "loss_watchdog_patience"}
 
 CASES = {
     # examples/llama-3/lora-1b.yml: alpaca, LoRA, num_epochs with val_set_size.
@@ -105,10 +104,10 @@ CASES = {
         devices=1, models={"hf": "llama"}, data={"chats": ("chats", 10)}, mesh=ONE,
         batch=(2 * 4, 4), length=("epochs", 4.0),
         data_settings=dict(source="chat", packing=False, messages_field="messages",
-                           chat_template="", eval_fraction=0.05),
-        not_mapped={"model_type", "tokenizer_type", "chat_template", "dataset_prepared_path",
+                           chat_template="llama3", eval_fraction=0.05),
+        not_mapped={"model_type", "tokenizer_type", "dataset_prepared_path",
                     *WANDB, "optimizer", "tf32", "resume_from_checkpoint", "attn_implementation",
-                    "special_tokens", "load_in_4bit", "lora_model_dir"}, steps=4, evals=True,
+                    "load_in_4bit", "lora_model_dir"}, steps=4, evals=True,
         overrides={"model.lora.quantize": "int8", "model.lora.target_modules": "all-linear"}),
     # examples/llama-3/fft-8b.yaml: every weight trained, num_epochs with val_set_size.
     "llama3_fft_8b": Example(
@@ -117,7 +116,7 @@ CASES = {
         data_settings={**ALPACA, "eval_fraction": 0.05},
         not_mapped={"dataset_prepared_path", *WANDB, "optimizer", "tf32",
                     "gradient_checkpointing_kwargs", "resume_from_checkpoint",
-                    "attn_implementation", "special_tokens"}, steps=3, evals=True,
+                    "attn_implementation"}, steps=3, evals=True,
         overrides={"train.evals_per_epoch": 2, "train.lr": 2e-5}),
     # examples/mistral/lora.yml: Mistral, alpaca, lora_target_linear beside a list.
     "mistral_lora": Example(
@@ -125,7 +124,7 @@ CASES = {
         batch=(2 * 4, 4), length=("epochs", 1.0), data_settings={**ALPACA, "eval_fraction": 0.1},
         not_mapped=(LLAMA_LORA - {"eval_sample_packing"}) | {
             "model_type", "tokenizer_type", "dataset_prepared_path", "load_in_4bit",
-            "lora_model_dir"},
+            "lora_model_dir", "special_tokens"},  # special_tokens: empty there
         steps=3, evals=True,
         overrides={"model.lora.quantize": "int8", "model.lora.target_modules": "all-linear"}),
     # examples/alst/llama3-8b-fsdp2-alst.yaml: context parallelism over 8 GPUs, two
@@ -138,7 +137,7 @@ CASES = {
         not_mapped={"datasets[0].data_files", "datasets[1]", "dataset_prepared_path",
                     "min_sample_len", "tiled_mlp", "plugins", "optimizer", "tf32",
                     "activation_offloading", "resume_from_checkpoint", "attn_implementation",
-                    "evals_per_epoch", "special_tokens", "fsdp_version", "fsdp_config",
+                    "evals_per_epoch", "fsdp_version", "fsdp_config",
                     "val_set_size"},
         steps=3, evals=False,
         overrides={"train.seq_len": 500_000, "train.loss_chunk": 1000,
@@ -158,7 +157,7 @@ CASES = {
         devices=16, models={"hf": "llama"}, data={"alpaca": ("alpaca", 20)},
         mesh={**ONE, "replica": 2, "fsdp": 4, "tensor": 2}, batch=(1 * 1 * 2 * 4, 1),
         length=("epochs", 2.0), data_settings=ALPACA,
-        not_mapped={"plugins", "dataset_prepared_path", "special_tokens", "fsdp_version",
+        not_mapped={"plugins", "dataset_prepared_path", "fsdp_version",
                     "fsdp_config", "attn_implementation", "tf32"}, steps=4, evals=False,
         train_mesh={"fsdp": 2},
         overrides={"train.schedule": "constant", "train.warmup_ratio": 0.1,

@@ -162,7 +162,7 @@ def assert_every_field_accounted_for(raw: dict, conv: from_axolotl.Conversion) -
                 where = f"{group}[{i}]"
                 assert where in unmapped or f"{where}.{key}" in unmapped or key in (
                     "path", "type", "field", "field_messages", "message_property_mappings",
-                    "roles_to_train"), (where, key)
+                    "roles_to_train", "train_on_eos", "train_on_eot"), (where, key)
 
 
 def test_nd_parallel_yaml_maps_the_mesh_and_builds(files):
@@ -259,8 +259,10 @@ def test_sft_yaml_with_chat_template_datasets(files):
     unmapped = {u.field: u for u in conv.unmapped}
     assert set(unmapped) == {"model_type", "tokenizer_type", "load_in_8bit", "strict",
                              "datasets[0].drop_system_message", "dataset_prepared_path",
-                             "num_epochs", "train_on_inputs", "fp16", "wandb_project",
-                             "special_tokens"}, unmapped
+                             "num_epochs", "train_on_inputs", "fp16", "wandb_project"}, unmapped
+    # pad_token: a token the tokenizer has, so nothing grows (tests/test_added_tokens.py).
+    assert (o["data.pad_token"], o["data.added_special_tokens"]) == (
+        "<|end_of_text|>", ("<|end_of_text|>",))
     for off in ("load_in_8bit", "train_on_inputs", "fp16", "wandb_project"):
         assert unmapped[off].reason == "off, nothing to map", unmapped[off]
     # Listed in the YAML's order.
@@ -331,11 +333,71 @@ def test_val_set_size_holds_out_a_share_of_the_dataset(files):
      "lora_target_modules: '.*_proj' must be a module name such as q_proj"),
     ({"datasets": [{"path": "missing.jsonl", "type": "chat_template"}]},
      "datasets[0].path: 'missing.jsonl' is not a file or directory"),
+    ({"wandb_project": "p", "wandb_mode": "dryrun"},
+     "wandb_mode: 'dryrun' must be online, offline or disabled; W&B knows no other mode"),
+    ({"use_mlflow": "yes"}, "use_mlflow: 'yes' must be true or false"),
 ])
 def test_bad_values_name_the_field(files, change, message):
     raw = {**yaml_of(SFT_YAML, files), **change}
     with pytest.raises(ConfigError, match=re.escape(message)):
         from_axolotl.convert(raw, devices=8)
+
+
+TRACKERS = {"wandb_project": "sft", "wandb_entity": "team", "wandb_name": "llama-sft",
+            "wandb_run_id": "sft-1", "wandb_mode": "offline", "wandb_watch": "gradients",
+            "wandb_log_model": "checkpoint", "use_mlflow": True,
+            "mlflow_tracking_uri": "http://localhost:5000", "mlflow_experiment_name": "sft",
+            "mlflow_run_name": "llama-sft", "hf_mlflow_log_artifacts": True}
+
+
+def test_wandb_and_mlflow_fields_map_to_the_log_settings(files):
+    raw = {**yaml_of(SFT_YAML, files), **TRACKERS}
+    conv = from_axolotl.convert(raw, devices=8)
+    o = conv.overrides
+    assert {k: v for k, v in o.items() if k.startswith(("log.wandb", "log.mlflow"))} == {
+        "log.wandb_project": "sft", "log.wandb_entity": "team", "log.wandb_name": "llama-sft",
+        "log.wandb_run_id": "sft-1", "log.wandb_mode": "offline",
+        "log.mlflow_tracking_uri": "http://localhost:5000", "log.mlflow_experiment": "sft",
+        "log.mlflow_run_name": "llama-sft"}
+    unmapped = {u.field: u.reason for u in conv.unmapped}
+    assert unmapped["wandb_watch"] == unmapped["wandb_log_model"] == (
+        "ndjax logs the settings and metrics to W&B, not models or gradients")
+    assert unmapped["hf_mlflow_log_artifacts"].startswith("ndjax logs the settings and "
+                                                          "metrics to MLflow")
+    assert not {k for k in TRACKERS if k in unmapped} - {"wandb_watch", "wandb_log_model",
+                                                         "hf_mlflow_log_artifacts"}
+    assert_every_field_accounted_for(raw, conv)
+    from_axolotl.check(from_axolotl.render(conv, "config.yml"), conv)  # ndjax takes them
+    # A run id W&B refuses: ndjax's checks of the converted file name the Axolotl field.
+    conv = from_axolotl.convert({**raw, "wandb_run_id": "team/run"}, devices=8)
+    with pytest.raises(ConfigError, match=r"^the converted config fails ndjax's checks: "
+                       r"log.wandb_run_id='team/run': .* \(log.wandb_run_id from "
+                       r"wandb_run_id\)$"):
+        from_axolotl.check(from_axolotl.render(conv, "config.yml"), conv)
+
+
+@pytest.mark.parametrize("change, overrides, listed", [
+    # As in Axolotl: W&B is on with wandb_project, MLflow with use_mlflow or an experiment.
+    ({"use_wandb": True, "wandb_entity": "team"}, {},
+     {"use_wandb": "W&B is off: Axolotl turns it on with wandb_project",
+      "wandb_entity": "W&B is off: Axolotl turns it on with wandb_project"}),
+    ({"wandb_project": "sft", "use_wandb": False}, {"log.wandb_project": "sft"}, {}),
+    ({"mlflow_tracking_uri": "http://localhost:5000"}, {}, {"mlflow_tracking_uri": "MLflow is "
+     "off: Axolotl turns it on with use_mlflow or mlflow_experiment_name"}),
+    ({"use_mlflow": True}, {"log.mlflow_tracking_uri": "./mlruns"}, {}),
+    ({"mlflow_experiment_name": "sft"},
+     {"log.mlflow_tracking_uri": "./mlruns", "log.mlflow_experiment": "sft"}, {}),
+    ({"use_mlflow": False, "wandb_project": ""}, {},
+     {"use_mlflow": "off, nothing to map", "wandb_project": "off, nothing to map"}),
+])
+def test_trackers_are_on_as_axolotl_turns_them_on(files, change, overrides, listed):
+    raw = {**yaml_of(SFT_YAML, files), **change}
+    conv = from_axolotl.convert(raw, devices=8)
+    assert {k: v for k, v in conv.overrides.items()
+            if k.startswith(("log.wandb", "log.mlflow"))} == overrides
+    unmapped = {u.field: u.reason for u in conv.unmapped}
+    assert {k: unmapped[k] for k in listed} == listed
+    assert_every_field_accounted_for(raw, conv)
 
 
 @pytest.mark.parametrize("base, overrides, coef, listed", [
@@ -370,14 +432,17 @@ def test_output_router_logits_sets_the_aux_loss_weight(files, tmp_path, base, ov
 
 
 def test_chat_templates(files, tmp_path):
-    """A template file is data.chat_template; Axolotl's named templates and inline Jinja
-    are listed, and the tokenizer's own is used."""
+    """A template file is data.chat_template, and so is a named template ndjax ships (by
+    its name); Axolotl's other named templates and inline Jinja are listed, and the
+    tokenizer's own is used."""
     jinja = tmp_path / "template.jinja"
     jinja.write_text("{% for m in messages %}{{ m.content }}{% endfor %}")
     sft = yaml_of(SFT_YAML, files)
     for change, template, listed in [
             ({"chat_template": "jinja", "chat_template_jinja": str(jinja)}, str(jinja), set()),
-            ({"chat_template": "chatml"}, "", {"chat_template"}),
+            ({"chat_template": "chatml"}, "chatml", set()),
+            ({"chat_template": "qwen3"}, "qwen3", set()),
+            ({"chat_template": "phi_3"}, "", {"chat_template"}),
             ({"chat_template": None, "chat_template_jinja": "{{ messages }}"}, "",
              {"chat_template_jinja"}),
             ({"chat_template_jinja": "{{ messages }}"}, "", {"chat_template_jinja"})]:
@@ -385,6 +450,41 @@ def test_chat_templates(files, tmp_path):
         assert conv.overrides["data.chat_template"] == template, change
         assert {u.field for u in conv.unmapped} & {"chat_template", "chat_template_jinja"} == \
             listed, change
+
+
+def test_unmapped_named_templates_say_which_ndjax_ships(files):
+    conv = from_axolotl.convert({**yaml_of(SFT_YAML, files), "chat_template": "phi_3"},
+                                devices=8)
+    reason, = [u.reason for u in conv.unmapped if u.field == "chat_template"]
+    assert "ndjax ships chatml, gemma3, llama3, qwen3" in reason
+
+
+@pytest.mark.parametrize("entry, settings, listed", [
+    ({}, {}, set()),
+    ({"roles_to_train": ["assistant"], "train_on_eos": "turn"}, {}, set()),
+    ({"roles_to_train": ["human", "gpt"], "train_on_eos": "all"},
+     {"data.roles_to_train": "user,assistant", "data.train_on_eos": "all"}, set()),
+    ({"roles_to_train": ["assistant"], "train_on_eos": "last"},
+     {"data.train_on_eos": "last"}, set()),
+    ({"train_on_eot": "none"}, {"data.train_on_eos": "none"}, set()),
+    ({"train_on_eos": "all", "train_on_eot": "turn"}, {}, {"datasets[0].train_on_eos"}),
+    ({"roles_to_train": ["narrator"]}, {}, {"datasets[0].roles_to_train"}),
+    ({"roles_to_train": []}, {}, {"datasets[0].roles_to_train"}),
+    ({"train_on_eos": "sometimes"}, {}, {"datasets[0].train_on_eos"}),
+])
+def test_roles_to_train_and_train_on_eos(files, entry, settings, listed):
+    # Axolotl's defaults (["assistant"], turn) are ndjax's: only other values are written.
+    raw = yaml_of(SFT_YAML, files)
+    dataset = {k: v for k, v in raw["datasets"][0].items() if k != "roles_to_train"}
+    raw["datasets"] = [{**dataset, **entry}]
+    conv = from_axolotl.convert(raw, devices=8)
+    got = {k: v for k, v in conv.overrides.items()
+           if k in ("data.roles_to_train", "data.train_on_eos")}
+    assert got == settings
+    assert {u.field for u in conv.unmapped} & {f"datasets[0].{k}" for k in (
+        "roles_to_train", "train_on_eos", "train_on_eot")} == listed
+    assert_every_field_accounted_for(raw, conv)
+    from_axolotl.check(from_axolotl.render(conv, "config.yml"), conv)
 
 
 def test_a_value_ndjax_refuses_fails_at_conversion_naming_its_axolotl_field(files):
@@ -598,6 +698,10 @@ def test_every_problem_is_in_one_report_with_the_fields_not_mapped(files, tmp_pa
      ["datasets[0]: ", "datasets[1]: "]),
     ("ndjax_check", {"seed": 2**33}, "the converted config fails ndjax's checks: "
      "train.seed=8589934592", ["model_type: 'AutoModelForCausalLM'"]),
+    # Only the layout refuses it (8 simulated CPU devices, as the converted mesh has).
+    ("layout", {"context_parallel_size": 8, "dp_shard_size": 1, "sequence_len": 100},
+     "the converted config fails ndjax's checks: train.seq_len=100 is not divisible by 8 "
+     "= context(8)", []),
     ("hub_dataset", {"datasets": [{"path": "org/data", "type": "chat_template"}]},
      "`hf download org/data --repo-type dataset`", []),
     ("hub_model", {"base_model": "meta-llama/Llama-3.2-1B"},

@@ -33,8 +33,9 @@ LAYERS = (
     ("parallel",),    # the mesh, the rule tables, collectives, processes, platforms
     ("ops",),         # kernels: attention, grouped matmuls, cross-entropy, layer scan
     ("models",),      # families, layers, LoRA and quantization, the sampler
-    ("config", "hardware", "axolotl"),  # the typed config; GPUs' figures; Axolotl's fields
+    ("config", "hardware"),  # the typed config; GPUs' figures
     ("data",),        # documents -> packed rows, handed the config's data section
+    ("axolotl",),     # Axolotl's fields, read into the config's and the data's names
     ("step",),        # the train state and the jitted step
     ("runs",),        # a run on disk: directory, lock, checkpoints, Hugging Face files
     ("experiment",),  # the config checked and built into mesh, model, state and step

@@ -171,9 +171,10 @@ def test_two_processes_train_like_one(tmp_path, mesh):
     # Also Hugging Face checkpoints in and out across processes: the fsdp x tp
     # run exports at the end (and evaluates), the context run starts from an HF
     # directory. The fsdp x tp run trains on chat data: each process renders and
-    # packs only its rows, and the conversations dropped for length add up.
+    # packs only its rows, and the conversations dropped for length add up; the set
+    # is small enough that the 3 steps cross epochs, each in its own global order.
     if mesh is FSDP_TP:
-        chat = chat_overrides(tmp_path / "chat")
+        chat = chat_overrides(tmp_path / "chat", n=20)
         chat["data.eval_files"] = str(write_chat_jsonl(tmp_path / "chat" / "eval.jsonl",
                                                        conversations(24, seed=1)))
         fields = {"export.dtype": "float32", "train.eval_every": 3, "train.eval_steps": 2,
@@ -213,6 +214,9 @@ def test_two_processes_train_like_one(tmp_path, mesh):
     if mesh is FSDP_TP:
         dropped = {r["data/dropped_overlong"] for r in two + reference}
         assert len(dropped) == 1 and dropped.pop() > 0
+        epochs = [(r["data/epoch"], r["data/fill"]) for r in two]
+        assert epochs == [(r["data/epoch"], r["data/fill"]) for r in reference]
+        assert epochs[-1][0] > 1, epochs  # into the second epoch
         evals = [r for r in records if "eval_loss" in r]
         assert [r["step"] for r in evals] == [3]
         one_eval = metrics(tmp_path / "one")[-1]

@@ -28,16 +28,23 @@ REASONS = (
     (("flash_attention", "flash_attn", "sdp_attention", "xformers_attention", "flex_attention",
       "s2_attention", "sage_attention", "attn_implementation", "sample_packing_"),
      "ndjax picks its attention kernel and packing itself (model.attn_impl=auto)"),
-    (("wandb_", "use_wandb", "mlflow_", "use_mlflow", "comet_", "use_comet", "use_tensorboard",
-      "trackio_", "use_trackio"), "ndjax logs to metrics.jsonl and TensorBoard in the workdir"),
+    (("wandb_log_model", "wandb_watch"), "ndjax logs the settings and metrics to W&B, not "
+     "models or gradients"),
+    (("wandb_",), "ndjax sets W&B's project, entity, name, mode and run id (log.wandb_*)"),
+    (("hf_mlflow_", "mlflow_"), "ndjax logs the settings and metrics to MLflow "
+     "(log.mlflow_*), not artifacts"),
+    (("comet_", "use_comet", "use_tensorboard", "trackio_", "use_trackio"),
+     "ndjax logs to metrics.jsonl and TensorBoard in the workdir, and to W&B (wandb_project) "
+     "and MLflow (use_mlflow)"),
     (("deepspeed", "fsdp", "ddp"), "ndjax shards over its own mesh (dp_shard_size -> mesh.fsdp); "
      "these options have no counterpart"),
     (("hub_", "push_"), "ndjax does not upload"),
     (("dataset_prepared_path", "dataset_processes", "dataset_num_proc", "shuffle_",
       "dataset_shard", "skip_prepare_dataset", "pretraining_dataset"),
      "ndjax reads and tokenizes its data files while it trains"),
-    (("special_tokens", "tokens", "added_tokens_overrides", "tokenizer_", "resize_token"),
-     "ndjax trains with the tokenizer as it is"),
+    (("added_tokens_overrides", "tokenizer_", "resize_token", "mean_resizing", "shrink_"),
+     "ndjax takes the tokenizer as it is, with the tokens and special_tokens it adds, "
+     "and grows the vocabulary to exactly its size"),
     (("torch_compile", "liger_", "cut_cross_entropy", "unsloth_", "plugins"),
      "ndjax compiles with XLA and has its own kernels"),
     (("model_type", "base_model_config", "cls_model_config", "trust_remote_code"),

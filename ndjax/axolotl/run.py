@@ -431,6 +431,46 @@ def tokenizer(f: Fields, base: str | None) -> str | None:
                       "tokenizer.json (ndjax does not download); point it at one.")
 
 
+# special_tokens' keys that ndjax's data section names (the others are listed as not mapped).
+NAMED_TOKENS = {"eos_token": "data.eos_token", "bos_token": "data.bos_token",
+                "pad_token": "data.pad_token"}
+
+
+def tokens(f: Fields, out: Out) -> None:
+    """Axolotl's ``tokens`` (data.added_tokens) and ``special_tokens`` (each added as a
+    special token, as Axolotl's ``add_special_tokens`` does, and named by data.eos_token,
+    bos_token, pad_token); the model grows to hold new ids when it trains."""
+    added = f.value("tokens")
+    if added is not None:
+        if isinstance(added, str):
+            added = [added]
+        if not isinstance(added, list) or not all(isinstance(t, str) and t for t in added):
+            out.problem(refusal("tokens", added, "a list of token strings",
+                                ", e.g. tokens: ['<tool_call>', '</tool_call>']"))
+        elif added:
+            out.set("data.added_tokens", tuple(added), "tokens")
+    special = f.value("special_tokens")
+    if special is None:
+        return
+    if not isinstance(special, Mapping):
+        out.problem(refusal("special_tokens", special, "a mapping of names to tokens",
+                            ", e.g. special_tokens: {pad_token: '<|end_of_text|>'}"))
+        return
+    chosen = []
+    for key, value in special.items():
+        if not isinstance(value, str) or not value:
+            out.problem(refusal(f"special_tokens.{key}", value, "a non-empty string"))
+        elif key in NAMED_TOKENS:
+            out.set(NAMED_TOKENS[key], value, f"special_tokens.{key}")
+            chosen.append(value)
+        else:
+            out.skip(f"special_tokens.{key}", value, "ndjax names only a tokenizer's eos, bos "
+                     "and pad tokens; add it with tokens: if the data holds it")
+    if chosen:
+        out.set("data.added_special_tokens", tuple(dict.fromkeys(chosen)),
+                "special_tokens (added where the tokenizer lacks them, as Axolotl does)")
+
+
 def _config_json(base: str) -> dict:
     path = os.path.join(base, "config.json")
     try:

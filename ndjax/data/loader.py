@@ -17,27 +17,29 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import queue
-import threading
 import zlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
+import grain
 import jax
 import ml_collections
 import numpy as np
+from grain.experimental import ThreadPrefetchIterDataset
 
 from ndjax.config import FILE_SOURCES, DataSettings, Settings, as_settings
 from ndjax.data import chat, prompt_formats, sources
 from ndjax.data.chat_template import ChatTemplate, load_chat_template
 from ndjax.data.streams import ChatRows, RowSource, TextRows, TokenRows
 from ndjax.data.synthetic import SyntheticSource
-from ndjax.data.tokenizers import Tokenizer, load_tokenizer
+from ndjax.data.tokenizers import Additions, Tokenizer, load_tokenizer
 from ndjax.runtime.errors import ConfigError
 
-# 2: one stream over the whole corpus, an epoch a pass over every document (1: each
-# batch row read its own share); a position saved by one does not name the other's rows.
-STATE_VERSION = 2
+# 3: every seeded order is Grain's shuffle (2: ndjax's own; 1: each batch row read its
+# own share of the corpus); a position saved by one names other rows in the others.
+STATE_VERSION = 3
+# The steps a loader's Grain pipeline holds (a MapDataset has a length): never reached.
+_LAST_STEP = 2**62
 _TOKENIZE_BATCH = 256  # documents per encode_batch call (the HF tokenizer threads over them)
 
 
@@ -133,8 +135,19 @@ def _check_source(d: DataSettings, eval_every: int) -> None:
                           "use data.packing=True or a text source.")
 
 
+def data_tokenizer(data: Any) -> Tokenizer:
+    """The tokenizer of a config's ``data`` section (a run's saved config.json may predate
+    the fields added since, which then take their defaults)."""
+    def get(field: str, default: Any = "") -> Any:
+        return getattr(data, field, default) if not isinstance(data, Mapping) \
+            else data.get(field, default)
+    added = Additions(tuple(get("added_tokens", ())), tuple(get("added_special_tokens", ())))
+    return load_tokenizer(get("tokenizer", "byte"), get("eos_token"), get("bos_token"),
+                          get("pad_token"), added if added else None)
+
+
 def _tokenizer(d: DataSettings, vocab_size: int) -> Tokenizer:
-    tok = load_tokenizer(d.tokenizer, d.eos_token)
+    tok = data_tokenizer(d)
     if tok.vocab_size > vocab_size:
         fit = -(-tok.vocab_size // 128) * 128
         raise ConfigError(
@@ -276,6 +289,12 @@ def _chat_rows(inp: DataInput, split: str, max_runs: int | None) -> tuple[ChatRo
     rendering = template.text if template is not None else d.format
     key = (f"{corpus.fingerprint()}:{rendering}:{d.role_field}:{d.content_field}:"
            f"{d.overlong}:{d.packing}")
+    # Settings added since: in the key only when not their defaults, so that the batches
+    # of runs that never set them keep their key.
+    if (d.trained_roles, d.train_on_eos) != (("assistant",), "turn"):
+        key += f":{d.roles_to_train}:{d.train_on_eos}"
+    if d.added_tokens or d.added_special_tokens:
+        key += f":{d.added_tokens}:{d.added_special_tokens}"
     return rows, zlib.crc32(key.encode())
 
 
@@ -288,7 +307,8 @@ def _encode(docs: list[sources.Document], d: DataSettings, tok: Tokenizer,
         if (d.role_field, d.content_field) != ("role", "content"):
             docs = [_mapped_messages(doc, d) for doc in docs]
         return chat.encode(docs, template, tok, messages_field=d.messages_field,
-                           prompt_field=d.prompt_field, completion_field=d.completion_field)
+                           prompt_field=d.prompt_field, completion_field=d.completion_field,
+                           roles_to_train=d.trained_roles, train_on_eos=d.train_on_eos)
     records = [{k: v for k, v in doc.content.items() if v is not None} for doc in docs]
     try:
         encoded = prompt_formats.encode(records, d.format, tok, field=d.text_field)
@@ -395,7 +415,8 @@ def dropped_overlong(loader: Loader) -> int:
 
 
 class Loader:
-    """This process's rows of each global batch, in order, prepared ahead by a thread.
+    """This process's rows of each global batch, in order, prepared ahead by a thread
+    (Grain's ``ThreadPrefetchIterDataset`` over the steps' batches, ``_pipeline``).
 
     ``get_state()`` is the position: ``rows``, the number of global rows consumed
     (batches x train.batch_size), and what the batches depend on. Batches are a
@@ -413,9 +434,7 @@ class Loader:
         self.state_key, self.prefetch, self.transform = dict(state_key), prefetch, transform
         self.batch_size = state_key["batch_size"]
         self._step = 0
-        self._thread: threading.Thread | None = None
-        self._stop = threading.Event()
-        self._queue: queue.Queue = queue.Queue()
+        self._batches: grain.DatasetIterator | None = None
         if prefetch:
             self._start()
 
@@ -458,9 +477,9 @@ class Loader:
         if state.get("version") != STATE_VERSION:
             raise ConfigError(
                 f"data loader state has version {state.get('version')!r}; this ndjax reads "
-                f"version {STATE_VERSION}, whose batches are other rows (version 2: one "
-                "shuffled pass over the whole corpus per epoch), so the saved position names "
-                "other data. Resume with the ndjax that saved it, or start afresh in another "
+                f"version {STATE_VERSION}, whose batches are other rows (version 3: the "
+                "corpus's documents and rows in Grain's seeded shuffles), so the saved position "
+                "names other data. Resume with the ndjax that saved it, or start afresh in another "
                 "--workdir (or checkpoint.resume=never).")
         for key, now in self.state_key.items():
             if state.get(key) != now:
@@ -480,49 +499,35 @@ class Loader:
 
     # ----- the prefetch thread ---------------------------------------------------
 
-    def _start(self) -> None:
-        self._stop = threading.Event()
-        self._queue = queue.Queue(self.prefetch)
-        self._thread = threading.Thread(target=self._produce, name="ndjax-data",
-                                        args=(self._step, self._queue, self._stop), daemon=True)
-        self._thread.start()
+    def _pipeline(self, step: int) -> grain.DatasetIterator:
+        """Grain's iterator of the batches from ``step`` on: the steps, mapped to their
+        batches (a random-access ``MapDataset``), read in order with no thread of their
+        own, and one thread keeping ``prefetch`` of them ready."""
+        steps = grain.MapDataset.range(step, _LAST_STEP).map(self._make)
+        in_order = steps.to_iter_dataset(grain.ReadOptions(num_threads=0,
+                                                           prefetch_buffer_size=0))
+        return ThreadPrefetchIterDataset(in_order, prefetch_buffer_size=self.prefetch).__iter__()
 
-    def _produce(self, step: int, out: queue.Queue, stop: threading.Event) -> None:
-        while not stop.is_set():
-            try:
-                item: Any = self._make(step)
-            except BaseException as e:  # handed to the consumer, which raises it
-                item = e
-            while not stop.is_set():
-                try:
-                    out.put(item, timeout=0.1)
-                    break
-                except queue.Full:
-                    continue
-            if isinstance(item, BaseException):
-                return
-            step += 1
+    def _start(self) -> None:
+        """Starts preparing batches from the current step (before the first is asked for,
+        so it is ready when the model has compiled)."""
+        self._batches = self._pipeline(self._step)
+        self._batches.start_prefetch()
 
     def _take(self) -> Any:
-        if self._thread is None:
+        if self._batches is None:
             self._start()
-        while True:
-            try:
-                item = self._queue.get(timeout=1.0)
-            except queue.Empty:
-                if not self._thread.is_alive():  # cannot happen; never wait forever anyway
-                    raise RuntimeError("the data loader thread stopped") from None
-                continue
-            if isinstance(item, BaseException):
-                self.close()
-                raise item
-            return item
+        try:
+            return next(self._batches)
+        except BaseException:  # a batch failed (Grain has stopped its thread), or Ctrl-C
+            self.close()
+            raise
 
     def close(self) -> None:
-        if self._thread is not None:
-            self._stop.set()
-            self._thread.join()
-            self._thread = None
+        """Stops the thread and waits for it (no batch is prepared after this)."""
+        if self._batches is not None:
+            self._batches.close()
+            self._batches = None
 
     def __enter__(self) -> Loader:
         return self

@@ -15,6 +15,7 @@ the ``<|endoftext|>`` its vocabulary also holds).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import os
@@ -73,12 +74,45 @@ class ByteTokenizer:
         return bytes(int(i) for i in ids if i < 256).decode("utf-8", errors="replace")
 
 
+@dataclasses.dataclass(frozen=True)
+class Additions:
+    """Tokens a run adds to a tokenizer.json, as transformers' ``add_tokens`` and
+    ``add_special_tokens`` add them (Axolotl's ``tokens`` and ``special_tokens``): each
+    one absent from the vocabulary gets the next id, never normalized or stripped."""
+
+    tokens: tuple[str, ...] = ()
+    special: tuple[str, ...] = ()
+
+    def check(self) -> None:
+        for field, values in (("data.added_tokens", self.tokens),
+                              ("data.added_special_tokens", self.special)):
+            bad = [t for t in values if not isinstance(t, str) or not t]
+            if bad:
+                raise ConfigError(f"{field}={values!r}: every token must be a non-empty "
+                                  f"string ({bad[0]!r} is not).")
+
+    def add_to(self, tok: tokenizers.Tokenizer) -> None:
+        from tokenizers import AddedToken
+
+        self.check()
+        if self.special:
+            tok.add_special_tokens([AddedToken(t, special=True, normalized=False)
+                                    for t in self.special])
+        if self.tokens:
+            tok.add_tokens([AddedToken(t, special=False, normalized=False)
+                            for t in self.tokens])
+
+    def __bool__(self) -> bool:
+        return bool(self.tokens or self.special)
+
+
 class HFTokenizer:
     """A Hugging Face ``tokenizer.json`` read with the ``tokenizers`` library."""
 
     takes_bytes = False
 
-    def __init__(self, path: str, eos_token: str = "", field: str = "data.tokenizer"):
+    def __init__(self, path: str, eos_token: str = "", field: str = "data.tokenizer", *,
+                 bos_token: str = "", pad_token: str = "", added: Additions | None = None):
         try:
             from tokenizers import Tokenizer as _Tokenizer
         except ImportError as e:  # a runtime dependency, but be clear if it is missing
@@ -93,10 +127,22 @@ class HFTokenizer:
             raise ConfigError(f"{field}={path!r} is not a valid tokenizer.json: "
                               f"{str(e).splitlines()[0]}") from None
         self.name = path
+        # The ids of the file itself; added tokens (data.added_tokens) come after them.
+        self.file_vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
+        self.added = added or Additions()
+        self.added.add_to(self._tok)
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
         # The named special tokens (eos_token, bos_token, pad_token...) of the files
-        # transformers saves beside tokenizer.json.
+        # transformers saves beside tokenizer.json, and those the config names.
         self.special = special_tokens(path, field)
+        self.chosen = {k: v for k, v in (("eos_token", eos_token), ("bos_token", bos_token),
+                                         ("pad_token", pad_token)) if v}
+        for key, text in self.chosen.items():
+            if key != "eos_token" and self._tok.token_to_id(text) is None:
+                raise ConfigError(f"data.{key}={text!r} is not a token of data.tokenizer="
+                                  f"{path!r}; name one it has, or add it with "
+                                  "data.added_special_tokens.")
+        self.special.update({k: v for k, v in self.chosen.items() if k != "eos_token"})
         named_eos = self.special.get("eos_token")
         if eos_token:
             names = (eos_token,)
@@ -135,6 +181,10 @@ class HFTokenizer:
         other rules than ndjax's documents (Axolotl's prompt formats: special tokens
         added, pieces tokenized apart)."""
         return self._tok
+
+    def to_json(self) -> str:
+        """tokenizer.json's text, with the tokens this run added (for exports)."""
+        return self._tok.to_str()
 
     def encode_batch(self, texts: Sequence[str | bytes]) -> list[np.ndarray]:
         # Callers decode bytes themselves (sources.Document.text names the file
@@ -204,12 +254,19 @@ def special_tokens(path: str, field: str = "data.tokenizer") -> dict[str, str | 
 
 
 @functools.lru_cache(maxsize=8)
-def load_tokenizer(name: str, eos_token: str = "") -> ByteTokenizer | HFTokenizer:
+def load_tokenizer(name: str, eos_token: str = "", bos_token: str = "", pad_token: str = "",
+                   added: Additions | None = None) -> ByteTokenizer | HFTokenizer:
     """``'byte'`` or the path of a tokenizer.json (cached: the config check and the loader
     both ask for it)."""
     if name == "byte":
-        if eos_token:
-            raise ConfigError(f"data.eos_token={eos_token!r} applies to a tokenizer.json; the "
-                              "byte tokenizer's EOS is id 256. Leave data.eos_token empty.")
+        for field, value in (("eos_token", eos_token), ("bos_token", bos_token),
+                             ("pad_token", pad_token)):
+            if value:
+                raise ConfigError(f"data.{field}={value!r} applies to a tokenizer.json; the "
+                                  "byte tokenizer's are ids 256-258. Leave it empty.")
+        if added:
+            raise ConfigError(f"data.added_tokens={added.tokens!r}, data.added_special_tokens="
+                              f"{added.special!r} add to a tokenizer.json; the byte tokenizer "
+                              "takes none. Set data.tokenizer or leave them empty.")
         return ByteTokenizer()
-    return HFTokenizer(name, eos_token)
+    return HFTokenizer(name, eos_token, bos_token=bos_token, pad_token=pad_token, added=added)

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import gc
 import json
 import math
@@ -60,7 +61,8 @@ from ndjax.config import (  # noqa: F401
     default_config,
     shard_size,
 )
-from ndjax.data.tokenizers import HFTokenizer, Tokenizer, load_tokenizer
+from ndjax.data.loader import data_tokenizer
+from ndjax.data.tokenizers import HFTokenizer, Tokenizer
 from ndjax.models import decoder, lora, registry
 from ndjax.models import quant as quant_lib
 from ndjax.models.decoder import DecoderConfig
@@ -179,6 +181,55 @@ class Checkpoint:
     config: dict          # config.json as read
     dims: dict            # DecoderConfig fields from config.json, the family's included
     tensors: dict[str, _Entry]  # Hugging Face tensor name -> its file and shape
+    # The vocabulary rows in the files, where dims' vocab_size was grown past them to
+    # hold added tokens (``grow_vocab``); None: as the files have them.
+    file_vocab: int | None = None
+
+
+# The Hugging Face tensors whose rows are the vocabulary (axis 0 in every family).
+VOCAB_TENSORS = ("model.embed_tokens.weight", "lm_head.weight")
+
+
+def grow_vocab(ckpt: Checkpoint, vocab_size: int) -> Checkpoint:
+    """``ckpt`` with room for ``vocab_size`` ids (a tokenizer with added tokens): the
+    embedding and LM head get rows past the files' that start at the mean of their rows
+    (``_GrownRows``), as transformers' ``resize_token_embeddings(mean_resizing=True)``
+    starts them but without its random spread. No change if the files have the room."""
+    if vocab_size <= ckpt.dims["vocab_size"]:
+        return ckpt
+    return dataclasses.replace(ckpt, dims={**ckpt.dims, "vocab_size": vocab_size},
+                               file_vocab=ckpt.dims["vocab_size"])
+
+
+class _GrownRows:
+    """A vocabulary tensor's safetensors slice with rows ``file_rows..rows`` added, each
+    the mean of the file's rows (float32, read a chunk at a time)."""
+
+    def __init__(self, tensor: Any, rows: int):
+        self.tensor, self.rows = tensor, rows
+        self.file_rows = tensor.get_shape()[0]
+
+    @functools.cached_property
+    def mean(self) -> np.ndarray:
+        total = np.zeros(self.tensor.get_shape()[1:], np.float64)
+        step = max(1, _CHUNK_CAP // max(1, 4 * math.prod(total.shape)))
+        for lo in range(0, self.file_rows, step):
+            block = np.asarray(self.tensor[lo:min(lo + step, self.file_rows)], np.float32)
+            total += block.sum(axis=0, dtype=np.float64)
+        return (total / self.file_rows).astype(np.float32)
+
+    def __getitem__(self, key: Any) -> np.ndarray:
+        key = key if isinstance(key, tuple) else (key,)
+        lo, hi, _ = key[0].indices(self.rows)
+        rest = key[1:]
+        parts = []
+        if lo < self.file_rows:
+            parts.append(np.asarray(self.tensor[(slice(lo, min(hi, self.file_rows)), *rest)],
+                                    np.float32))
+        if hi > self.file_rows:
+            mean = self.mean[rest] if rest else self.mean
+            parts.append(np.broadcast_to(mean, (hi - max(lo, self.file_rows), *mean.shape)))
+        return np.concatenate(parts)
 
 
 def _expected_shapes(dims: dict) -> dict[str, tuple[int, ...]]:
@@ -366,7 +417,10 @@ def load_params(ckpt: Checkpoint, shapes: Any, shardings: Any,
                  for path in sorted({e.path for e in ckpt.tensors.values()})}
 
         def tensor(name: str) -> Any:
-            return files[ckpt.tensors[name].path].get_slice(name)
+            found = files[ckpt.tensors[name].path].get_slice(name)
+            if ckpt.file_vocab is not None and name in VOCAB_TENSORS:
+                return _GrownRows(found, ckpt.dims["vocab_size"])
+            return found
 
         def load(path, shape, sharding):
             dtype = np.dtype(shape.dtype)
@@ -447,7 +501,7 @@ def run_tokenizer(data: Any) -> Tokenizer | None:
     hold the byte tokenizer's, in a vocabulary under 259)."""
     if data.source == "synthetic":
         return None
-    return load_tokenizer(data.tokenizer, data.eos_token)
+    return data_tokenizer(data)
 
 
 def with_token_ids(config: dict, tokenizer: Tokenizer) -> dict:
@@ -857,7 +911,11 @@ def _copy_tokenizer(tmp: str, tokenizer: HFTokenizer) -> None:
         if _TOKENIZER_FILES.fullmatch(file) and file != "tokenizer.json" \
                 and os.path.isfile(os.path.join(folder, file)):
             shutil.copy(os.path.join(folder, file), tmp)
-    shutil.copy(tokenizer.name, os.path.join(tmp, "tokenizer.json"))
+    if tokenizer.added:  # the file and the tokens the run added to it
+        with open(os.path.join(tmp, "tokenizer.json"), "w", encoding="utf-8") as f:
+            f.write(tokenizer.to_json())
+    else:
+        shutil.copy(tokenizer.name, os.path.join(tmp, "tokenizer.json"))
     config_path = os.path.join(tmp, "tokenizer_config.json")
     if not os.path.isfile(config_path):
         # transformers 4 and 5 both load a bare tokenizer.json through this class.
@@ -867,8 +925,9 @@ def _copy_tokenizer(tmp: str, tokenizer: HFTokenizer) -> None:
              "bos_token": tokenizer.bos_id}
 
     def fill(config: dict) -> dict:
-        # Only absent keys: a name the file gives (even null) is the tokenizer's own.
+        # Absent keys, and those the run's config named (data.eos_token, ...): a name the
+        # file gives (even null) is otherwise the tokenizer's own.
         missing = {k: tokenizer.id_to_token(i) for k, i in named.items()
-                   if k not in config and i is not None}
+                   if (k not in config or k in tokenizer.chosen) and i is not None}
         return {**config, **missing}
     _update_json(config_path, fill)

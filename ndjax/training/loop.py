@@ -18,8 +18,7 @@ import jax
 import ml_collections
 
 from ndjax.config import Settings
-from ndjax.data.loader import dropped_overlong, open_loader
-from ndjax.data.tokenizers import load_tokenizer
+from ndjax.data.loader import data_tokenizer, dropped_overlong, open_loader
 from ndjax.experiment import Experiment, Inputs
 from ndjax.runs import hf
 from ndjax.runs import workdir as workdir_lib
@@ -29,7 +28,7 @@ from ndjax.step.state import TrainState
 from ndjax.step.train_step import Batch
 from ndjax.training import hooks as hooks_lib
 from ndjax.training import sinks as sinks_lib
-from ndjax.training import stop_signals, summary
+from ndjax.training import stop_signals, summary, trackers
 from ndjax.training.hooks import NonFiniteError  # noqa: F401 -- train.py and tests catch it from here
 from ndjax.training.sinks import Sinks
 
@@ -140,7 +139,7 @@ def default_hooks(exp: Experiment, workdir: str, data_counts: dict[str, int],
         hooks.append(hooks_lib.Evaluate(s.train.eval_every, _eval_batches(exp)))
     if s.log.sample_every:
         # The data's tokenizer (checked with it), or for synthetic data data.tokenizer's.
-        tokenizer = exp.data.tokenizer or load_tokenizer(s.data.tokenizer, s.data.eos_token)
+        tokenizer = exp.data.tokenizer or data_tokenizer(s.data)
         hooks.append(hooks_lib.Sample(exp, s.log.sample_every, s.log.sample_prompt,
                                       s.log.sample_tokens, os.path.join(workdir, "samples.jsonl"),
                                       tokenizer, s.train.seq_len))
@@ -189,6 +188,7 @@ def train(config: ml_collections.ConfigDict, workdir: str,
     """
     started = time.perf_counter()
     as_given = Settings.parse(config)
+    trackers.check_installed(as_given.log)  # W&B or MLflow on and not installed: one line
     # A run resumed from its checkpoints needs nothing outside its workdir: the model
     # it trains is the one it saved, whatever became of model.init_from, and its
     # tokenizer and chat template are the copies it made of data.tokenizer's files.
@@ -253,9 +253,10 @@ def train(config: ml_collections.ConfigDict, workdir: str,
             workdir_lib.record(workdir, as_given, exp.model_cfg, data=s.data)
             _keep_metrics_until(os.path.join(workdir, "metrics.jsonl"), first_step - 1)
 
-        sinks = Sinks(workdir, s.train.steps, enabled=is_main, tensorboard=s.log.tensorboard,
-                      verbose=verbose, append=resume_step is not None)
-        cleanup.callback(sinks.close)
+        # Its exit ends the trackers' runs (W&B, MLflow) as this run ends, an error included.
+        sinks = cleanup.enter_context(Sinks(
+            workdir, s.train.steps, enabled=is_main, tensorboard=s.log.tensorboard,
+            verbose=verbose, append=resume_step is not None, settings=s))
         for line in summary.startup(exp, workdir, resume_step):
             sinks.message(line)
         if epoch_note:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import importlib.util
+import math
 import os
 import re
 import sys
@@ -24,7 +25,7 @@ import tempfile
 from collections.abc import Mapping, Sequence
 from typing import Any, NoReturn
 
-from ndjax.axolotl import adapter, datasets, run
+from ndjax.axolotl import adapter, datasets, run, trackers
 from ndjax.axolotl.fields import Fields, Out, Unmapped, reason
 from ndjax.runtime.cli import fail
 from ndjax.runtime.errors import ConfigError
@@ -66,7 +67,9 @@ def convert(raw: Mapping[str, Any], devices: int | None = None) -> Conversion:
     steps = run.schedule(f, out, layout.data)
     run.precision(f, out)
     run.outputs(f, out, steps)
+    trackers.trackers(f, out)
     base = out.attempt(run.base_model, f)
+    run.tokens(f, out)
     datasets.data(f, out, steps, out.attempt(run.tokenizer, f, base), layout.context)
     # Last: the family's look-up imports the model registry (jax), so bad input above is
     # reported without that wait.
@@ -140,21 +143,52 @@ def load(text: str) -> Any:
         return module.get_config()
 
 
+MESH_AXES = ("replica", "fsdp", "expert", "context", "tensor")
+
+
+def world_size(conv: Conversion) -> int | None:
+    """The GPUs the converted mesh lays out (None where an axis is left to the device
+    count)."""
+    sizes = [conv.overrides.get(f"mesh.{axis}", 1) for axis in MESH_AXES]
+    return math.prod(sizes) if all(isinstance(n, int) and n >= 1 for n in sizes) else None
+
+
 def check(text: str, conv: Conversion) -> None:
-    """Loads the rendered file and runs ndjax's checks that need no devices
-    (``Settings.parse`` and ``experiment.check_fields``: the checkpoint, tokenizer, chat
-    template and data files); a failure names the Axolotl fields the value came from."""
+    """Loads the rendered file and runs ndjax's checks: those that need no devices
+    (``Settings.parse`` and ``check_inputs``: the checkpoint, tokenizer, chat template,
+    data files and export directories), then, where this process has the converted
+    mesh's device count as CPU devices (the CLI makes them), the layout's own
+    (``Experiment.from_config``: shapes that the axes must divide, the batch, the
+    quantized base's blocks), as train.py would on the GPUs. Nothing compiles. A failure
+    names the Axolotl fields the value came from."""
     from ndjax.runtime.console import import_jax_quietly
 
     import_jax_quietly()
-    from ndjax.experiment import check_fields
+    import jax
+
+    from ndjax.config import Settings
+    from ndjax.experiment import Experiment, check_inputs
     try:
-        check_fields(load(text), platform="gpu")
+        settings = Settings.parse(load(text))
+        _, inputs = check_inputs(settings, platform="gpu")
+        n, devices = world_size(conv), jax.devices("cpu")
+        if n is not None and len(devices) >= n:
+            Experiment.from_config(settings, devices[:n], inputs)
     except ConfigError as e:
         sources = [f"{p} from {conv.notes[p]}" for p in conv.overrides
                    if re.search(rf"\b{re.escape(p)}\b", str(e))]
         where = f" ({'; '.join(sources)})" if sources else ""
         raise ConfigError(f"the converted config fails ndjax's checks: {e}{where}") from None
+
+
+def simulate_devices(n: int | None) -> None:
+    """Before jax's backends start: ``n`` CPU devices, so that ``check`` can lay the mesh
+    out (the conversion imports jax, but starts no backend)."""
+    import jax
+    from jax._src import xla_bridge
+
+    if n and n > 1 and not xla_bridge.backends_are_initialized():
+        jax.config.update("jax_num_cpu_devices", n)
 
 
 # ----- command line -------------------------------------------------------------
@@ -222,6 +256,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         # Only a whole conversion is checked: one with stand-ins for refused values
         # would fail again for them, under other names.
         try:
+            simulate_devices(world_size(conv))
             check(text, conv)
         except ConfigError as e:
             conv.problems.append(str(e))
