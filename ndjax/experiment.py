@@ -188,30 +188,56 @@ class Inputs:
     data: loader.DataInput
 
 
-def check_inputs(settings: Settings, platform: str | None = None
-                 ) -> tuple[DecoderConfig, Inputs]:
+def check_inputs(settings: Settings, platform: str | None = None,
+                 problems: list[str] | None = None) -> tuple[DecoderConfig, Inputs]:
     """Checks step 1 of 5, what does not depend on the mesh: the export fields, the
     checkpoint of model.init_from, the model's dims and the data. Returns the model
-    (``platform`` as for ``model_config``) and the inputs."""
-    hf.check_export(settings.export)
+    (``platform`` as for ``model_config``) and the inputs.
+
+    With ``problems``, a check that fails adds its message there and the checks that do
+    not need its result go on (ndjax from_axolotl reports them all at once); the
+    return value is then meaningless if ``problems`` grew."""
+    def attempt(check: Callable[..., Any], *args: Any) -> Any:
+        if problems is None:
+            return check(*args)
+        try:
+            return check(*args)
+        except ConfigError as e:
+            problems.append(str(e))
+            return None
+
+    attempt(hf.check_export, settings.export)
     init_from = settings.model.init_from
-    checkpoint = hf.open_checkpoint(init_from) if init_from else None
-    if checkpoint is not None and _adds_tokens(settings):
-        checkpoint = hf.grow_vocab(checkpoint, loader.data_tokenizer(settings.data).vocab_size)
-    model_cfg = model_config(settings.model, checkpoint, platform)
+    checkpoint = attempt(hf.open_checkpoint, init_from) if init_from else None
+    if checkpoint is not None and attempt(_adds_tokens, settings):
+        grown = attempt(lambda: loader.data_tokenizer(settings.data).vocab_size)
+        checkpoint = hf.grow_vocab(checkpoint, grown) if grown else checkpoint
+    model_cfg = attempt(model_config, settings.model, checkpoint, platform) \
+        if checkpoint is not None or not init_from else None
+    attempt(_check_lora_inputs, settings, model_cfg)
+    if checkpoint is not None:
+        hf.check_tokenizer(settings, checkpoint)
+    t = settings.train
+    attempt(_check_epochs, settings)
+    # Without a model (its check failed above), the data's own checks still run: no
+    # vocabulary to compare the tokenizer's with.
+    vocab = model_cfg.vocab_size if model_cfg is not None else 2**62
+    data = attempt(loader.check, settings.data,
+                   loader.Batches(t.batch_size, t.seq_len, t.seed), vocab,
+                   t.eval_every or t.evals_per_epoch)
+    return model_cfg, Inputs(checkpoint, data)
+
+
+def _check_lora_inputs(settings: Settings, model_cfg: DecoderConfig | None) -> None:
+    """export.adapter_dir needs LoRA; model.lora.init_from must fit the model."""
+    if model_cfg is None:
+        return
     if settings.export.adapter_dir is not None and model_cfg.lora is None:
         raise ConfigError(f"export.adapter_dir={settings.export.adapter_dir!r} exports LoRA "
                           "adapters, and model.lora.rank is unset: set model.lora.rank (e.g. "
                           "16) or drop export.adapter_dir.")
     if settings.model.lora.init_from is not None:  # (LoraSettings.check: a rank is set)
         hf.check_adapter(settings.model.lora.init_from, model_cfg)
-    if checkpoint is not None:
-        hf.check_tokenizer(settings, checkpoint)
-    t = settings.train
-    _check_epochs(settings)
-    data = loader.check(settings.data, loader.Batches(t.batch_size, t.seq_len, t.seed),
-                        model_cfg.vocab_size, t.eval_every or t.evals_per_epoch)
-    return model_cfg, Inputs(checkpoint, data)
 
 
 def _adds_tokens(settings: Settings) -> bool:

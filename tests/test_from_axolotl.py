@@ -495,6 +495,26 @@ def test_a_value_ndjax_refuses_fails_at_conversion_naming_its_axolotl_field(file
         from_axolotl.check(from_axolotl.render(conv, "config.yml"), conv)
 
 
+def test_every_check_of_the_converted_config_that_fails_is_reported(files, tmp_path):
+    """ndjax's checks of the converted file go on past one that fails where the next does
+    not need its result: an export directory that exists and a token LoRA cannot train
+    are both reported, each with its Axolotl fields."""
+    (tmp_path / "out" / "adapter").mkdir(parents=True)
+    (tmp_path / "out" / "adapter" / "adapter_config.json").write_text("{}")
+    raw = {**yaml_of(SFT_YAML, files), "output_dir": str(tmp_path / "out"), "adapter": "lora",
+           "lora_r": 8, "lora_alpha": 16, "lora_target_linear": True,
+           "special_tokens": {"pad_token": "<|not_in_vocab|>"}}
+    conv = from_axolotl.convert(raw, devices=8)
+    with pytest.raises(ConfigError) as e:
+        from_axolotl.check(from_axolotl.render(conv, "config.yml"), conv)
+    lines = str(e.value).splitlines()
+    assert len(lines) == 2, lines
+    assert re.search(r"export.adapter_dir=.* exists .*\(export.adapter_dir from "
+                     r"output_dir", lines[0]), lines[0]
+    assert re.search(r"give 1 new token id\(s\) .*\(data.added_special_tokens from "
+                     r"special_tokens", lines[1]), lines[1]
+
+
 def transformers_warmup(warmup_steps: float, steps: int) -> int:
     """The warmup steps transformers runs for a warmup_steps Axolotl hands it."""
     return TrainingArguments(output_dir="unused", warmup_steps=warmup_steps,

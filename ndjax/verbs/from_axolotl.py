@@ -156,11 +156,12 @@ def world_size(conv: Conversion) -> int | None:
 def check(text: str, conv: Conversion) -> None:
     """Loads the rendered file and runs ndjax's checks: those that need no devices
     (``Settings.parse`` and ``check_inputs``: the checkpoint, tokenizer, chat template,
-    data files and export directories), then, where this process has the converted
-    mesh's device count as CPU devices (the CLI makes them), the layout's own
-    (``Experiment.from_config``: shapes that the axes must divide, the batch, the
-    quantized base's blocks), as train.py would on the GPUs. Nothing compiles. A failure
-    names the Axolotl fields the value came from."""
+    data files and export directories, every one that fails reported), then, where this
+    process has the converted mesh's device count as CPU devices (the CLI makes them),
+    the layout's own (``Experiment.from_config``: shapes that the axes must divide, the
+    batch, the quantized base's blocks), as train.py would on the GPUs. Nothing compiles.
+    Each failure names the Axolotl fields its values came from; a ConfigError holds them
+    one a line."""
     from ndjax.runtime.console import import_jax_quietly
 
     import_jax_quietly()
@@ -168,17 +169,24 @@ def check(text: str, conv: Conversion) -> None:
 
     from ndjax.config import Settings
     from ndjax.experiment import Experiment, check_inputs
+    problems: list[str] = []
     try:
         settings = Settings.parse(load(text))
-        _, inputs = check_inputs(settings, platform="gpu")
+        _, inputs = check_inputs(settings, platform="gpu", problems=problems)
         n, devices = world_size(conv), jax.devices("cpu")
-        if n is not None and len(devices) >= n:
+        if not problems and n is not None and len(devices) >= n:
             Experiment.from_config(settings, devices[:n], inputs)
     except ConfigError as e:
-        sources = [f"{p} from {conv.notes[p]}" for p in conv.overrides
-                   if re.search(rf"\b{re.escape(p)}\b", str(e))]
-        where = f" ({'; '.join(sources)})" if sources else ""
-        raise ConfigError(f"the converted config fails ndjax's checks: {e}{where}") from None
+        problems.append(str(e))
+    if problems:
+        raise ConfigError("\n".join(_from_axolotl_fields(p, conv) for p in problems))
+
+
+def _from_axolotl_fields(problem: str, conv: Conversion) -> str:
+    sources = [f"{p} from {conv.notes[p]}" for p in conv.overrides
+               if re.search(rf"\b{re.escape(p)}\b", problem)]
+    where = f" ({'; '.join(sources)})" if sources else ""
+    return f"the converted config fails ndjax's checks: {problem}{where}"
 
 
 def simulate_devices(n: int | None) -> None:
@@ -259,7 +267,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             simulate_devices(world_size(conv))
             check(text, conv)
         except ConfigError as e:
-            conv.problems.append(str(e))
+            conv.problems.extend(str(e).splitlines())
     for u in conv.unmapped:
         print(f"{PROGRAM}: not mapped: {_one_line(u.line())}", file=sys.stderr)
     if conv.problems:
