@@ -108,8 +108,28 @@ class LoraSettings:
     # use_rslora before anything compiles. A resume's checkpoint holds the adapters, and
     # takes precedence.
     init_from: str | None = setting(None)
+    # PEFT's modules_to_save: embed_tokens and/or lm_head (comma-separated) trained in
+    # full beside the adapters and exported with them (Axolotl's lora_modules_to_save;
+    # what tokens added to the tokenizer need); "": none.
+    modules_to_save: str = setting("")
+
+    @property
+    def saved_modules(self) -> tuple[str, ...]:
+        """model.lora.modules_to_save as a tuple of PEFT's module names."""
+        return tuple(m.strip() for m in self.modules_to_save.split(",") if m.strip())
 
     def check(self) -> None:
+        from ndjax.models import lora
+
+        bad = [m for m in self.saved_modules if m not in lora.SAVABLE]
+        if bad:
+            raise ConfigError(f"model.lora.modules_to_save={self.modules_to_save!r}: {bad[0]!r} "
+                              f"cannot be trained beside the adapters; name "
+                              f"{' and/or '.join(lora.SAVABLE)}, comma-separated.")
+        if self.rank is None and self.saved_modules:
+            raise ConfigError(f"model.lora.modules_to_save={self.modules_to_save!r} trains "
+                              "modules beside LoRA adapters, and model.lora.rank is unset: set "
+                              "model.lora.rank (e.g. 16) or model.lora.modules_to_save=''.")
         if self.rank is None:
             if self.init_from is not None:
                 raise ConfigError(
@@ -122,7 +142,6 @@ class LoraSettings:
                     "LoRA, and model.lora.rank is unset: set model.lora.rank (e.g. 16) or "
                     "model.lora.quantize='none'.")
             return
-        from ndjax.models import lora
         targets = lora.parse_targets(self.target_modules)
         if isinstance(targets, str):
             raise ConfigError(
@@ -432,7 +451,8 @@ class DataSettings:
     pad_token: str = setting("")
     # Tokens added to a tokenizer.json (Axolotl's tokens and special_tokens): new ids
     # after its own, the model's embedding and LM head grown to hold them (new rows
-    # start at the mean of the old ones and are trained; not under LoRA).
+    # start at the mean of the old ones and are trained; under LoRA, with
+    # model.lora.modules_to_save).
     added_tokens: tuple = setting(())
     added_special_tokens: tuple = setting(())  # never split, and skipped when decoding
     # raw token files: uint16 | uint32; auto = from the sidecar

@@ -148,9 +148,16 @@ def lora_config(model: ModelSettings, dims: dict) -> lora_lib.LoraConfig | None:
             f"{', '.join(lora_lib.TARGETS[t] for t in mlp)} of a dense MLP, and its experts "
             f"take no adapters yet. Target the attention: model.lora.target_modules="
             f"{attention!r}.")
+    if dims.get("tie_embeddings") and s.saved_modules == ("lm_head",):
+        raise ConfigError(
+            f"model.lora.modules_to_save={s.modules_to_save!r}: this model ties its LM head "
+            "to embed_tokens (tie_embeddings), so training it trains embed_tokens: set "
+            "model.lora.modules_to_save='embed_tokens'.")
     return lora_lib.LoraConfig(rank=s.rank, alpha=s.alpha, targets=targets,
                                rslora=s.use_rslora, dropout=s.dropout,
-                               quant=quant_config(s, dims))
+                               quant=quant_config(s, dims),
+                               saved=tuple(m for m in s.saved_modules if not (
+                                   m == "lm_head" and dims.get("tie_embeddings"))))
 
 
 def quant_config(s: LoraSettings, dims: dict) -> QuantConfig | None:
@@ -248,12 +255,14 @@ def _adds_tokens(settings: Settings) -> bool:
         return False
     tok = loader.data_tokenizer(d)
     new = tok.vocab_size - tok.file_vocab_size
-    if new and settings.model.lora.rank is not None:
+    lora = settings.model.lora
+    if new and lora.rank is not None and "embed_tokens" not in lora.saved_modules:
         raise ConfigError(
             f"data.added_tokens={d.added_tokens!r}, data.added_special_tokens="
             f"{d.added_special_tokens!r} give {new} new token id(s) whose embedding and LM "
-            f"head rows must be trained, and model.lora.rank={settings.model.lora.rank} "
-            "trains adapters only: fine-tune fully (unset model.lora.rank), or use tokens "
+            f"head rows must be trained, and model.lora.rank={lora.rank} trains adapters "
+            "only: set model.lora.modules_to_save='embed_tokens,lm_head' to train those "
+            "in full beside them, fine-tune fully (unset model.lora.rank), or use tokens "
             "the tokenizer has.")
     return bool(new)
 
@@ -415,7 +424,8 @@ class Experiment:
                               moments=DTYPES[t.opt_state_dtype])
         # Under LoRA only the adapters are optimised: the optimizer sees them alone.
         adapters_only = model_cfg.lora is not None
-        trained = functools.partial(lora_lib.trainable, adapters_only=adapters_only)
+        trained = functools.partial(lora_lib.trainable, adapters_only=adapters_only,
+                                    saved=model_cfg.lora.saved_params if adapters_only else ())
         optimizer = state_lib.make_optimizer(t, trained(param_names), schedule,
                                              precision.moments)
         state_sharding = state_lib.state_shardings(
@@ -465,7 +475,7 @@ class Experiment:
                            grad_dtype=self.precision.grad_accum,
                            aux_loss_coef=float(self.model_cfg.router_aux_loss_coef),
                            z_loss_coef=float(self.settings.model.router_z_loss_coef),
-                           adapters_only=self.adapters_only,
+                           adapters_only=self.adapters_only, saved=self.saved_params,
                            lora_dropout=self.model_cfg.lora.dropout if self.adapters_only else 0.0,
                            dropout_seed=self.settings.train.seed,
                            seq_permutation=self.seq_permutation)
@@ -474,12 +484,25 @@ class Experiment:
 
     @property
     def adapters_only(self) -> bool:
-        """Whether only LoRA adapters train (the rest of the parameters frozen)."""
+        """Whether only LoRA adapters train (the rest of the parameters frozen, but for
+        ``saved_params``)."""
         return self.model_cfg.lora is not None
 
+    @property
+    def saved_params(self) -> tuple[str, ...]:
+        """Under LoRA, the top-level parameters trained in full beside the adapters
+        (model.lora.modules_to_save)."""
+        return self.model_cfg.lora.saved_params if self.adapters_only else ()
+
     def trainable(self, params: Any) -> Any:
-        """What of a parameter tree trains: all of it, or under LoRA its adapters."""
-        return lora_lib.trainable(params, self.adapters_only)
+        """What of a parameter tree trains: all of it, or under LoRA its adapters (and
+        model.lora.modules_to_save's parameters)."""
+        return lora_lib.trainable(params, self.adapters_only, self.saved_params)
+
+    @staticmethod
+    def adapters(params: Any) -> Any:
+        """The LoRA adapters of a parameter tree (a PEFT directory's, fresh ones)."""
+        return lora_lib.split(params, True)[0]
 
     def saved(self, state: state_lib.TrainState) -> state_lib.TrainState:
         """What a checkpoint holds of ``state``: all of it, or under LoRA the adapters
@@ -550,7 +573,7 @@ class Experiment:
         directory = self.settings.model.lora.init_from
         if directory is None:
             return self._compiled_adapters(jnp.asarray(seed, jnp.uint32))
-        return hf.load_adapter(directory, self.model_cfg, *(self.trainable(t) for t in (
+        return hf.load_adapter(directory, self.model_cfg, *(self.adapters(t) for t in (
             self.param_shapes, self.state_sharding.params)))
 
     @functools.cached_property
@@ -558,8 +581,8 @@ class Experiment:
         """Fresh LoRA adapters from a seed, as ``_init`` draws them (the base weights it
         would draw are no output, and XLA leaves them out)."""
         with rules_lib.use(self.rules):
-            lowered = jax.jit(lambda seed: self.trainable(self._init(seed).params),
-                              out_shardings=self.trainable(self.state_sharding.params)).lower(
+            lowered = jax.jit(lambda seed: self.adapters(self._init(seed).params),
+                              out_shardings=self.adapters(self.state_sharding.params)).lower(
                 jax.ShapeDtypeStruct((), jnp.uint32))
         return compiler.compile_step(lowered, self._init_options, self.platform)
 

@@ -150,7 +150,8 @@ def test_refusals(source):
     c = with_added(config_for(folder), path)
     c.model.lora.rank = 4
     with pytest.raises(ConfigError, match=r"give 4 new token id\(s\) .* model.lora.rank=4 "
-                                          r"trains adapters only"):
+                                          r"trains adapters only: set model.lora."
+                                          r"modules_to_save='embed_tokens,lm_head'"):
         Experiment.from_config(c, jax.devices()[:1])
     c = data_config("text", "x.txt")
     c.data.added_tokens = ("<a>",)
@@ -193,9 +194,75 @@ def test_axolotl_tokens_and_special_tokens_convert(source, tmp_path):
                                           r"from tokens; data.added_special_tokens from "
                                           r"special_tokens"):
         from_axolotl.check(from_axolotl.render(conv, "config.yml"), conv)
+    # As Axolotl asks: lora_modules_to_save trains them beside the adapters.
+    conv = from_axolotl.convert({**raw, "adapter": "lora", "lora_r": 8, "lora_alpha": 16,
+                                 "lora_target_linear": True, "lora_modules_to_save": [
+                                     "embed_tokens", "lm_head", "norm"]}, devices=1)
+    assert conv.overrides["model.lora.modules_to_save"] == "embed_tokens,lm_head"
+    assert "lora_modules_to_save" in [u.field for u in conv.unmapped]  # norm is not taken
+    from_axolotl.check(from_axolotl.render(conv, "config.yml"), conv)
     with pytest.raises(from_axolotl.ConversionError) as e:
         from_axolotl.convert({**raw, "tokens": 5, "special_tokens": {"pad_token": ""}},
                              devices=1)
     assert e.value.conversion.problems == [
         "tokens: 5 must be a list of token strings, e.g. tokens: ['<tool_call>', "
         "'</tool_call>'].", "special_tokens.pad_token: '' must be a non-empty string."]
+
+
+def test_lora_trains_new_rows_beside_the_adapters_and_peft_loads_them(source, tmp_path):
+    """model.lora.modules_to_save: the embedding and LM head train in full beside the
+    adapters (new rows included) and go into the adapter directory under PEFT's names;
+    PEFT on the base resized as transformers resizes it gives the logits of ndjax's
+    merged export (float32, 1e-4)."""
+    folder, path, _ = source
+    write_text(tmp_path / "txt", [f"{t} {TEXT}" for t in texts(24)])
+    c = with_added(config_for(folder, hf_dir=str(tmp_path / "merged"),
+                              adapter_dir=str(tmp_path / "adapter"), dtype="float32"),
+                   path, tmp_path / "txt")
+    c.model.lora.update(rank=4, alpha=8.0, modules_to_save="embed_tokens,lm_head")
+    c.model.param_dtype = "float32"  # the base as PEFT loads it (LoRA's default: bfloat16)
+    c.train.steps, c.train.batch_size, c.train.seq_len = 2, 4, 32
+    c.log.tensorboard = False
+    train(c, str(tmp_path / "w"), devices=jax.devices()[:1], verbose=False)
+
+    config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    assert config["modules_to_save"] == ["embed_tokens", "lm_head"]
+    with safe_open(tmp_path / "adapter" / "adapter_model.safetensors", "np") as f:
+        embed = f.get_tensor("base_model.model.model.embed_tokens.weight")
+        head = f.get_tensor("base_model.model.lm_head.weight")
+    assert embed.shape == head.shape == (304, 64)
+    base = AutoModelForCausalLM.from_pretrained(folder).eval()
+    start = base.get_input_embeddings().weight.detach().numpy()
+    assert np.abs(embed[:300] - start).max() > 1e-4  # the old rows trained too
+    assert all(np.abs(embed[i] - start.mean(0)).max() > 1e-4 for i in range(300, 304))
+
+    from peft import PeftModel
+    base.resize_token_embeddings(304, mean_resizing=False)
+    peft = PeftModel.from_pretrained(base, tmp_path / "adapter").eval()
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged").eval()
+    toks = np.random.default_rng(4).integers(0, 304, (2, 32)).astype(np.int32)
+    toks[:, :4] = [300, 301, 302, 303]
+    np.testing.assert_allclose(hf_logits(peft, toks), hf_logits(merged, toks), atol=1e-4)
+
+
+def test_lora_modules_to_save_on_fsdp_tensor_and_across_a_resume(source, tmp_path):
+    """The embedding and LM head trained beside the adapters: 3 steps on fsdp x tensor
+    equal one device's (losses rtol 1e-5, as tests/test_layouts.py), and so do 2 steps
+    then a resume to 3 (the checkpoint holds them with the adapters)."""
+    folder, path, _ = source
+    write_text(tmp_path / "txt", [f"{t} {TEXT}" for t in texts(24)])
+    losses = {}
+    for name, layout, steps in (("one", None, (3,)), ("fsdp_tp", dict(fsdp=4, tensor=2), (3,)),
+                                ("resumed", None, (2, 3))):
+        for n in steps:
+            c = with_added(config_for(folder, layout), path, tmp_path / "txt")
+            c.model.lora.update(rank=4, alpha=8.0, modules_to_save="embed_tokens,lm_head")
+            c.train.update(steps=n, batch_size=8, seq_len=32)
+            c.log.tensorboard = False
+            c.checkpoint.async_save = False
+            devices = jax.devices()[:8 if layout else 1]
+            records = train(c, str(tmp_path / name), devices=devices, verbose=False)
+            losses.setdefault(name, []).extend(r["loss"] for r in records if "loss" in r)
+    assert len(losses["one"]) == 3 and losses["one"][-1] < losses["one"][0]
+    np.testing.assert_allclose(losses["fsdp_tp"], losses["one"], rtol=1e-5)
+    np.testing.assert_allclose(losses["resumed"], losses["one"], rtol=1e-5)

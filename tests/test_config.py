@@ -32,7 +32,7 @@ GOOD = {
     "model.moe_impl": "xla", "model.lora.rank": "8", "model.lora.alpha": "16.0",
     "model.lora.target_modules": "q_proj,v_proj", "model.lora.use_rslora": "True",
     "model.lora.quantize": "nf4", "model.lora.quant_block": "32", "model.lora.dropout": "0.05",
-    "model.lora.init_from": "/nowhere/adapter",
+    "model.lora.init_from": "/nowhere/adapter", "model.lora.modules_to_save": "embed_tokens",
     "mesh.replica": "2", "mesh.fsdp": "2", "mesh.expert": "2", "mesh.context": "2",
     "mesh.tensor": "2",
     "runtime.cpu_devices": "4", "runtime.coordinator": "localhost:1234",
@@ -117,6 +117,9 @@ BAD = {
     "model.lora.quant_block": (1, r" must be an int >= 2 \(values per scale"),
     "model.lora.dropout": (1.0, r" must be a number >= 0 and < 1 \(PEFT's lora_dropout"),
     "model.lora.init_from": (3, r" must be a string"),
+    "model.lora.modules_to_save": ("embed_tokens,norm", r": 'norm' cannot be trained beside "
+                                                        r"the adapters; name embed_tokens "
+                                                        r"and/or lm_head"),
     **{f"mesh.{a}": (2.5, r" must be an int")
        for a in ("replica", "fsdp", "expert", "context", "tensor")},
     "runtime.cpu_devices": (0, r" must be an int >= 1"),

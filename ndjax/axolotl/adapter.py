@@ -46,7 +46,30 @@ def lora(f: Fields, out: Out) -> bool:
     dropout = f.number("lora_dropout", 0.0, maximum=1.0)
     if dropout:
         out.set("model.lora.dropout", dropout, "lora_dropout")
+    _modules_to_save(f, out)
     return True
+
+
+def _modules_to_save(f: Fields, out: Out) -> None:
+    """lora_modules_to_save (PEFT's modules_to_save) -> model.lora.modules_to_save, for
+    the modules ndjax trains beside the adapters (the embedding and the LM head)."""
+    listed = f.value("lora_modules_to_save")
+    if listed is None:
+        return
+    from ndjax.models.lora import SAVABLE  # jax: imported only where the field is set
+    listed = [listed] if isinstance(listed, str) else listed
+    if not isinstance(listed, list) or not all(isinstance(m, str) and m for m in listed):
+        out.problem(refusal("lora_modules_to_save", listed, "a list of module names",
+                            "; e.g. [embed_tokens, lm_head]"))
+        return
+    taken = [m for m in listed if m in SAVABLE]
+    if taken:
+        out.set("model.lora.modules_to_save", ",".join(dict.fromkeys(taken)),
+                "lora_modules_to_save")
+    if len(taken) < len(listed):
+        out.skip("lora_modules_to_save", listed, f"ndjax trains {' and '.join(SAVABLE)} "
+                 "beside the adapters, no other module"
+                 + (f" ({', '.join(taken)} mapped)" if taken else ""))
 
 
 def _targets(f: Fields, out: Out) -> tuple[str, str]:

@@ -16,7 +16,7 @@ UNSET = object()
 T = TypeVar("T")
 # Why common fields are not mapped, by exact name or prefix (first match wins).
 REASONS = (
-    (("peft_use_dora", "peft_layers_to_transform", "peft_layers_pattern", "lora_modules_to_save",
+    (("peft_use_dora", "peft_layers_to_transform", "peft_layers_pattern",
       "lora_fan_in_fan_out", "lora_on_cpu", "loraplus_", "relora_", "lisa_", "peft_"),
      "ndjax's LoRA adapts the blocks' projections (model.lora) and nothing else"),
     (("lora_",), "ndjax's LoRA (model.lora) has no counterpart"),

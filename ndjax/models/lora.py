@@ -41,6 +41,9 @@ TARGETS = {"q": "q_proj", "k": "k_proj", "v": "v_proj", "o": "o_proj",
 MLP_TARGETS = ("gate", "up", "down")
 ALL_LINEAR = "all-linear"  # PEFT's name for every linear layer but the LM head
 PREFIX = "lora_"
+# PEFT's modules_to_save ndjax can train in full beside the adapters -> the top-level
+# parameter each is (with tied embeddings lm_head is embed_tokens' table).
+SAVABLE = {"embed_tokens": "embed", "lm_head": "lm_head"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,6 +58,13 @@ class LoraConfig:
     # QLoRA: the frozen base's projections stored quantized (ndjax.models.quant); None:
     # in model.param_dtype.
     quant: QuantConfig | None = None
+    # PEFT's modules_to_save (keys of SAVABLE): trained in full beside the adapters.
+    saved: tuple[str, ...] = ()
+
+    @property
+    def saved_params(self) -> tuple[str, ...]:
+        """The top-level parameters ``saved`` trains."""
+        return tuple(dict.fromkeys(SAVABLE[m] for m in self.saved))
 
     @property
     def scale(self) -> float:
@@ -107,20 +117,23 @@ def is_adapter(path: Sequence[Any]) -> bool:
     return any(str(getattr(k, "key", k)).startswith(PREFIX) for k in path)
 
 
-def split(params: dict, adapters_only: bool) -> tuple[dict, dict]:
+def split(params: dict, adapters_only: bool, saved: Sequence[str] = ()
+          ) -> tuple[dict, dict]:
     """(trainable, frozen) parts of a nested parameter dict: with ``adapters_only``, the
-    adapters and the rest; else everything and nothing."""
+    adapters (and the top-level parameters ``saved``: ``LoraConfig.saved_params``) and
+    the rest; else everything and nothing."""
     if not adapters_only:
         return params, {}
     flat = traverse_util.flatten_dict(params)
-    train = {k: v for k, v in flat.items() if is_adapter(k)}
-    frozen = {k: v for k, v in flat.items() if not is_adapter(k)}
+    trained = {k for k in flat if is_adapter(k) or k[0] in saved}
+    train = {k: v for k, v in flat.items() if k in trained}
+    frozen = {k: v for k, v in flat.items() if k not in trained}
     return traverse_util.unflatten_dict(train), traverse_util.unflatten_dict(frozen)
 
 
-def trainable(params: Any, adapters_only: bool) -> Any:
+def trainable(params: Any, adapters_only: bool, saved: Sequence[str] = ()) -> Any:
     """``split``'s trainable part alone."""
-    return split(params, adapters_only)[0]
+    return split(params, adapters_only, saved)[0]
 
 
 def merge(frozen: dict, trainable: dict) -> dict:

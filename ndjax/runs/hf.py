@@ -710,11 +710,20 @@ def export_adapter(params: Any, cfg: DecoderConfig, out_dir: str,
         def get(x=x, i=i, shape=shape):
             return _host(x[i]).reshape(shape[::-1]).T
         tensors.append((name, shape, get))
+    # modules_to_save, whole, under PEFT's names (the base's with its prefix): the
+    # embedding (vocab, dim) as stored, the LM head stored (dim, vocab) transposed.
+    for key in cfg.lora.saved_params:
+        x = params[key]
+        name = "model.embed_tokens.weight" if key == "embed" else "lm_head.weight"
+        tensors.append((f"base_model.model.{name}", x.shape if key == "embed" else
+                        x.shape[::-1], (lambda x=x: _host(x)) if key == "embed" else
+                        (lambda x=x: _host(x).T)))
     config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": cfg.lora.rank,
               "lora_alpha": cfg.lora.alpha, "lora_dropout": cfg.lora.dropout,
               "use_rslora": cfg.lora.rslora,
               "target_modules": [lora.TARGETS[t] for t in cfg.lora.targets], "bias": "none",
-              "fan_in_fan_out": False, "inference_mode": True, "modules_to_save": None,
+              "fan_in_fan_out": False, "inference_mode": True,
+              "modules_to_save": list(cfg.lora.saved) or None,
               "base_model_name_or_path": base}
     with _atomic_dir(out_dir, "ndjax.runs.hf.export_adapter") as tmp:
         _write_file(tmp and os.path.join(tmp, ADAPTER_FILES[0]), tensors, np.dtype(np.float32))

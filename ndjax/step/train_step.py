@@ -36,9 +36,11 @@ class StepOptions:
     aux_loss_coef: float = 0.0
     # The router z-loss's weight in the loss (model.router_z_loss_coef).
     z_loss_coef: float = 0.0
-    # LoRA: only the adapters get gradients and updates; the rest is frozen, passed
-    # through the step untouched (ndjax.models.lora.split).
+    # LoRA: only the adapters get gradients and updates (and the top-level parameters
+    # ``saved``: model.lora.modules_to_save); the rest is frozen, passed through the step
+    # untouched (ndjax.models.lora.split).
     adapters_only: bool = False
+    saved: tuple[str, ...] = ()
     # LoRA's dropout (model.lora.dropout), its masks keyed by train.seed and the step
     # (lora.step_dropout); the host's permutation of the sequence (ring attention's
     # zigzag), so that a token's mask follows the token.
@@ -198,9 +200,9 @@ def train_step(features: FeaturesFn, optimizer: optax.GradientTransformation,
     """One optimizer step. Under LoRA (``options.adapters_only``) the gradient is taken
     with respect to the adapters alone, so the frozen base's weight gradients are never
     formed, and the optimizer sees (and holds state for) the adapters only."""
-    trainable, frozen = lora.split(state.params, options.adapters_only)
+    trainable, frozen = lora.split(state.params, options.adapters_only, options.saved)
     if frozen:
-        grad_shardings = lora.trainable(grad_shardings, True)
+        grad_shardings = lora.trainable(grad_shardings, True, options.saved)
         base_features = features
 
         def features(p, *args):

@@ -172,7 +172,7 @@ def _weight_bytes(exp: Any) -> dict[str, Any]:
     from ndjax.models import lora
     from ndjax.planning.planner import bytes_per_device
 
-    train, frozen = lora.split(exp.abstract_state.params, exp.adapters_only)
+    train, frozen = lora.split(exp.abstract_state.params, exp.adapters_only, exp.saved_params)
     q = exp.model_cfg.lora.quant if exp.adapters_only else None
     return dict(trainable_param_bytes=bytes_per_device(train),
                 frozen_param_bytes=bytes_per_device(frozen),
