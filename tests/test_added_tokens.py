@@ -19,7 +19,7 @@ import pytest
 import torch
 from data_files import data_config, texts, write_jsonl, write_text, write_tokenizer
 from safetensors import safe_open
-from test_hf import config_for, hf_logits, make_hf, ndjax_logits
+from test_hf import config_for, exported_run, hf_logits, make_hf, ndjax_logits
 from tokenizers import AddedToken
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -129,17 +129,8 @@ def test_new_rows_train_and_export_to_transformers(source, tmp_path):
 def test_named_tokens_reach_the_export(source, tmp_path):
     """data.pad_token names an added special token: tokenizer_config.json says so."""
     folder, path, _ = source
-    write_text(tmp_path / "txt", texts(24))
-    c = data_config("text", str(tmp_path / "txt" / "*.txt"), tokenizer=str(path))
-    c.data.added_special_tokens = ("<|pad|>",)
-    c.data.pad_token = "<|pad|>"
-    c.model.tie_embeddings = False
-    c.train.steps = 1
-    c.log.tensorboard = False
-    one = jax.devices()[:1]
-    train(c, str(tmp_path / "w"), devices=one, verbose=False)
-    out = tmp_path / "out"
-    export_checkpoint(str(tmp_path / "w"), str(out), dtype="float32", devices=one)
+    out = exported_run(tmp_path, str(path), added_special_tokens=("<|pad|>",),
+                       pad_token="<|pad|>")
     exported = AutoTokenizer.from_pretrained(out)
     assert exported.pad_token == "<|pad|>" and exported.pad_token_id == 300
     assert json.loads((out / "config.json").read_text())["pad_token_id"] == 300
