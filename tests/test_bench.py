@@ -125,6 +125,11 @@ def test_sft_input_tiny():
     assert lines[1].startswith("| tree | open s | fill |") and lines[3].startswith("| this tree |")
 
 
+def test_data_order_tiny():
+    lines = run_tiny("data_order.py").stdout.splitlines()
+    assert [r[0] for r in table_rows(lines, "this tree")] == ["this tree"], lines
+
+
 def test_data_wait_tiny():
     lines = run_tiny("data_wait.py").stdout.splitlines()
     assert [r[0] for r in table_rows(lines, "2", "0")] == ["2", "0"], lines
