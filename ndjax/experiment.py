@@ -317,10 +317,8 @@ def place_model(model_cfg: DecoderConfig, settings: Settings, rules: rules_lib.R
     by name): the attention kernel, which sees one micro-batch's rows at once
     (``_check_batch``: they divide evenly), with the sequence order it needs, and
     the experts' grouped matmuls."""
-    t, mesh = settings.train, rules.mesh
-    _check_experts(model_cfg, rules, settings.model.family)
-    _check_batch(t, rules, mesh)
-    _check_loss_chunk(t, rules, mesh)
+    t = settings.train
+    _check_placement(model_cfg, settings, rules)
     site = attention_ops.Site.of(model_cfg, t.seq_len, rules, t.batch_size // t.grad_accum)
     chosen = attention_ops.choose(model_cfg.attn_impl, site)
     model_cfg = dataclasses.replace(model_cfg, attn_impl=chosen.name,
@@ -331,6 +329,26 @@ def place_model(model_cfg: DecoderConfig, settings: Settings, rules: rules_lib.R
             model_cfg.moe_impl, grouped_matmul.Site.of(
                 model_cfg, devices, grouped_matmul.width_shards(rules))))
     return model_cfg, chosen, seq_permutation
+
+
+def _check_placement(model_cfg: DecoderConfig, settings: Settings,
+                     rules: rules_lib.Rules) -> None:
+    """The experts, the batch and the loss chunks against the mesh (no kernel chosen)."""
+    _check_experts(model_cfg, rules, settings.model.family)
+    _check_batch(settings.train, rules, rules.mesh)
+    _check_loss_chunk(settings.train, rules, rules.mesh)
+
+
+def check_layout(settings: Settings, model_cfg: DecoderConfig,
+                 devices: Sequence[jax.Device]) -> None:
+    """The layout's checks that hold on any platform, on ``devices`` as stand-ins for
+    the GPUs (ndjax from_axolotl runs them on simulated CPU devices): the degrees, the
+    experts, the batch and loss chunks, every parameter dim against the axes that split
+    it. The attention and grouped-matmul kernels' own checks are left to ``place_model``
+    on the devices that run them: a CPU stand-in would choose other kernels."""
+    _, rules = build_layout(settings, degrees(settings, devices), devices)
+    _check_placement(model_cfg, settings, rules)
+    parameter_shardings(model_cfg, rules, settings.model.init_from)
 
 
 def parameter_shardings(model_cfg: DecoderConfig, rules: rules_lib.Rules,

@@ -158,8 +158,9 @@ def check(text: str, conv: Conversion) -> None:
     (``Settings.parse`` and ``check_inputs``: the checkpoint, tokenizer, chat template,
     data files and export directories, every one that fails reported), then, where this
     process has the converted mesh's device count as CPU devices (the CLI makes them),
-    the layout's own (``Experiment.from_config``: shapes that the axes must divide, the
-    batch, the quantized base's blocks), as train.py would on the GPUs. Nothing compiles.
+    the layout's own that hold on any platform (``check_layout``: shapes the axes must
+    divide, the batch, the experts), as train.py would on the GPUs; the kernels' own
+    are left to train.py on the GPUs. Nothing compiles.
     Each failure names the Axolotl fields its values came from; a ConfigError holds them
     one a line."""
     from ndjax.runtime.console import import_jax_quietly
@@ -168,14 +169,14 @@ def check(text: str, conv: Conversion) -> None:
     import jax
 
     from ndjax.config import Settings
-    from ndjax.experiment import Experiment, check_inputs
+    from ndjax.experiment import check_inputs, check_layout
     problems: list[str] = []
     try:
         settings = Settings.parse(load(text))
-        _, inputs = check_inputs(settings, platform="gpu", problems=problems)
+        model_cfg, _ = check_inputs(settings, platform="gpu", problems=problems)
         n, devices = world_size(conv), jax.devices("cpu")
         if not problems and n is not None and len(devices) >= n:
-            Experiment.from_config(settings, devices[:n], inputs)
+            check_layout(settings, model_cfg, devices[:n])
     except ConfigError as e:
         problems.append(str(e))
     if problems:
