@@ -571,7 +571,7 @@ class Experiment:
             return state
         # The random base of the very program a resume draws it again with (with_base),
         # so that the two agree bit for bit; the drawn adapters are replaced.
-        base = lora_lib.split(state.params, True)[1]
+        base = {**lora_lib.split(state.params, True)[1], **self._saved_modules()}
         return self.state_from_params(lora_lib.merge(base, self._adapters(seed)))
 
     def checkpoint_params(self, seed: int | None = None) -> Any:
@@ -583,7 +583,16 @@ class Experiment:
             return hf.load_params(self.checkpoint, self.param_shapes, self.state_sharding.params)
         base = hf.load_params(self.checkpoint, *(lora_lib.split(t, True)[1] for t in (
             self.param_shapes, self.state_sharding.params)), quant=self.model_cfg.lora.quant)
-        return lora_lib.merge(base, self._adapters(seed))
+        return lora_lib.merge({**base, **self._saved_modules()}, self._adapters(seed))
+
+    def _saved_modules(self) -> dict[str, Any]:
+        """model.lora.modules_to_save's parameters as ``model.lora.init_from`` holds them
+        (they replace the base's); none without it."""
+        directory = self.settings.model.lora.init_from
+        if directory is None or not self.saved_params:
+            return {}
+        return hf.load_saved_modules(directory, self.model_cfg, self.param_shapes,
+                                     self.state_sharding.params)
 
     def _adapters(self, seed: int) -> Any:
         """Step 0's LoRA adapters, sharded: ``model.lora.init_from``'s if set, else fresh

@@ -231,9 +231,22 @@ def test_lora_trains_new_rows_beside_the_adapters_and_peft_loads_them(source, tm
     base.resize_token_embeddings(304, mean_resizing=False)
     peft = PeftModel.from_pretrained(base, tmp_path / "adapter").eval()
     merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged").eval()
-    toks = np.random.default_rng(4).integers(0, 304, (2, 32)).astype(np.int32)
+    toks = np.random.default_rng(4).integers(0, 304, (4, 32)).astype(np.int32)
     toks[:, :4] = [300, 301, 302, 303]
     np.testing.assert_allclose(hf_logits(peft, toks), hf_logits(merged, toks), atol=1e-4)
+
+    # Going on from that adapter (model.lora.init_from, as DPO after SFT does): step 0
+    # holds its adapters and its embedding and LM head, PEFT's logits.
+    c.model.lora.init_from = str(tmp_path / "adapter")
+    c.export.update(hf_dir=None, adapter_dir=None)
+    exp = Experiment.from_config(c, jax.devices()[:1])
+    np.testing.assert_allclose(ndjax_logits(exp, exp.init_state().params, toks),
+                               hf_logits(peft, toks), atol=1e-4)
+    c.model.lora.modules_to_save = "embed_tokens"
+    with pytest.raises(ConfigError, match=r"adapter_config.json has modules_to_save="
+                                          r"\['embed_tokens', 'lm_head'\], and model.lora."
+                                          r"modules_to_save='embed_tokens': set"):
+        Experiment.from_config(c, jax.devices()[:1])
 
 
 def test_lora_modules_to_save_on_fsdp_tensor_and_across_a_resume(source, tmp_path):

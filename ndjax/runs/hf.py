@@ -750,7 +750,8 @@ def check_adapter(directory: str, cfg: DecoderConfig) -> None:
     expected = {name: _hf_shape(_at(shapes, path).shape[1:], split)
                 for name, path, _, split in _adapter_tensors(shapes, cfg)}
     missing = [n for n in expected if n not in found]
-    extra = sorted(set(found) - set(expected))
+    saved = {n for n, key in SAVED_NAMES.items() if key in cfg.lora.saved_params}
+    extra = sorted(set(found) - set(expected) - saved)
     if missing:
         raise ConfigError(f"{where}: {ADAPTER_FILES[0]} has no {missing[0]}, which the "
                           f"adapters of model.lora.target_modules on the base's "
@@ -764,6 +765,14 @@ def check_adapter(directory: str, cfg: DecoderConfig) -> None:
             raise ConfigError(f"{where}: {name} has shape {found[name]}, where this model's "
                               f"adapter has {shape} (model.lora.rank={cfg.lora.rank} and the "
                               "base's dims). Use the adapter trained on this base.")
+    for name, key in SAVED_NAMES.items():
+        if key in cfg.lora.saved_params:
+            want = (cfg.vocab_size, cfg.dim)
+            if name not in found or found[name] != want:
+                raise ConfigError(
+                    f"{where}: {ADAPTER_FILES[0]} has {name} of shape {found.get(name)}, where "
+                    f"model.lora.modules_to_save needs {want} (the vocabulary with the tokens "
+                    "the run adds): use the adapter trained with these tokens.")
 
 
 def _adapter_config(where: str, directory: str) -> dict:
@@ -805,6 +814,11 @@ def _check_adapter_config(where: str, config: dict, cfg: lora.LoraConfig) -> Non
         if config.get(key):
             raise ConfigError(f"{said} {key}={config[key]!r}; ndjax gives every adapter "
                               f"model.lora's one rank and alpha: use an adapter without {key}.")
+    saved = config.get("modules_to_save") or []
+    if sorted(saved) != sorted(cfg.saved):
+        raise ConfigError(f"{said} modules_to_save={saved or None!r}, and "
+                          f"model.lora.modules_to_save={','.join(cfg.saved)!r}: set "
+                          f"model.lora.modules_to_save={','.join(saved)!r}.")
     theirs = _peft_targets(said, config.get("target_modules"))
     for field, key, ours, value in (
             ("rank", "r", cfg.rank, config.get("r")),
@@ -835,6 +849,33 @@ def _target_names(targets: tuple[str, ...]) -> str:
     if set(targets) == set(lora.TARGETS):
         return lora.ALL_LINEAR
     return ",".join(lora.TARGETS[t] for t in targets)
+
+
+# PEFT's names of modules_to_save's tensors -> the top-level parameter each is.
+SAVED_NAMES = {"base_model.model.model.embed_tokens.weight": "embed",
+               "base_model.model.lm_head.weight": "lm_head"}
+
+
+def load_saved_modules(directory: str, cfg: DecoderConfig, shapes: Any, shardings: Any
+                       ) -> dict[str, jax.Array]:
+    """The modules_to_save of a PEFT directory (``check_adapter``'s) as ndjax's top-level
+    parameters, in ``shapes``' dtypes and ``shardings`` (``Experiment.param_shapes`` and
+    ``state_sharding.params``), read one device shard at a time."""
+    out = {}
+    with safe_open(os.path.join(directory, ADAPTER_FILES[0]), framework="numpy") as f:
+        for name, key in SAVED_NAMES.items():
+            if key not in cfg.lora.saved_params:
+                continue
+            shape, sharding = shapes[key], shardings[key]
+            split = None if key == "embed" else 1  # the LM head is stored (dim, vocab)
+            part = sharding.shard_shape(shape.shape)
+
+            def read(index, name=name, shape=shape, split=split, part=part):
+                block = np.empty(part, shape.dtype)
+                _fill(block, f.get_slice(name), shape.shape, split, index)
+                return block
+            out[key] = _put(shape.shape, sharding, read)
+    return out
 
 
 def load_adapter(directory: str, cfg: DecoderConfig, shapes: Any, shardings: Any) -> Any:
