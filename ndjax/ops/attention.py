@@ -690,6 +690,17 @@ class Cudnn(Kernel):
                                window=_window(spec, q.shape[1]))
 
 
+@functools.cache
+def pallas_available() -> bool:
+    """Whether this jax has the Pallas Triton attention kernel
+    (``jax.experimental.pallas.ops.gpu.attention``; jax 0.12.1 removed it)."""
+    try:
+        from jax.experimental.pallas.ops.gpu import attention  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
 def pallas_block_sizes(seq_len: int, head_dim: int, dtype: Any) -> Any:
     """Pallas's blocks for this shape. The forward kernel holds a query block and,
     double-buffered, a key and a value block: about 5 blocks of (rows x head bytes)
@@ -768,6 +779,11 @@ class Pallas(Kernel):
     platforms, fused, saves, stand_in = ("gpu",), True, kernel_vjp.RESIDUALS, "tiled"
 
     def check_site(self, site):
+        if not pallas_available():
+            raise ConfigError(
+                f"{_field(self.name)}: this jax ({jax.__version__}) has no Pallas Triton "
+                "attention (jax.experimental.pallas.ops.gpu.attention; jax 0.12.1 removed "
+                "it). Use model.attn_impl='cudnn' or 'tiled', or jax 0.12.0 or older.")
         _one_shard(self.name, site)
         sizes = pallas_block_sizes(site.seq_len, site.head_dim, site.dtype)
         if site.seq_len % sizes.block_q or site.seq_len % sizes.block_q_dq:
