@@ -416,10 +416,12 @@ def load_params(ckpt: Checkpoint, shapes: Any, shardings: Any,
         files = {path: stack.enter_context(safe_open(path, framework="numpy"))
                  for path in sorted({e.path for e in ckpt.tensors.values()})}
 
+        grown: dict[str, _GrownRows] = {}  # one per tensor: its mean is read once
+
         def tensor(name: str) -> Any:
             found = files[ckpt.tensors[name].path].get_slice(name)
             if ckpt.file_vocab is not None and name in VOCAB_TENSORS:
-                return _GrownRows(found, ckpt.dims["vocab_size"])
+                return grown.setdefault(name, _GrownRows(found, ckpt.dims["vocab_size"]))
             return found
 
         def load(path, shape, sharding):

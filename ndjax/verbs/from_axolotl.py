@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import importlib.util
-import math
 import os
 import re
 import sys
@@ -143,14 +142,10 @@ def load(text: str) -> Any:
         return module.get_config()
 
 
-MESH_AXES = ("replica", "fsdp", "expert", "context", "tensor")
-
-
 def world_size(conv: Conversion) -> int | None:
-    """The GPUs the converted mesh lays out (None where an axis is left to the device
-    count)."""
-    sizes = [conv.overrides.get(f"mesh.{axis}", 1) for axis in MESH_AXES]
-    return math.prod(sizes) if all(isinstance(n, int) and n >= 1 for n in sizes) else None
+    """The GPUs the converted mesh lays out: its runtime.cpu_devices, the same mesh
+    simulated on a CPU-only host (None where the mesh was refused)."""
+    return conv.overrides.get("runtime.cpu_devices")
 
 
 def check(text: str, conv: Conversion) -> None:
