@@ -28,11 +28,11 @@ import numpy as np
 from grain.experimental import ThreadPrefetchIterDataset
 
 from ndjax.config import FILE_SOURCES, DataSettings, Settings, as_settings
-from ndjax.data import chat, prompt_formats, sources
+from ndjax.data import chat, preference, prompt_formats, sources
 from ndjax.data.chat_template import ChatTemplate, load_chat_template
-from ndjax.data.streams import ChatRows, RowSource, TextRows, TokenRows
+from ndjax.data.streams import ChatRows, PairRows, RowSource, TextRows, TokenRows
 from ndjax.data.synthetic import SyntheticSource
-from ndjax.data.tokenizers import Additions, Tokenizer, load_tokenizer
+from ndjax.data.tokenizers import Additions, HFTokenizer, Tokenizer, load_tokenizer
 from ndjax.runtime.errors import ConfigError
 
 # 3: every seeded order is Grain's shuffle (2: ndjax's own; 1: each batch row read its
@@ -125,6 +125,10 @@ def _check_source(d: DataSettings, eval_every: int) -> None:
     if d.source == "tokens" and not d.packing:
         raise ConfigError("data.packing=False needs document boundaries, which pre-tokenized "
                           "files do not index; use data.packing=True with data.source=tokens.")
+    if d.format == "preference" and d.source != "chat":
+        raise ConfigError(f"data.format='preference' reads records (JSON Lines, Parquet or "
+                          f"Hugging Face datasets) of data.source=chat, not data.source="
+                          f"{d.source!r}; set data.source=chat.")
     if d.source == "chat":
         if d.tokenizer == "byte":
             raise ConfigError("data.source='chat' needs the model's tokenizer: set data.tokenizer "
@@ -182,7 +186,9 @@ def check(d: DataSettings, batches: Batches, vocab_size: int, eval_every: int = 
     # Only conversations are rendered with a template (Axolotl's prompt formats write their
     # own text), so a base model's tokenizer without one reads alpaca data.
     template = (load_chat_template(d.tokenizer, d.chat_template)
-                if d.source == "chat" and d.format == "chat" else None)
+                if d.source == "chat" and d.format == "chat" else
+                _preference_template(d) if d.source == "chat" and d.format == "preference"
+                else None)
     for split in ("train", "eval") if eval_every else ("train",):
         field = _files_field(split, d)
         if d.source == "tokens":
@@ -209,6 +215,18 @@ def check(d: DataSettings, batches: Batches, vocab_size: int, eval_every: int = 
     return DataInput(d, b, vocab_size, tok, template)
 
 
+def _preference_template(d: DataSettings) -> ChatTemplate | None:
+    """The chat template of preference data: only conversational records need one, so a
+    tokenizer without one reads string records (``_pair_rows`` says it is missing when a
+    record needs it); one data.chat_template names must load."""
+    if d.chat_template:
+        return load_chat_template(d.tokenizer, d.chat_template)
+    try:
+        return load_chat_template(d.tokenizer)
+    except ConfigError:
+        return None
+
+
 def check_config(config: Settings | ml_collections.ConfigDict, vocab_size: int) -> DataInput:
     """``check`` from a whole config."""
     config = as_settings(config)
@@ -222,7 +240,8 @@ def _chat_columns(d: DataSettings) -> tuple[str, ...]:
     if d.source != "chat":
         return ()
     return {"alpaca": ("instruction", "input", "output"), "completion": (d.text_field,),
-            "input_output": ("segments",)}.get(
+            "input_output": ("segments",),
+            "preference": (d.prompt_field, d.chosen_field, d.rejected_field)}.get(
         d.format, (d.messages_field, d.prompt_field, d.completion_field, "system"))
 
 
@@ -295,6 +314,46 @@ def _chat_rows(inp: DataInput, split: str, max_runs: int | None) -> tuple[ChatRo
         key += f":{d.roles_to_train}:{d.train_on_eos}"
     if d.added_tokens or d.added_special_tokens:
         key += f":{d.added_tokens}:{d.added_special_tokens}"
+    return rows, zlib.crc32(key.encode())
+
+
+def _pair_rows(inp: DataInput, split: str, max_runs: int | None) -> tuple[PairRows, int]:
+    """Tokenizes every preference pair (``preference``) and fits it to a row; checks one
+    is kept."""
+    d, t, tok, template = inp.data, inp.batches, inp.tokenizer, inp.template
+    corpus = sources.open_corpus(d.source, _files(d, split), _files_field(split, d),
+                                 d.text_field, _corpus_split(d, split), seed=t.seed,
+                                 columns=_chat_columns(d))
+    docs = held_out(list(corpus.share(0, corpus.total)), d.eval_fraction, t.seed, split)
+    fields = preference.Fields(d.prompt_field, d.chosen_field, d.rejected_field)
+    if template is None and any(preference.is_conversational(doc, fields) for doc in docs):
+        # check() found none (or one that does not load): say why, now that one is needed.
+        template = load_chat_template(
+            d.tokenizer, needed_by="data.format='preference' with records of messages",
+            fix="set data.chat_template to a template name or a Jinja template file")
+    assert isinstance(tok, HFTokenizer), "data.source='chat' refuses the byte tokenizer"
+    encoded = [pair for k in range(0, len(docs), _TOKENIZE_BATCH)
+               for pair in preference.encode(docs[k:k + _TOKENIZE_BATCH], tok, template, fields)]
+    fitted = [preference.fit(p, t.seq_len + 1, d.overlong) for p in encoded
+              if p.learnable()]  # nothing to learn: left out, as chat data does
+    pairs = [p for p in fitted if p is not None]
+    if not fitted:
+        raise ConfigError(f"{corpus.field}: no preference pair has a completion token to "
+                          f"learn (all {len(encoded)} records' completions are empty).")
+    if not pairs:
+        fix = ("Use a larger seq_len or data.overlong=truncate." if d.overlong == "drop" else
+               "Their prompts leave no room for a completion token: use a larger seq_len.")
+        raise ConfigError(
+            f"{corpus.field}: no preference pair is kept: all {len(fitted)} are longer than "
+            f"train.seq_len={t.seq_len} + 1 tokens, chosen and rejected together "
+            f"(data.overlong={d.overlong!r}). {fix}")
+    rows = PairRows([p.sequences() for p in pairs], t.seq_len, t.batch_size, t.seed,
+                    tok.pad_id, packing=d.packing, dropped=len(fitted) - len(pairs),
+                    max_runs=max_runs)
+    # What decides the tokens: the template, the fields, the EOS appended, the policies.
+    key = (f"{corpus.fingerprint()}:{template.text if template is not None else ''}:"
+           f"{d.format}:{d.prompt_field}:{d.chosen_field}:{d.rejected_field}:{tok.eos_id}:"
+           f"{d.overlong}:{d.packing}:{d.added_tokens}:{d.added_special_tokens}")
     return rows, zlib.crc32(key.encode())
 
 
@@ -398,7 +457,8 @@ def open_loader(inp: DataInput, split: str = "train", *,
         fingerprint = sources.Corpus("tokens", tuple(f.path for f in files),
                                      tuple(f.n_tokens for f in files), field, "").fingerprint()
     else:
-        make_rows = _chat_rows if d.source == "chat" else _text_rows
+        make_rows = (_text_rows if d.source != "chat" else
+                     _pair_rows if d.format == "preference" else _chat_rows)
         source, fingerprint = make_rows(inp, split, max_runs)
         if _held_out(d):  # which documents train depends on the share held out
             fingerprint = zlib.crc32(f"{fingerprint}:{d.eval_fraction}".encode())

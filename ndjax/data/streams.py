@@ -19,6 +19,8 @@ reads and tokenizes it all) and builds only the rows it feeds.
   tokens (``pack_bins``, as Axolotl's multipack; one per row without packing), and
   visits those rows in a seeded order. How many rows an epoch has depends on its
   order; a step finds its epoch by counting the rows of the epochs before it.
+- ``PairRows``: rows of whole preference pairs, as ``ChatRows`` lays conversations out;
+  a pair is its chosen sequence then its rejected one, in one row.
 - ``TokenRows``: windows of ``L+1`` tokens of pre-tokenized files at stride
   ``L``; global row ``g = step*batch_size + j`` is window ``shuffled(g mod n)``
   of epoch ``g // n``, a seeded bijection, so every window is seen once per epoch.
@@ -36,7 +38,8 @@ With ``max_runs`` (an attention kernel's bound, ``Kernel.max_runs``) every row h
 at most that many runs of one segment id, its padding counted as one: text streams
 are laid out per epoch by ``bounded_rows`` (a row ends after ``max_runs - 1``
 documents and is padded where the window would touch more), conversations go
-``max_runs - 1`` to a bin at most, token files' windows that touch too many
+``max_runs - 1`` to a bin at most (preference pairs, two runs each,
+``(max_runs - 1) // 2``), token files' windows that touch too many
 documents are split into such rows when the source is built, and synthetic rows
 let their last document fill the row. Without it the rows are as they always were.
 """
@@ -83,7 +86,7 @@ class EpochSource(RowSource, Protocol):
 
 
 # What each seeded order is of (the second half of its key, ``grain_seed``).
-_DOCUMENTS, _ROWS, _CONVERSATIONS, _BINS, _WINDOWS = 1, 2, 3, 4, 5
+_DOCUMENTS, _ROWS, _CONVERSATIONS, _BINS, _WINDOWS, _PAIRS = 1, 2, 3, 4, 5, 6
 
 
 def grain_seed(*key: int) -> int:
@@ -310,36 +313,39 @@ class TextRows:
         return packed_fields(tokens, docs)
 
 
-class ChatRows:
-    """Rows of whole conversations, one stream over all of them (see the module docstring).
+class _WholeRows:
+    """Rows of whole items (conversations, preference pairs), one stream over all of
+    them: epoch ``e`` takes every item once, in a seeded order (``shuffled``), packed
+    best-fit into rows of ``seq_len + 1`` tokens (one a row without packing), visited in
+    a seeded order. Subclasses say what an item is: its length, the sequences it lays
+    out (``_pieces``), how many fit a row under ``max_runs`` and which order it seeds."""
 
-    ``convs``: every conversation kept, ``(ids, mask)`` pairs of at most ``seq_len + 1``
-    tokens (``chat.fit`` has cut or dropped the others), at least one. ``dropped``
-    counts the conversations left out for length; it is reported, not used.
-    """
+    _ORDER = _CONVERSATIONS  # the seeded order's key (``grain_seed``)
 
-    def __init__(self, convs: Sequence[tuple[np.ndarray, np.ndarray]], seq_len: int,
-                 batch_size: int, seed: int, pad_id: int, packing: bool = True,
-                 dropped: int = 0, max_runs: int | None = None):
+    def __init__(self, lengths: Sequence[int], seq_len: int, batch_size: int, seed: int,
+                 pad_id: int, packing: bool, dropped: int, most: int | None):
         self.seq_len, self.batch_size, self.pad_id = seq_len, batch_size, pad_id
-        self.conv_seed, self.bin_seed = grain_seed(seed, _CONVERSATIONS), grain_seed(seed, _BINS)
-        self.convs, self.packing, self.dropped = list(convs), packing, dropped
-        self.lengths = np.array([len(ids) for ids, _ in self.convs], np.int64)
-        # max_runs - 1 conversations leave a run for the padding after them.
-        self.most = None if max_runs is None else max_runs - 1
+        self.item_seed, self.bin_seed = grain_seed(seed, self._ORDER), grain_seed(seed, _BINS)
+        self.packing, self.dropped, self.most = packing, dropped, most
+        self.lengths = np.array(lengths, np.int64)
         self._epochs: dict[int, list[list[int]]] = {}
         self._lock = threading.RLock()  # the cache, read by the loader thread and epoch_at
         self._starts = _EpochStarts(lambda e: len(self.epoch(e)), self._lock)
 
+    def _pieces(self, i: int) -> Sequence[tuple[np.ndarray, np.ndarray]]:
+        """The ``(ids, mask)`` sequences item ``i`` lays out in a row, in order."""
+        raise NotImplementedError
+
     def epoch(self, e: int) -> list[list[int]]:
-        """Epoch ``e``'s rows: every conversation once, in a seeded order, packed. Only
-        the latest two epochs are kept: steps move forward."""
+        """Epoch ``e``'s rows: every item once, in a seeded order, packed. Only the latest
+        two epochs are kept: steps move forward."""
         with self._lock:
             cached = self._epochs.get(e)
             if cached is None:
                 for old in sorted(self._epochs)[:-1]:
                     self._epochs.pop(old, None)
-                order = shuffled(np.arange(len(self.convs)), len(self.convs), self.conv_seed, e)
+                n = len(self.lengths)
+                order = shuffled(np.arange(n), n, self.item_seed, e)
                 cached = self._epochs[e] = (
                     pack_bins(self.lengths, self.seq_len + 1, order, self.most) if self.packing
                     else [[int(i)] for i in order])
@@ -352,23 +358,77 @@ class ChatRows:
         return len(self.epoch(0))
 
     def _row(self, g: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Row ``g``'s tokens, a key per token (each sequence its own, in order; -1 on
+        the padding) and mask."""
         e, i = self._starts.locate(g)
         bins = self.epoch(e)
         b = bins[one_shuffled(i, len(bins), self.bin_seed, e)]
         width = self.seq_len + 1
         tokens = np.full(width, self.pad_id, np.int64)
         docs, mask = np.full(width, -1, np.int64), np.zeros(width, np.uint8)
-        at = 0
-        for k, c in enumerate(b):
-            ids, m = self.convs[c]
-            tokens[at:at + len(ids)], docs[at:at + len(ids)], mask[at:at + len(ids)] = ids, k, m
-            at += len(ids)
+        at, k = 0, 0
+        for item in b:
+            for ids, m in self._pieces(item):
+                tokens[at:at + len(ids)], docs[at:at + len(ids)], mask[at:at + len(ids)] = ids, k, m
+                at, k = at + len(ids), k + 1
         return tokens, docs, mask
 
     def rows(self, step: int, start: int, count: int) -> dict[str, np.ndarray]:
         first = step * self.batch_size + start
         rows = [self._row(g) for g in range(first, first + count)]
         return chat_fields(*(np.stack([r[k] for r in rows]) for k in range(3)))
+
+
+class ChatRows(_WholeRows):
+    """Rows of whole conversations, one stream over all of them (see the module docstring).
+
+    ``convs``: every conversation kept, ``(ids, mask)`` pairs of at most ``seq_len + 1``
+    tokens (``chat.fit`` has cut or dropped the others), at least one. ``dropped``
+    counts the conversations left out for length; it is reported, not used.
+    """
+
+    def __init__(self, convs: Sequence[tuple[np.ndarray, np.ndarray]], seq_len: int,
+                 batch_size: int, seed: int, pad_id: int, packing: bool = True,
+                 dropped: int = 0, max_runs: int | None = None):
+        self.convs = list(convs)
+        # max_runs - 1 conversations leave a run for the padding after them.
+        super().__init__([len(ids) for ids, _ in self.convs], seq_len, batch_size, seed,
+                         pad_id, packing, dropped, None if max_runs is None else max_runs - 1)
+
+    def _pieces(self, i: int) -> Sequence[tuple[np.ndarray, np.ndarray]]:
+        return (self.convs[i],)
+
+
+class PairRows(_WholeRows):
+    """Rows of whole preference pairs, one stream over all of them (see the module
+    docstring): each pair is two consecutive sequences of one row, chosen then
+    rejected, so the ``k``-th pair of a row has segment ids ``2k + 1`` (chosen) and
+    ``2k + 2`` (rejected), and a row's first pair starts at its first token.
+
+    ``pairs``: every pair kept, ``((ids, mask), (ids, mask))`` of chosen and rejected,
+    at most ``seq_len + 1`` tokens together (``preference.fit``), at least one.
+    ``dropped`` counts the pairs left out for length; it is reported, not used.
+    """
+
+    _ORDER = _PAIRS
+
+    def __init__(self, pairs: Sequence[tuple[tuple[np.ndarray, np.ndarray],
+                                              tuple[np.ndarray, np.ndarray]]],
+                 seq_len: int, batch_size: int, seed: int, pad_id: int, packing: bool = True,
+                 dropped: int = 0, max_runs: int | None = None):
+        if max_runs is not None and max_runs < 3:
+            raise ConfigError(
+                f"model.attn_max_docs={max_runs}: the attention kernel's bound on a row's runs "
+                "of one segment id leaves no room for a preference pair (two sequences) and "
+                "the padding after it; set model.attn_max_docs >= 3.")
+        self.pairs = list(pairs)
+        # A pair is two runs; the padding after the last one more.
+        super().__init__([len(c[0]) + len(r[0]) for c, r in self.pairs], seq_len, batch_size,
+                         seed, pad_id, packing, dropped,
+                         None if max_runs is None else (max_runs - 1) // 2)
+
+    def _pieces(self, i: int) -> Sequence[tuple[np.ndarray, np.ndarray]]:
+        return self.pairs[i]
 
 
 class TokenRows:
