@@ -326,6 +326,37 @@ class RuntimeSettings:
         xla_cache.directory(self.compilation_cache, {})
 
 
+# train.objective's values; all but sft learn from preference pairs.
+OBJECTIVES = ("sft", "dpo", "ipo", "orpo", "simpo")
+PREFERENCE_OBJECTIVES = OBJECTIVES[1:]
+# preference.reference's values: where DPO's and IPO's reference log-probabilities come from.
+REFERENCES = ("auto", "adapters_off", "initial_adapters", "frozen_copy")
+
+
+@dataclasses.dataclass(frozen=True)
+class PreferenceSettings:
+    """Preference objectives' settings (train.objective dpo, ipo, orpo, simpo), TRL's by
+    their TRL meaning (DPOConfig, ORPOConfig, CPOConfig)."""
+
+    # DPO's beta, IPO's tau, ORPO's lambda, SimPO's beta (TRL's beta; Axolotl's rl_beta).
+    beta: float = setting(0.1, gt=0)
+    # dpo: conservative DPO's share of flipped labels (the cDPO loss); simpo: the same
+    # smoothing as TRL's CPOTrainer. TRL 1.16's sigmoid DPO ignores it (docs/post-training.md).
+    label_smoothing: float = setting(0.0, ge=0, lt=0.5)
+    # simpo: the target margin gamma (TRL's simpo_gamma), the logits shifted by gamma / beta.
+    simpo_gamma: float = setting(0.5, ge=0)
+    # simpo: the weight of the chosen completions' cross-entropy (TRL's cpo_alpha; its
+    # default 1.0; the SimPO paper's 0).
+    cpo_alpha: float = setting(1.0, ge=0)
+    # dpo, ipo: the reference model. auto: adapters_off under fresh LoRA adapters,
+    # initial_adapters under model.lora.init_from, frozen_copy without LoRA.
+    # adapters_off: the policy's base with the adapters off (no copy); initial_adapters:
+    # the adapters the run started from (a copy of the adapters only, as TRL's "ref"
+    # adapter); frozen_copy: the starting weights, held beside the policy (one more copy
+    # of the parameters, sharded like them).
+    reference: str = setting("auto", choices=REFERENCES)
+
+
 @dataclasses.dataclass(frozen=True)
 class TrainSettings:
     # Defaults are the CPU demo (tiny model, builtin corpus).
@@ -372,6 +403,10 @@ class TrainSettings:
     # With train.epochs: evaluations an epoch, which set eval_every (Axolotl's
     # evals_per_epoch); 0: eval_every as given.
     evals_per_epoch: int = setting(0, ge=0)
+    # The loss minimised (ndjax.step.objectives, docs/post-training.md): sft (next-token
+    # cross-entropy) | dpo | ipo | orpo | simpo (preference pairs: data.format=preference,
+    # settings in the preference section).
+    objective: str = setting("sft", choices=OBJECTIVES)
 
     def in_steps(self, rows_per_epoch: int) -> TrainSettings:
         """This section with its epoch-based fields turned into steps, for an epoch of
@@ -392,7 +427,7 @@ SOURCES = ("builtin", "synthetic", "text", "jsonl", "parquet", "tokens", "chat")
 FILE_SOURCES = ("text", "jsonl", "parquet", "tokens", "chat")  # those that read data.files
 # data.format's values: how a chat record becomes tokens and a mask (Axolotl's dataset
 # types; ndjax.data.prompt_formats for all but chat).
-FORMATS = ("chat", "alpaca", "completion", "input_output")
+FORMATS = ("chat", "alpaca", "completion", "input_output", "preference")
 # The roles of chat messages, and which end-of-turn tokens chat data learns
 # (data.roles_to_train, data.train_on_eos: Axolotl's settings of those names).
 CHAT_ROLES = ("system", "user", "assistant", "tool")
@@ -418,6 +453,11 @@ class DataSettings:
     messages_field: str = setting("messages")      # a list of {role, content}
     prompt_field: str = setting("prompt")          # or a prompt (user) ...
     completion_field: str = setting("completion")  # ... and completion (assistant) pair
+    # data.format=preference: the preferred and the dispreferred completion (strings, or
+    # lists of messages; without a prompt field, whole conversations whose common
+    # beginning is the prompt, as TRL's implicit prompt).
+    chosen_field: str = setting("chosen")
+    rejected_field: str = setting("rejected")
     # Each message's role and content keys (Axolotl's message_property_mappings:
     # ShareGPT's from / value); other keys than these read roles human and gpt as user
     # and assistant, as Axolotl does.
@@ -425,7 +465,9 @@ class DataSettings:
     content_field: str = setting("content")
     # How a record becomes tokens (Axolotl's dataset type): chat (the above, rendered
     # with the chat template) | alpaca (instruction, input, output) | completion (one
-    # text field, every token learned) | input_output (segments of text and label)
+    # text field, every token learned) | input_output (segments of text and label) |
+    # preference (prompt, chosen and rejected: TRL's preference records; for the
+    # preference objectives, train.objective)
     format: str = setting("chat", choices=FORMATS)
     # a template ndjax ships by name (chatml, llama3, qwen3, gemma3), a Jinja template
     # file, or "" = the tokenizer's own
@@ -598,7 +640,8 @@ class ExportSettings:
 
 SECTIONS: dict[str, type] = {
     "model": ModelSettings, "mesh": MeshSettings, "runtime": RuntimeSettings,
-    "train": TrainSettings, "data": DataSettings, "checkpoint": CheckpointSettings,
+    "train": TrainSettings, "preference": PreferenceSettings, "data": DataSettings,
+    "checkpoint": CheckpointSettings,
     "log": LogSettings, "debug": DebugSettings, "export": ExportSettings,
 }
 # Keys that were renamed: old saved configs and config files still read.
@@ -615,6 +658,7 @@ class Settings:
     mesh: MeshSettings
     runtime: RuntimeSettings
     train: TrainSettings
+    preference: PreferenceSettings
     data: DataSettings
     checkpoint: CheckpointSettings
     log: LogSettings

@@ -26,7 +26,14 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from ndjax.config import MODEL_DIMS, LoraSettings, ModelSettings, Settings, TrainSettings
+from ndjax.config import (
+    MODEL_DIMS,
+    PREFERENCE_OBJECTIVES,
+    LoraSettings,
+    ModelSettings,
+    Settings,
+    TrainSettings,
+)
 from ndjax.data import BATCH_FIELDS, loader
 from ndjax.hardware import gpu_target
 from ndjax.models import decoder, registry
@@ -45,6 +52,7 @@ from ndjax.runtime.errors import ConfigError
 from ndjax.step import state as state_lib
 from ndjax.step.objectives import CrossEntropy, Objective
 from ndjax.step.precision import DTYPES, Precision
+from ndjax.step.preference import Preference
 from ndjax.step.train_step import Batch, StepOptions, eval_step, train_step
 
 # Which config field sets the size of each logical parameter axis (for errors).
@@ -222,6 +230,7 @@ def check_inputs(settings: Settings, platform: str | None = None,
     model_cfg = attempt(model_config, settings.model, checkpoint, platform) \
         if checkpoint is not None or not init_from else None
     attempt(_check_lora_inputs, settings, model_cfg)
+    attempt(_check_objective, settings)
     if checkpoint is not None:
         hf.check_tokenizer(settings, checkpoint)
     t = settings.train
@@ -245,6 +254,55 @@ def _check_lora_inputs(settings: Settings, model_cfg: DecoderConfig | None) -> N
                           "16) or drop export.adapter_dir.")
     if settings.model.lora.init_from is not None:  # (LoraSettings.check: a rank is set)
         hf.check_adapter(settings.model.lora.init_from, model_cfg)
+
+
+def _check_objective(settings: Settings) -> None:
+    """A preference objective learns from preference pairs, and its reference model
+    (dpo, ipo) must be one the run has."""
+    t, d, p, lora = settings.train, settings.data, settings.preference, settings.model.lora
+    if t.objective == "sft":
+        if d.format == "preference":
+            raise ConfigError("data.format='preference' reads preference pairs, and "
+                              "train.objective='sft' learns next tokens: set train.objective "
+                              f"to one of {', '.join(PREFERENCE_OBJECTIVES)}, or use "
+                              "data.format=chat for SFT.")
+        return
+    where = f"train.objective={t.objective!r}"
+    if d.format != "preference":
+        raise ConfigError(f"{where} learns from preference pairs, and data.format="
+                          f"{d.format!r}: set data.source=chat and data.format=preference "
+                          "(records with prompt, chosen and rejected; docs/post-training.md).")
+    if t.eval_every or t.evals_per_epoch:
+        raise ConfigError(f"{where}: evaluation of a preference objective on a validation "
+                          "split is not built yet; set train.eval_every=0 and "
+                          "train.evals_per_epoch=0.")
+    if t.objective in ("orpo", "simpo"):
+        if p.reference != "auto":
+            raise ConfigError(f"preference.reference={p.reference!r}: {where} uses no "
+                              "reference model (only dpo and ipo do); leave it 'auto'.")
+        return
+    if p.reference in ("adapters_off", "initial_adapters") and lora.rank is None:
+        raise ConfigError(f"preference.reference={p.reference!r} is the policy's LoRA "
+                          "adapters, and model.lora.rank is unset: set model.lora.rank, or "
+                          "preference.reference=frozen_copy (or auto).")
+    if p.reference == "adapters_off" and lora.saved_modules:
+        raise ConfigError(f"preference.reference='adapters_off' keeps model.lora."
+                          f"modules_to_save={lora.modules_to_save!r} as they train, not as "
+                          "they started: use preference.reference=initial_adapters (or auto).")
+
+
+def reference_mode(settings: Settings) -> str:
+    """Where the step finds the reference model (``train_step.REFERENCES``): none,
+    adapters_off (fresh LoRA adapters: the base with them off is the starting model), or
+    held (the trainable part's starting values, given to the step beside the state)."""
+    t, p, lora = settings.train, settings.preference, settings.model.lora
+    if t.objective not in ("dpo", "ipo"):
+        return "none"
+    if p.reference == "adapters_off" or (
+            p.reference == "auto" and lora.rank is not None and lora.init_from is None
+            and not lora.saved_modules):
+        return "adapters_off"
+    return "held"
 
 
 def _adds_tokens(settings: Settings) -> bool:
@@ -481,13 +539,41 @@ class Experiment:
 
     @property
     def objective(self) -> Objective:
-        """The loss the step minimises (ndjax.step.objectives): next-token cross-entropy."""
-        return CrossEntropy()
+        """The loss the step minimises (ndjax.step.objectives): train.objective's."""
+        t, p = self.settings.train, self.settings.preference
+        if t.objective == "sft":
+            return CrossEntropy()
+        return Preference(t.objective, beta=p.beta, label_smoothing=p.label_smoothing,
+                          simpo_gamma=p.simpo_gamma, cpo_alpha=p.cpo_alpha)
+
+    @property
+    def reference_mode(self) -> str:
+        """Where a preference objective's reference model is (``reference_mode``)."""
+        return reference_mode(self.settings)
+
+    def held_reference(self, state: state_lib.TrainState | None = None) -> Any:
+        """The reference model's parameters the step is given (``reference_mode`` held;
+        None otherwise): the trainable part of step 0's parameters, copied from ``state``
+        (a fresh run's step 0, which the step then donates) or drawn again as step 0 had
+        them (a resume)."""
+        if self.reference_mode != "held":
+            return None
+        params = (state if state is not None else self.init_state()).params
+        return jax.tree.map(jnp.copy, self.trainable(params))
+
+    def step_fn(self, reference: Any = None) -> Callable[..., Any]:
+        """(state, batch) -> (state, metrics): the compiled step, given ``reference``
+        (``held_reference``) where the objective holds one."""
+        compiled = self.compiled_step
+        if self.reference_mode != "held":
+            return compiled
+        return lambda state, batch: compiled(state, batch, reference)
 
     @property
     def step_options(self) -> StepOptions:
         t = self.settings.train
-        return StepOptions(objective=self.objective, skip_nonfinite=t.on_nan == "skip",
+        return StepOptions(objective=self.objective, reference=self.reference_mode,
+                           skip_nonfinite=t.on_nan == "skip",
                            nan_at_step=int(self.settings.debug.nan_at_step),
                            loss_chunk=t.loss_chunk, grad_accum=t.grad_accum,
                            grad_dtype=self.precision.grad_accum,
@@ -648,11 +734,16 @@ class Experiment:
         step = functools.partial(train_step, self.features, self.optimizer, self.schedule,
                                  self.step_options, self.state_sharding.params)
         replicated = NamedSharding(self.mesh, PartitionSpec())
+        shardings, args = (self.state_sharding, self.batch_sharding), [self.abstract_state,
+                                                                         self.abstract_batch]
+        if self.reference_mode == "held":  # the reference's parameters, beside the state
+            shardings += (self.trainable(self.state_sharding.params),)
+            args.append(self.trainable(self.abstract_state.params))
         with rules_lib.use(self.rules), self.for_target():
-            jitted = jax.jit(step, in_shardings=(self.state_sharding, self.batch_sharding),
+            jitted = jax.jit(step, in_shardings=shardings,
                              out_shardings=(self.state_sharding, replicated),
                              donate_argnums=0)
-            return jitted.lower(self.abstract_state, self.abstract_batch)
+            return jitted.lower(*args)
 
     @functools.cached_property
     def compiled_step(self) -> jax.stages.Compiled:
@@ -663,7 +754,7 @@ class Experiment:
         """The loss without the update, in the train step's shardings: (params, batch) ->
         {loss, tokens}."""
         step = functools.partial(eval_step, self.features, self.objective,
-                                 self.settings.train.loss_chunk)
+                                 self.settings.train.loss_chunk)  # (no preference: checked)
         replicated = NamedSharding(self.mesh, PartitionSpec())
         with rules_lib.use(self.rules), self.for_target():
             jitted = jax.jit(step, in_shardings=(self.state_sharding.params, self.batch_sharding),

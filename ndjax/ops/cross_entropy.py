@@ -88,6 +88,18 @@ class _Local:
                                  _chunks(weights, self.n)))
         return total
 
+    def token_log_probs(self, x, head, targets):
+        """(log p(target) per position, the mean of its logits over the vocabulary), both
+        (b, s) float32: a preference or RL objective's inputs."""
+        def body(_, chunk):
+            xc, tc = chunk
+            logits = self.logits(xc, head)
+            return None, (-cross_entropy(logits, tc), jnp.mean(logits, axis=-1))
+
+        _, (logps, means) = jax.lax.scan(body, None, (_chunks(x, self.n),
+                                                      _chunks(targets, self.n)))
+        return _unchunk(logps), _unchunk(means)
+
     def loss_and_probs(self, x, head, targets, weights):
         """One chunk (``n == 1``): the loss and the softmax of its logits, which the
         backward pass then takes instead of running the LM head again."""
@@ -137,18 +149,85 @@ def loss_sums(x: jax.Array, head: jax.Array | Weight, targets: jax.Array, weight
     if not isinstance(head, Weight):
         head = Weight(head, head, ParamUse(head.dtype))
     weights = weights.astype(jnp.float32)
-    n = num_chunks(x.shape[1], chunk)
-    rules = active()
-    if rules is not None and not rules.data_axes:
-        local = _Local(n, rules.spec((None, None, "act_vocab")))
-        rules = None  # nothing splits the batch or the sequence: no shard_map
-    elif rules is None:
-        local = _Local(n, None)
-    else:
-        vocab = tuple(a for a in rules.axes_of("act_vocab") if a not in rules.data_axes)
-        local = _Local(n, PartitionSpec(None, None, vocab or None))
+    local, rules = _local(x.shape[1], chunk)
     return (_fused(local, rules, head.use, x, head.gathered, targets, weights, head.value),
             jnp.sum(weights))
+
+
+def token_log_probs(x: jax.Array, head: jax.Array | Weight, targets: jax.Array, chunk: int
+                    ) -> tuple[jax.Array, jax.Array]:
+    """(log-probability of each target, the mean over the vocabulary of its position's
+    logits), both (b, s) float32, with the head applied ``chunk`` positions at a time as
+    ``loss_sums`` does, never the whole batch's logits. The log-probabilities carry a
+    gradient (for any function of them: per-sequence sums, ratios); the mean logits are
+    a metric (TRL's logits/chosen) and carry none. Arguments as ``loss_sums``'s."""
+    if not isinstance(head, Weight):
+        head = Weight(head, head, ParamUse(head.dtype))
+    local, rules = _local(x.shape[1], chunk)
+    return _fused_tokens(local, rules, head.use, x, head.gathered, targets, head.value)
+
+
+def _local(seq_len: int, chunk: int) -> tuple[_Local, object]:
+    """The per-device functions, and the rules whose data axes a shard_map runs over
+    (None: nothing splits the batch or the sequence, no shard_map)."""
+    n = num_chunks(seq_len, chunk)
+    rules = active()
+    if rules is not None and not rules.data_axes:
+        return _Local(n, rules.spec((None, None, "act_vocab"))), None
+    if rules is None:
+        return _Local(n, None), None
+    vocab = tuple(a for a in rules.axes_of("act_vocab") if a not in rules.data_axes)
+    return _Local(n, PartitionSpec(None, None, vocab or None)), rules
+
+
+def _shard_maps(local: _Local, rules, use: ParamUse):
+    """For shard_maps over ``rules``' data axes: (the hidden states' spec, the rows'
+    spec, a shard_map wrapper, ``local.grads`` as one, the head's gradient left as
+    float32 partial sums to be summed once outside)."""
+    axes = data_axes(rules)
+    rows = rules.spec(("act_batch", "act_seq"))
+    hidden = PartitionSpec(*rows, None) if len(rows) else PartitionSpec()
+    shard = functools.partial(jax.shard_map, mesh=rules.mesh, axis_names=set(axes),
+                              check_vma=False)
+
+    def all_grads(*args):
+        d_x, d_head = local.grads(*args)
+        return d_x, partials_out(d_head, use, axes)  # summed outside, once, in float32
+
+    backward = shard(all_grads, in_specs=(hidden, PartitionSpec(), rows, rows, PartitionSpec()),
+                     out_specs=(hidden, partials_spec(use, axes, 2)))
+    return hidden, rows, shard, backward
+
+
+def _fused_tokens(local: _Local, rules, use: ParamUse, x, head, targets, stored
+                  ) -> tuple[jax.Array, jax.Array]:
+    """``token_log_probs``' custom VJP: the log-probabilities' cotangent (b, s) is the
+    cross-entropy's per-token weights with the sign flipped, so the backward pass is
+    ``loss_sums``' (``_Local.grads``: chunk by chunk, the logits recomputed)."""
+    if rules is None:
+        forward, backward = local.token_log_probs, local.grads
+    else:
+        hidden, rows, shard, backward = _shard_maps(local, rules, use)
+        forward = shard(local.token_log_probs, in_specs=(hidden, PartitionSpec(), rows),
+                        out_specs=(rows, rows))
+
+    @jax.custom_vjp
+    def fused(x, head, targets, stored):
+        return forward(x, head, targets)
+
+    def fwd(x, head, targets, stored):
+        return forward(x, head, targets), (x, head, targets, jnp.zeros((0,), stored.dtype))
+
+    def bwd(saved, cotangents):
+        x, head, targets, dtype_of_stored = saved
+        d_x, d_head = backward(x, head, targets, cotangents[0], jnp.float32(-1.0))
+        d_head = (scatter(d_head, use, dtype_of_stored.dtype) if rules is None
+                  else partials_sum(d_head, use, data_axes(rules), dtype_of_stored.dtype))
+        return d_x, None, np.zeros(targets.shape, jax.dtypes.float0), d_head
+
+    fused.defvjp(fwd, bwd)
+    logps, means = fused(x, head, targets, stored)
+    return logps, jax.lax.stop_gradient(means)
 
 
 def _fused(local: _Local, rules, use: ParamUse, x, head, targets, weights, stored
@@ -175,25 +254,13 @@ def _fused(local: _Local, rules, use: ParamUse, x, head, targets, weights, store
         backward = local.grads
     else:
         axes = data_axes(rules)
-        rows = rules.spec(("act_batch", "act_seq"))
-        hidden = PartitionSpec(*rows, None) if len(rows) else PartitionSpec()
-        shard = functools.partial(jax.shard_map, mesh=rules.mesh, axis_names=set(axes),
-                                  check_vma=False)
+        hidden, rows, shard, backward = _shard_maps(local, rules, use)
 
         def total_loss(*args):
             return jax.lax.psum(local.loss(*args), axes)
 
-        def all_grads(*args):
-            d_x, d_head = local.grads(*args)
-            # Summed outside, in float32, into the head's storage layout.
-            return d_x, partials_out(d_head, use, axes)  # once, in float32
-
-        head_spec = partials_spec(use, axes, 2)
         forward = shard(total_loss, in_specs=(hidden, PartitionSpec(), rows, rows),
                         out_specs=PartitionSpec())
-        backward = shard(all_grads, in_specs=(hidden, PartitionSpec(), rows, rows,
-                                              PartitionSpec()),
-                         out_specs=(hidden, head_spec))
 
     @jax.custom_vjp
     def fused(x, head, targets, weights, stored):

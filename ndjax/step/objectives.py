@@ -1,7 +1,7 @@
 """The loss the train step minimises, as an object the step is given
 (``StepOptions.objective``): how a batch's loss is summed from the model's features, and
 what it is averaged over. Next-token cross-entropy (``CrossEntropy``, ``train`` and
-``eval`` alike) is the only one today; preference and RL objectives land beside it."""
+``eval`` alike) and the preference losses (``ndjax.step.preference``)."""
 
 from __future__ import annotations
 
@@ -27,17 +27,29 @@ FeaturesFn = Callable[[Any, jax.Array, jax.Array, jax.Array],
 class Objective(Protocol):
     """What the step asks of a loss. The step divides ``loss_sum``'s total by
     ``weight`` of the whole batch (not of a micro-batch), so that grad_accum and the
-    layouts leave the loss as one device's; the router's losses are added by the step."""
+    layouts leave the loss as one device's; the router's losses are added by the step.
+    ``totals`` are other whole-batch figures ``loss_sum`` scales by (given to each
+    micro-batch). Metrics under ``ratios`` are (numerator, denominator) sums: the step
+    adds them over micro-batches and logs their quotient."""
+
+    needs_reference: bool  # loss_sum compares with a reference model's features
 
     def loss_sum(self, features: FeaturesFn, params: Any, batch: Batch, chunk: int,
-                 dropout: lora.Dropout | None = None
-                 ) -> tuple[jax.Array, jax.Array, dict[str, jax.Array]]:
-        """(the loss summed over the batch, the tokens it counted, the router's
-        metrics: ``moe.aux_metrics``, {} for a dense model)."""
+                 dropout: lora.Dropout | None = None, reference: FeaturesFn | None = None,
+                 totals: dict[str, jax.Array] | None = None
+                 ) -> tuple[jax.Array, jax.Array, dict[str, Any]]:
+        """(the loss summed over the batch, the tokens it counted, metrics: the
+        router's (``moe.aux_metrics``, {} for a dense model) and ``ratios``).
+        ``reference``: (inputs, positions, segment_ids) -> the reference model's
+        features, for an objective that ``needs_reference``."""
         ...
 
     def weight(self, batch: Batch) -> jax.Array:
         """What the summed loss is divided by: float32, the whole batch's."""
+        ...
+
+    def totals(self, batch: Batch) -> dict[str, jax.Array]:
+        """Whole-batch figures ``loss_sum`` needs beside ``weight``."""
         ...
 
 
@@ -47,8 +59,11 @@ class CrossEntropy:
     once, whichever row or micro-batch it sits in (the head applied chunk by chunk:
     ``ndjax.ops.cross_entropy``)."""
 
+    needs_reference = False
+
     def loss_sum(self, features: FeaturesFn, params: Any, batch: Batch, chunk: int,
-                 dropout: lora.Dropout | None = None
+                 dropout: lora.Dropout | None = None, reference: FeaturesFn | None = None,
+                 totals: dict[str, jax.Array] | None = None
                  ) -> tuple[jax.Array, jax.Array, dict[str, jax.Array]]:
         """(summed next-token cross-entropy over the unmasked tokens, their count, the
         router's metrics). ``dropout``: LoRA's, for the tokens ``batch["token_ids"]``
@@ -61,3 +76,15 @@ class CrossEntropy:
 
     def weight(self, batch: Batch) -> jax.Array:
         return jnp.sum(batch["loss_mask"].astype(jnp.float32))
+
+    def totals(self, batch: Batch) -> dict[str, jax.Array]:
+        return {}
+
+
+def finish_metrics(aux: dict[str, Any]) -> dict[str, jax.Array]:
+    """The metrics of ``loss_sum``'s third output, ``ratios`` divided out (0 where a
+    denominator is 0: e.g. no pair in the batch)."""
+    aux = dict(aux)
+    for name, (num, den) in aux.pop("ratios", {}).items():
+        aux[name] = jnp.where(den > 0, num / jnp.where(den > 0, den, 1.0), 0.0)
+    return aux

@@ -12,15 +12,38 @@ import optax
 
 from ndjax.models import lora
 from ndjax.parallel.rules import constrain
-from ndjax.step.objectives import Batch, CrossEntropy, FeaturesFn, Objective
+from ndjax.step.objectives import Batch, CrossEntropy, FeaturesFn, Objective, finish_metrics
 from ndjax.step.state import TrainState
+
+# StepOptions.reference's values: where a preference objective's reference model is.
+# adapters_off: the policy with its LoRA adapters zeroed; held: parameters the step is
+# given beside the state (the trainable part's starting values).
+REFERENCES = ("none", "adapters_off", "held")
+
+
+def reference_features(features: FeaturesFn, mode: str, params: Any, held: Any
+                       ) -> FeaturesFn | None:
+    """The reference model's features, no gradient: ``params`` (the parameters
+    ``features`` takes) with the adapters off, or ``held`` in their place."""
+    if mode == "none":
+        return None
+    if mode == "adapters_off":
+        from ndjax.step.preference import adapters_off
+        ref = adapters_off(params)
+    else:
+        ref = held
+    ref = jax.lax.stop_gradient(ref)
+    return lambda *args: features(ref, *args)
 
 
 def eval_step(features: FeaturesFn, objective: Objective, chunk: int, params: Any,
-              batch: Batch) -> dict[str, jax.Array]:
+              batch: Batch, reference: FeaturesFn | None = None) -> dict[str, jax.Array]:
     """The train step's loss without the update: for the validation split."""
-    total, tokens, _ = objective.loss_sum(features, params, batch, chunk)
-    return {"loss": total / jnp.maximum(objective.weight(batch), 1.0), "tokens": tokens}
+    total, tokens, aux = objective.loss_sum(features, params, batch, chunk,
+                                            reference=reference)
+    metrics = {k: v for k, v in finish_metrics(aux).items() if "/" in k}
+    return {"loss": total / jnp.maximum(objective.weight(batch), 1.0), "tokens": tokens,
+            **metrics}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,8 +70,10 @@ class StepOptions:
     lora_dropout: float = 0.0
     dropout_seed: int = 0
     seq_permutation: Any = dataclasses.field(default=None, compare=False)
-    # The loss minimised (ndjax.step.objectives): next-token cross-entropy.
+    # The loss minimised (ndjax.step.objectives): next-token cross-entropy by default.
     objective: Objective = CrossEntropy()
+    # Where the objective's reference model is (REFERENCES), if it needs one.
+    reference: str = "none"
 
 
 BATCH_NAMES = ("act_batch", "act_seq")
@@ -76,12 +101,12 @@ def step_dropout(options: StepOptions, step: jax.Array, batch: Batch) -> lora.Dr
 
 
 def loss_and_grads(features: FeaturesFn, options: StepOptions, params: Any, batch: Batch,
-                   grad_shardings: Any = None, dropout: lora.Dropout | None = None
-                   ) -> tuple[jax.Array, jax.Array, Any]:
-    """(mean loss, tokens, float32 gradients): ``loss_aux_and_grads`` without the MoE
-    router's metrics."""
+                   grad_shardings: Any = None, dropout: lora.Dropout | None = None,
+                   reference: FeaturesFn | None = None) -> tuple[jax.Array, jax.Array, Any]:
+    """(mean loss, tokens, float32 gradients): ``loss_aux_and_grads`` without the
+    metrics."""
     loss, tokens, grads, _ = loss_aux_and_grads(features, options, params, batch,
-                                                grad_shardings, dropout)
+                                                grad_shardings, dropout, reference)
     return loss, tokens, grads
 
 
@@ -94,12 +119,14 @@ def router_loss(options: StepOptions, aux: dict[str, jax.Array]) -> jax.Array | 
 
 
 def loss_aux_and_grads(features: FeaturesFn, options: StepOptions, params: Any, batch: Batch,
-                       grad_shardings: Any = None, dropout: lora.Dropout | None = None
+                       grad_shardings: Any = None, dropout: lora.Dropout | None = None,
+                       reference: FeaturesFn | None = None
                        ) -> tuple[jax.Array, jax.Array, Any, dict[str, jax.Array]]:
-    """(mean loss, tokens, float32 gradients, the router's metrics) over the whole
-    batch, token-weighted: every real token counts once, whichever row or micro-batch
-    it sits in. The loss is ``options.objective``'s (the cross-entropy); the gradients
-    are those of it plus
+    """(mean loss, tokens, float32 gradients, metrics: the router's and the
+    objective's) over the whole batch, weighted as the objective says (the
+    cross-entropy: every real token counts once, whichever row or micro-batch it sits
+    in). The loss is ``options.objective``'s, with ``reference`` the reference model's
+    features if it needs one; the gradients are those of it plus
     ``aux_loss_coef`` x the MoE's load-balancing loss (``aux_loss`` among the
     metrics) and ``z_loss_coef`` x its router z-loss (``router_z_loss``), which,
     like transformers' load-balancing loss, are formed per forward pass: under
@@ -115,6 +142,7 @@ def loss_aux_and_grads(features: FeaturesFn, options: StepOptions, params: Any, 
     """
     tokens = jnp.sum(batch["loss_mask"].astype(jnp.float32))
     denom = jnp.maximum(options.objective.weight(batch), 1.0)
+    totals = options.objective.totals(batch)
     if dropout is not None:  # the token ids are split into micro-batches with the rows
         batch = {**batch, "token_ids": dropout.token_ids}
 
@@ -122,16 +150,17 @@ def loss_aux_and_grads(features: FeaturesFn, options: StepOptions, params: Any, 
 
     def scaled_loss(p, b):
         total, _, aux = options.objective.loss_sum(features, p, b, options.loss_chunk,
-                                                   dropout)
+                                                   dropout, reference, totals)
+        ratios = aux.pop("ratios", {})  # summed over micro-batches, then divided
         loss = total / denom
         objective = loss + router_loss(options, aux) / k
-        return objective, (loss, jax.tree.map(lambda a: a / k, aux))
+        return objective, (loss, {**jax.tree.map(lambda a: a / k, aux), "ratios": ratios})
 
     grad_fn = jax.grad(scaled_loss, has_aux=True)
     to_f32 = lambda g: jax.tree.map(lambda a: a.astype(options.grad_dtype), g)  # noqa: E731
     if k == 1:
         grads, (loss, aux) = grad_fn(params, batch)
-        return loss, tokens, to_f32(grads), aux
+        return loss, tokens, to_f32(grads), finish_metrics(aux)
 
     def place(g):
         if grad_shardings is None:
@@ -154,7 +183,7 @@ def loss_aux_and_grads(features: FeaturesFn, options: StepOptions, params: Any, 
         lambda p, b: scaled_loss(p, b)[1][1], params, jax.tree.map(lambda a: a[0], micro)))
     (loss, grads, aux), _ = jax.lax.scan(body, (jnp.zeros((), jnp.float32), zeros, aux_zeros),
                                          micro)
-    return loss, tokens, grads, aux
+    return loss, tokens, grads, finish_metrics(aux)
 
 
 def _is_schedule_state(x: Any) -> bool:
@@ -196,10 +225,13 @@ def keep_unless_schedule(keep: Callable[[jax.Array, jax.Array], jax.Array],
 
 def train_step(features: FeaturesFn, optimizer: optax.GradientTransformation,
                schedule: optax.Schedule, options: StepOptions, grad_shardings: Any,
-               state: TrainState, batch: Batch) -> tuple[TrainState, dict[str, jax.Array]]:
+               state: TrainState, batch: Batch, reference: Any = None
+               ) -> tuple[TrainState, dict[str, jax.Array]]:
     """One optimizer step. Under LoRA (``options.adapters_only``) the gradient is taken
     with respect to the adapters alone, so the frozen base's weight gradients are never
-    formed, and the optimizer sees (and holds state for) the adapters only."""
+    formed, and the optimizer sees (and holds state for) the adapters only.
+    ``reference``: the reference model's trainable part, when ``options.reference`` is
+    held (a preference objective's)."""
     trainable, frozen = lora.split(state.params, options.adapters_only, options.saved)
     if frozen:
         grad_shardings = lora.trainable(grad_shardings, True, options.saved)
@@ -207,9 +239,10 @@ def train_step(features: FeaturesFn, optimizer: optax.GradientTransformation,
 
         def features(p, *args):
             return base_features(lora.merge(frozen, p), *args)
-    loss, tokens, grads, aux = loss_aux_and_grads(features, options, trainable, batch,
-                                                  grad_shardings,
-                                                  step_dropout(options, state.step, batch))
+    loss, tokens, grads, aux = loss_aux_and_grads(
+        features, options, trainable, batch, grad_shardings,
+        step_dropout(options, state.step, batch),
+        reference_features(features, options.reference, trainable, reference))
     if options.nan_at_step >= 0:
         poison = jnp.where(state.step + 1 == options.nan_at_step, jnp.nan, 1.0)
         loss = loss * poison
@@ -239,6 +272,8 @@ def train_step(features: FeaturesFn, optimizer: optax.GradientTransformation,
         # Real tokens / slots of the batch (padding has segment id 0): packing's fill.
         "data/fill": jnp.mean((batch["segment_ids"] > 0).astype(jnp.float32)),
         "finite": finite,
-        **aux,  # MoE: aux_loss, router_z_loss, expert_load_min, expert_load_max
+        # MoE: aux_loss, router_z_loss, expert_load_min, expert_load_max; a preference
+        # objective's rewards/*, logps/*, logits/*.
+        **aux,
     }
     return TrainState(step=state.step + 1, params=params, opt_state=opt_state), metrics

@@ -274,7 +274,9 @@ def train(config: ml_collections.ConfigDict, workdir: str,
             # the run gets there (its time is outside every step_time: Evaluate
             # restarts the clock), so a run stopped early, or a short trial, never
             # waits for it.
-            step_fn = exp.compiled_step
+            # A preference objective's reference model, where the step is given it: step
+            # 0's trainable parameters (copied before the first step donates them).
+            step_fn = exp.step_fn(exp.held_reference(state if resume_step is None else None))
             sinks.message(summary.compiled(exp, time.perf_counter() - compile_start))
         if resume_step is not None:
             replaced = (f"; moved newer checkpoints {superseded} aside as <step>.superseded in "
