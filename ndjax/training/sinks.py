@@ -51,6 +51,15 @@ def read_records(path: str) -> list[tuple[dict[str, Any], str]]:
     return out
 
 
+def _preference_part(record: dict[str, Any]) -> str:
+    """A preference objective's reward margin and accuracy (TRL's rewards/margins,
+    rewards/accuracies) for the step line; "" for other objectives."""
+    if "rewards/margins" not in record:
+        return ""
+    return (f"margin {record['rewards/margins']:.4f}  "
+            f"accuracy {100 * record['rewards/accuracies']:.0f}%  ")
+
+
 def summary_writer_class() -> type:
     """tensorboardX's ``SummaryWriter``, imported without PyTorch where this process has
     not imported it already. tensorboardX's writer imports torch only to accept torch
@@ -115,6 +124,7 @@ class Sinks:
             mfu = record.get("mfu")
             print(f"step {step}/{self.total_steps}  loss {record['loss']:.4f}  "
                   + (f"aux_loss {record['aux_loss']:.4f}  " if "aux_loss" in record else "")
+                  + _preference_part(record)
                   + f"grad_norm {record['grad_norm']:.3f}  lr {record['lr']:.2e}  "
                   f"{record['tokens_per_sec']:.0f} tok/s  "
                   f"{record['tflops_per_device']:.3g} TFLOP/s/device"
