@@ -355,6 +355,10 @@ class PreferenceSettings:
     # adapter); frozen_copy: the starting weights, held beside the policy (one more copy
     # of the parameters, sharded like them).
     reference: str = setting("auto", choices=REFERENCES)
+    # dpo, ipo: a Hugging Face directory whose model is the reference instead (TRL's
+    # ref_model; the policy's architecture and dims), held beside the state like
+    # frozen_copy. Full fine-tuning only.
+    ref_model: str | None = setting(None)
 
 
 @dataclasses.dataclass(frozen=True)

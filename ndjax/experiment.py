@@ -231,6 +231,8 @@ def check_inputs(settings: Settings, platform: str | None = None,
         if checkpoint is not None or not init_from else None
     attempt(_check_lora_inputs, settings, model_cfg)
     attempt(_check_objective, settings)
+    if settings.preference.ref_model is not None and model_cfg is not None:
+        attempt(_check_ref_model, settings, model_cfg)
     if checkpoint is not None:
         hf.check_tokenizer(settings, checkpoint)
     t = settings.train
@@ -281,6 +283,17 @@ def _check_objective(settings: Settings) -> None:
             raise ConfigError(f"preference.reference={p.reference!r}: {where} uses no "
                               "reference model (only dpo and ipo do); leave it 'auto'.")
         return
+    if p.ref_model is not None:
+        if lora.rank is not None:
+            raise ConfigError(f"preference.ref_model={p.ref_model!r} under LoRA (model.lora."
+                              f"rank={lora.rank}) is not built yet: the reference is the "
+                              "policy's base with its starting adapters (preference.reference="
+                              "auto); unset preference.ref_model, or fine-tune fully.")
+        if p.reference != "auto":
+            raise ConfigError(f"preference.ref_model={p.ref_model!r} is the reference, and "
+                              f"preference.reference={p.reference!r} names another: leave "
+                              "preference.reference 'auto' or unset preference.ref_model.")
+        return
     if p.reference in ("adapters_off", "initial_adapters") and lora.rank is None:
         raise ConfigError(f"preference.reference={p.reference!r} is the policy's LoRA "
                           "adapters, and model.lora.rank is unset: set model.lora.rank, or "
@@ -289,6 +302,19 @@ def _check_objective(settings: Settings) -> None:
         raise ConfigError(f"preference.reference='adapters_off' keeps model.lora."
                           f"modules_to_save={lora.modules_to_save!r} as they train, not as "
                           "they started: use preference.reference=initial_adapters (or auto).")
+
+
+def _check_ref_model(settings: Settings, model_cfg: DecoderConfig) -> None:
+    """preference.ref_model: a checkpoint of the policy's architecture and dims."""
+    where = f"preference.ref_model={settings.preference.ref_model!r}"
+    ckpt = hf.open_checkpoint(settings.preference.ref_model, field="preference.ref_model")
+    differ = [f"{f} {ckpt.dims.get(f)!r} (the policy's {getattr(model_cfg, f)!r})"
+              for f in ("family", *MODEL_DIMS) if f in ckpt.dims and hasattr(model_cfg, f)
+              and ckpt.dims.get(f) != getattr(model_cfg, f)]
+    if differ:
+        raise ConfigError(f"{where}: its config.json has {', '.join(differ)}; the reference "
+                          "must be the policy's architecture: use a checkpoint of the same "
+                          "model (e.g. the SFT model the policy starts from).")
 
 
 def reference_mode(settings: Settings) -> str:
@@ -558,6 +584,10 @@ class Experiment:
         them (a resume)."""
         if self.reference_mode != "held":
             return None
+        ref_model = self.settings.preference.ref_model
+        if ref_model is not None:  # (full fine-tuning: the whole model)
+            return hf.load_params(hf.open_checkpoint(ref_model, field="preference.ref_model"),
+                                  self.param_shapes, self.state_sharding.params)
         params = (state if state is not None else self.init_state()).params
         return jax.tree.map(jnp.copy, self.trainable(params))
 

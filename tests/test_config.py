@@ -48,7 +48,8 @@ GOOD = {
     "train.epochs": "1.5", "train.warmup_ratio": "0.05", "train.evals_per_epoch": "2",
     "train.objective": "dpo", "preference.beta": "0.5", "preference.label_smoothing": "0.1",
     "preference.simpo_gamma": "1.0", "preference.cpo_alpha": "0.0",
-    "preference.reference": "frozen_copy", "data.chosen_field": "good",
+    "preference.reference": "frozen_copy", "preference.ref_model": "/nowhere/ref",
+    "data.chosen_field": "good",
     "data.rejected_field": "bad",
     "checkpoint.saves_per_epoch": "4",
     "data.source": "jsonl", "data.files": "a.jsonl", "data.eval_files": "b.jsonl",
@@ -162,6 +163,7 @@ BAD = {
     "preference.simpo_gamma": (-1.0, r" must be a number >= 0"),
     "preference.cpo_alpha": (-1.0, r" must be a number >= 0"),
     "preference.reference": ("ref", r": choose one of"),
+    "preference.ref_model": (3, r" must be a string"),
     "checkpoint.saves_per_epoch": (-1, r" must be an int >= 0"),
     "data.source": ("webdataset", r": choose one of"),
     **{f"data.{f}": (1, r" must be a string") for f in

@@ -85,7 +85,7 @@ def config(source, objective, mesh=None, **preference):
 
 # ----- TRL ----------------------------------------------------------------------------
 
-def trl_trainer(source, objective, tmp_path, peft_model=None, **kw):
+def trl_trainer(source, objective, tmp_path, peft_model=None, ref_model=None, **kw):
     from datasets import Dataset
     from transformers import AutoTokenizer
 
@@ -99,7 +99,8 @@ def trl_trainer(source, objective, tmp_path, peft_model=None, **kw):
     if objective in ("dpo", "ipo"):
         args = trl.DPOConfig(**common, loss_type=["sigmoid" if objective == "dpo" else "ipo"],
                              **kw)
-        return trl.DPOTrainer(model=model, args=args, train_dataset=ds, processing_class=tok)
+        return trl.DPOTrainer(model=model, ref_model=ref_model, args=args, train_dataset=ds,
+                              processing_class=tok)
     if objective == "orpo":
         from trl.experimental.orpo import ORPOConfig, ORPOTrainer
         return ORPOTrainer(model=model, args=ORPOConfig(**common, remove_unused_columns=False,
@@ -286,6 +287,32 @@ def test_lora_dpo_equals_trls_reference_adapter(source, tmp_path, start, referen
     ours, _ = run(exp)
     np.testing.assert_allclose(ours, losses, rtol=1e-4)
     assert abs(losses[-1] - losses[0]) > 1e-3
+
+
+def test_a_reference_from_another_checkpoint_equals_trls_ref_model(source, tmp_path):
+    """preference.ref_model (TRL's ref_model): another model of the same architecture, so
+    that step 1's rewards, accuracies and margins are already far from 0."""
+    from transformers import AutoModelForCausalLM
+
+    make_hf(tmp_path / "ref", seed=3, vocab_size=300)
+    trainer = trl_trainer(source, "dpo", tmp_path, ref_model=AutoModelForCausalLM.from_pretrained(
+        tmp_path / "ref"))
+    losses, metrics, grads, _ = trl_run(trainer, 2)
+    exp = Experiment.from_config(config(source, "dpo", ref_model=str(tmp_path / "ref")),
+                                 jax.devices()[:1])
+    loss, aux, our_grads = first_step(exp)
+    assert abs(metrics[0]["rewards/margins"]) > 0.05
+    np.testing.assert_allclose(loss, losses[0], rtol=1e-5)
+    for k in METRICS["dpo"]:
+        np.testing.assert_allclose(aux[k], metrics[0][k], rtol=1e-5, atol=1e-6, err_msg=k)
+    assert_grads_equal(hf_grads(exp, our_grads), grads)
+    np.testing.assert_allclose(run(exp, 2)[0], losses, rtol=1e-4)
+
+    c = config(source, "dpo", ref_model=str(tmp_path / "ref"))
+    make_hf(tmp_path / "other", vocab_size=300, hidden_size=32)
+    c.preference.ref_model = str(tmp_path / "other")
+    with pytest.raises(ConfigError, match="must be the policy's architecture"):
+        Experiment.from_config(c, jax.devices()[:1])
 
 
 def test_dpo_starts_at_log_2_and_its_rewards_move(source):

@@ -16,6 +16,9 @@ UNSET = object()
 T = TypeVar("T")
 # Why common fields are not mapped, by exact name or prefix (first match wins).
 REASONS = (
+    (("rl_", "dpo_", "orpo_", "simpo_", "cpo_", "kto_", "rpo_alpha", "precompute_ref_log_probs",
+      "max_prompt_len", "trl"),
+     "a preference-training setting, read with rl: dpo, ipo, orpo or simpo only"),
     (("peft_use_dora", "peft_layers_to_transform", "peft_layers_pattern",
       "lora_fan_in_fan_out", "lora_on_cpu", "loraplus_", "relora_", "lisa_", "peft_"),
      "ndjax's LoRA adapts the blocks' projections (model.lora) and nothing else"),

@@ -281,23 +281,24 @@ def _weight_files(directory: str) -> list[str]:
                       f"model.safetensors.index.json. {fix}")
 
 
-def open_checkpoint(directory: str) -> Checkpoint:
-    """Checks a local HF Llama directory (config, files, every tensor's shape); reads no data."""
+def open_checkpoint(directory: str, field: str = "model.init_from") -> Checkpoint:
+    """Checks a local HF Llama directory (config, files, every tensor's shape); reads no data.
+    ``field``: the config field that names it, in errors."""
     if not os.path.isdir(directory):
         hub = re.fullmatch(r"[\w.-]+/[\w.-]+", directory) and not os.path.exists(directory)
         fix = (f" If {directory!r} is a Hugging Face hub id: ndjax does not download, so run "
                f"`hf download {directory} --local-dir DIR` first and pass "
-               "--config.model.init_from=DIR." if hub else "")
-        raise ConfigError(f"model.init_from={directory!r} is not a local directory.{fix}")
+               f"--config.{field}=DIR." if hub else "")
+        raise ConfigError(f"{field}={directory!r} is not a local directory.{fix}")
     path = os.path.join(directory, "config.json")
     if not os.path.isfile(path):
-        raise ConfigError(f"model.init_from={directory!r} has no config.json. Point it at a "
+        raise ConfigError(f"{field}={directory!r} has no config.json. Point it at a "
                           "directory written by transformers' save_pretrained.")
     try:
         with open(path) as f:
             config = json.load(f)
     except ValueError as e:
-        raise ConfigError(f"model.init_from={directory!r}: config.json is not JSON ({e}).") from e
+        raise ConfigError(f"{field}={directory!r}: config.json is not JSON ({e}).") from e
     family = registry.for_config_json(config, directory)
     dims = family.read_config_json(config, directory)
     tensors: dict[str, _Entry] = {}
@@ -309,7 +310,7 @@ def open_checkpoint(directory: str) -> Checkpoint:
                    and not (n == "lm_head.weight" and dims["tie_embeddings"]))
     if missing or extra:
         raise ConfigError(
-            f"model.init_from={directory!r}: the weights do not match config.json (e.g. "
+            f"{field}={directory!r}: the weights do not match config.json (e.g. "
             f"model_type={config.get('model_type')!r}, num_hidden_layers={dims['n_layers']}, "
             "tie_word_embeddings="
             f"{dims['tie_embeddings']}): missing {missing[:4]}, unexpected {extra[:4]}. Use the "
@@ -318,7 +319,7 @@ def open_checkpoint(directory: str) -> Checkpoint:
         actual = tensors[name].shape
         if actual != shape:
             raise ConfigError(
-                f"model.init_from={directory!r}: tensor {name} has shape {actual}, but "
+                f"{field}={directory!r}: tensor {name} has shape {actual}, but "
                 f"config.json implies {shape} (hidden_size={dims['dim']}, intermediate_size="
                 f"{dims['ffn_dim']}, heads={dims['n_heads']}, kv heads={dims['n_kv_heads']}, "
                 f"head_dim={dims['head_dim']}, vocab_size={dims['vocab_size']}). Use the "
