@@ -54,8 +54,21 @@ VARIANTS = [
     ("sft", "QLoRA r=16, NF4", "auto", QLORA),
     ("dpo", "QLoRA r=16, NF4", "adapters_off", QLORA),
 ]
+# The smoke run: sft and dpo with a held reference (the step's third argument), full
+# fine-tuning; 2 layers of the tiny model, 128 tokens; figures in MiB.
+TINY = VARIANTS[:2]
 WORDS = ("alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron pi "
          "rho sigma tau upsilon phi chi psi omega").split()
+
+
+def cpu_model() -> str:
+    """This machine's CPU, as /proc/cpuinfo names it."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next(line.split(":", 1)[1].strip() for line in f
+                        if line.startswith("model name"))
+    except (OSError, StopIteration):
+        return platform.processor() or platform.machine()
 
 
 def write_data(folder: Path) -> tuple[str, str]:
@@ -127,22 +140,20 @@ def measure(preset: str, layers: int | None, batch: int, seq: int, hardware: str
     rows = []
     for objective, training, reference, lora in variants:
         c = config(preset, layers, batch, seq, objective, reference, lora, data, quant_block)
-        start = time.perf_counter()
-        r = compile_for(c, hardware, 8)
-        wall = time.perf_counter() - start
+        r = compile_for(c, hardware, 8)  # compile_s: from_config + the compile, wall time
         r.pop("hlo")
-        rows.append(dict(r, objective=objective, training=training, wall_s=wall,
-                         **parts(c, hardware, 8)))
+        rows.append(dict(r, objective=objective, training=training, **parts(c, hardware, 8)))
     return rows
 
 
-def table(rows: list[dict]) -> None:
+def table(rows: list[dict], unit: str = "GiB") -> None:
     def g(n: int) -> str:
-        return f"{n / GiB:,.2f}"
+        return f"{n / (GiB if unit == 'GiB' else MiB):,.2f}"
 
-    print("| objective | training | reference | weights GiB | optimizer GiB | held reference "
-          "GiB | batch MiB | arguments GiB | temporaries GiB | output GiB (aliased) | total GiB "
-          "| of the GPU's | compile s |")
+    u = unit
+    print(f"| objective | training | reference | weights {u} | optimizer {u} | held reference "
+          f"{u} | batch MiB | arguments {u} | temporaries {u} | output {u} (aliased) | total "
+          f"{u} | of the GPU's | compile s |")
     print("|:--|:--|:--|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|")
     for r in rows:
         total = r["argument_bytes"] + r["temp_bytes"]
@@ -167,14 +178,15 @@ def table(rows: list[dict]) -> None:
               f"{(r['argument_bytes'] + r['temp_bytes']) / (sft['argument_bytes'] + sft['temp_bytes']):.3f} | "  # noqa: E501
               f"{r['compile_s'] / sft['compile_s']:.2f} |")
     print()
+    print(f"attention: {', '.join(sorted({r['attention'] for r in rows}))}")
     for r in rows:
         if r["reference"]:
             trained = r["trainable_param_bytes"]
             print(f"{r['objective']} {r['training']}: the held reference is "
                   f"{r['reference'] / trained:.3f}x the trained weights' bytes per device "
-                  f"({g(r['reference'])} of {g(trained)} GiB); arguments above sft's: "
+                  f"({g(r['reference'])} of {g(trained)} {unit}); arguments above sft's: "
                   f"{g(r['argument_bytes'] - by[('sft', r['training'])]['argument_bytes'])} "
-                  "GiB")
+                  f"{unit}")
 
 
 def main() -> None:
@@ -194,19 +206,21 @@ def main() -> None:
     from ndjax.hardware import gpu_target, roofline
 
     gpu_target.require()
-    preset, batch, seq, block = ("tiny", 8, 256, 32) if args.tiny else ("llama3_8b", 8, 4096, 64)
+    preset, batch, seq, block = ("tiny", 8, 128, 32) if args.tiny else ("llama3_8b", 8, 4096, 64)
+    layers = 2 if args.tiny else args.layers
     flags = " ".join(sys.argv[1:])
     print(f"`PYTHONPATH=. python bench/preference_memory.py{' ' + flags if flags else ''}` on "
-          f"{platform.processor() or platform.machine()} ({os.cpu_count()} cores, no GPU), "
-          f"jax {jax.__version__}, {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} "
-          f"UTC; {preset}{f' ({args.layers} layers)' if args.layers else ''} compiled for 8 x "
+          f"{cpu_model()} ({os.cpu_count()} cores, no GPU), "
+          f"jax {jax.__version__}, {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} "
+          f"UTC; {preset}{f' ({layers} layers)' if layers else ''} compiled for 8 x "
           f"{roofline.HARDWARE[args.hardware].name}, fsdp=8, batch {batch} x {seq}, bfloat16, "
           "remat full\n")
     start = time.perf_counter()
     with tempfile.TemporaryDirectory() as folder:
         data = write_data(Path(folder))
-        rows = measure(preset, args.layers, batch, seq, args.hardware, block, data)
-    table(rows)
+        rows = measure(preset, layers, batch, seq, args.hardware, block, data,
+                       TINY if args.tiny else VARIANTS)
+    table(rows, "MiB" if args.tiny else "GiB")
     print(f"\nall {len(rows)} compiles: {time.perf_counter() - start:.0f} s")
 
 

@@ -302,3 +302,4 @@ def test_cp_algorithms_tiny():
     assert float(rows["all_to_all"]["all-to-all MiB"]) > 0, rows
     assert float(rows["all_to_all"]["collective-permute MiB"]) == 0, rows
     assert all(float(r["tokens/s"].replace(",", "")) > 0 for r in rows.values()), rows
+

@@ -631,3 +631,17 @@ def test_expert_parallelism_compiles_to_ragged_all_to_alls():
                 if "bf16[2,2048,512]" in line.split("=", 1)[-1].split("all-gather", 1)[0]
                 and " all-gather" in line], "the pairs were all-gathered"
     assert exp.model_cfg.moe_impl == "mosaic" and _mosaic_calls(text) > 0
+
+
+@needs_extra
+def test_preference_memory_tiny():
+    """bench/preference_memory.py: sft and dpo compiled for 8 H100s, dpo's arguments
+    holding the reference beside the state at exactly the trained weights' bytes."""
+    lines = run_tiny("preference_memory.py").stdout.splitlines()
+    rows = table_rows(lines, "sft", "dpo")
+    assert [r[:3] for r in rows] == [["sft", "full", "none"], ["dpo", "full", "held"]], lines
+    sft, dpo = rows
+    # columns: weights, optimizer, held reference, batch, arguments (MiB)
+    assert float(sft[5]) == 0 and float(dpo[5]) == float(dpo[3]) > 0, rows
+    assert float(dpo[7]) > float(sft[7]), rows
+    assert table_rows(lines, "dpo / sft")[0][1] == "full", lines
