@@ -1,7 +1,8 @@
 """An Axolotl config's datasets as ndjax's data.* fields: chat_template (ShareGPT keys,
 the named templates ndjax ships, roles_to_train and train_on_eos too), alpaca, completion
 and input_output datasets, from local files, save_to_disk folders or hub datasets in the
-local cache, one kind per run (data.* holds one source and one set of fields)."""
+local cache, one kind per run (data.* holds one source and one set of fields). Under rl
+(``preference``), Axolotl's preference dataset types as data.format=preference."""
 
 from __future__ import annotations
 
@@ -11,7 +12,8 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
-from ndjax.axolotl.fields import Fields, Out, Unmapped, bad, reason, refusal
+from ndjax.axolotl import preference
+from ndjax.axolotl.fields import Fields, Out, Unmapped, bad, reason, refusal, show
 from ndjax.axolotl.run import steps_of
 from ndjax.config import CHAT_ROLES, TRAIN_ON_EOS
 from ndjax.data.chat_template import template_names
@@ -48,43 +50,79 @@ class _Kind:
 
 
 def data(f: Fields, out: Out, steps: int | None, tokenizer: str | None, context: int) -> None:
-    """Rows (sequence_len, sample_packing), the tokenizer (None: base_model was refused),
-    and the training and validation files (datasets, test_datasets) with what to read in
-    them. Each refused dataset is one problem, and the others are still read."""
+    """The objective (rl), rows (sequence_len, sample_packing), the tokenizer (None:
+    base_model was refused), and the training and validation files (datasets,
+    test_datasets) with what to read in them. Each refused dataset is one problem, and
+    the others are still read."""
+    pref = preference.objective(f, out)
     seq_len = f.integer("sequence_len", 512, minimum=1)
-    out.set("train.seq_len", seq_len, f.note("sequence_len", "Axolotl's default"))
+    if pref.rl:
+        # TRL's max_length (Axolotl's sequence_len) bounds each of a pair's two sequences;
+        # ndjax's row holds both, so that every pair TRL keeps whole fits one row.
+        seq_len *= 2
+        out.set("train.seq_len", seq_len, f.note("sequence_len", "Axolotl's default 512") +
+                " x 2: a row holds a pair's two sequences (prompt + chosen, prompt + "
+                "rejected), each up to sequence_len tokens as TRL's max_length allows")
+    else:
+        out.set("train.seq_len", seq_len, f.note("sequence_len", "Axolotl's default"))
     chunk = _loss_chunk(seq_len, context)
     if chunk is not None:
-        out.set("train.loss_chunk", chunk, "divides sequence_len (ndjax's 1024 does not)")
-    out.set("data.packing", bool(f.flag("sample_packing", False)),
-            f.note("sample_packing", "false"))
+        out.set("train.loss_chunk", chunk, "divides train.seq_len (ndjax's 1024 does not)")
+    packing = bool(f.flag("sample_packing", False))
+    if pref.rl:
+        out.set("data.packing", False, ("" if packing else f.note("sample_packing", "false")
+                                        + ": ") + "one pair a row, as Axolotl trains "
+                "preference pairs (micro_batch_size counts pairs)")
+        if packing:
+            out.skip("sample_packing", True, "Axolotl does not pack preference pairs; "
+                     "ndjax keeps one pair a row, so that train.batch_size counts pairs as "
+                     "micro_batch_size does")
+    else:
+        out.set("data.packing", packing, f.note("sample_packing", "false"))
     if tokenizer is not None:
         out.set("data.tokenizer", tokenizer, "base_model's (or tokenizer_config's) "
                 "tokenizer.json")
     train = f.value("datasets")
-    kind, files, refused = _datasets(f, out, "datasets", train, None) if train is not None \
-        else (None, [], False)
+    if pref.refused:  # nothing to read them for: rl is the problem
+        for name in ("datasets", "test_datasets"):
+            if f.value(name) is not None:
+                out.skip(name, f.raw[name], "not read: rl is refused")
+        return
+    kind, files, refused = _datasets(f, out, "datasets", train, None, pref.objective) \
+        if train is not None else (None, [], False)
     if train is None:
-        out.problem("datasets is not set: list the local chat_template or completion files "
-                    "to train on.")
+        out.problem("datasets is not set: list the local "
+                    + ("preference" if pref.rl else "chat_template or completion") +
+                    " files to train on.")
     elif kind is None and not refused:  # a refused one is a problem of its own
         out.problem("datasets: none of them is a dataset ndjax reads (each is listed as not "
                     "mapped); without one the run would train on ndjax's demo corpus.")
     if kind is not None:
         out.set("data.source", kind.source, "datasets[].type")
         out.set("data.files", ",".join(files), "datasets[].path")
-        for path, value in kind.settings:
-            out.set(path, value, _NOTES[path])
+        for path, value, *note in kind.settings:
+            out.set(path, value, note[0] if note else _NOTES[path])
     if kind is None or kind.source == "chat":
         strategy = f.text("excess_length_strategy", "drop")
         if strategy in ("drop", "truncate"):
-            out.set("data.overlong", strategy, "excess_length_strategy")
+            out.set("data.overlong", strategy, f.note("excess_length_strategy", "drop") + (
+                ": a pair longer than train.seq_len + 1 tokens, both sequences together"
+                if pref.rl else ""))
+        elif pref.rl:
+            out.problem(refusal("excess_length_strategy", strategy, "drop or truncate for "
+                                "preference pairs", "; ndjax drops a pair longer than "
+                                "train.seq_len (drop, Axolotl's default) or cuts its "
+                                "completions' ends (truncate)"))
         else:
             out.skip("excess_length_strategy", strategy, "ndjax drops or truncates")
         if f.flag("train_on_inputs", False):
-            out.skip("train_on_inputs", True, "ndjax learns only the assistant's tokens")
+            out.skip("train_on_inputs", True, "ndjax's preference objectives learn the "
+                     "completions" if pref.rl else "ndjax learns only the assistant's tokens")
         else:
             f.read.discard("train_on_inputs")  # listed as off
+    if pref.rl:
+        _no_evaluation(f, out)
+        return
     tests = f.value("test_datasets")
     _, eval_files, _ = _datasets(f, out, "test_datasets", tests, kind) if tests \
         else (None, [], False)
@@ -134,17 +172,18 @@ def _loss_chunk(seq_len: int, context: int) -> int | None:
     return fits[0] if fits else seq_len
 
 
-def _datasets(f: Fields, out: Out, name: str, entries: Any, kind: _Kind | None
-              ) -> tuple[_Kind | None, list[str], bool]:
+def _datasets(f: Fields, out: Out, name: str, entries: Any, kind: _Kind | None,
+              objective: str | None = None) -> tuple[_Kind | None, list[str], bool]:
     """The files of the entries ndjax reads as ``kind`` (None: as the first one), and
-    whether any entry was refused (each is recorded as a problem)."""
+    whether any entry was refused (each is recorded as a problem). ``objective``: a
+    preference objective's (rl's) dataset types, else the SFT ones."""
     if not isinstance(entries, list):
         out.problem(refusal(name, entries, "a list of datasets, each with path: and type:"))
         return kind, [], True
     files, refused = [], False
     for i, entry in enumerate(entries):
         where = f"{name}[{i}]"
-        got = out.attempt(_dataset, f, where, entry)
+        got = out.attempt(_dataset, f, where, entry, objective)
         if got is None:
             refused = True
             continue
@@ -164,7 +203,7 @@ def _datasets(f: Fields, out: Out, name: str, entries: Any, kind: _Kind | None
     return kind, files, refused
 
 
-def _dataset(root: Fields, where: str, entry: Any
+def _dataset(root: Fields, where: str, entry: Any, objective: str | None = None
              ) -> Unmapped | tuple[_Kind, str, list[Unmapped], tuple[str, ...]]:
     """One entry: (its kind, its files, the keys not mapped, the top-level keys it uses),
     or why ndjax cannot read it."""
@@ -172,6 +211,8 @@ def _dataset(root: Fields, where: str, entry: Any
         bad(where, entry, "a mapping with path: and type:")
     d = root.child(entry, f"{where}.")
     path, kind = d.text("path"), d.value("type")
+    if objective is not None:
+        return _pairs(root, d, where, entry, path, kind, objective)
     if kind not in _FORMATS:
         return Unmapped(where, dict(entry), "ndjax reads datasets of type "
                         f"{', '.join(_FORMATS)}; convert this one's rows")
@@ -209,6 +250,130 @@ def _dataset(root: Fields, where: str, entry: Any
                               ("data.content_field", str(mapping["content"]))) + learning)
     skipped += [Unmapped(f"{where}.{k}", entry[k], reason(str(k), entry[k])) for k in d.rest()]
     return this, files, skipped, root_keys
+
+
+# Axolotl's preference strategies that render their own prompt strings (chatml.intel,
+# llama3.ultra, zephyr.nectar, a user-defined format, ...): ndjax has no such transform.
+_RENDERED = ("chatml", "llama3", "zephyr", "user_defined")
+_PAIR_NOTES = {"data.chosen_field": "datasets[].field_chosen",
+               "data.rejected_field": "datasets[].field_rejected"}
+
+
+def _pairs(root: Fields, d: Fields, where: str, entry: Mapping, path: str, kind: Any,
+           objective: str) -> Unmapped | tuple[_Kind, str, list[Unmapped], tuple[str, ...]]:
+    """A preference run's dataset (Axolotl's strategies of its DPO trainers, ORPO's for
+    rl: orpo) as data.format=preference: the records' prompt, chosen and rejected
+    fields, strings (TRL's standard records) or messages (conversational, rendered with
+    the chat template). Axolotl renders its chat_template types to strings itself; ndjax
+    renders them as TRL does a conversational record (docs/from-axolotl.md)."""
+    if isinstance(kind, Mapping):
+        name = "user_defined.default"  # Axolotl's reading of a type given as a mapping
+    elif kind is None or isinstance(kind, str) and kind:
+        name = kind if kind is None or "." in kind else f"{kind}.default"
+    else:
+        bad(f"{where}.type", kind, "one of Axolotl's preference dataset types, such as "
+            "chat_template.default")
+    orpo = objective == "orpo"
+    skipped: list[Unmapped] = []
+    if name in (None, "passthrough.default"):
+        prompt = ("prompt", "the records' prompt, chosen and rejected as they are (TRL's "
+                            "standard or conversational records)")
+        chosen, rejected = "chosen", "rejected"
+    elif name == "chat_template.default" and not orpo:
+        prompt = (d.text("field_messages", "messages"), "datasets[].field_messages: the "
+                  "prompt's messages")
+        chosen, rejected = d.text("field_chosen", "chosen"), d.text("field_rejected", "rejected")
+    elif name == "chat_template.argilla_chat" and not orpo or \
+            name == "chat_template.argilla" and orpo:
+        # No prompt field: TRL's implicit prompt, the conversations' common first
+        # messages (Axolotl takes chosen's all but the last).
+        prompt = ("", f"none ({name}): the prompt is the messages chosen and rejected "
+                      "begin with, TRL's implicit prompt")
+        chosen, rejected = (d.text("field_chosen", "chosen"), d.text("field_rejected",
+                                                                     "rejected")) \
+            if not orpo else ("chosen", "rejected")
+    else:
+        raise ConfigError(_pair_type_refusal(where, kind, name, objective))
+    keys = _plain_messages(d, where) if name not in (None, "passthrough.default") else ()
+    files = _local_files(where, path)
+    if isinstance(files, Unmapped):
+        return files
+    if d.value("split") not in (None, "train"):
+        skipped.append(Unmapped(f"{where}.split", entry["split"], "ndjax reads every row"))
+    d.read.add("ds_type")  # the files' extensions say it
+    for key in ("roles_to_train", "train_on_eos", "train_on_eot"):
+        if d.value(key) is not None:
+            skipped.append(Unmapped(f"{where}.{key}", entry[key], "a preference objective "
+                                    "learns each pair's completions"))
+    template, root_keys = _template(root, d, where, skipped)
+    settings = (("data.format", "preference", f"datasets[].type {name or 'unset'} "
+                 f"(rl: {objective}): preference pairs" + "".join(
+                     f"; datasets[].{k}: the messages' role and content keys, ndjax's"
+                     for k in keys)),
+                ("data.prompt_field", *prompt),
+                ("data.chosen_field", chosen, _PAIR_NOTES["data.chosen_field"]
+                 if d.has("field_chosen") else "the records' chosen"),
+                ("data.rejected_field", rejected, _PAIR_NOTES["data.rejected_field"]
+                 if d.has("field_rejected") else "the records' rejected"),
+                ("data.chat_template", template))
+    skipped += [Unmapped(f"{where}.{k}", entry[k], reason(str(k), entry[k])) for k in d.rest()]
+    return _Kind("chat", settings), files, skipped, root_keys
+
+
+def _pair_type_refusal(where: str, kind: Any, name: str, objective: str) -> str:
+    """The one line refusing a preference dataset's type, with what to use instead."""
+    field = f"{where}.type: {show(kind)}"
+    ours = ("chat_template.argilla (chosen and rejected conversations) or no type (records "
+            "of prompt, chosen and rejected)" if objective == "orpo" else
+            "chat_template.default (records of messages, chosen and rejected), "
+            "chat_template.argilla_chat (chosen and rejected conversations) or no type "
+            "(records of prompt, chosen and rejected)")
+    family = name.split(".")[0]
+    if family in _RENDERED:
+        return (f"{field} renders Axolotl's own {family} prompt strings, which ndjax has no "
+                f"transform for; use type {ours}, with chat_template set to the template, "
+                "or convert the records to prompt, chosen and rejected strings.")
+    if name == "chat_template.argilla":
+        return (f"{field} is rl: orpo's type; for rl: {objective}, chosen and rejected "
+                "conversations are type chat_template.argilla_chat.")
+    if objective == "orpo" and name.startswith("chat_template."):
+        return (f"{field} is a type of Axolotl's DPO trainers, not of rl: orpo; use type "
+                f"{ours}.")
+    return (f"{field} is not a preference dataset type ndjax reads for rl: {objective}; use "
+            f"type {ours}.")
+
+
+def _plain_messages(d: Fields, where: str) -> tuple[str, ...]:
+    """ndjax's preference records are messages with role and content keys (the data's
+    data.role_field / content_field are for chat data): other keys are refused. Returns
+    the fields that name those keys."""
+    mapping = d.value("message_property_mappings", {})
+    if not isinstance(mapping, Mapping):
+        bad(f"{where}.message_property_mappings", mapping, "a mapping such as {role: role, "
+            "content: content}")
+    mapping = {**mapping}
+    mapping.setdefault("role", d.value("message_field_role", "role"))
+    mapping.setdefault("content", d.value("message_field_content", "content"))
+    if mapping != {"role": "role", "content": "content"}:
+        bad(f"{where}.message_property_mappings", mapping, "{role: role, content: content} "
+            "for preference pairs", "; ndjax reads their messages' role and content keys "
+            "as they are: rename the records' keys")
+    return tuple(k for k in ("message_property_mappings", "message_field_role",
+                             "message_field_content") if d.has(k))
+
+
+def _no_evaluation(f: Fields, out: Out) -> None:
+    """A preference run's validation fields, listed: ndjax does not evaluate preference
+    objectives yet (train.eval_every)."""
+    why = "ndjax does not evaluate preference objectives on a validation split yet"
+    tests = f.value("test_datasets")
+    if tests:
+        out.skip("test_datasets", tests, why)
+    if f.number("val_set_size", 0.0, maximum=1.0) > 0:
+        out.skip("val_set_size", f.raw["val_set_size"], why + "; every record trains")
+    for key in ("eval_steps", "evals_per_epoch"):
+        if f.value(key) is not None:
+            out.skip(key, f.raw[key], why)
 
 
 def _local_files(where: str, path: str) -> str | Unmapped:
