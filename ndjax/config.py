@@ -327,7 +327,7 @@ class RuntimeSettings:
 
 
 # train.objective's values; all but sft learn from preference pairs.
-OBJECTIVES = ("sft", "dpo", "ipo", "orpo", "simpo")
+OBJECTIVES = ("sft", "dpo", "ipo", "orpo", "simpo", "kto")
 PREFERENCE_OBJECTIVES = OBJECTIVES[1:]
 # preference.reference's values: where DPO's and IPO's reference log-probabilities come from.
 REFERENCES = ("auto", "adapters_off", "initial_adapters", "frozen_copy")
@@ -348,7 +348,11 @@ class PreferenceSettings:
     # simpo: the weight of the chosen completions' cross-entropy (TRL's cpo_alpha; its
     # default 1.0; the SimPO paper's 0).
     cpo_alpha: float = setting(1.0, ge=0)
-    # dpo, ipo: the reference model. auto: adapters_off under fresh LoRA adapters,
+    # kto: the weights of desirable and undesirable examples' losses (TRL's
+    # desirable_weight, undesirable_weight).
+    desirable_weight: float = setting(1.0, gt=0)
+    undesirable_weight: float = setting(1.0, gt=0)
+    # dpo, ipo, kto: the reference model. auto: adapters_off under fresh LoRA adapters,
     # initial_adapters under model.lora.init_from, frozen_copy without LoRA.
     # adapters_off: the policy's base with the adapters off (no copy); initial_adapters:
     # the adapters the run started from (a copy of the adapters only, as TRL's "ref"
@@ -408,8 +412,9 @@ class TrainSettings:
     # evals_per_epoch); 0: eval_every as given.
     evals_per_epoch: int = setting(0, ge=0)
     # The loss minimised (ndjax.step.objectives, docs/post-training.md): sft (next-token
-    # cross-entropy) | dpo | ipo | orpo | simpo (preference pairs: data.format=preference,
-    # settings in the preference section).
+    # cross-entropy) | dpo | ipo | orpo | simpo (preference pairs: data.format=preference)
+    # | kto (desirable and undesirable examples: data.format=unpaired_preference or
+    # preference); settings in the preference section.
     objective: str = setting("sft", choices=OBJECTIVES)
 
     def in_steps(self, rows_per_epoch: int) -> TrainSettings:
@@ -431,7 +436,8 @@ SOURCES = ("builtin", "synthetic", "text", "jsonl", "parquet", "tokens", "chat")
 FILE_SOURCES = ("text", "jsonl", "parquet", "tokens", "chat")  # those that read data.files
 # data.format's values: how a chat record becomes tokens and a mask (Axolotl's dataset
 # types; ndjax.data.prompt_formats for all but chat).
-FORMATS = ("chat", "alpaca", "completion", "input_output", "preference")
+FORMATS = ("chat", "alpaca", "completion", "input_output", "preference",
+           "unpaired_preference")
 # The roles of chat messages, and which end-of-turn tokens chat data learns
 # (data.roles_to_train, data.train_on_eos: Axolotl's settings of those names).
 CHAT_ROLES = ("system", "user", "assistant", "tool")
@@ -462,6 +468,9 @@ class DataSettings:
     # beginning is the prompt, as TRL's implicit prompt).
     chosen_field: str = setting("chosen")
     rejected_field: str = setting("rejected")
+    # data.format=unpaired_preference (KTO's): a prompt, a completion (data.completion_field)
+    # and whether it is desirable, a boolean (TRL's label).
+    label_field: str = setting("label")
     # Each message's role and content keys (Axolotl's message_property_mappings:
     # ShareGPT's from / value); other keys than these read roles human and gpt as user
     # and assistant, as Axolotl does.
@@ -471,7 +480,8 @@ class DataSettings:
     # with the chat template) | alpaca (instruction, input, output) | completion (one
     # text field, every token learned) | input_output (segments of text and label) |
     # preference (prompt, chosen and rejected: TRL's preference records; for the
-    # preference objectives, train.objective)
+    # preference objectives, train.objective) | unpaired_preference (prompt, completion
+    # and label: TRL's unpaired preference records, for kto)
     format: str = setting("chat", choices=FORMATS)
     # a template ndjax ships by name (chatml, llama3, qwen3, gemma3), a Jinja template
     # file, or "" = the tokenizer's own

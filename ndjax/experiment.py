@@ -34,7 +34,7 @@ from ndjax.config import (
     Settings,
     TrainSettings,
 )
-from ndjax.data import BATCH_FIELDS, loader
+from ndjax.data import BATCH_FIELDS, KTO_FIELDS, loader
 from ndjax.hardware import gpu_target
 from ndjax.models import decoder, registry
 from ndjax.models import lora as lora_lib
@@ -259,18 +259,24 @@ def _check_lora_inputs(settings: Settings, model_cfg: DecoderConfig | None) -> N
 
 
 def _check_objective(settings: Settings) -> None:
-    """A preference objective learns from preference pairs, and its reference model
-    (dpo, ipo) must be one the run has."""
+    """A preference objective learns from preference pairs (KTO: from desirable and
+    undesirable examples), and its reference model (dpo, ipo, kto) must be one the run
+    has."""
     t, d, p, lora = settings.train, settings.data, settings.preference, settings.model.lora
     if t.objective == "sft":
-        if d.format == "preference":
-            raise ConfigError("data.format='preference' reads preference pairs, and "
+        if d.format in ("preference", "unpaired_preference"):
+            raise ConfigError(f"data.format={d.format!r} reads preference data, and "
                               "train.objective='sft' learns next tokens: set train.objective "
                               f"to one of {', '.join(PREFERENCE_OBJECTIVES)}, or use "
                               "data.format=chat for SFT.")
         return
     where = f"train.objective={t.objective!r}"
-    if d.format != "preference":
+    if t.objective == "kto" and d.format != "unpaired_preference":
+        raise ConfigError(f"{where} learns from desirable and undesirable examples, and "
+                          f"data.format={d.format!r}: set data.source=chat and data.format="
+                          "unpaired_preference (records with prompt, completion and label, "
+                          "or pairs of chosen and rejected, unpaired; docs/post-training.md).")
+    if t.objective != "kto" and d.format != "preference":
         raise ConfigError(f"{where} learns from preference pairs, and data.format="
                           f"{d.format!r}: set data.source=chat and data.format=preference "
                           "(records with prompt, chosen and rejected; docs/post-training.md).")
@@ -281,7 +287,7 @@ def _check_objective(settings: Settings) -> None:
     if t.objective in ("orpo", "simpo"):
         if p.reference != "auto":
             raise ConfigError(f"preference.reference={p.reference!r}: {where} uses no "
-                              "reference model (only dpo and ipo do); leave it 'auto'.")
+                              "reference model (only dpo, ipo and kto do); leave it 'auto'.")
         return
     if p.ref_model is not None:
         if lora.rank is not None:
@@ -322,7 +328,7 @@ def reference_mode(settings: Settings) -> str:
     adapters_off (fresh LoRA adapters: the base with them off is the starting model), or
     held (the trainable part's starting values, given to the step beside the state)."""
     t, p, lora = settings.train, settings.preference, settings.model.lora
-    if t.objective not in ("dpo", "ipo"):
+    if t.objective not in ("dpo", "ipo", "kto"):
         return "none"
     if p.reference == "adapters_off" or (
             p.reference == "auto" and lora.rank is not None and lora.init_from is None
@@ -570,7 +576,9 @@ class Experiment:
         if t.objective == "sft":
             return CrossEntropy()
         return Preference(t.objective, beta=p.beta, label_smoothing=p.label_smoothing,
-                          simpo_gamma=p.simpo_gamma, cpo_alpha=p.cpo_alpha)
+                          simpo_gamma=p.simpo_gamma, cpo_alpha=p.cpo_alpha,
+                          desirable_weight=p.desirable_weight,
+                          undesirable_weight=p.undesirable_weight)
 
     @property
     def reference_mode(self) -> str:
@@ -757,7 +765,13 @@ class Experiment:
     def abstract_batch(self) -> Batch:
         t = self.settings.train
         return {k: jax.ShapeDtypeStruct((t.batch_size, t.seq_len), jnp.int32,
-                                        sharding=self.batch_sharding) for k in BATCH_FIELDS}
+                                        sharding=self.batch_sharding) for k in self.batch_fields}
+
+    @property
+    def batch_fields(self) -> tuple[str, ...]:
+        """The fields of a batch: ``BATCH_FIELDS``, and KTO's examples' ``desirable``."""
+        extra = KTO_FIELDS if self.settings.data.format == "unpaired_preference" else ()
+        return BATCH_FIELDS + extra
 
     def lower_step(self) -> jax.stages.Lowered:
         """The train step lowered under the mesh and rules (constraints included)."""
@@ -842,7 +856,7 @@ class Experiment:
                 lambda idx: rows[slice(*(i - start for i in idx[0].indices(shape[0])[:2])),
                                  idx[1]])
 
-        return {k: field(batch[k]) for k in BATCH_FIELDS}
+        return {k: field(batch[k]) for k in self.batch_fields}
 
 
 def _check_experts(model_cfg: DecoderConfig, rules: rules_lib.Rules, family: str) -> None:

@@ -67,7 +67,7 @@ def source(tmp_path_factory):
 
 
 def config(source, objective, mesh=None, **preference):
-    folder, path, data, _ = source
+    folder, path, data, records = source
     c = tiny_config(mesh=mesh)
     for field in ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim",
                   "rope_theta"):
@@ -76,7 +76,14 @@ def config(source, objective, mesh=None, **preference):
     c.data.source, c.data.files, c.data.tokenizer = "chat", str(data), str(path)
     c.data.format = "preference"
     c.data.packing = False  # one pair a row: the 4 pairs are every step's batch
-    c.train.update(objective=objective, batch_size=4, seq_len=64, steps=STEPS, lr=LR,
+    if objective == "kto":  # the pairs unpaired: 8 examples, chosen desirable
+        unpaired = data.parent / "unpaired.jsonl"
+        unpaired.write_text("".join(
+            json.dumps({"prompt": r["prompt"], "completion": r[side], "label": side == "chosen"})
+            + "\n" for r in records for side in ("chosen", "rejected")))
+        c.data.files, c.data.format = str(unpaired), "unpaired_preference"
+    c.train.update(objective=objective, batch_size=8 if objective == "kto" else 4, seq_len=64,
+                   steps=STEPS, lr=LR,
                    schedule="linear", warmup_steps=0, weight_decay=0.0, b2=0.999, eps=EPS,
                    clip_norm=0.0, loss_chunk=8)
     c.preference.update(preference)
@@ -101,6 +108,12 @@ def trl_trainer(source, objective, tmp_path, peft_model=None, ref_model=None, **
                              **kw)
         return trl.DPOTrainer(model=model, ref_model=ref_model, args=args, train_dataset=ds,
                               processing_class=tok)
+    if objective == "kto":  # unpaired examples: every pair's chosen and rejected side
+        unpaired = [{"prompt": r["prompt"], "completion": r[side], "label": side == "chosen"}
+                    for r in records for side in ("chosen", "rejected")]
+        args = trl.KTOConfig(**{**common, "per_device_train_batch_size": len(unpaired)}, **kw)
+        return trl.KTOTrainer(model=model, ref_model=ref_model, args=args,
+                              train_dataset=Dataset.from_list(unpaired), processing_class=tok)
     if objective == "orpo":
         from trl.experimental.orpo import ORPOConfig, ORPOTrainer
         return ORPOTrainer(model=model, args=ORPOConfig(**common, remove_unused_columns=False,
@@ -205,6 +218,8 @@ METRICS = {
               "logps/chosen", "logps/rejected", "nll_loss"),
 }
 METRICS["ipo"] = METRICS["dpo"]
+METRICS["kto"] = ("kl", "rewards/chosen", "rewards/rejected", "rewards/margins", "logps/chosen",
+                  "logps/rejected", "logits/chosen", "logits/rejected")
 
 CASES = {
     "dpo": ("dpo", {}, {"beta": 0.1}),
@@ -213,6 +228,8 @@ CASES = {
     "simpo": ("simpo", {"beta": 2.0, "simpo_gamma": 0.5, "cpo_alpha": 0.3,
                         "label_smoothing": 0.1},
               {"beta": 2.0, "simpo_gamma": 0.5, "cpo_alpha": 0.3, "label_smoothing": 0.1}),
+    "kto": ("kto", {"beta": 0.2, "undesirable_weight": 1.5},
+            {"beta": 0.2, "undesirable_weight": 1.5}),
 }
 
 
@@ -289,21 +306,23 @@ def test_lora_dpo_equals_trls_reference_adapter(source, tmp_path, start, referen
     assert abs(losses[-1] - losses[0]) > 1e-3
 
 
-def test_a_reference_from_another_checkpoint_equals_trls_ref_model(source, tmp_path):
+@pytest.mark.parametrize("objective", ["dpo", "kto"])
+def test_a_reference_from_another_checkpoint_equals_trls_ref_model(source, tmp_path,
+                                                                   objective):
     """preference.ref_model (TRL's ref_model): another model of the same architecture, so
-    that step 1's rewards, accuracies and margins are already far from 0."""
+    that step 1's rewards, margins (and KTO's KL) are already far from 0."""
     from transformers import AutoModelForCausalLM
 
     make_hf(tmp_path / "ref", seed=3, vocab_size=300)
-    trainer = trl_trainer(source, "dpo", tmp_path, ref_model=AutoModelForCausalLM.from_pretrained(
-        tmp_path / "ref"))
+    trainer = trl_trainer(source, objective, tmp_path,
+                          ref_model=AutoModelForCausalLM.from_pretrained(tmp_path / "ref"))
     losses, metrics, grads, _ = trl_run(trainer, 2)
-    exp = Experiment.from_config(config(source, "dpo", ref_model=str(tmp_path / "ref")),
+    exp = Experiment.from_config(config(source, objective, ref_model=str(tmp_path / "ref")),
                                  jax.devices()[:1])
     loss, aux, our_grads = first_step(exp)
     assert abs(metrics[0]["rewards/margins"]) > 0.05
     np.testing.assert_allclose(loss, losses[0], rtol=1e-5)
-    for k in METRICS["dpo"]:
+    for k in METRICS[objective]:
         np.testing.assert_allclose(aux[k], metrics[0][k], rtol=1e-5, atol=1e-6, err_msg=k)
     assert_grads_equal(hf_grads(exp, our_grads), grads)
     np.testing.assert_allclose(run(exp, 2)[0], losses, rtol=1e-4)
@@ -334,10 +353,12 @@ def test_conservative_dpo_by_hand(source):
         np.testing.assert_allclose(a, 0.6 * b, rtol=0, atol=1e-5 * np.abs(b).max())
 
 
-@pytest.mark.parametrize("objective", ["dpo", "orpo"])
+@pytest.mark.parametrize("objective", ["dpo", "orpo", "kto"])
 def test_layouts_and_grad_accum_give_one_devices_first_step(source, objective):
+    """KTO's KL is its micro-batch's (as TRL's): grad_accum changes it, layouts do not."""
     one = first_step(Experiment.from_config(config(source, objective), jax.devices()[:1]))
-    for mesh, accum in ((dict(fsdp=4, tensor=2), 1), (None, 2)):
+    for mesh, accum in ((dict(fsdp=4, tensor=2), 1), (None, 2))[:1 if objective == "kto"
+                                                                   else 2]:
         c = config(source, objective, mesh=mesh)
         c.train.grad_accum = accum
         devices = jax.devices()[:8] if mesh else jax.devices()[:1]
@@ -380,6 +401,7 @@ def test_token_log_probs_gradient_equals_autodiff():
 @pytest.mark.parametrize("change, says", [
     ({"train.objective": "dpo", "data.format": "chat"}, "data.format=preference"),
     ({"train.objective": "sft"}, "train.objective to one of"),
+    ({"train.objective": "kto"}, "data.format=unpaired_preference"),
     ({"train.objective": "orpo", "preference.reference": "frozen_copy"}, "uses no reference"),
     ({"preference.reference": "adapters_off"}, "model.lora.rank is unset"),
     ({"train.eval_every": 2}, "not built yet"),

@@ -11,7 +11,13 @@
 - ``prepare``: ``ndjax prepare``, offline pre-tokenization
 - ``synthetic``: a learnable Markov-chain source that needs no files (tests, layouts)
 
-Every batch is a dict of int32 arrays ``(rows, train.seq_len)`` with the fields below.
+Every batch is a dict of int32 arrays ``(rows, train.seq_len)`` with the fields below
+(``BATCH_FIELDS``); the batches of KTO's examples (``data.format=unpaired_preference``,
+``streams.KTORows``) add ``KTO_FIELDS``.
 """
 
 BATCH_FIELDS = ("inputs", "targets", "positions", "segment_ids", "loss_mask")
+# Added by data.format=unpaired_preference only (KTO's examples, each its sequence then its
+# KL sequence, as segments 2k+1 and 2k+2 of a row): ``desirable`` is 1 on every input
+# position of a desirable example's two segments, 0 elsewhere (undesirable, padding).
+KTO_FIELDS = ("desirable",)

@@ -30,7 +30,7 @@ from grain.experimental import ThreadPrefetchIterDataset
 from ndjax.config import FILE_SOURCES, DataSettings, Settings, as_settings
 from ndjax.data import chat, preference, prompt_formats, sources
 from ndjax.data.chat_template import ChatTemplate, load_chat_template
-from ndjax.data.streams import ChatRows, PairRows, RowSource, TextRows, TokenRows
+from ndjax.data.streams import ChatRows, KTORows, PairRows, RowSource, TextRows, TokenRows
 from ndjax.data.synthetic import SyntheticSource
 from ndjax.data.tokenizers import Additions, HFTokenizer, Tokenizer, load_tokenizer
 from ndjax.runtime.errors import ConfigError
@@ -41,6 +41,8 @@ STATE_VERSION = 3
 # The steps a loader's Grain pipeline holds (a MapDataset has a length): never reached.
 _LAST_STEP = 2**62
 _TOKENIZE_BATCH = 256  # documents per encode_batch call (the HF tokenizer threads over them)
+# data.format's values that read preference records: pairs, and KTO's examples.
+PREFERENCE_FORMATS = ("preference", "unpaired_preference")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -125,8 +127,8 @@ def _check_source(d: DataSettings, eval_every: int) -> None:
     if d.source == "tokens" and not d.packing:
         raise ConfigError("data.packing=False needs document boundaries, which pre-tokenized "
                           "files do not index; use data.packing=True with data.source=tokens.")
-    if d.format == "preference" and d.source != "chat":
-        raise ConfigError(f"data.format='preference' reads records (JSON Lines, Parquet or "
+    if d.format in PREFERENCE_FORMATS and d.source != "chat":
+        raise ConfigError(f"data.format={d.format!r} reads records (JSON Lines, Parquet or "
                           f"Hugging Face datasets) of data.source=chat, not data.source="
                           f"{d.source!r}; set data.source=chat.")
     if d.source == "chat":
@@ -180,6 +182,12 @@ def check(d: DataSettings, batches: Batches, vocab_size: int, eval_every: int = 
     Returns what the loader is then opened with."""
     _check_source(d, eval_every)
     b = batches
+    if d.format == "unpaired_preference" and d.source == "chat" and b.batch_size < 2:
+        raise ConfigError(
+            f"train.batch_size={b.batch_size}: data.format='unpaired_preference' gives each "
+            "KTO example a KL partner from its chunk of train.batch_size examples, and with 1 "
+            "that is the example itself, so KTO's KL term would equal its reward (TRL refuses "
+            "per_device_train_batch_size 1 too); set train.batch_size >= 2.")
     if d.source == "synthetic":
         return DataInput(d, b, vocab_size)
     tok = _tokenizer(d, vocab_size)
@@ -187,7 +195,7 @@ def check(d: DataSettings, batches: Batches, vocab_size: int, eval_every: int = 
     # own text), so a base model's tokenizer without one reads alpaca data.
     template = (load_chat_template(d.tokenizer, d.chat_template)
                 if d.source == "chat" and d.format == "chat" else
-                _preference_template(d) if d.source == "chat" and d.format == "preference"
+                _preference_template(d) if d.source == "chat" and d.format in PREFERENCE_FORMATS
                 else None)
     for split in ("train", "eval") if eval_every else ("train",):
         field = _files_field(split, d)
@@ -241,7 +249,9 @@ def _chat_columns(d: DataSettings) -> tuple[str, ...]:
         return ()
     return {"alpaca": ("instruction", "input", "output"), "completion": (d.text_field,),
             "input_output": ("segments",),
-            "preference": (d.prompt_field, d.chosen_field, d.rejected_field)}.get(
+            "preference": (d.prompt_field, d.chosen_field, d.rejected_field),
+            "unpaired_preference": (d.prompt_field, d.completion_field, d.label_field,
+                                    d.chosen_field, d.rejected_field)}.get(
         d.format, (d.messages_field, d.prompt_field, d.completion_field, "system"))
 
 
@@ -357,6 +367,64 @@ def _pair_rows(inp: DataInput, split: str, max_runs: int | None) -> tuple[PairRo
     return rows, zlib.crc32(key.encode())
 
 
+def _kto_rows(inp: DataInput, split: str, max_runs: int | None) -> tuple[KTORows, int]:
+    """KTO's examples (``data.format=unpaired_preference``: unpaired records, or pairs
+    unpaired as TRL does), tokenized (``preference``), each given its KL sequence and fit
+    to a row; checks one is kept.
+
+    The order is TRL's dataset order (the records', pairs unpaired per 1000 records);
+    examples with nothing to learn, and those that fit no row whatever their KL partner
+    (``preference.can_fit``), are left out before the partners are assigned in chunks of
+    train.batch_size examples (TRL's per_device_train_batch_size, on one device); the
+    units (example + KL sequence) are then fit as pairs are (``data.overlong``)."""
+    d, t, tok, template = inp.data, inp.batches, inp.tokenizer, inp.template
+    corpus = sources.open_corpus(d.source, _files(d, split), _files_field(split, d),
+                                 d.text_field, _corpus_split(d, split), seed=t.seed,
+                                 columns=_chat_columns(d))
+    every = list(corpus.share(0, corpus.total))
+    fields = preference.Fields(d.prompt_field, d.chosen_field, d.rejected_field,
+                               d.completion_field, d.label_field)
+    # The corpus's first record says how all are read, as TRL's first record does.
+    paired = bool(every) and preference.is_paired(every[0], fields)
+    docs = held_out(every, d.eval_fraction, t.seed, split)
+    if template is None and any(preference.is_conversational_unpaired(doc, fields)
+                                for doc in docs):
+        template = load_chat_template(
+            d.tokenizer, needed_by="data.format='unpaired_preference' with records of messages",
+            fix="set data.chat_template to a template name or a Jinja template file")
+    assert isinstance(tok, HFTokenizer), "data.source='chat' refuses the byte tokenizer"
+    examples = preference.unpaired(docs, fields, tok.id_to_token(tok.eos_id) or "", paired)
+    encoded = [ex for k in range(0, len(examples), _TOKENIZE_BATCH)
+               for ex in preference.encode_unpaired(examples[k:k + _TOKENIZE_BATCH], tok,
+                                                    template)]
+    learnable = [ex for ex in encoded if ex.learnable()]  # nothing to learn: left out
+    if not learnable:
+        raise ConfigError(f"{corpus.field}: no KTO example has a completion token to learn "
+                          f"(all {len(encoded)} examples' completions are empty).")
+    width = t.seq_len + 1
+    fitting = [ex for ex in learnable if preference.can_fit(ex, width, d.overlong)]
+    units = [preference.fit_unit(u, width, d.overlong)
+             for u in preference.kl_units(fitting, t.batch_size)]
+    kept = [u for u in units if u is not None]
+    if not kept:
+        fix = ("Use a larger seq_len or data.overlong=truncate." if d.overlong == "drop" else
+               "Their prompts leave no room for a completion token: use a larger seq_len.")
+        raise ConfigError(
+            f"{corpus.field}: no KTO example is kept: all {len(learnable)} are longer than "
+            f"train.seq_len={t.seq_len} + 1 tokens, the example and its KL sequence together "
+            f"(data.overlong={d.overlong!r}). {fix}")
+    rows = KTORows([u.sequences() for u in kept], [u.desirable for u in kept], t.seq_len,
+                   t.batch_size, t.seed, tok.pad_id, packing=d.packing,
+                   dropped=len(learnable) - len(kept), max_runs=max_runs)
+    # What decides the tokens: the template, the fields, the EOS appended, the policies
+    # (train.batch_size, which picks the KL partners, is in the loader's state already).
+    key = (f"{corpus.fingerprint()}:{template.text if template is not None else ''}:"
+           f"{d.format}:{d.prompt_field}:{d.completion_field}:{d.label_field}:"
+           f"{d.chosen_field}:{d.rejected_field}:{tok.eos_id}:{d.overlong}:{d.packing}:"
+           f"{d.added_tokens}:{d.added_special_tokens}")
+    return rows, zlib.crc32(key.encode())
+
+
 def _encode(docs: list[sources.Document], d: DataSettings, tok: Tokenizer,
             template: ChatTemplate | None, seq_len: int) -> list[tuple[np.ndarray, np.ndarray]]:
     """``(ids, mask)`` of each record as ``data.format`` reads it: a conversation with the
@@ -458,7 +526,8 @@ def open_loader(inp: DataInput, split: str = "train", *,
                                      tuple(f.n_tokens for f in files), field, "").fingerprint()
     else:
         make_rows = (_text_rows if d.source != "chat" else
-                     _pair_rows if d.format == "preference" else _chat_rows)
+                     _pair_rows if d.format == "preference" else
+                     _kto_rows if d.format == "unpaired_preference" else _chat_rows)
         source, fingerprint = make_rows(inp, split, max_runs)
         if _held_out(d):  # which documents train depends on the share held out
             fingerprint = zlib.crc32(f"{fingerprint}:{d.eval_fraction}".encode())

@@ -21,6 +21,8 @@ reads and tokenizes it all) and builds only the rows it feeds.
   order; a step finds its epoch by counting the rows of the epochs before it.
 - ``PairRows``: rows of whole preference pairs, as ``ChatRows`` lays conversations out;
   a pair is its chosen sequence then its rejected one, in one row.
+- ``KTORows``: rows of KTO examples, as ``PairRows``: an example is its sequence then
+  its KL sequence, in one row; the rows add a ``desirable`` field.
 - ``TokenRows``: windows of ``L+1`` tokens of pre-tokenized files at stride
   ``L``; global row ``g = step*batch_size + j`` is window ``shuffled(g mod n)``
   of epoch ``g // n``, a seeded bijection, so every window is seen once per epoch.
@@ -357,26 +359,31 @@ class _WholeRows:
     def rows_per_epoch(self) -> int:
         return len(self.epoch(0))
 
-    def _row(self, g: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    def _row(self, g: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """Row ``g``'s tokens, a key per token (each sequence its own, in order; -1 on
-        the padding) and mask."""
+        the padding), mask, and the item of each token (-1 on the padding)."""
         e, i = self._starts.locate(g)
         bins = self.epoch(e)
         b = bins[one_shuffled(i, len(bins), self.bin_seed, e)]
         width = self.seq_len + 1
         tokens = np.full(width, self.pad_id, np.int64)
         docs, mask = np.full(width, -1, np.int64), np.zeros(width, np.uint8)
+        items = np.full(width, -1, np.int64)
         at, k = 0, 0
         for item in b:
             for ids, m in self._pieces(item):
                 tokens[at:at + len(ids)], docs[at:at + len(ids)], mask[at:at + len(ids)] = ids, k, m
+                items[at:at + len(ids)] = item
                 at, k = at + len(ids), k + 1
-        return tokens, docs, mask
+        return tokens, docs, mask, items
 
-    def rows(self, step: int, start: int, count: int) -> dict[str, np.ndarray]:
+    def _stacked(self, step: int, start: int, count: int) -> tuple[np.ndarray, ...]:
         first = step * self.batch_size + start
         rows = [self._row(g) for g in range(first, first + count)]
-        return chat_fields(*(np.stack([r[k] for r in rows]) for k in range(3)))
+        return tuple(np.stack([r[k] for r in rows]) for k in range(4))
+
+    def rows(self, step: int, start: int, count: int) -> dict[str, np.ndarray]:
+        return chat_fields(*self._stacked(step, start, count)[:3])
 
 
 class ChatRows(_WholeRows):
@@ -412,6 +419,8 @@ class PairRows(_WholeRows):
 
     _ORDER = _PAIRS
 
+    _WHAT = "a preference pair"  # what an item is, in errors
+
     def __init__(self, pairs: Sequence[tuple[tuple[np.ndarray, np.ndarray],
                                               tuple[np.ndarray, np.ndarray]]],
                  seq_len: int, batch_size: int, seed: int, pad_id: int, packing: bool = True,
@@ -419,7 +428,7 @@ class PairRows(_WholeRows):
         if max_runs is not None and max_runs < 3:
             raise ConfigError(
                 f"model.attn_max_docs={max_runs}: the attention kernel's bound on a row's runs "
-                "of one segment id leaves no room for a preference pair (two sequences) and "
+                f"of one segment id leaves no room for {self._WHAT} (two sequences) and "
                 "the padding after it; set model.attn_max_docs >= 3.")
         self.pairs = list(pairs)
         # A pair is two runs; the padding after the last one more.
@@ -429,6 +438,39 @@ class PairRows(_WholeRows):
 
     def _pieces(self, i: int) -> Sequence[tuple[np.ndarray, np.ndarray]]:
         return self.pairs[i]
+
+
+class KTORows(PairRows):
+    """Rows of KTO examples (``data.format=unpaired_preference``), laid out as
+    ``PairRows`` lays out pairs: each example is two consecutive sequences of one row, its
+    own (prompt + completion) then its KL sequence (its prompt + its KL partner's
+    completion), so the ``k``-th example of a row has segment ids ``2k + 1`` and ``2k +
+    2``. Its rows add the field ``desirable``: 1 on every input position of a desirable
+    example's two sequences, 0 elsewhere (undesirable examples, padding).
+
+    ``units``: every example kept, ``((ids, mask), (ids, mask))`` of its sequence and its
+    KL sequence, at most ``seq_len + 1`` tokens together (``preference.fit_unit``), at
+    least one; ``desirable``: each one's label.
+    """
+
+    _WHAT = "a KTO example (its sequence and its KL sequence)"
+
+    def __init__(self, units: Sequence[tuple[tuple[np.ndarray, np.ndarray],
+                                              tuple[np.ndarray, np.ndarray]]],
+                 desirable: Sequence[bool], seq_len: int, batch_size: int, seed: int,
+                 pad_id: int, packing: bool = True, dropped: int = 0,
+                 max_runs: int | None = None):
+        super().__init__(units, seq_len, batch_size, seed, pad_id, packing, dropped, max_runs)
+        self.desirable = np.asarray(desirable, bool)
+        assert len(self.desirable) == len(self.pairs), "a label per example"
+
+    def rows(self, step: int, start: int, count: int) -> dict[str, np.ndarray]:
+        tokens, docs, mask, items = self._stacked(step, start, count)
+        fields = chat_fields(tokens, docs, mask)
+        inputs = items[:, :-1]
+        fields["desirable"] = ((inputs >= 0) & self.desirable[np.maximum(inputs, 0)]
+                               ).astype(np.int32)
+        return fields
 
 
 class TokenRows:

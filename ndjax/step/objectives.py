@@ -83,8 +83,17 @@ class CrossEntropy:
 
 def finish_metrics(aux: dict[str, Any]) -> dict[str, jax.Array]:
     """The metrics of ``loss_sum``'s third output, ``ratios`` divided out (0 where a
-    denominator is 0: e.g. no pair in the batch)."""
+    denominator is 0: e.g. no pair in the batch). A ratio of four sums (num1, den1, num2,
+    den2) is the difference of two quotients, NaN unless both denominators are > 0."""
     aux = dict(aux)
-    for name, (num, den) in aux.pop("ratios", {}).items():
-        aux[name] = jnp.where(den > 0, num / jnp.where(den > 0, den, 1.0), 0.0)
+    for name, sums in aux.pop("ratios", {}).items():
+        if len(sums) == 4:
+            both = (sums[1] > 0) & (sums[3] > 0)
+            aux[name] = jnp.where(both, _quotient(*sums[:2]) - _quotient(*sums[2:]), jnp.nan)
+        else:
+            aux[name] = _quotient(*sums)
     return aux
+
+
+def _quotient(num: jax.Array, den: jax.Array) -> jax.Array:
+    return jnp.where(den > 0, num / jnp.where(den > 0, den, 1.0), 0.0)

@@ -1,10 +1,12 @@
 """Preference objectives on paired rows: DPO (sigmoid, conservative with label
-smoothing), IPO, ORPO and SimPO, each equal to TRL 1.16's trainer of that name
-(``DPOTrainer``, ``ORPOTrainer``, ``CPOTrainer(loss_type="simpo")``).
+smoothing), IPO, ORPO, SimPO and KTO, each equal to TRL 1.16's trainer of that name
+(``DPOTrainer``, ``ORPOTrainer``, ``CPOTrainer(loss_type="simpo")``, ``KTOTrainer``).
 
 A pair is two consecutive segments of one row (``ndjax.data.preference``): segment
 ``2k+1`` the prompt and the chosen completion, ``2k+2`` the prompt and the rejected
-one; ``loss_mask`` is 1 where the target is a completion token. Everything below is a
+one; ``loss_mask`` is 1 where the target is a completion token. KTO's unit is an
+example (segment ``2k+1``, ``desirable`` or not) and its KL sequence (``2k+2``: the
+prompt with another example's completion). Everything below is a
 function of per-sequence sums of per-token log-probabilities
 (``ops.cross_entropy.token_log_probs``), so packing and every layout leave the loss as
 one device's, and the loss is a mean over the whole batch's pairs (``weight``).
@@ -66,10 +68,12 @@ class Preference:
     label_smoothing: float = 0.0
     simpo_gamma: float = 0.5
     cpo_alpha: float = 1.0
+    desirable_weight: float = 1.0
+    undesirable_weight: float = 1.0
 
     @property
     def needs_reference(self) -> bool:
-        return self.kind in ("dpo", "ipo")
+        return self.kind in ("dpo", "ipo", "kto")
 
     def weight(self, batch: Batch) -> jax.Array:
         return count_pairs(batch)
@@ -107,6 +111,8 @@ class Preference:
             ref_logps, _ = token_log_probs(jax.lax.stop_gradient(rx), rhead, batch["targets"],
                                            chunk)
             values["ref_logps"] = jax.lax.stop_gradient(ref_logps) * mask
+        if self.kind == "kto":  # which examples are desirable
+            values["desirable"] = batch["desirable"].astype(jnp.float32) * values["length"]
         if self.kind == "orpo":  # the chosen sequence's every target, prompt included
             length = _pairs(batch, {"n": values["length"]})["n"]
             in_seq = self._in_sequence(batch, length)
@@ -115,7 +121,8 @@ class Preference:
         totals = totals if totals is not None else self.totals(batch)
         real = (sums["length"][:, 0] > 0).astype(jnp.float32)  # a pair in this slot
         loss, ratios = getattr(self, f"_{self.kind}")(sums, real, totals)
-        ratios.update(self._logit_metrics(sums))
+        if self.kind != "kto":
+            ratios.update(self._logit_metrics(sums))
         return loss, jnp.sum(mask), {**aux, "ratios": ratios}
 
     @staticmethod
@@ -204,6 +211,38 @@ class Preference:
         if self.cpo_alpha:
             losses = losses + self.cpo_alpha * self._nll(nll_sum, totals)
         return losses, metrics
+
+    def _kto(self, sums, real, totals):
+        """KTO: 1 - sigmoid(beta (r - kl)) for a desirable example, 1 - sigmoid(beta
+        (kl - r)) for an undesirable one, r its log-ratio to the reference, weighted; kl
+        the batch's mean log-ratio on the KL sequences (no gradient, at least 0), as TRL
+        takes it per micro-batch over every device."""
+        ratios = sums["logps"] - sums["ref_logps"]
+        n = jnp.sum(real)
+        kl_ratio = jax.lax.stop_gradient(ratios[:, 1])
+        kl = jnp.maximum(jnp.sum(kl_ratio * real) / jnp.maximum(n, 1.0), 0.0)
+        good = (sums["desirable"][:, 0] > 0).astype(jnp.float32) * real
+        bad = real - good
+        r = ratios[:, 0]
+        losses = (good * self.desirable_weight * (1 - jax.nn.sigmoid(self.beta * (r - kl)))
+                  + bad * self.undesirable_weight * (1 - jax.nn.sigmoid(self.beta * (kl - r))))
+        n_good, n_bad = jnp.sum(good), jnp.sum(bad)
+        chosen = (jnp.sum(self.beta * r * good), n_good)
+        rejected = (jnp.sum(self.beta * r * bad), n_bad)
+        metrics = {
+            "kl": (kl * n, n),
+            "rewards/chosen": chosen,
+            "rewards/rejected": rejected,
+            # A difference of the two means, undefined (NaN) without both kinds.
+            "rewards/margins": (*chosen, *rejected),
+            "logps/chosen": (jnp.sum(sums["logps"][:, 0] * good), n_good),
+            "logps/rejected": (jnp.sum(sums["logps"][:, 0] * bad), n_bad),
+            "logits/chosen": (jnp.sum(sums["mean_logits"][:, 0] * good),
+                              jnp.sum(sums["tokens"][:, 0] * good)),
+            "logits/rejected": (jnp.sum(sums["mean_logits"][:, 0] * bad),
+                                jnp.sum(sums["tokens"][:, 0] * bad)),
+        }
+        return jnp.sum(losses), metrics
 
     @staticmethod
     def _logit_metrics(sums) -> dict[str, tuple[jax.Array, jax.Array]]:
