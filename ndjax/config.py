@@ -327,8 +327,10 @@ class RuntimeSettings:
 
 
 # train.objective's values; all but sft learn from preference pairs.
-OBJECTIVES = ("sft", "dpo", "ipo", "orpo", "simpo", "kto")
-PREFERENCE_OBJECTIVES = OBJECTIVES[1:]
+OBJECTIVES = ("sft", "dpo", "ipo", "orpo", "simpo", "kto", "grpo")
+PREFERENCE_OBJECTIVES = OBJECTIVES[1:-1]
+# grpo.loss_type's values (TRL's names): how the per-token losses are averaged.
+GRPO_LOSSES = ("dapo", "grpo", "bnpo", "dr_grpo")
 # preference.reference's values: where DPO's and IPO's reference log-probabilities come from.
 REFERENCES = ("auto", "adapters_off", "initial_adapters", "frozen_copy")
 
@@ -363,6 +365,41 @@ class PreferenceSettings:
     # ref_model; the policy's architecture and dims), held beside the state like
     # frozen_copy. Full fine-tuning only.
     ref_model: str | None = setting(None)
+
+
+@dataclasses.dataclass(frozen=True)
+class GRPOSettings:
+    """GRPO (train.objective=grpo): completions sampled by ndjax's own sampler on the
+    training mesh, scored by reward functions, trained with the clipped ratio loss; TRL's
+    GRPOConfig fields by their TRL meaning (docs/post-training.md)."""
+
+    # Completions per prompt (a group); train.batch_size counts completions, so it must
+    # be a multiple of this.
+    num_generations: int = setting(8, ge=2, hint=" (completions per prompt, at least 2)")
+    # New tokens per completion at most; train.seq_len holds the prompt and them.
+    max_completion_length: int = setting(256, ge=1)
+    temperature: float = setting(1.0, gt=0, hint=" (the sampler's and the log-probs')")
+    top_p: float = setting(1.0, gt=0, le=1)
+    top_k: int = setting(0, ge=0, hint=" (0: off)")
+    # Comma-separated functions, package.module.function (Axolotl's and TRL's form):
+    # fn(prompts, completions, completion_ids, **the records' columns) -> list of floats.
+    reward_funcs: str = setting("")
+    reward_weights: tuple = setting(())  # one per function; (): all 1
+    # dapo (TRL's default): tokens of the whole batch | grpo: each completion's token
+    # mean, averaged | bnpo: as dapo per batch | dr_grpo: / (completions x
+    # max_completion_length)
+    loss_type: str = setting("dapo", choices=GRPO_LOSSES)
+    epsilon: float = setting(0.2, gt=0, lt=1, hint=" (the ratio's lower clip: 1 - epsilon)")
+    # The upper clip, 1 + epsilon_high (DAPO's clip-higher); 0: epsilon.
+    epsilon_high: float = setting(0.0, ge=0)
+    # The KL term's weight (k3 estimator, against the reference model); 0: none, and no
+    # reference is held.
+    beta: float = setting(0.0, ge=0)
+    # Advantages: rewards minus their group's mean, divided by the std of the group |
+    # batch | none (Dr. GRPO).
+    scale_rewards: str = setting("group", choices=("group", "batch", "none"))
+    # A completion that hit max_completion_length without its end token: no loss.
+    mask_truncated_completions: bool = setting(False)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -413,8 +450,9 @@ class TrainSettings:
     evals_per_epoch: int = setting(0, ge=0)
     # The loss minimised (ndjax.step.objectives, docs/post-training.md): sft (next-token
     # cross-entropy) | dpo | ipo | orpo | simpo (preference pairs: data.format=preference)
-    # | kto (desirable and undesirable examples: data.format=unpaired_preference or
-    # preference); settings in the preference section.
+    # | kto (desirable and undesirable examples: data.format=unpaired_preference);
+    # settings in the preference section | grpo (prompts, completions sampled and
+    # rewarded: data.format=prompt, the grpo section).
     objective: str = setting("sft", choices=OBJECTIVES)
 
     def in_steps(self, rows_per_epoch: int) -> TrainSettings:
@@ -437,7 +475,7 @@ FILE_SOURCES = ("text", "jsonl", "parquet", "tokens", "chat")  # those that read
 # data.format's values: how a chat record becomes tokens and a mask (Axolotl's dataset
 # types; ndjax.data.prompt_formats for all but chat).
 FORMATS = ("chat", "alpaca", "completion", "input_output", "preference",
-           "unpaired_preference")
+           "unpaired_preference", "prompt")
 # The roles of chat messages, and which end-of-turn tokens chat data learns
 # (data.roles_to_train, data.train_on_eos: Axolotl's settings of those names).
 CHAT_ROLES = ("system", "user", "assistant", "tool")
@@ -481,7 +519,8 @@ class DataSettings:
     # text field, every token learned) | input_output (segments of text and label) |
     # preference (prompt, chosen and rejected: TRL's preference records; for the
     # preference objectives, train.objective) | unpaired_preference (prompt, completion
-    # and label: TRL's unpaired preference records, for kto)
+    # and label: TRL's unpaired preference records, for kto) | prompt (prompts and the
+    # columns reward functions read, for grpo)
     format: str = setting("chat", choices=FORMATS)
     # a template ndjax ships by name (chatml, llama3, qwen3, gemma3), a Jinja template
     # file, or "" = the tokenizer's own
@@ -654,7 +693,8 @@ class ExportSettings:
 
 SECTIONS: dict[str, type] = {
     "model": ModelSettings, "mesh": MeshSettings, "runtime": RuntimeSettings,
-    "train": TrainSettings, "preference": PreferenceSettings, "data": DataSettings,
+    "train": TrainSettings, "preference": PreferenceSettings, "grpo": GRPOSettings,
+    "data": DataSettings,
     "checkpoint": CheckpointSettings,
     "log": LogSettings, "debug": DebugSettings, "export": ExportSettings,
 }
@@ -673,6 +713,7 @@ class Settings:
     runtime: RuntimeSettings
     train: TrainSettings
     preference: PreferenceSettings
+    grpo: GRPOSettings
     data: DataSettings
     checkpoint: CheckpointSettings
     log: LogSettings

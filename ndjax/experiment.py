@@ -26,6 +26,7 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from ndjax import rewards
 from ndjax.config import (
     MODEL_DIMS,
     PREFERENCE_OBJECTIVES,
@@ -50,6 +51,7 @@ from ndjax.runs import hf
 from ndjax.runtime import compiler
 from ndjax.runtime.errors import ConfigError
 from ndjax.step import state as state_lib
+from ndjax.step.grpo import GRPO
 from ndjax.step.objectives import CrossEntropy, Objective
 from ndjax.step.precision import DTYPES, Precision
 from ndjax.step.preference import Preference
@@ -240,10 +242,19 @@ def check_inputs(settings: Settings, platform: str | None = None,
     # Without a model (its check failed above), the data's own checks still run: no
     # vocabulary to compare the tokenizer's with.
     vocab = model_cfg.vocab_size if model_cfg is not None else 2**62
-    data = attempt(loader.check, settings.data,
-                   loader.Batches(t.batch_size, t.seq_len, t.seed), vocab,
+    data = attempt(loader.check, settings.data, _batches(settings), vocab,
                    t.eval_every or t.evals_per_epoch)
     return model_cfg, Inputs(checkpoint, data)
+
+
+def _batches(settings: Settings) -> loader.Batches:
+    """What the data is read into: rows of train.seq_len tokens; GRPO's prompts, each
+    within the row's room beside its completion, batch_size / num_generations a step."""
+    t, g = settings.train, settings.grpo
+    if t.objective == "grpo" and settings.data.format == "prompt":
+        return loader.Batches(max(t.batch_size // g.num_generations, 1),
+                              max(t.seq_len - g.max_completion_length, 1), t.seed)
+    return loader.Batches(t.batch_size, t.seq_len, t.seed)
 
 
 def _check_lora_inputs(settings: Settings, model_cfg: DecoderConfig | None) -> None:
@@ -264,19 +275,28 @@ def _check_objective(settings: Settings) -> None:
     has."""
     t, d, p, lora = settings.train, settings.data, settings.preference, settings.model.lora
     if t.objective == "sft":
-        if d.format in ("preference", "unpaired_preference"):
-            raise ConfigError(f"data.format={d.format!r} reads preference data, and "
+        if d.format in ("preference", "unpaired_preference", "prompt"):
+            raise ConfigError(f"data.format={d.format!r} reads data for post-training, and "
                               "train.objective='sft' learns next tokens: set train.objective "
-                              f"to one of {', '.join(PREFERENCE_OBJECTIVES)}, or use "
+                              f"to one of {', '.join(PREFERENCE_OBJECTIVES)} or grpo, or use "
                               "data.format=chat for SFT.")
         return
     where = f"train.objective={t.objective!r}"
-    if t.objective == "kto" and d.format != "unpaired_preference":
-        raise ConfigError(f"{where} learns from desirable and undesirable examples, and "
-                          f"data.format={d.format!r}: set data.source=chat and data.format="
-                          "unpaired_preference (records with prompt, completion and label, "
-                          "or pairs of chosen and rejected, unpaired; docs/post-training.md).")
-    if t.objective != "kto" and d.format != "preference":
+    if t.objective == "grpo":
+        _check_grpo(settings)
+        if settings.grpo.beta == 0:
+            if p.reference != "auto" or p.ref_model is not None:
+                raise ConfigError(f"preference.reference={p.reference!r}, preference.ref_model="
+                                  f"{p.ref_model!r}: grpo.beta=0 compares with no reference "
+                                  "model; set grpo.beta > 0 for the KL term, or leave them.")
+            return
+    elif t.objective == "kto":
+        if d.format != "unpaired_preference":
+            raise ConfigError(f"{where} learns from desirable and undesirable examples, and "
+                              f"data.format={d.format!r}: set data.source=chat and data.format="
+                              "unpaired_preference (records with prompt, completion and label, "
+                              "or pairs of chosen and rejected, unpaired; docs/post-training.md).")
+    elif d.format != "preference":
         raise ConfigError(f"{where} learns from preference pairs, and data.format="
                           f"{d.format!r}: set data.source=chat and data.format=preference "
                           "(records with prompt, chosen and rejected; docs/post-training.md).")
@@ -310,6 +330,37 @@ def _check_objective(settings: Settings) -> None:
                           "they started: use preference.reference=initial_adapters (or auto).")
 
 
+def _check_grpo(settings: Settings) -> None:
+    """GRPO's prompts, groups, lengths and reward functions (imported here, before
+    anything compiles)."""
+    t, d, g = settings.train, settings.data, settings.grpo
+    where = "train.objective='grpo'"
+    if d.format != "prompt":
+        raise ConfigError(f"{where} samples completions of prompts, and data.format="
+                          f"{d.format!r}: set data.source=chat and data.format=prompt (records "
+                          "with a prompt and the columns the rewards read).")
+    if t.batch_size % g.num_generations:
+        multiple = g.num_generations * max(t.batch_size // g.num_generations, 1)
+        raise ConfigError(f"train.batch_size={t.batch_size} counts completions, and "
+                          f"grpo.num_generations={g.num_generations} does not divide it: use a "
+                          f"multiple, e.g. train.batch_size={multiple}.")
+    if t.seq_len <= g.max_completion_length:
+        raise ConfigError(f"train.seq_len={t.seq_len} holds a prompt and its completion, and "
+                          f"grpo.max_completion_length={g.max_completion_length} leaves no room "
+                          "for a prompt: raise train.seq_len or lower the completion length.")
+    if t.eval_every or t.evals_per_epoch:
+        raise ConfigError(f"{where}: evaluation on a validation split is not built for GRPO "
+                          "yet; set train.eval_every=0 and train.evals_per_epoch=0.")
+    if not g.reward_funcs.strip():
+        raise ConfigError(f"{where} needs reward functions: set grpo.reward_funcs to one or "
+                          "more, comma-separated, e.g. 'ndjax.rewards.math.accuracy'.")
+    fns = rewards.load(g.reward_funcs)
+    if g.reward_weights and len(g.reward_weights) != len(fns):
+        raise ConfigError(f"grpo.reward_weights={g.reward_weights!r} has {len(g.reward_weights)} "
+                          f"weights for {len(fns)} reward functions (grpo.reward_funcs="
+                          f"{g.reward_funcs!r}): give one each, or () for all 1.")
+
+
 def _check_ref_model(settings: Settings, model_cfg: DecoderConfig) -> None:
     """preference.ref_model: a checkpoint of the policy's architecture and dims."""
     where = f"preference.ref_model={settings.preference.ref_model!r}"
@@ -328,7 +379,8 @@ def reference_mode(settings: Settings) -> str:
     adapters_off (fresh LoRA adapters: the base with them off is the starting model), or
     held (the trainable part's starting values, given to the step beside the state)."""
     t, p, lora = settings.train, settings.preference, settings.model.lora
-    if t.objective not in ("dpo", "ipo", "kto"):
+    if t.objective not in ("dpo", "ipo", "kto") and not (
+            t.objective == "grpo" and settings.grpo.beta > 0):
         return "none"
     if p.reference == "adapters_off" or (
             p.reference == "auto" and lora.rank is not None and lora.init_from is None
@@ -572,9 +624,13 @@ class Experiment:
     @property
     def objective(self) -> Objective:
         """The loss the step minimises (ndjax.step.objectives): train.objective's."""
-        t, p = self.settings.train, self.settings.preference
+        t, p, g = self.settings.train, self.settings.preference, self.settings.grpo
         if t.objective == "sft":
             return CrossEntropy()
+        if t.objective == "grpo":
+            return GRPO(g.loss_type, epsilon=g.epsilon, epsilon_high=g.epsilon_high or g.epsilon,
+                        beta=g.beta, temperature=g.temperature,
+                        max_completion_length=g.max_completion_length)
         return Preference(t.objective, beta=p.beta, label_smoothing=p.label_smoothing,
                           simpo_gamma=p.simpo_gamma, cpo_alpha=p.cpo_alpha,
                           desirable_weight=p.desirable_weight,
@@ -764,14 +820,20 @@ class Experiment:
     @property
     def abstract_batch(self) -> Batch:
         t = self.settings.train
-        return {k: jax.ShapeDtypeStruct((t.batch_size, t.seq_len), jnp.int32,
-                                        sharding=self.batch_sharding) for k in self.batch_fields}
+        return {k: jax.ShapeDtypeStruct((t.batch_size, t.seq_len), dtype,
+                                        sharding=self.batch_sharding)
+                for k, dtype in self.batch_fields.items()}
 
     @property
-    def batch_fields(self) -> tuple[str, ...]:
-        """The fields of a batch: ``BATCH_FIELDS``, and KTO's examples' ``desirable``."""
-        extra = KTO_FIELDS if self.settings.data.format == "unpaired_preference" else ()
-        return BATCH_FIELDS + extra
+    def batch_fields(self) -> dict[str, Any]:
+        """The fields of a batch and their dtypes: ``BATCH_FIELDS`` (int32), KTO's
+        examples' ``desirable``, GRPO's rows' ``advantages`` (float32)."""
+        fields = dict.fromkeys(BATCH_FIELDS, jnp.int32)
+        if self.settings.data.format == "unpaired_preference":
+            fields.update(dict.fromkeys(KTO_FIELDS, jnp.int32))
+        if self.settings.train.objective == "grpo":
+            fields["advantages"] = jnp.float32
+        return fields
 
     def lower_step(self) -> jax.stages.Lowered:
         """The train step lowered under the mesh and rules (constraints included)."""

@@ -33,7 +33,7 @@ LAYERS = (
     ("parallel",),    # the mesh, the rule tables, collectives, processes, platforms
     ("ops",),         # kernels: attention, grouped matmuls, cross-entropy, layer scan
     ("models",),      # families, layers, LoRA and quantization, the sampler
-    ("config", "hardware"),  # the typed config; GPUs' figures
+    ("config", "hardware", "rewards"),  # the typed config; GPUs' figures; GRPO's rewards
     ("data",),        # documents -> packed rows, handed the config's data section
     ("axolotl",),     # Axolotl's fields, read into the config's and the data's names
     ("step",),        # the train state and the jitted step

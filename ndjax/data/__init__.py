@@ -8,6 +8,9 @@
 - ``packing``: token windows -> the batch fields (segment ids, positions, loss mask)
 - ``streams``: the rows of any global batch as a pure function of (data, seed, step, row)
 - ``loader``: config -> checks -> a prefetching iterator with a resumable position
+- ``preference``, ``prompts``: TRL's records: preference pairs and KTO's examples, and
+  GRPO's prompts (``data.format=prompt``: ``streams.PromptRows``, whose batches are
+  the prompts' ids, not the fields below)
 - ``prepare``: ``ndjax prepare``, offline pre-tokenization
 - ``synthetic``: a learnable Markov-chain source that needs no files (tests, layouts)
 

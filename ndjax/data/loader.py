@@ -28,9 +28,17 @@ import numpy as np
 from grain.experimental import ThreadPrefetchIterDataset
 
 from ndjax.config import FILE_SOURCES, DataSettings, Settings, as_settings
-from ndjax.data import chat, preference, prompt_formats, sources
+from ndjax.data import chat, hf_datasets, preference, prompt_formats, prompts, sources
 from ndjax.data.chat_template import ChatTemplate, load_chat_template
-from ndjax.data.streams import ChatRows, KTORows, PairRows, RowSource, TextRows, TokenRows
+from ndjax.data.streams import (
+    ChatRows,
+    KTORows,
+    PairRows,
+    PromptRows,
+    RowSource,
+    TextRows,
+    TokenRows,
+)
 from ndjax.data.synthetic import SyntheticSource
 from ndjax.data.tokenizers import Additions, HFTokenizer, Tokenizer, load_tokenizer
 from ndjax.runtime.errors import ConfigError
@@ -43,6 +51,8 @@ _LAST_STEP = 2**62
 _TOKENIZE_BATCH = 256  # documents per encode_batch call (the HF tokenizer threads over them)
 # data.format's values that read preference records: pairs, and KTO's examples.
 PREFERENCE_FORMATS = ("preference", "unpaired_preference")
+# data.format's values that read TRL's records (data.source=chat): those and GRPO's prompts.
+RECORD_FORMATS = PREFERENCE_FORMATS + ("prompt",)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -127,7 +137,7 @@ def _check_source(d: DataSettings, eval_every: int) -> None:
     if d.source == "tokens" and not d.packing:
         raise ConfigError("data.packing=False needs document boundaries, which pre-tokenized "
                           "files do not index; use data.packing=True with data.source=tokens.")
-    if d.format in PREFERENCE_FORMATS and d.source != "chat":
+    if d.format in RECORD_FORMATS and d.source != "chat":
         raise ConfigError(f"data.format={d.format!r} reads records (JSON Lines, Parquet or "
                           f"Hugging Face datasets) of data.source=chat, not data.source="
                           f"{d.source!r}; set data.source=chat.")
@@ -195,7 +205,7 @@ def check(d: DataSettings, batches: Batches, vocab_size: int, eval_every: int = 
     # own text), so a base model's tokenizer without one reads alpaca data.
     template = (load_chat_template(d.tokenizer, d.chat_template)
                 if d.source == "chat" and d.format == "chat" else
-                _preference_template(d) if d.source == "chat" and d.format in PREFERENCE_FORMATS
+                _preference_template(d) if d.source == "chat" and d.format in RECORD_FORMATS
                 else None)
     for split in ("train", "eval") if eval_every else ("train",):
         field = _files_field(split, d)
@@ -224,9 +234,9 @@ def check(d: DataSettings, batches: Batches, vocab_size: int, eval_every: int = 
 
 
 def _preference_template(d: DataSettings) -> ChatTemplate | None:
-    """The chat template of preference data: only conversational records need one, so a
-    tokenizer without one reads string records (``_pair_rows`` says it is missing when a
-    record needs it); one data.chat_template names must load."""
+    """The chat template of preference (and prompt) data: only conversational records
+    need one, so a tokenizer without one reads string records (``_pair_rows`` says it is
+    missing when a record needs it); one data.chat_template names must load."""
     if d.chat_template:
         return load_chat_template(d.tokenizer, d.chat_template)
     try:
@@ -244,9 +254,13 @@ def check_config(config: Settings | ml_collections.ConfigDict, vocab_size: int) 
 
 
 def _chat_columns(d: DataSettings) -> tuple[str, ...]:
-    """The columns a chat record is read from (Parquet reads no others)."""
+    """The columns a chat record is read from (Parquet reads no others). Prompt data's
+    records keep every column (the reward functions may read any): ``check`` asks for
+    its prompt's, and ``_prompt_corpus`` then reads them all."""
     if d.source != "chat":
         return ()
+    if d.format == "prompt":
+        return (d.prompt_field,)
     return {"alpaca": ("instruction", "input", "output"), "completion": (d.text_field,),
             "input_output": ("segments",),
             "preference": (d.prompt_field, d.chosen_field, d.rejected_field),
@@ -364,6 +378,57 @@ def _pair_rows(inp: DataInput, split: str, max_runs: int | None) -> tuple[PairRo
     key = (f"{corpus.fingerprint()}:{template.text if template is not None else ''}:"
            f"{d.format}:{d.prompt_field}:{d.chosen_field}:{d.rejected_field}:{tok.eos_id}:"
            f"{d.overlong}:{d.packing}:{d.added_tokens}:{d.added_special_tokens}")
+    return rows, zlib.crc32(key.encode())
+
+
+def _prompt_corpus(d: DataSettings, split: str, seed: int
+                   ) -> sources.Corpus | hf_datasets.DatasetCorpus:
+    """The corpus of prompt records, read with every column: a Hugging Face dataset's rows
+    hold all its columns when none are chosen, and Parquet files are read with the
+    columns of any of them (a row of a file without one has none)."""
+    spec, field = _files(d, split), _files_field(split, d)
+    every = hf_datasets.is_dataset_spec(sources.split_patterns(spec))
+    corpus = sources.open_corpus(d.source, spec, field, d.text_field,
+                                 _corpus_split(d, split), seed=seed,
+                                 columns=() if every else _chat_columns(d))
+    if isinstance(corpus, sources.Corpus) and corpus.kind == "parquet":
+        import pyarrow.parquet as pq  # read the corpus already: pyarrow is there
+
+        names = dict.fromkeys(n for f in corpus.files for n in pq.read_schema(f).names)
+        corpus = dataclasses.replace(corpus, columns=tuple(names))
+    return corpus
+
+
+def _prompt_rows(inp: DataInput, split: str, max_runs: int | None) -> tuple[PromptRows, int]:
+    """GRPO's prompts (``data.format=prompt``, ``prompts``): every record read with all its
+    columns, its prompt tokenized as TRL's GRPOTrainer does; those longer than
+    ``Batches.seq_len`` (the prompt budget) left out and counted; checks one is kept.
+    ``Batches.batch_size`` is the prompts of a step. ``max_runs`` does not apply: a row
+    is one prompt."""
+    d, t, tok, template = inp.data, inp.batches, inp.tokenizer, inp.template
+    corpus = _prompt_corpus(d, split, t.seed)
+    docs = held_out(list(corpus.share(0, corpus.total)), d.eval_fraction, t.seed, split)
+    read = [prompts.read(doc, d.prompt_field) for doc in docs]
+    if template is None and any(p.conversational for p in read):
+        # check() found none (or one that does not load): say why, now that one is needed.
+        template = load_chat_template(
+            d.tokenizer, needed_by="data.format='prompt' with prompts of messages",
+            fix="set data.chat_template to a template name or a Jinja template file")
+    assert isinstance(tok, HFTokenizer), "data.source='chat' refuses the byte tokenizer"
+    ids = [x for k in range(0, len(read), _TOKENIZE_BATCH)
+           for x in prompts.encode(read[k:k + _TOKENIZE_BATCH], tok, template)]
+    kept, dropped = prompts.fit(ids, t.seq_len)
+    if not kept:
+        raise ConfigError(
+            f"{corpus.field}: no prompt is kept: all {len(ids)} are longer than the prompt "
+            f"budget of {t.seq_len} tokens (train.seq_len less the completion's tokens). Use "
+            "a larger train.seq_len, fewer completion tokens or shorter prompts.")
+    rows = PromptRows([ids[i] for i in kept], [read[i].record for i in kept],
+                      [read[i].prompt for i in kept], t.seq_len, t.batch_size, t.seed,
+                      tok.pad_id, dropped=dropped)
+    # What decides the prompts and their ids: the template, the field, the tokens added.
+    key = (f"{corpus.fingerprint()}:{template.text if template is not None else ''}:"
+           f"{d.format}:{d.prompt_field}:{d.added_tokens}:{d.added_special_tokens}")
     return rows, zlib.crc32(key.encode())
 
 
@@ -527,7 +592,8 @@ def open_loader(inp: DataInput, split: str = "train", *,
     else:
         make_rows = (_text_rows if d.source != "chat" else
                      _pair_rows if d.format == "preference" else
-                     _kto_rows if d.format == "unpaired_preference" else _chat_rows)
+                     _kto_rows if d.format == "unpaired_preference" else
+                     _prompt_rows if d.format == "prompt" else _chat_rows)
         source, fingerprint = make_rows(inp, split, max_runs)
         if _held_out(d):  # which documents train depends on the share held out
             fingerprint = zlib.crc32(f"{fingerprint}:{d.eval_fraction}".encode())

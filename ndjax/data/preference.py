@@ -209,12 +209,14 @@ def _token_ids(items: Sequence[tuple[Document, str | list[dict], Sequence[str | 
                tok: HFTokenizer, template: ChatTemplate | None) -> list[list[np.ndarray]]:
     """The ids of each ``(doc, prompt, completions)``'s prompt and of its prompt + each
     completion, as TRL tokenizes them: strings with the tokenizer's special tokens, lists
-    of messages rendered by ``template`` (the prompt with the generation prompt)."""
+    of messages rendered by ``template`` (the prompt with the generation prompt). A
+    record's prompt and completions are of one kind (checked); ``completions`` may be
+    empty (``prompt_ids``)."""
     standard: list[str] = []
     rendered: list[str] = []
     kinds: list[tuple[bool, int]] = []
     for doc, prompt, completions in items:
-        conversational = isinstance(completions[0], list)
+        conversational = isinstance(prompt, list)
         kinds.append((conversational, 1 + len(completions)))
         if not conversational:
             standard += [prompt] + [prompt + c for c in completions]  # type: ignore[operator]
@@ -234,6 +236,15 @@ def _token_ids(items: Sequence[tuple[Document, str | list[dict], Sequence[str | 
     without = iter([ids.astype(np.int64) for ids in tok.encode_batch(rendered)])
     return [[next(without if conversational else with_special) for _ in range(n)]
             for conversational, n in kinds]
+
+
+def prompt_ids(items: Sequence[tuple[Document, str | list[dict]]], tok: HFTokenizer,
+               template: ChatTemplate | None) -> list[np.ndarray]:
+    """The ids of each ``(doc, prompt)``'s prompt alone, as TRL tokenizes prompts (its
+    ``GRPOTrainer._tokenize_prompts`` too): a string with the tokenizer's special tokens,
+    a list of messages rendered by ``template`` with the generation prompt, none added."""
+    return [ids[0] for ids in _token_ids([(doc, prompt, ()) for doc, prompt in items], tok,
+                                         template)]
 
 
 def fit(pair: Pair, max_len: int, overlong: str) -> Pair | None:

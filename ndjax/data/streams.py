@@ -23,6 +23,10 @@ reads and tokenizes it all) and builds only the rows it feeds.
   a pair is its chosen sequence then its rejected one, in one row.
 - ``KTORows``: rows of KTO examples, as ``PairRows``: an example is its sequence then
   its KL sequence, in one row; the rows add a ``desirable`` field.
+- ``PromptRows``: prompts (GRPO's, ``data.format=prompt``), one a row: global row ``g``
+  is prompt ``shuffled(g mod n)`` of epoch ``g // n``, so every prompt is seen once per
+  epoch; its rows are the prompts' ids, right-padded, their lengths and which prompt
+  each is (their records, for the reward functions, by that index).
 - ``TokenRows``: windows of ``L+1`` tokens of pre-tokenized files at stride
   ``L``; global row ``g = step*batch_size + j`` is window ``shuffled(g mod n)``
   of epoch ``g // n``, a seeded bijection, so every window is seen once per epoch.
@@ -88,7 +92,7 @@ class EpochSource(RowSource, Protocol):
 
 
 # What each seeded order is of (the second half of its key, ``grain_seed``).
-_DOCUMENTS, _ROWS, _CONVERSATIONS, _BINS, _WINDOWS, _PAIRS = 1, 2, 3, 4, 5, 6
+_DOCUMENTS, _ROWS, _CONVERSATIONS, _BINS, _WINDOWS, _PAIRS, _PROMPTS = 1, 2, 3, 4, 5, 6, 7
 
 
 def grain_seed(*key: int) -> int:
@@ -471,6 +475,78 @@ class KTORows(PairRows):
         fields["desirable"] = ((inputs >= 0) & self.desirable[np.maximum(inputs, 0)]
                                ).astype(np.int32)
         return fields
+
+
+class PromptRows:
+    """Prompts, one a row (see the module docstring): ``batch_size`` is the prompts of a
+    step (GRPO's train.batch_size // grpo.num_generations), ``seq_len`` the prompt
+    budget (train.seq_len less the completion's tokens), which every kept prompt fits.
+
+    ``prompt_ids``: every prompt kept, its token ids (at least one);
+    ``records``: each one's record (every column, as read); ``prompts``: each one's
+    prompt (a string, or a list of ``{role, content}`` messages), as the reward
+    functions are given it. ``dropped`` counts the prompts left out for length; it is
+    reported, not used.
+
+    ``rows(step, start, count)``: ``prompt_ids`` ``(count, seq_len)`` int32, right-padded
+    with ``pad_id``; ``prompt_len`` ``(count,)`` int32; ``index`` ``(count,)`` int64, the
+    prompt's place in the kept list (``records(index)``, ``prompts(index)``).
+    """
+
+    FIELDS = ("prompt_ids", "prompt_len", "index")
+
+    def __init__(self, prompt_ids: Sequence[np.ndarray], records: Sequence[dict],
+                 prompts: Sequence[str | list[dict]], seq_len: int, batch_size: int, seed: int,
+                 pad_id: int, dropped: int = 0):
+        if not len(prompt_ids):
+            raise ValueError("PromptRows needs a prompt")
+        assert len(records) == len(prompt_ids) == len(prompts), "a record per prompt"
+        self.seq_len, self.batch_size, self.pad_id, self.dropped = (seq_len, batch_size, pad_id,
+                                                                    dropped)
+        self.prompt_seed = grain_seed(seed, _PROMPTS)
+        self.lengths = np.array([len(x) for x in prompt_ids], np.int32)
+        longest = int(self.lengths.max())
+        if longest > seq_len:
+            raise ValueError(f"a prompt of {longest} tokens exceeds seq_len={seq_len}")
+        self.ids = [np.asarray(x, np.int32) for x in prompt_ids]
+        self._records, self._prompts = list(records), list(prompts)
+
+    def __len__(self) -> int:
+        return len(self.lengths)
+
+    def order(self, g: np.ndarray) -> np.ndarray:
+        """The prompt (its index in the kept list) of each global row ``g``."""
+        g = np.asarray(g, np.int64)
+        n = len(self)
+        epoch, at = g // n, g % n
+        index = np.empty_like(at)
+        for e in np.unique(epoch):
+            sel = epoch == e
+            index[sel] = shuffled(at[sel], n, self.prompt_seed, int(e))
+        return index
+
+    def rows(self, step: int, start: int, count: int) -> dict[str, np.ndarray]:
+        g = step * self.batch_size + np.arange(start, start + count, dtype=np.int64)
+        index = self.order(g)
+        ids = np.full((count, self.seq_len), self.pad_id, np.int32)
+        for r, i in enumerate(index):
+            ids[r, :self.lengths[i]] = self.ids[i]
+        return {"prompt_ids": ids, "prompt_len": self.lengths[index], "index": index}
+
+    def records(self, indices: Sequence[int] | np.ndarray) -> list[dict]:
+        """The records of the kept prompts ``indices`` (``rows()['index']``): every
+        column, as read (the same dicts: do not change them)."""
+        return [self._records[int(i)] for i in indices]
+
+    def prompts(self, indices: Sequence[int] | np.ndarray) -> list[str | list[dict]]:
+        """The prompts (strings, or lists of messages) of the kept prompts ``indices``."""
+        return [self._prompts[int(i)] for i in indices]
+
+    def epoch_at(self, row: int) -> float:
+        return row / len(self)
+
+    def rows_per_epoch(self) -> int:
+        return len(self)
 
 
 class TokenRows:

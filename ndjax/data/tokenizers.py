@@ -213,8 +213,8 @@ class HFTokenizer:
         post-processor (a BOS, for Llama) as transformers does by default."""
         return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
 
-    def decode(self, ids: Sequence[int]) -> str:
-        return self._tok.decode([int(i) for i in ids], skip_special_tokens=False)
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
+        return self._tok.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
 
     def id_to_token(self, i: int) -> str | None:
         """The token text of one id (a special token's own text, e.g. ``<|im_end|>``)."""

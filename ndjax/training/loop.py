@@ -26,6 +26,7 @@ from ndjax.runs.checkpoint import Checkpointer, check_resume
 from ndjax.runs.lock import claim
 from ndjax.step.state import TrainState
 from ndjax.step.train_step import Batch
+from ndjax.training import grpo as grpo_lib
 from ndjax.training import hooks as hooks_lib
 from ndjax.training import sinks as sinks_lib
 from ndjax.training import stop_signals, summary, trackers
@@ -205,7 +206,11 @@ def train(config: ml_collections.ConfigDict, workdir: str,
         # This process reads and tokenizes the corpus now, before anything compiles
         # or is written, so bad data fails fast; a thread then prepares batches
         # (already on the devices) ahead of the steps.
-        data = open_loader(exp.data, rows=exp.local_rows, transform=exp.device_batch,
+        grpo = s.train.objective == "grpo"
+        # GRPO's data is the step's prompts, all of them on every process (each samples
+        # the whole step's completions: one SPMD program), on the host.
+        data = open_loader(exp.data, rows=(0, exp.data.batches.batch_size) if grpo
+                           else exp.local_rows, transform=None if grpo else exp.device_batch,
                            max_runs=exp.max_runs)
         cleanup.callback(data.close)
         epoch_note = None
@@ -243,7 +248,7 @@ def train(config: ml_collections.ConfigDict, workdir: str,
             resume_step, state, data_state = resumed
             state = state.replace(params=exp.with_base(state.params))
             data.set_state(data_state)  # the next batch is the one after the saved step
-            first_step = data_state["rows"] // s.train.batch_size + 1
+            first_step = data_state["rows"] // exp.data.batches.batch_size + 1
             # Moved aside, not deleted, until this run has saved: a crash before then
             # loses nothing.
             superseded = checkpointer.supersede_newer_than(resume_step)
@@ -276,7 +281,9 @@ def train(config: ml_collections.ConfigDict, workdir: str,
             # waits for it.
             # A preference objective's reference model, where the step is given it: step
             # 0's trainable parameters (copied before the first step donates them).
-            step_fn = exp.step_fn(exp.held_reference(state if resume_step is None else None))
+            reference = exp.held_reference(state if resume_step is None else None)
+            step_fn = (grpo_lib.step_fn(exp, data.source, reference) if grpo
+                       else exp.step_fn(reference))
             sinks.message(summary.compiled(exp, time.perf_counter() - compile_start))
         if resume_step is not None:
             replaced = (f"; moved newer checkpoints {superseded} aside as <step>.superseded in "
