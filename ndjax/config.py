@@ -400,6 +400,9 @@ class GRPOSettings:
     scale_rewards: str = setting("group", choices=("group", "batch", "none"))
     # A completion that hit max_completion_length without its end token: no loss.
     mask_truncated_completions: bool = setting(False)
+    # Optimizer steps on each batch of rollouts (TRL's num_iterations, GRPO's mu): the
+    # ratio is to the sampling policy's log-probabilities, kept from when it sampled.
+    num_iterations: int = setting(1, ge=1)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -253,7 +253,8 @@ def _batches(settings: Settings) -> loader.Batches:
     t, g = settings.train, settings.grpo
     if t.objective == "grpo" and settings.data.format == "prompt":
         return loader.Batches(max(t.batch_size // g.num_generations, 1),
-                              max(t.seq_len - g.max_completion_length, 1), t.seed)
+                              max(t.seq_len - g.max_completion_length, 1), t.seed,
+                              repeat=g.num_iterations)
     return loader.Batches(t.batch_size, t.seq_len, t.seed)
 
 
@@ -833,7 +834,27 @@ class Experiment:
             fields.update(dict.fromkeys(KTO_FIELDS, jnp.int32))
         if self.settings.train.objective == "grpo":
             fields["advantages"] = jnp.float32
+            if self.settings.grpo.num_iterations > 1:  # the sampling policy's
+                fields["old_logps"] = jnp.float32
         return fields
+
+    @functools.cached_property
+    def compiled_token_logps(self) -> jax.stages.Compiled:
+        """(params, batch) -> the policy's log-probability of each target (GRPO's objective
+        at its temperature), (b, s) float32: the sampling policy's, kept for the steps
+        that reuse its rollouts (grpo.num_iterations)."""
+        objective, chunk = self.objective, self.settings.train.loss_chunk
+        fields = {k: v for k, v in self.abstract_batch.items() if k != "old_logps"}
+
+        def logps(params, batch):
+            return objective.token_logps(self.features, params, batch, chunk)[0]
+
+        with rules_lib.use(self.rules), self.for_target():
+            lowered = jax.jit(logps, in_shardings=(self.state_sharding.params,
+                                                   self.batch_sharding),
+                              out_shardings=self.batch_sharding).lower(
+                self.abstract_state.params, fields)
+            return compiler.compile_step(lowered, platform=self.platform)
 
     def lower_step(self) -> jax.stages.Lowered:
         """The train step lowered under the mesh and rules (constraints included)."""
@@ -918,7 +939,8 @@ class Experiment:
                 lambda idx: rows[slice(*(i - start for i in idx[0].indices(shape[0])[:2])),
                                  idx[1]])
 
-        return {k: field(batch[k]) for k in self.batch_fields}
+        # old_logps: computed on the devices (compiled_token_logps), never read from a host.
+        return {k: field(batch[k]) for k in self.batch_fields if k != "old_logps"}
 
 
 def _check_experts(model_cfg: DecoderConfig, rules: rules_lib.Rules, family: str) -> None:

@@ -106,3 +106,19 @@ def test_bad_settings_are_one_line_before_compiling(data, change, says):
     with pytest.raises(ConfigError, match=says) as e:
         Experiment.from_config(c, jax.devices()[:1])
     assert "\n" not in str(e.value)
+
+
+def test_num_iterations_trains_twice_on_each_batch_of_rollouts(data, tmp_path):
+    """grpo.num_iterations=2: steps 1-2 share rollouts, as do 3-4 (the same reward logged);
+    step 1's ratio is to the sampling policy's own log-probabilities, so its loss is
+    num_iterations=1's; step 2's policy has moved off them, and the clip can act."""
+    c = config(data, num_iterations=1)
+    c.train.steps = 1
+    one = train(c, str(tmp_path / "one"), devices=jax.devices()[:1], verbose=False)
+    c = config(data, num_iterations=2)
+    c.train.steps = 4
+    two = train(c, str(tmp_path / "two"), devices=jax.devices()[:1], verbose=False)
+    assert two[0]["reward"] == two[1]["reward"] == one[0]["reward"]
+    assert two[2]["reward"] == two[3]["reward"] != two[1]["reward"]
+    np.testing.assert_allclose(two[0]["loss"], one[0]["loss"], rtol=1e-5, atol=1e-7)
+    assert two[1]["rollout_time"] == 0 < two[0]["rollout_time"]

@@ -62,6 +62,9 @@ class Batches:
     batch_size: int
     seq_len: int
     seed: int
+    # Steps one batch serves (GRPO's grpo.num_iterations: a step's prompts are sampled
+    # once and trained on this many times): step s reads batch s // repeat.
+    repeat: int = 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -425,7 +428,7 @@ def _prompt_rows(inp: DataInput, split: str, max_runs: int | None) -> tuple[Prom
             "a larger train.seq_len, fewer completion tokens or shorter prompts.")
     rows = PromptRows([ids[i] for i in kept], [read[i].record for i in kept],
                       [read[i].prompt for i in kept], t.seq_len, t.batch_size, t.seed,
-                      tok.pad_id, dropped=dropped)
+                      tok.pad_id, dropped=dropped, repeat=t.repeat)
     # What decides the prompts and their ids: the template, the field, the tokens added.
     key = (f"{corpus.fingerprint()}:{template.text if template is not None else ''}:"
            f"{d.format}:{d.prompt_field}:{d.added_tokens}:{d.added_special_tokens}")
@@ -599,6 +602,8 @@ def open_loader(inp: DataInput, split: str = "train", *,
             fingerprint = zlib.crc32(f"{fingerprint}:{d.eval_fraction}".encode())
     state_key = {"batch_size": t.batch_size, "seq_len": t.seq_len, "seed": t.seed,
                  "corpus": fingerprint}
+    if t.repeat != 1:  # (only then: the keys saved before it existed still match)
+        state_key["repeat"] = t.repeat
     return Loader(source, start, count, state_key,
                   d.prefetch if prefetch is None else prefetch, transform)
 

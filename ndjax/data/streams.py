@@ -490,19 +490,22 @@ class PromptRows:
 
     ``rows(step, start, count)``: ``prompt_ids`` ``(count, seq_len)`` int32, right-padded
     with ``pad_id``; ``prompt_len`` ``(count,)`` int32; ``index`` ``(count,)`` int64, the
-    prompt's place in the kept list (``records(index)``, ``prompts(index)``).
+    prompt's place in the kept list (``records(index)``, ``prompts(index)``). With
+    ``repeat`` (GRPO's num_iterations) each batch serves that many steps: step s reads
+    batch s // repeat.
     """
 
     FIELDS = ("prompt_ids", "prompt_len", "index")
 
     def __init__(self, prompt_ids: Sequence[np.ndarray], records: Sequence[dict],
                  prompts: Sequence[str | list[dict]], seq_len: int, batch_size: int, seed: int,
-                 pad_id: int, dropped: int = 0):
+                 pad_id: int, dropped: int = 0, repeat: int = 1):
         if not len(prompt_ids):
             raise ValueError("PromptRows needs a prompt")
         assert len(records) == len(prompt_ids) == len(prompts), "a record per prompt"
         self.seq_len, self.batch_size, self.pad_id, self.dropped = (seq_len, batch_size, pad_id,
                                                                     dropped)
+        self.repeat = repeat
         self.prompt_seed = grain_seed(seed, _PROMPTS)
         self.lengths = np.array([len(x) for x in prompt_ids], np.int32)
         longest = int(self.lengths.max())
@@ -526,7 +529,8 @@ class PromptRows:
         return index
 
     def rows(self, step: int, start: int, count: int) -> dict[str, np.ndarray]:
-        g = step * self.batch_size + np.arange(start, start + count, dtype=np.int64)
+        g = step // self.repeat * self.batch_size + np.arange(start, start + count,
+                                                              dtype=np.int64)
         index = self.order(g)
         ids = np.full((count, self.seq_len), self.pad_id, np.int32)
         for r, i in enumerate(index):
@@ -543,10 +547,10 @@ class PromptRows:
         return [self._prompts[int(i)] for i in indices]
 
     def epoch_at(self, row: int) -> float:
-        return row / len(self)
+        return row / self.repeat / len(self)
 
     def rows_per_epoch(self) -> int:
-        return len(self)
+        return len(self) * self.repeat
 
 
 class TokenRows:

@@ -147,15 +147,33 @@ class Rollouts:
 def step_fn(exp: Any, source: Any, reference: Any = None
             ) -> Callable[[Any, dict[str, np.ndarray]], tuple[Any, dict[str, Any]]]:
     """(state, the step's prompts) -> (state, metrics): rollouts with the state's
-    weights, then the compiled train step on them."""
+    weights, then the compiled train step on them.
+
+    With grpo.num_iterations = mu > 1 a batch of rollouts serves mu steps: it is sampled
+    at the first (state.step a multiple of mu; the loader hands the same prompts to all
+    mu), with the sampling policy's log-probabilities, and kept for the others. A run
+    resumed inside such a group samples the group's rollouts again (the same draws,
+    the weights then)."""
     rollouts = Rollouts(exp, source)
     train = exp.step_fn(reference)
     start, count = exp.local_rows
+    mu = exp.settings.grpo.num_iterations
+    kept: dict[str, Any] = {}
 
     def step(state: Any, prompts: dict[str, np.ndarray]) -> tuple[Any, dict[str, Any]]:
-        rows, metrics = rollouts(state.params, int(state.step), prompts)
-        local = {k: v[start:start + count] for k, v in rows.items()}
-        state, step_metrics = train(state, exp.device_batch(local))
+        at = int(state.step)
+        group = at // mu
+        if kept.get("group") != group:
+            rows, metrics = rollouts(state.params, group * mu, prompts)
+            batch = exp.device_batch({k: v[start:start + count] for k, v in rows.items()})
+            if mu > 1:
+                batch["old_logps"] = exp.compiled_token_logps(
+                    state.params, {k: v for k, v in batch.items()})
+            kept.update(group=group, batch=batch, metrics=metrics)
+            metrics = dict(metrics)
+        else:  # the group's rollouts again: their metrics, no sampling time
+            metrics = {**kept["metrics"], "rollout_time": 0.0}
+        state, step_metrics = train(state, kept["batch"])
         return state, {**step_metrics, **metrics}
 
     return step
