@@ -122,3 +122,15 @@ def test_num_iterations_trains_twice_on_each_batch_of_rollouts(data, tmp_path):
     assert two[2]["reward"] == two[3]["reward"] != two[1]["reward"]
     np.testing.assert_allclose(two[0]["loss"], one[0]["loss"], rtol=1e-5, atol=1e-7)
     assert two[1]["rollout_time"] == 0 < two[0]["rollout_time"]
+
+
+def test_qlora_samples_with_its_adapters_and_its_kl_is_to_the_base(data, tmp_path):
+    """Under QLoRA (LoRA over an NF4 base) the sampler runs the adapters being trained, and
+    the KL is to the base with the adapters off: 0 at step 1 (fresh adapters are the
+    base), > 0 once they trained."""
+    c = config(data, beta=0.1)
+    c.train.steps = 3
+    c.model.lora.update(rank=8, alpha=16.0, quantize="nf4", quant_block=8)
+    records = train(c, str(tmp_path / "qlora"), devices=jax.devices()[:1], verbose=False)
+    assert records[0]["kl"] == 0 < records[2]["kl"]
+    assert all(np.isfinite(r["loss"]) for r in records)
