@@ -341,6 +341,18 @@ def test_dpo_starts_at_log_2_and_its_rewards_move(source):
     assert metrics[0]["rewards/chosen"] == 0 and metrics[-1]["rewards/margins"] > 0
 
 
+def test_qlora_dpo_starts_at_log_2(source):
+    """Under QLoRA (an NF4 base) the adapters-off reference is the quantized base, as
+    PEFT's disable_adapter on a 4-bit model: step 1's loss is ln 2."""
+    c = config(source, "dpo")
+    c.model.lora.update(rank=8, alpha=16.0, quantize="nf4", quant_block=8)
+    exp = Experiment.from_config(c, jax.devices()[:1])
+    assert exp.reference_mode == "adapters_off"
+    loss, aux, grads = first_step(exp)
+    np.testing.assert_allclose(loss, math.log(2), rtol=1e-6)
+    assert any(np.abs(g).max() > 0 for g in jax.tree.leaves(grads))
+
+
 def test_conservative_dpo_by_hand(source):
     """label_smoothing eps: -(1-eps) log sigmoid(beta d) - eps log sigmoid(-beta d) (cDPO;
     TRL 1.16's sigmoid loss has dropped it). At step 1 d = 0: still ln 2; its gradient is
@@ -355,10 +367,12 @@ def test_conservative_dpo_by_hand(source):
 
 @pytest.mark.parametrize("objective", ["dpo", "orpo", "kto"])
 def test_layouts_and_grad_accum_give_one_devices_first_step(source, objective):
-    """KTO's KL is its micro-batch's (as TRL's): grad_accum changes it, layouts do not."""
+    """fsdp x tensor, with context parallelism (ring attention's zigzag order: a pair's
+    tokens spread over the context shards), and grad_accum. KTO's KL is its micro-batch's
+    (as TRL's): grad_accum changes it, layouts do not."""
     one = first_step(Experiment.from_config(config(source, objective), jax.devices()[:1]))
-    for mesh, accum in ((dict(fsdp=4, tensor=2), 1), (None, 2))[:1 if objective == "kto"
-                                                                   else 2]:
+    layouts = ((dict(fsdp=4, tensor=2), 1), (dict(fsdp=2, context=2, tensor=2), 1), (None, 2))
+    for mesh, accum in layouts[:2 if objective == "kto" else 3]:
         c = config(source, objective, mesh=mesh)
         c.train.grad_accum = accum
         devices = jax.devices()[:8] if mesh else jax.devices()[:1]
