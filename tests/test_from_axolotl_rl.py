@@ -1,8 +1,10 @@
-"""ndjax from_axolotl on Axolotl's preference training (rl: dpo, ipo, orpo, simpo): the
-objective and its TRL settings (preference.*), the preference dataset types as
-data.format=preference, sequence_len as a pair's row, and every refusal (rl: kto and
-grpo, Axolotl's template-rendering dataset types, TRL losses ndjax lacks) one line each,
-all in one report. A converted DPO run under LoRA trains, from ln 2."""
+"""ndjax from_axolotl on Axolotl's preference training (rl: dpo, ipo, orpo, simpo, kto)
+and GRPO: the objective and its TRL settings (preference.*, grpo.*), the preference
+dataset types as data.format=preference, KTO's records as unpaired_preference, GRPO's
+prompts as data.format=prompt, sequence_len as a pair's row, and every refusal (rl: gdpo
+and ebft, Axolotl's template-rendering dataset types and GRPO transforms, TRL settings
+ndjax lacks) one line each, all in one report. A converted DPO run under LoRA trains,
+from ln 2."""
 
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ import yaml
 from conftest import tiny_config
 from data_files import write_chat_tokenizer
 
+from ndjax.axolotl import grpo as axolotl_grpo
 from ndjax.experiment import Experiment
 from ndjax.runs import hf
 from ndjax.runtime.errors import ConfigError
@@ -76,8 +79,8 @@ def files(tmp_path_factory):
     rng = np.random.default_rng(0)
     words = "alpha beta gamma delta epsilon zeta eta theta iota kappa".split()
     say = lambda: " ".join(rng.choice(words, rng.integers(2, 5)))  # noqa: E731
-    strings, messages, argilla = [], [], []
-    for _ in range(8):
+    strings, messages, argilla, kto, prompts = [], [], [], [], []
+    for i in range(8):
         prompt, chosen, rejected = f"{say()}?", say(), say()
         user = {"role": "user", "content": prompt}
         strings.append({"prompt": prompt, "chosen": f" {chosen}", "rejected": f" {rejected}"})
@@ -87,8 +90,11 @@ def files(tmp_path_factory):
         argilla.append({"prompt": prompt,
                         "chosen": [user, {"role": "assistant", "content": chosen}],
                         "rejected": [user, {"role": "assistant", "content": rejected}]})
+        kto.append({"prompt": prompt, "completion": f" {chosen}", "label": i % 3 != 0})
+        prompts.append({"prompt": [user], "answer": str(i)})
     paths = {}
-    for name, records in (("strings", strings), ("messages", messages), ("argilla", argilla)):
+    for name, records in (("strings", strings), ("messages", messages), ("argilla", argilla),
+                          ("kto", kto), ("prompts", prompts)):
         paths[name] = str(root / f"{name}.jsonl")
         (root / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     return {"hf": str(root / "hf"), **paths}
@@ -208,17 +214,13 @@ def test_lora_model_dir_is_the_reference_said_so(files):
     as TRL does with a PeftModel; the note says Axolotl's DPO does not load them."""
     _, conv = convert(files, {"lora_model_dir": "runs/sft"})
     assert conv.overrides["model.lora.init_from"] == "runs/sft"
-    assert "do not load lora_model_dir" in conv.notes["preference.reference"]
+    assert "does not load lora_model_dir" in conv.notes["preference.reference"]
 
 
 @pytest.mark.parametrize("rl, says", [
-    ("kto", "rl: 'kto': KTO (unpaired desirable / undesirable completions) is not "
-            "supported yet; it is planned"),
-    ("grpo", "rl: 'grpo': GRPO (completions generated and scored during training) is not "
-             "supported yet; it is planned"),
     ("gdpo", "rl: 'gdpo': GDPO"),
     ("ebft", "rl: 'ebft': EBFT"),
-    ("ppo", "rl: 'ppo' must be one of dpo, ipo, orpo, simpo"),
+    ("ppo", "rl: 'ppo' must be one of dpo, ipo, orpo, simpo, kto, grpo"),
 ])
 def test_other_rl_methods_are_one_line(files, rl, says):
     """The datasets of a refused rl are not read: rl is the only problem."""
@@ -282,3 +284,118 @@ def test_rl_fields_without_rl_are_listed(files):
     assert "train.objective" not in conv.overrides and conv.overrides["train.seq_len"] == 48
     for key in ("rl_beta", "dpo_label_smoothing"):
         assert reasons[key].startswith("a preference-training setting"), reasons
+
+
+# In the shape of Axolotl's examples/llama-3/qlora-1b-kto.yaml, under LoRA.
+KTO = {"rl": "kto", "rl_beta": 0.5, "kto_desirable_weight": 0.2, "remove_unused_columns": False,
+       "datasets": [{"path": "{kto}"}]}
+
+
+def test_kto_lora_converts_and_passes_ndjaxs_checks(files):
+    """rl: kto: KTO's beta and weights (Axolotl's `or 1.0` for an unset one), records of
+    prompt, completion and label as data.format=unpaired_preference, an example and its
+    KL sequence a row, the base with the adapters off as the reference."""
+    raw, conv = convert(files, {**KTO, "datasets": [{"path": files["kto"]}]})
+    o = conv.overrides
+    assert (o["train.objective"], o["preference.beta"], o["preference.desirable_weight"],
+            o["preference.undesirable_weight"], o["preference.reference"]) == (
+        "kto", 0.5, 0.2, 1.0, "auto")
+    assert (o["data.format"], o["data.prompt_field"], o["data.completion_field"],
+            o["data.label_field"], o["data.files"]) == (
+        "unpaired_preference", "prompt", "completion", "label", files["kto"])
+    assert (o["train.seq_len"], o["data.packing"], o["train.batch_size"]) == (96, False, 4)
+    assert "KL partner" in conv.notes["train.batch_size"]
+    assert "Axolotl's `or 1.0`" in conv.notes["preference.undesirable_weight"]
+    assert_every_field_accounted_for(raw, conv)
+    assert "c.preference.desirable_weight = 0.2" in check(conv)
+
+
+def test_kto_dataset_types_are_refused_one_line_each(files):
+    """Axolotl's KTO strategies render their own template strings; a DPO type is none
+    of KTO's. Each is one line naming what to give instead."""
+    with pytest.raises(ConfigError) as e:
+        convert(files, {**KTO, "kto_undesirable_weight": -1, "datasets": [
+            {"path": files["kto"], "type": "llama3.ultra"},
+            {"path": files["kto"], "type": "chat_template.default"}]})
+    problems = e.value.conversion.problems
+    expected = ["kto_undesirable_weight: -1 must be a number >= 0",
+                "datasets[0].type: 'llama3.ultra' renders Axolotl's own llama3 prompt strings",
+                "datasets[1].type: 'chat_template.default' is not a KTO dataset type"]
+    assert len(problems) == len(expected), "\n".join(problems)
+    for line, start in zip(problems, expected):
+        assert line.startswith(start) and "\n" not in line, (line, start)
+    assert "records of prompt, completion and label" in problems[1]
+
+
+# In the shape of Axolotl's docs/grpo.qmd example, with records already holding a prompt.
+GRPO = {"rl": "grpo", "rl_beta": None, "chat_template": "llama3", "datasets": [{"path": ""}],
+        "trl": {"use_vllm": True, "vllm_server_host": "0.0.0.0", "vllm_server_port": 8000,
+                "beta": 0.04, "num_generations": 4, "max_completion_length": 16,
+                "temperature": 0.7, "top_p": 0.9, "top_k": 20, "loss_type": "grpo",
+                "reward_funcs": ["ndjax.rewards.math.accuracy"], "reward_weights": [2.0],
+                "epsilon": 0.2, "epsilon_high": 0.28, "scale_rewards": False,
+                "mask_truncated_completions": True, "log_completions": True}}
+
+
+def grpo(files, trl=None, **change):
+    return convert(files, {**GRPO, "datasets": [{"path": files["prompts"]}],
+                           "trl": {**GRPO["trl"], **(trl or {})}, **change})
+
+
+def test_grpo_lora_converts_and_passes_ndjaxs_checks(files):
+    """rl: grpo: trl's settings as grpo.*, reward_funcs joined, scale_rewards false as
+    none, records of a prompt as data.format=prompt, sequence_len + max_completion_length
+    as the row (a prompt of up to sequence_len tokens and its completion), the batch in
+    completions; use_vllm listed as not mapped."""
+    raw, conv = grpo(files)
+    o = conv.overrides
+    assert o["train.objective"] == "grpo"
+    assert {k: v for k, v in o.items() if k.startswith("grpo.")} == {
+        "grpo.num_generations": 4, "grpo.max_completion_length": 16, "grpo.temperature": 0.7,
+        "grpo.top_p": 0.9, "grpo.top_k": 20, "grpo.reward_funcs": "ndjax.rewards.math.accuracy",
+        "grpo.reward_weights": (2.0,), "grpo.loss_type": "grpo", "grpo.epsilon": 0.2,
+        "grpo.epsilon_high": 0.28, "grpo.beta": 0.04, "grpo.scale_rewards": "none",
+        "grpo.mask_truncated_completions": True}
+    assert (o["data.format"], o["data.prompt_field"], o["data.chat_template"],
+            o["data.files"]) == ("prompt", "prompt", "llama3", files["prompts"])
+    assert (o["train.seq_len"], o["train.batch_size"], o["preference.reference"]) == (
+        48 + 16, 4, "auto")
+    assert "data.packing" not in o and "data.overlong" not in o
+    reasons = {u.field: u.reason for u in conv.unmapped}
+    assert "training mesh" in reasons["trl.use_vllm"], reasons
+    assert "trl.vllm_server_port" in reasons and "trl.log_completions" in reasons
+    assert_every_field_accounted_for(raw, conv)
+    assert "c.grpo.reward_weights = (2.0,)" in check(conv)
+
+    # Two functions joined; Axolotl's true scale_rewards is TRL's group; beta unset is
+    # TRL's 0, no reference.
+    # TRL's num_iterations (mu), where ndjax's GRPO has it.
+    _, conv = grpo(files, {"reward_funcs": ["ndjax.rewards.math.accuracy",
+                                            "ndjax.rewards.format.think_answer"],
+                           "reward_weights": None, "scale_rewards": True, "beta": None,
+                           "num_iterations": 2 if axolotl_grpo.ITERATIONS else 1})
+    o = conv.overrides
+    assert (o["grpo.reward_funcs"], o["grpo.scale_rewards"], o["grpo.beta"]) == (
+        "ndjax.rewards.math.accuracy,ndjax.rewards.format.think_answer", "group", 0.0)
+    assert "preference.reference" not in o
+    assert o.get("grpo.num_iterations") == (2 if axolotl_grpo.ITERATIONS else None)
+    check(conv)
+
+
+def test_grpo_refusals_are_one_line_each_in_one_report(files):
+    """Settings that change GRPO's sampling or loss beyond ndjax's, an Axolotl transform
+    as the dataset's type, a batch num_generations does not divide: one line each,
+    together."""
+    with pytest.raises(ConfigError) as e:
+        grpo(files, {"min_p": 0.05, "importance_sampling_level": "sequence",
+                     "num_generations": 3, "max_completion_length": 64},
+             datasets=[{"path": files["prompts"], "type": "rewards.prompt_transform"}])
+    problems = e.value.conversion.problems
+    expected = ["trl.min_p: 0.05 must be unset or 0",
+                "trl.importance_sampling_level: 'sequence' must be token",
+                "trl.num_generations: 3 does not divide the batch, 4 completions",
+                "datasets[0].type: 'rewards.prompt_transform' is a transform Axolotl runs"]
+    assert len(problems) == len(expected), "\n".join(problems)
+    for start in expected:
+        line = next((p for p in problems if p.startswith(start)), None)
+        assert line is not None and "\n" not in line, (start, problems)

@@ -2,7 +2,8 @@
 the named templates ndjax ships, roles_to_train and train_on_eos too), alpaca, completion
 and input_output datasets, from local files, save_to_disk folders or hub datasets in the
 local cache, one kind per run (data.* holds one source and one set of fields). Under rl
-(``preference``), Axolotl's preference dataset types as data.format=preference."""
+(``preference``), Axolotl's preference dataset types as data.format=preference, KTO's
+records as data.format=unpaired_preference, and GRPO's prompts as data.format=prompt."""
 
 from __future__ import annotations
 
@@ -56,33 +57,57 @@ def data(f: Fields, out: Out, steps: int | None, tokenizer: str | None, context:
     the others are still read."""
     pref = preference.objective(f, out)
     seq_len = f.integer("sequence_len", 512, minimum=1)
-    if pref.rl:
+    kto, sampled = pref.objective == "kto", pref.objective == "grpo"
+    unit = "KTO example" if kto else "pair"
+    if sampled:
+        # TRL does not bound GRPO's prompts by sequence_len (Axolotl passes no max_length):
+        # a row holds a prompt of up to sequence_len tokens and its completion.
+        seq_len += out.overrides.get("grpo.max_completion_length") or 0
+        out.set("train.seq_len", seq_len, f.note("sequence_len", "Axolotl's default 512") +
+                " + trl.max_completion_length: a row holds a prompt of up to sequence_len "
+                "tokens (longer ones are left out and counted) and its completion")
+    elif pref.rl:
         # TRL's max_length (Axolotl's sequence_len) bounds each of a pair's two sequences;
         # ndjax's row holds both, so that every pair TRL keeps whole fits one row.
         seq_len *= 2
-        out.set("train.seq_len", seq_len, f.note("sequence_len", "Axolotl's default 512") +
-                " x 2: a row holds a pair's two sequences (prompt + chosen, prompt + "
-                "rejected), each up to sequence_len tokens as TRL's max_length allows")
+        out.set("train.seq_len", seq_len, f.note("sequence_len", "Axolotl's default 512") + (
+            " x 2: a row holds a KTO example's two sequences (prompt + completion, and its "
+            "KL sequence: the prompt + another example's completion), each up to "
+            "sequence_len tokens as TRL's max_length allows" if kto else
+            " x 2: a row holds a pair's two sequences (prompt + chosen, prompt + "
+            "rejected), each up to sequence_len tokens as TRL's max_length allows"))
     else:
         out.set("train.seq_len", seq_len, f.note("sequence_len", "Axolotl's default"))
     chunk = _loss_chunk(seq_len, context)
     if chunk is not None:
         out.set("train.loss_chunk", chunk, "divides train.seq_len (ndjax's 1024 does not)")
     packing = bool(f.flag("sample_packing", False))
-    if pref.rl:
-        out.set("data.packing", False, ("" if packing else f.note("sample_packing", "false")
-                                        + ": ") + "one pair a row, as Axolotl trains "
-                "preference pairs (micro_batch_size counts pairs)")
+    if sampled:
         if packing:
-            out.skip("sample_packing", True, "Axolotl does not pack preference pairs; "
-                     "ndjax keeps one pair a row, so that train.batch_size counts pairs as "
-                     "micro_batch_size does")
+            out.skip("sample_packing", True, "Axolotl refuses it with rl; ndjax's GRPO rows "
+                     "hold one prompt and completion each")
+    elif pref.rl:
+        out.set("data.packing", False, ("" if packing else f.note("sample_packing", "false")
+                                        + ": ") + f"one {unit} a row, as Axolotl trains "
+                f"{'KTO examples' if kto else 'preference pairs'} (micro_batch_size counts "
+                f"{'examples' if kto else 'pairs'})")
+        if packing:
+            out.skip("sample_packing", True, f"Axolotl does not pack {unit}s; ndjax keeps one "
+                     f"{unit} a row, so that train.batch_size counts them as micro_batch_size "
+                     "does")
     else:
         out.set("data.packing", packing, f.note("sample_packing", "false"))
     if tokenizer is not None:
         out.set("data.tokenizer", tokenizer, "base_model's (or tokenizer_config's) "
                 "tokenizer.json")
     train = f.value("datasets")
+    if kto:
+        out.notes["train.batch_size"] += (
+            ": KTO examples, each one's KL partner the example before it within chunks of "
+            "train.batch_size examples (TRL's chunks are micro_batch_size's)")
+    elif sampled:
+        out.notes["train.batch_size"] += (": completions, grpo.num_generations of each "
+                                          "prompt (TRL's count)")
     if pref.refused:  # nothing to read them for: rl is the problem
         for name in ("datasets", "test_datasets"):
             if f.value(name) is not None:
@@ -102,17 +127,25 @@ def data(f: Fields, out: Out, steps: int | None, tokenizer: str | None, context:
         out.set("data.files", ",".join(files), "datasets[].path")
         for path, value, *note in kind.settings:
             out.set(path, value, note[0] if note else _NOTES[path])
-    if kind is None or kind.source == "chat":
+    if sampled:
+        for key in ("excess_length_strategy", "train_on_inputs"):
+            if f.has(key):
+                out.skip(key, f.raw[key], "Axolotl reads no length strategy for GRPO's prompts "
+                         "(it keeps them all); ndjax leaves out prompts longer than "
+                         "train.seq_len - grpo.max_completion_length, counted"
+                         if key == "excess_length_strategy" else
+                         "GRPO learns its sampled completions only")
+    elif kind is None or kind.source == "chat":
         strategy = f.text("excess_length_strategy", "drop")
         if strategy in ("drop", "truncate"):
             out.set("data.overlong", strategy, f.note("excess_length_strategy", "drop") + (
-                ": a pair longer than train.seq_len + 1 tokens, both sequences together"
+                f": a {unit} longer than train.seq_len + 1 tokens, both sequences together"
                 if pref.rl else ""))
         elif pref.rl:
             out.problem(refusal("excess_length_strategy", strategy, "drop or truncate for "
-                                "preference pairs", "; ndjax drops a pair longer than "
-                                "train.seq_len (drop, Axolotl's default) or cuts its "
-                                "completions' ends (truncate)"))
+                                f"{'KTO examples' if kto else 'preference pairs'}",
+                                f"; ndjax drops a {unit} longer than train.seq_len (drop, "
+                                "Axolotl's default) or cuts its completions' ends (truncate)"))
         else:
             out.skip("excess_length_strategy", strategy, "ndjax drops or truncates")
         if f.flag("train_on_inputs", False):
@@ -121,7 +154,7 @@ def data(f: Fields, out: Out, steps: int | None, tokenizer: str | None, context:
         else:
             f.read.discard("train_on_inputs")  # listed as off
     if pref.rl:
-        _no_evaluation(f, out)
+        _no_evaluation(f, out, pref.objective)
         return
     tests = f.value("test_datasets")
     _, eval_files, _ = _datasets(f, out, "test_datasets", tests, kind) if tests \
@@ -211,6 +244,10 @@ def _dataset(root: Fields, where: str, entry: Any, objective: str | None = None
         bad(where, entry, "a mapping with path: and type:")
     d = root.child(entry, f"{where}.")
     path, kind = d.text("path"), d.value("type")
+    if objective == "grpo":
+        return _prompts(root, d, where, entry, path, kind)
+    if objective == "kto":
+        return _examples(root, d, where, entry, path, kind)
     if objective is not None:
         return _pairs(root, d, where, entry, path, kind, objective)
     if kind not in _FORMATS:
@@ -320,6 +357,80 @@ def _pairs(root: Fields, d: Fields, where: str, entry: Mapping, path: str, kind:
     return _Kind("chat", settings), files, skipped, root_keys
 
 
+def _records(root: Fields, d: Fields, where: str, entry: Mapping, path: str,
+             settings: tuple[tuple[str, Any, str], ...]
+             ) -> Unmapped | tuple[_Kind, str, list[Unmapped], tuple[str, ...]]:
+    """A dataset of records read as they are (no type), with ``settings`` and the chat
+    template (for records of messages)."""
+    files = _local_files(where, path)
+    if isinstance(files, Unmapped):
+        return files
+    skipped: list[Unmapped] = []
+    if d.value("split") not in (None, "train"):
+        skipped.append(Unmapped(f"{where}.split", entry["split"], "ndjax reads every row"))
+    d.read.add("ds_type")  # the files' extensions say it
+    template, root_keys = _template(root, d, where, skipped)
+    settings += (("data.chat_template", template, _NOTES["data.chat_template"]),)
+    skipped += [Unmapped(f"{where}.{k}", entry[k], reason(str(k), entry[k])) for k in d.rest()]
+    return _Kind("chat", settings), files, skipped, root_keys
+
+
+def _type_name(where: str, kind: Any) -> str | None:
+    """Axolotl's name of a preference dataset's ``type`` (None: unset)."""
+    if isinstance(kind, Mapping):
+        return "user_defined.default"  # Axolotl's reading of a type given as a mapping
+    if kind is None or isinstance(kind, str) and kind:
+        return kind if kind is None or "." in kind else f"{kind}.default"
+    bad(f"{where}.type", kind, "unset (records read as they are)")
+
+
+def _examples(root: Fields, d: Fields, where: str, entry: Mapping, path: str, kind: Any
+              ) -> Unmapped | tuple[_Kind, str, list[Unmapped], tuple[str, ...]]:
+    """An rl: kto dataset as data.format=unpaired_preference: records of prompt,
+    completion and label as they are (no type, or passthrough), strings or messages;
+    pairs of chosen and rejected are unpaired as TRL does (the first record decides).
+    Axolotl's KTO strategies render their own prompt strings: refused."""
+    name = _type_name(where, kind)
+    if name not in (None, "passthrough.default"):
+        family = name.split(".")[0]
+        ours = ("leave type unset and give records of prompt, completion and label (strings, "
+                "or prompt and completion as lists of messages, rendered with chat_template) "
+                "as TRL's KTOTrainer reads them")
+        if family in _RENDERED:
+            raise ConfigError(f"{where}.type: {show(kind)} renders Axolotl's own {family} "
+                              f"prompt strings, which ndjax has no transform for; {ours}.")
+        raise ConfigError(f"{where}.type: {show(kind)} is not a KTO dataset type ndjax reads "
+                          f"(Axolotl's are chatml.*, llama3.* and user_defined.*); {ours}.")
+    note = (f"datasets[].type {name or 'unset'} (rl: kto): KTO's examples, records of "
+            "prompt, completion and label as they are, or pairs of chosen and rejected "
+            "unpaired as TRL does")
+    return _records(root, d, where, entry, path, (
+        ("data.format", "unpaired_preference", note),
+        ("data.prompt_field", "prompt", "the records' prompt"),
+        ("data.completion_field", "completion", "the records' completion"),
+        ("data.label_field", "label", "the records' label (true: desirable)")))
+
+
+def _prompts(root: Fields, d: Fields, where: str, entry: Mapping, path: str, kind: Any
+             ) -> Unmapped | tuple[_Kind, str, list[Unmapped], tuple[str, ...]]:
+    """An rl: grpo dataset as data.format=prompt: records that hold a prompt (a string
+    or messages) and the columns the reward functions read, as they are. Axolotl's GRPO
+    types are Python transforms (module.function) ndjax cannot run: refused."""
+    name = _type_name(where, kind)
+    if name not in (None, "passthrough.default"):
+        raise ConfigError(
+            f"{where}.type: {show(kind)} is a transform Axolotl runs on each record, which "
+            "ndjax cannot run; run it once yourself, save its records (each with a prompt, "
+            "a string or messages, and the columns your reward functions read) as JSON "
+            "Lines, and list that file with no type.")
+    return _records(root, d, where, entry, path, (
+        ("data.format", "prompt", f"datasets[].type {name or 'unset'} (rl: grpo): records "
+                                  "of a prompt and the columns the reward functions read, "
+                                  "as they are"),
+        ("data.prompt_field", "prompt", "the records' prompt (a string, or messages rendered "
+                                        "with the chat template and its generation prompt)")))
+
+
 def _pair_type_refusal(where: str, kind: Any, name: str, objective: str) -> str:
     """The one line refusing a preference dataset's type, with what to use instead."""
     field = f"{where}.type: {show(kind)}"
@@ -362,10 +473,11 @@ def _plain_messages(d: Fields, where: str) -> tuple[str, ...]:
                              "message_field_content") if d.has(k))
 
 
-def _no_evaluation(f: Fields, out: Out) -> None:
-    """A preference run's validation fields, listed: ndjax does not evaluate preference
-    objectives yet (train.eval_every)."""
-    why = "ndjax does not evaluate preference objectives on a validation split yet"
+def _no_evaluation(f: Fields, out: Out, objective: str | None) -> None:
+    """A preference (or GRPO) run's validation fields, listed: ndjax does not evaluate
+    them yet (train.eval_every)."""
+    why = "ndjax does not evaluate " + ("GRPO" if objective == "grpo" else
+                                        "preference objectives") + " on a validation split yet"
     tests = f.value("test_datasets")
     if tests:
         out.skip("test_datasets", tests, why)

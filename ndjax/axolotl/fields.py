@@ -18,7 +18,11 @@ T = TypeVar("T")
 REASONS = (
     (("rl_", "dpo_", "orpo_", "simpo_", "cpo_", "kto_", "rpo_alpha", "precompute_ref_log_probs",
       "max_prompt_len", "trl"),
-     "a preference-training setting, read with rl: dpo, ipo, orpo or simpo only"),
+     "a preference-training setting, read with rl: dpo, ipo, orpo, simpo, kto or grpo only"),
+    (("vllm",), "ndjax samples GRPO's completions itself, on the training mesh with the "
+     "weights it trains (no vLLM server)"),
+    (("remove_unused_columns",), "ndjax reads the columns its data.format needs, and hands "
+     "GRPO's reward functions every column"),
     (("peft_use_dora", "peft_layers_to_transform", "peft_layers_pattern",
       "lora_fan_in_fan_out", "lora_on_cpu", "loraplus_", "relora_", "lisa_", "peft_"),
      "ndjax's LoRA adapts the blocks' projections (model.lora) and nothing else"),

@@ -1,8 +1,9 @@
-"""Axolotl's preference training (``rl: dpo | ipo | orpo | simpo``) as ndjax's
+"""Axolotl's preference training (``rl: dpo | ipo | orpo | simpo | kto``) as ndjax's
 train.objective and preference section, by their TRL meaning: Axolotl hands them to
-TRL's DPOTrainer (dpo, ipo), ORPOTrainer (orpo) and CPOTrainer with loss_type simpo
-(simpo). The datasets of a preference run are read in ``datasets`` (their ``type:``s are
-Axolotl's preference strategies, not its SFT ones)."""
+TRL's DPOTrainer (dpo, ipo), ORPOTrainer (orpo), CPOTrainer with loss_type simpo
+(simpo) and KTOTrainer (kto); ``rl: grpo`` is read in ``grpo``. The datasets of a
+preference run are read in ``datasets`` (their ``type:``s are Axolotl's preference
+strategies, not its SFT ones)."""
 
 from __future__ import annotations
 
@@ -10,23 +11,23 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
+from ndjax.axolotl import grpo
 from ndjax.axolotl.fields import Fields, Out, reason, refusal, show
 
 # Axolotl's rl values ndjax trains, as train.objective.
-OBJECTIVES = ("dpo", "ipo", "orpo", "simpo")
+OBJECTIVES = ("dpo", "ipo", "orpo", "simpo", "kto", "grpo")
 # The others Axolotl has, refused with what is missing.
 NOT_YET = {
-    "kto": "KTO (unpaired desirable / undesirable completions) is not supported yet; it is "
-           "planned",
-    "grpo": "GRPO (completions generated and scored during training) is not supported yet; "
-            "it is planned",
-    "gdpo": "GDPO (group reward-decoupled GRPO, with generation) is not supported",
+    "gdpo": "GDPO (GRPO with each reward normalised before the sum) is not supported "
+            "(rl: grpo is)",
     "ebft": "EBFT (energy-based fine-tuning, with generation) is not supported",
 }
 # What TRL calls beta, per objective (ndjax's preference.beta).
 BETA = {"dpo": "DPO's beta", "ipo": "IPO's tau", "orpo": "ORPO's lambda",
-        "simpo": "SimPO's beta"}
-TRL_BETA = 0.1  # DPOConfig's, ORPOConfig's and CPOConfig's default
+        "simpo": "SimPO's beta", "kto": "KTO's beta"}
+TRL_BETA = 0.1  # DPOConfig's, ORPOConfig's, CPOConfig's and KTOConfig's default
+# The objectives with a reference model (preference.reference).
+REFERENCED = ("dpo", "ipo", "kto")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,30 +51,38 @@ def objective(f: Fields, out: Out) -> Preference:
         return Preference()
     if rl not in OBJECTIVES:
         if isinstance(rl, str) and rl in NOT_YET:
-            out.problem(f"rl: {show(rl)}: {NOT_YET[rl]}; ndjax's preference objectives are "
+            out.problem(f"rl: {show(rl)}: {NOT_YET[rl]}; ndjax's post-training objectives are "
                         f"{', '.join(OBJECTIVES)}.")
         else:
             out.problem(refusal("rl", rl, f"one of {', '.join(OBJECTIVES)}",
-                                " (Axolotl's preference methods ndjax trains); remove rl: "
+                                " (Axolotl's post-training methods ndjax trains); remove rl: "
                                 "for supervised fine-tuning"))
         return Preference(refused=True)
     name = _loss_type(f, out, rl)
     out.set("train.objective", name, "rl" if name == rl else f"rl: {rl} with dpo_loss_type")
-    _beta(f, out, name)
+    if name == "grpo":
+        grpo.settings(f, out)
+    else:
+        _beta(f, out, name)
     _smoothing(f, out, name)
     _simpo(f, out, name)
+    _kto(f, out, name)
     _dpo_options(f, out, name)
-    if name in ("dpo", "ipo"):
-        _reference(f, out)
-    else:
+    if name in REFERENCED:
+        _reference(f, out, name)
+    elif name != "grpo":  # grpo's reference is grpo.settings'
         for key in ("rl_adapter_ref_model", "precompute_ref_log_probs"):
             if f.value(key):
                 out.skip(key, f.raw[key], f"rl: {name} uses no reference model")
-    _trl(f, out)
+    if name != "grpo":
+        _trl(f, out)
     if f.has("max_prompt_len"):
-        out.skip("max_prompt_len", f.value("max_prompt_len"), "ndjax never cuts a prompt; a "
-                 "pair longer than train.seq_len is dropped or its completions' ends cut "
-                 "(excess_length_strategy), as TRL 1.16's max_length does")
+        out.skip("max_prompt_len", f.value("max_prompt_len"), "TRL 1.16's GRPOConfig has no "
+                 "max_prompt_length (Axolotl blocks it); ndjax leaves out prompts longer than "
+                 "train.seq_len - grpo.max_completion_length" if name == "grpo" else
+                 "ndjax never cuts a prompt; a pair longer than train.seq_len is dropped or "
+                 "its completions' ends cut (excess_length_strategy), as TRL 1.16's "
+                 "max_length does")
     return Preference(name)
 
 
@@ -172,6 +181,24 @@ def _simpo(f: Fields, out: Out, name: str) -> None:
             out.skip(key, value, f"Axolotl reads it only with rl: simpo, not {name}")
 
 
+def _kto(f: Fields, out: Out, name: str) -> None:
+    """kto_desirable_weight, kto_undesirable_weight: KTOConfig's desirable_weight and
+    undesirable_weight, which Axolotl sets to the value or 1.0 (an unset or 0 one is 1)."""
+    for side in ("desirable", "undesirable"):
+        key = f"kto_{side}_weight"
+        value = f.number(key, None)
+        if name != "kto":
+            if value is not None:
+                out.skip(key, value, f"Axolotl reads it only with rl: kto, not {name}")
+            continue
+        note = (key if value else f"{key} {'0' if value == 0 else 'unset'}: Axolotl's "
+                "`or 1.0`, TRL's default") + f": the {side} examples' loss weight"
+        out.set(f"preference.{side}_weight", value or 1.0, note)
+    if name == "kto" and f.value("precompute_ref_log_probs"):
+        out.skip("precompute_ref_log_probs", True, "Axolotl passes it to rl: dpo and ipo "
+                 "only; ndjax computes the reference's log-probabilities in each step")
+
+
 def _dpo_options(f: Fields, out: Out, name: str) -> None:
     """The DPO trainer's other options: those that change the loss are refused, the
     others (kernels, padding, precomputing) change no result and are listed."""
@@ -211,8 +238,8 @@ def _dpo_options(f: Fields, out: Out, name: str) -> None:
                  "reference it holds (preference.reference)")
 
 
-def _reference(f: Fields, out: Out) -> None:
-    """preference.reference=auto (dpo, ipo), with what it is here: the base with the
+def _reference(f: Fields, out: Out, name: str) -> None:
+    """preference.reference=auto (dpo, ipo, kto), with what it is here: the base with the
     adapters off under fresh LoRA adapters, the trained ones of lora_model_dir (TRL's
     reference under a PeftModel), a frozen copy of base_model's weights without LoRA
     (Axolotl loads a second model)."""
@@ -221,7 +248,7 @@ def _reference(f: Fields, out: Out) -> None:
     if f.raw.get("lora_model_dir") and adapters:
         note = ("auto: lora_model_dir's trained adapters, which ndjax starts from and "
                 "references (initial_adapters), as TRL does with a PeftModel; Axolotl's "
-                "dpo and ipo build fresh adapters instead and do not load lora_model_dir")
+                f"{name} builds fresh adapters instead and does not load lora_model_dir")
     elif adapters:
         note = "auto: base_model with the adapters off, TRL's reference under LoRA"
         if f.raw.get("lora_modules_to_save"):
@@ -238,7 +265,8 @@ def _reference(f: Fields, out: Out) -> None:
 
 
 def _trl(f: Fields, out: Out) -> None:
-    """The ``trl:`` mapping: its beta is read with rl_beta; the others are listed."""
+    """The ``trl:`` mapping: its beta is read with rl_beta; the others are listed (Axolotl
+    hands them to rl: grpo only)."""
     raw = f.value("trl")
     if raw is None:
         return
@@ -253,5 +281,7 @@ def _trl(f: Fields, out: Out) -> None:
             out.skip("trl.max_completion_length", value, "ndjax never cuts a completion "
                      "alone: a pair longer than train.seq_len is dropped or its completions' "
                      "ends cut (excess_length_strategy)")
+        elif key in grpo.KNOWN and value not in (None, False, "", [], {}):
+            out.skip(f"trl.{key}", value, "Axolotl passes it to rl: grpo only")
         else:
             out.skip(f"trl.{key}", value, reason(str(key), value))

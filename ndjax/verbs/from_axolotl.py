@@ -103,7 +103,7 @@ def convert(raw: Mapping[str, Any], devices: int | None = None) -> Conversion:
 def render(conv: Conversion, source: str) -> str:
     """The ndjax config file: ``get_config()`` over ``default_config()``, each line
     commented with the Axolotl fields it comes from, the unmapped ones listed on top."""
-    sections = ("mesh", "runtime", "model", "data", "train", "preference", "checkpoint",
+    sections = ("mesh", "runtime", "model", "data", "train", "preference", "grpo", "checkpoint",
                 "log", "export")
     lines = [
         '"""ndjax config converted from an Axolotl config by ndjax from_axolotl."""',
