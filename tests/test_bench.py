@@ -303,3 +303,18 @@ def test_cp_algorithms_tiny():
     assert float(rows["all_to_all"]["collective-permute MiB"]) == 0, rows
     assert all(float(r["tokens/s"].replace(",", "")) > 0 for r in rows.values()), rows
 
+
+
+def test_grpo_speed_tiny():
+    """bench/grpo_speed.py: one GRPO step's rollout and train step timed apart, the
+    parts within the whole (each rounded to 1 ms)."""
+    lines = run_tiny("grpo_speed.py").stdout.splitlines()
+    header = next(line for line in lines if line.startswith("| model |"))
+    columns = [c.strip() for c in header.strip("|").split("|")]
+    rows = [dict(zip(columns, r)) for r in table_rows(lines, "dim 64, 2 layers")]
+    assert [r["layout"] for r in rows] == ["1 device"], lines
+    (r,) = rows
+    assert float(r["rollout tok/s"].replace(",", "")) > 0, r
+    assert float(r["train tok/s"].replace(",", "")) > 0, r
+    parts = float(r["sampling s"]) + float(r["rewards s"]) + float(r["step s"])
+    assert 0 < parts <= float(r["total s"]) + 0.002, r

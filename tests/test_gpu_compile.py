@@ -645,3 +645,26 @@ def test_preference_memory_tiny():
     assert float(sft[5]) == 0 and float(dpo[5]) == float(dpo[3]) > 0, rows
     assert float(dpo[7]) > float(sft[7]), rows
     assert table_rows(lines, "dpo / sft")[0][1] == "full", lines
+
+
+@needs_extra
+def test_grpo_memory_tiny():
+    """bench/grpo_memory.py: the sampler's prefill and decode loop and the GRPO step
+    compiled for 8 H100s; the decode loop updates the cache it is given in place, the
+    held reference (grpo.beta > 0) sits in the step's arguments at the weights' bytes,
+    and the peak is the resident state plus the largest program's addition."""
+    lines = run_tiny("grpo_memory.py").stdout.splitlines()
+    programs = [r for r in table_rows(lines, "full") if len(r) == 10]
+    assert [r[:4] for r in programs] == [["full", "0.04", "held", p] for p in (
+        "sampler prefill", "sampler decode", "train step")], lines
+    prefill, decode, _ = programs
+    cache = float(prefill[6].split()[0])
+    assert cache > 0 and decode[6] == f"{prefill[6].split()[0]} ({prefill[6].split()[0]})", \
+        programs  # the decode loop's output: the cache, aliased to its donated argument
+    (peak,) = [r for r in table_rows(lines, "full") if len(r) == 14]
+    weights, reference, kv = float(peak[2]), float(peak[4]), float(peak[6])
+    assert reference == weights > 0 and kv == cache, peak
+    adds = [float(x.strip("*")) for x in peak[8:11]]
+    assert abs(float(peak[11]) - (float(peak[7]) + max(adds))) <= 0.02, peak
+    (gathers,) = [r for r in table_rows(lines, "full") if len(r) == 5]
+    assert float(gathers[1]) > 0, gathers  # decode gathers the weights for every token
