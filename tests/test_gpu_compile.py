@@ -461,6 +461,18 @@ def test_compile_cli_decode_compiles_prefill_and_the_decode_loop():
 
 
 @needs_extra
+def test_compile_cli_counts_the_decode_loops_collectives_per_token():
+    """The decode loop (a while loop that stops when every row has ended: no trip count
+    in the HLO) the larger program, with FSDP's gathers in it: its collectives are counted
+    per generated token (it raised a traceback)."""
+    out = _compile_cli("--hardware=h100", "--devices=8", "--step=decode",
+                       "--max_new_tokens=240", "--config.train.seq_len=256")
+    assert out.returncode == 0, out.stderr
+    assert "programs: prefill" in out.stdout and "collectives per generated token" in out.stdout
+    assert "all-gather" in out.stdout, out.stdout
+
+
+@needs_extra
 def test_bench_gpu_cases_compile_for_an_h200():
     """Every case of bench/gpu.py compiles for the GPU it will first run on, and fits."""
     out = subprocess.run([sys.executable, "bench/gpu.py", "--compile_for=h200",

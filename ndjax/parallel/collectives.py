@@ -191,11 +191,12 @@ def _callees(ins: _Instr) -> list[tuple[str, str]]:
     return pairs
 
 
-def _executions(mod: _Module) -> dict[str, int]:
+def _executions(mod: _Module, unknown_trips: int | None = None) -> dict[str, int]:
     """Times each computation runs per step: calls and fusions once per run of
-    the caller, a while body known-trip-count times, of a conditional's branches
-    only the one with the most collective executions (one branch runs; the
-    largest is the planner's worst case), the others zero."""
+    the caller, a while body known-trip-count times (a loop whose count is decided as it
+    runs, e.g. generation's decode loop: ``unknown_trips`` times, or refused), of a
+    conditional's branches only the one with the most collective executions (one branch
+    runs; the largest is the planner's worst case), the others zero."""
     counts: dict[str, int] = {}
     has_coll = _has_collectives(mod)
 
@@ -214,8 +215,10 @@ def _executions(mod: _Module) -> dict[str, int]:
                 if ins.op == "while" and attr in ("body", "condition"):
                     trips = _trip_count(ins)
                     if trips is None and has_coll(callee):
-                        raise ValueError(f"while loop {ins.name} runs collectives but has "
-                                         "no known trip count")
+                        if unknown_trips is None:
+                            raise ValueError(f"while loop {ins.name} runs collectives but "
+                                             "has no known trip count")
+                        trips = unknown_trips
                     factor = trips or 1
                 visit(callee, times * factor)
 
@@ -547,14 +550,17 @@ def _ragged_send(mod: _Module, comp: str, ins: _Instr) -> tuple[str, int] | None
     return arrays[0] if arrays else None
 
 
-def collectives(hlo_text: str, cpu_compiled: bool = True) -> list[Collective]:
+def collectives(hlo_text: str, cpu_compiled: bool = True,
+                unknown_trips: int | None = None) -> list[Collective]:
     """Every collective in an optimized HLO module's text, in text order.
     ``cpu_compiled``: the text is XLA:CPU's, whose float32 collectives of converted
     16-bit floats are read as the 16-bit ones a GPU would move (``wire_bytes``). False
     for XLA:GPU's text, which moves what it says: there such a convert is the
-    program's own (a float32 sum of bfloat16 partial gradients)."""
+    program's own (a float32 sum of bfloat16 partial gradients). ``unknown_trips``: how
+    many times a while loop whose trip count the text does not say runs (1: per trip,
+    e.g. per generated token); None refuses such a loop that runs collectives."""
     mod = _parse(hlo_text)
-    runs = _executions(mod)
+    runs = _executions(mod, unknown_trips)
     out: list[Collective] = []
     for comp, instrs in mod.comps.items():
         for ins in instrs:

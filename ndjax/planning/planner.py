@@ -354,15 +354,18 @@ def measure(config_json: str, n: int, target: str | None = None,
                 rematerializations=native.rematerializations)
 
 
-def collective_records(hlo: str, mesh: Any, devices: Sequence[jax.Device]) -> list[dict]:
+def collective_records(hlo: str, mesh: Any, devices: Sequence[jax.Device],
+                       unknown_trips: int | None = None) -> list[dict]:
     """Every collective of a compiled step as a record, its groups as positions in
-    ``devices`` (partition p of the program runs on the mesh's p-th device)."""
+    ``devices`` (partition p of the program runs on the mesh's p-th device);
+    ``unknown_trips`` as ``collectives``'."""
     position = {d.id: i for i, d in enumerate(devices)}
     order = [position[d.id] for d in mesh.devices.flat]
     return [dict(kind=c.kind, dtype=c.dtype, bytes=c.bytes, ring_bytes=c.ring_bytes,
                  group_size=c.group_size, executed=c.executed,
                  groups=[[order[p] for p in g] for g in c.groups])
-            for c in collectives(hlo, cpu_compiled=platforms.of(devices) != "gpu")]
+            for c in collectives(hlo, cpu_compiled=platforms.of(devices) != "gpu",
+                                 unknown_trips=unknown_trips)]
 
 
 class Cache:

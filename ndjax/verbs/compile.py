@@ -142,7 +142,10 @@ def compile_for(config: Any, hardware: str, n: int, per_node: int = 8,
                + memory[k].temp_size_in_bytes)
     compiled, m = programs[name], memory[name]
     hlo = compiled.as_text()
-    found = collective_records(hlo, exp.mesh, devices)
+    # The decode loop stops when every row has ended: its collectives are counted once,
+    # per generated token.
+    found = collective_records(hlo, exp.mesh, devices,
+                               unknown_trips=1 if step == "decode" else None)
     host = int(m.host_temp_size_in_bytes + m.host_argument_size_in_bytes)  # remat=offload
     return dict(hardware=hardware, gpu=hw.name, devices=n, devices_per_node=per_node,
                 step=step, mesh={a: int(s) for a, s in exp.mesh.shape.items()},
@@ -211,7 +214,8 @@ def report(r: dict[str, Any], config: Any) -> str:
             f"{k} {_gib(v['argument_bytes'])} + {_gib(v['temp_bytes'])}"
             for k, v in r["programs"].items())] if len(r["programs"]) > 1 else []),
         "not counted: cuBLAS/cuDNN workspaces (no autotuning without a GPU)",
-        f"collectives per step ({len(r['collectives'])} in the program; --json lists each):",
+        f"collectives per {'generated token' if r['step'] == 'decode' else 'step'} "
+        f"({len(r['collectives'])} in the program; --json lists each):",
     ]
     kinds: dict[tuple[str, int], list[int]] = {}
     for c in r["collectives"]:
