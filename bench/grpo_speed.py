@@ -38,7 +38,6 @@ import argparse
 import datetime
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -46,6 +45,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from ndjax.hardware.host import cpu_model
 from ndjax.runtime.children import stop_children_on_signals
 
 WORDS = ("alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron pi "
@@ -71,13 +71,6 @@ def devices_of(mesh: dict) -> int:
     return mesh.get("fsdp", 1) * mesh.get("tensor", 1)
 
 
-def cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next(line.split(":", 1)[1].strip() for line in f
-                        if line.startswith("model name"))
-    except (OSError, StopIteration):
-        return platform.processor() or platform.machine()
 
 
 def write_data(folder: Path, prompt_tokens: int) -> tuple[str, str]:

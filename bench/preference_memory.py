@@ -35,11 +35,12 @@ import argparse
 import datetime
 import json
 import os
-import platform
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+from ndjax.hardware.host import cpu_model
 
 GiB, MiB = 2**30, 2**20
 LORA = dict(rank=16, alpha=32.0, target_modules="all-linear")
@@ -61,14 +62,6 @@ WORDS = ("alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu 
          "rho sigma tau upsilon phi chi psi omega").split()
 
 
-def cpu_model() -> str:
-    """This machine's CPU, as /proc/cpuinfo names it."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next(line.split(":", 1)[1].strip() for line in f
-                        if line.startswith("model name"))
-    except (OSError, StopIteration):
-        return platform.processor() or platform.machine()
 
 
 def write_data(folder: Path) -> tuple[str, str]:
