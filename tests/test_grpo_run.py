@@ -134,3 +134,17 @@ def test_qlora_samples_with_its_adapters_and_its_kl_is_to_the_base(data, tmp_pat
     records = train(c, str(tmp_path / "qlora"), devices=jax.devices()[:1], verbose=False)
     assert records[0]["kl"] == 0 < records[2]["kl"]
     assert all(np.isfinite(r["loss"]) for r in records)
+
+
+def test_what_was_left_out_for_length_is_named_by_the_datas_kind(data):
+    """The start-up line that counts what data.overlong left out says what it counted."""
+    from ndjax.config import Settings
+    from ndjax.training.loop import _overlong
+
+    c = config(data)
+    assert _overlong(Settings.parse(c)) == ("prompts longer than the prompt budget, "
+                                            "train.seq_len - grpo.max_completion_length = "
+                                            "24 tokens")
+    c.train.objective, c.data.format = "dpo", "preference"
+    assert _overlong(Settings.parse(c)).startswith("preference pairs longer than "
+                                                   "train.seq_len + 1 = 33 tokens")

@@ -156,6 +156,22 @@ def default_hooks(exp: Experiment, workdir: str, data_counts: dict[str, int],
     return hooks
 
 
+def _overlong(s: Settings) -> str:
+    """What data.overlong left out, by the data's kind (the count goes before it)."""
+    d, room = s.data, s.train.seq_len + 1
+    if d.format == "prompt":
+        return (f"prompts longer than the prompt budget, train.seq_len - "
+                f"grpo.max_completion_length = {s.train.seq_len - s.grpo.max_completion_length}"
+                " tokens")
+    what = {"preference": "preference pairs", "unpaired_preference": "KTO examples"}.get(
+        d.format)
+    if what:
+        return (f"{what} longer than train.seq_len + 1 = {room} tokens with their second "
+                f"sequence (data.overlong={d.overlong})")
+    return (f"conversations longer than train.seq_len + 1 = {room} tokens "
+            f"(data.overlong={d.overlong})")
+
+
 def _warn(line: str) -> None:
     # Something was wrong and was handled: a warning, one line in train.py
     # (ndjax.runtime.console.one_line_warnings), a UserWarning for a program calling train().
@@ -267,9 +283,8 @@ def train(config: ml_collections.ConfigDict, workdir: str,
         if epoch_note:
             sinks.message(epoch_note)
         if data_counts.get("data/dropped_overlong"):
-            sinks.message(f"data: left out {data_counts['data/dropped_overlong']} conversations "
-                          f"longer than train.seq_len + 1 = {s.train.seq_len + 1} tokens "
-                          f"(data.overlong={s.data.overlong})")
+            sinks.message(f"data: left out {data_counts['data/dropped_overlong']} "
+                          + _overlong(s))
 
         # No steps left (steps=0: import -> export, or a finished run): nothing to compile.
         step_fn = None
