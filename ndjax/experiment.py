@@ -283,6 +283,10 @@ def _check_objective(settings: Settings) -> None:
                               "data.format=chat for SFT.")
         return
     where = f"train.objective={t.objective!r}"
+    if t.eval_every or t.evals_per_epoch:
+        raise ConfigError(f"{where}: evaluation on a validation split is not built yet for "
+                          "the post-training objectives; set train.eval_every=0 and "
+                          "train.evals_per_epoch=0.")
     if t.objective == "grpo":
         _check_grpo(settings)
         if settings.grpo.beta == 0:
@@ -301,10 +305,6 @@ def _check_objective(settings: Settings) -> None:
         raise ConfigError(f"{where} learns from preference pairs, and data.format="
                           f"{d.format!r}: set data.source=chat and data.format=preference "
                           "(records with prompt, chosen and rejected; docs/post-training.md).")
-    if t.eval_every or t.evals_per_epoch:
-        raise ConfigError(f"{where}: evaluation of a preference objective on a validation "
-                          "split is not built yet; set train.eval_every=0 and "
-                          "train.evals_per_epoch=0.")
     if t.objective in ("orpo", "simpo"):
         if p.reference != "auto":
             raise ConfigError(f"preference.reference={p.reference!r}: {where} uses no "
@@ -349,9 +349,6 @@ def _check_grpo(settings: Settings) -> None:
         raise ConfigError(f"train.seq_len={t.seq_len} holds a prompt and its completion, and "
                           f"grpo.max_completion_length={g.max_completion_length} leaves no room "
                           "for a prompt: raise train.seq_len or lower the completion length.")
-    if t.eval_every or t.evals_per_epoch:
-        raise ConfigError(f"{where}: evaluation on a validation split is not built for GRPO "
-                          "yet; set train.eval_every=0 and train.evals_per_epoch=0.")
     if not g.reward_funcs.strip():
         raise ConfigError(f"{where} needs reward functions: set grpo.reward_funcs to one or "
                           "more, comma-separated, e.g. 'ndjax.rewards.math.accuracy'.")

@@ -89,7 +89,6 @@ def docs_of(records, path="pairs.jsonl"):
 def trl_tokenized(path, records):
     """TRL 1.16's own DPOTrainer._prepare_dataset (prompt extraction, EOS, tokenize_fn, the
     filter), run without a model: it reads only the tokenizer's EOS from the trainer."""
-    pytest.importorskip("trl", minversion="1.16")
     import datasets
     from transformers import AutoTokenizer
     from trl.trainer.dpo_trainer import DPOTrainer
@@ -128,7 +127,6 @@ def test_sequences_and_masks_equal_trl(tokenizers, name, case):
 
 
 def test_extract_prompt_is_trls():
-    pytest.importorskip("trl", minversion="1.16")
     from trl.data_utils import extract_prompt
 
     for r in implicit_strings() + conversational(True):
@@ -371,7 +369,6 @@ def kto_examples(records, path, batch, tok=None):
 def trl_kto(path, records, batch, max_length=None):
     """TRL 1.16's own KTOTrainer._prepare_dataset (prompt extraction, unpairing, EOS,
     tokenize_fn, the filter, the KL completions), run without a model."""
-    pytest.importorskip("trl", minversion="1.16")
     import datasets
     from transformers import AutoTokenizer
     from trl.trainer.kto_trainer import KTOTrainer

@@ -8,7 +8,7 @@ import types
 import numpy as np
 import pytest
 from data_files import data_config, write_chat_tokenizer
-from test_data_preference import bos_tokenizer
+from test_data_preference import bos_tokenizer, say
 
 from ndjax.data import prompts
 from ndjax.data.chat_template import load_chat_template
@@ -19,17 +19,12 @@ from ndjax.data.tokenizers import HFTokenizer
 from ndjax.runtime.errors import ConfigError
 
 VOCAB = 384
-W = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu".split()
 
 
 @pytest.fixture(scope="module")
 def tokenizers(tmp_path_factory):
     root = tmp_path_factory.mktemp("prompt_tokenizers")
     return {name: bos_tokenizer(root / name, name) for name in ("llama3", "chatml")}
-
-
-def say(rng, low=2, high=7):
-    return " ".join(rng.choice(W, rng.integers(low, high)))
 
 
 def string_records(n=10, seed=0):
@@ -57,7 +52,6 @@ def message_records(n=8, seed=1):
 def trl_prompt_ids(path, prompt_list):
     """TRL 1.16's own GRPOTrainer._tokenize_prompts, run on a stand-in trainer (no model,
     no tools, the tokenizer's own template, no VLM)."""
-    pytest.importorskip("trl", minversion="1.16")
     from transformers import AutoTokenizer
     from trl.trainer.grpo_trainer import GRPOTrainer
 

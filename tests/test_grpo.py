@@ -20,12 +20,9 @@ import trl
 from conftest import tiny_config
 from data_files import texts, write_tokenizer
 from test_hf import make_hf
-from test_preference import assert_grads_equal, hf_grads
+from test_preference import assert_grads_equal, hf_grads, step_loss
 
 from ndjax.experiment import Experiment
-from ndjax.models import lora
-from ndjax.parallel import rules as rules_lib
-from ndjax.step.train_step import loss_aux_and_grads, reference_features
 
 EOS = "<|endoftext|>"
 B, P, C, S = 4, 5, 6, 16  # rows, prompt tokens, completion slots, row length
@@ -130,22 +127,7 @@ def ndjax_batch(logps):
 
 
 def ndjax_loss(exp, batch):
-    state = exp.init_state()
-    trainable, frozen = lora.split(state.params, exp.adapters_only, exp.saved_params)
-    sharding = exp.batch_sharding
-    batch = {k: jax.device_put(v, sharding) for k, v in batch.items()}
-
-    def fn(trainable, batch):
-        def features(p, *args):
-            return exp.features(lora.merge(frozen, p), *args)
-        ref = reference_features(features, exp.step_options.reference, trainable, None)
-        loss, _, grads, aux = loss_aux_and_grads(features, exp.step_options, trainable,
-                                                 batch, reference=ref)
-        return loss, aux, grads
-
-    with rules_lib.use(exp.rules):
-        loss, aux, grads = jax.device_get(jax.jit(fn)(trainable, batch))
-    return float(loss), aux, grads
+    return step_loss(exp, {k: jax.device_put(v, exp.batch_sharding) for k, v in batch.items()})
 
 
 @pytest.mark.parametrize("loss_type", ["dapo", "grpo", "bnpo", "dr_grpo"])
@@ -166,10 +148,8 @@ def test_loss_and_gradients_equal_trls(source, tmp_path, loss_type):
 def test_on_policy_ratio_is_one_with_its_gradient(source):
     """Without old log-probabilities (one gradient step per rollout batch) the ratio is 1:
     the loss is -mean(A) over the tokens, and its gradient the policy gradient."""
-    exp = Experiment.from_config(config(source, "dapo"), jax.devices()[:1])
     batch = ndjax_batch(np.zeros((B, C), np.float32))
     del batch["old_logps"], batch["ref_logps"]
-    exp = Experiment.from_config(config(source, "dapo"), jax.devices()[:1])
     c = config(source, "dapo")
     c.grpo.beta = 0.0
     exp = Experiment.from_config(c, jax.devices()[:1])

@@ -32,6 +32,7 @@ from conftest import tiny_config
 from data_files import texts, write_tokenizer
 from test_hf import make_hf
 
+from ndjax.data.loader import open_loader
 from ndjax.experiment import Experiment
 from ndjax.models import lora
 from ndjax.ops.cross_entropy import token_log_probs
@@ -158,12 +159,16 @@ def trl_run(trainer, steps):
 
 def first_step(exp):
     """(loss, metrics, float32 gradients of what trains) of step 1, on the host."""
-    state = exp.init_state()
-    held = exp.held_reference(state)
-    from ndjax.data.loader import open_loader
     with open_loader(exp.data, rows=exp.local_rows, transform=exp.device_batch,
                      max_runs=exp.max_runs, prefetch=0) as data:
-        batch = next(iter(data))
+        return step_loss(exp, next(iter(data)))
+
+
+def step_loss(exp, batch):
+    """(loss, metrics, float32 gradients of what trains) of ``batch`` (in the batch
+    sharding) at step 0, as the step computes them (its reference included), on the host."""
+    state = exp.init_state()
+    held = exp.held_reference(state)
     trainable, frozen = lora.split(state.params, exp.adapters_only, exp.saved_params)
 
     def fn(trainable, batch, held):
@@ -180,10 +185,8 @@ def first_step(exp):
 
 
 def run(exp, steps=STEPS):
-    from ndjax.training.loop import train  # noqa: F401  (the loop's path is tested below)
     state = exp.init_state()
     step = exp.step_fn(exp.held_reference(state))
-    from ndjax.data.loader import open_loader
     losses, metrics = [], []
     with open_loader(exp.data, rows=exp.local_rows, transform=exp.device_batch,
                      max_runs=exp.max_runs, prefetch=0) as data:

@@ -59,9 +59,8 @@ def test_load_errors_are_one_line(tmp_path, monkeypatch, spec, message):
 def trl_reward_keywords():
     """The keywords TRL 1.16's _calculate_rewards adds to the columns, read from its source
     (not imported: that takes seconds)."""
-    spec = importlib.util.find_spec("trl")
-    if spec is None or spec.origin is None:
-        pytest.skip("trl is not installed")
+    spec = importlib.util.find_spec("trl")  # the test extra's: pip install -e '.[test]'
+    assert spec is not None and spec.origin is not None, "trl is not installed"
     source = (spec.origin.rsplit("/", 1)[0] + "/trainer/grpo_trainer.py")
     text = open(source, encoding="utf-8").read()
     body = text[text.index("def _calculate_rewards"):]

@@ -117,6 +117,13 @@ def is_adapter(path: Sequence[Any]) -> bool:
     return any(str(getattr(k, "key", k)).startswith(PREFIX) for k in path)
 
 
+def adapters_off(params: Any) -> Any:
+    """``params`` with every adapter zeroed: exactly the base model's output (PEFT's
+    ``disable_adapter``), without a copy of the base."""
+    return jax.tree_util.tree_map_with_path(
+        lambda path, a: jnp.zeros_like(a) if is_adapter(path) else a, params)
+
+
 def split(params: dict, adapters_only: bool, saved: Sequence[str] = ()
           ) -> tuple[dict, dict]:
     """(trainable, frozen) parts of a nested parameter dict: with ``adapters_only``, the

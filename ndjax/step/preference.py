@@ -26,24 +26,27 @@ from ndjax.models import lora
 from ndjax.ops.cross_entropy import token_log_probs
 from ndjax.step.objectives import Batch, FeaturesFn
 
-# Per-sequence sums: the policy's completion log-probs, the reference's, completion
-# tokens, their mean logits; all tokens, and the tokens whose target is in the sequence.
-_SUMS = ("logps", "ref_logps", "tokens", "mean_logits", "length", "nll_sum", "nll_tokens")
 
-
-def _pairs(batch: Batch, values: dict[str, jax.Array]) -> dict[str, jax.Array]:
-    """Sums of (b, s) ``values`` per pair and side: {name: (pairs slots, 2)}, side 0 the
-    chosen sequence, 1 the rejected. Slot ``r * P + k`` is row r's pair k (P: the most
-    pairs a row can hold); slots with no pair sum to 0."""
-    seg = batch["segment_ids"]
+def _slots(seg: jax.Array) -> tuple[jax.Array, int]:
+    """(each token's pair slot (b, s), the number of slots): slot ``r * P + k`` is row r's
+    pair k (P: the most pairs a row can hold); padding (segment 0) gets slot ``n``, past
+    the last."""
     b, s = seg.shape
     per_row = s // 2 + 1
     rows = jnp.arange(b, dtype=jnp.int32)[:, None]
-    ids = jnp.where(seg > 0, (rows * per_row + (seg - 1) // 2) * 2 + (seg - 1) % 2,
-                    b * per_row * 2).reshape(-1)
-    n = b * per_row * 2
-    return {k: jax.ops.segment_sum(v.reshape(-1).astype(jnp.float32), ids, num_segments=n + 1
-                                   )[:n].reshape(-1, 2) for k, v in values.items()}
+    n = b * per_row
+    return jnp.where(seg > 0, rows * per_row + (seg - 1) // 2, n), n
+
+
+def _pairs(batch: Batch, values: dict[str, jax.Array]) -> dict[str, jax.Array]:
+    """Sums of (b, s) ``values`` per pair and side: {name: (pair slots, 2)}, side 0 the
+    chosen sequence, 1 the rejected (``_slots``); slots with no pair sum to 0."""
+    seg = batch["segment_ids"]
+    slot, n = _slots(seg)
+    ids = jnp.where(seg > 0, slot * 2 + (seg - 1) % 2, 2 * n).reshape(-1)
+    return {k: jax.ops.segment_sum(v.reshape(-1).astype(jnp.float32), ids,
+                                   num_segments=2 * n + 1)[:2 * n].reshape(-1, 2)
+            for k, v in values.items()}
 
 
 def count_pairs(batch: Batch) -> jax.Array:
@@ -59,8 +62,8 @@ def _log1mexp(x: jax.Array) -> jax.Array:
 
 @dataclasses.dataclass(frozen=True)
 class Preference:
-    """One of the preference losses (``kind``: dpo, ipo, orpo, simpo) with TRL's
-    settings (config's ``preference`` section). ``needs_reference``: dpo and ipo
+    """One of the preference losses (``kind``: dpo, ipo, orpo, simpo, kto) with TRL's
+    settings (config's ``preference`` section). ``needs_reference``: dpo, ipo and kto
     compare the policy with a reference model, whose features the step passes."""
 
     kind: str
@@ -96,7 +99,7 @@ class Preference:
                  totals: dict[str, jax.Array] | None = None
                  ) -> tuple[jax.Array, jax.Array, dict[str, Any]]:
         """(the pairs' losses summed, the completion tokens, metrics: the router's and
-        ``ratios``). ``reference``: the reference model's features (dpo, ipo)."""
+        ``ratios``). ``reference``: the reference model's features (dpo, ipo, kto)."""
         args = [batch["inputs"], batch["positions"], batch["segment_ids"]]
         x, head, aux = features(params, *args, *(
             [] if dropout is None else [dataclasses.replace(dropout,
@@ -113,11 +116,10 @@ class Preference:
             values["ref_logps"] = jax.lax.stop_gradient(ref_logps) * mask
         if self.kind == "kto":  # which examples are desirable
             values["desirable"] = batch["desirable"].astype(jnp.float32) * values["length"]
-        if self.kind == "orpo":  # the chosen sequence's every target, prompt included
-            length = _pairs(batch, {"n": values["length"]})["n"]
-            in_seq = self._in_sequence(batch, length)
-            values["nll_sum"], values["nll_tokens"] = logps * in_seq, in_seq
         sums = _pairs(batch, values)
+        if self.kind == "orpo":  # the chosen sequence's every target, prompt included
+            in_seq = self._in_sequence(batch, sums["length"])
+            sums.update(_pairs(batch, {"nll_sum": logps * in_seq, "nll_tokens": in_seq}))
         totals = totals if totals is not None else self.totals(batch)
         real = (sums["length"][:, 0] > 0).astype(jnp.float32)  # a pair in this slot
         loss, ratios = getattr(self, f"_{self.kind}")(sums, real, totals)
@@ -130,12 +132,9 @@ class Preference:
         """1 where a chosen sequence's target is its own next token (every position but
         its last). A chosen sequence always lies whole in the row's inputs."""
         seg, pos = batch["segment_ids"], batch["positions"]
-        b, s = seg.shape
-        per_row = s // 2 + 1
-        rows = jnp.arange(b, dtype=jnp.int32)[:, None]
-        slot = jnp.clip(rows * per_row + (seg - 1) // 2, 0, b * per_row - 1)
-        n = length[:, 0][slot]
-        return ((seg % 2 == 1) & (pos < n - 1)).astype(jnp.float32)
+        slot, n = _slots(seg)
+        chosen_length = length[:, 0][jnp.minimum(slot, n - 1)]
+        return ((seg % 2 == 1) & (pos < chosen_length - 1)).astype(jnp.float32)
 
     def _smoothed(self, z: jax.Array) -> jax.Array:
         eps = self.label_smoothing
@@ -253,9 +252,3 @@ class Preference:
                 "logits/rejected": (jnp.sum(sums["mean_logits"][:, 1]),
                                     jnp.sum(sums["tokens"][:, 1]))}
 
-
-def adapters_off(params: Any) -> Any:
-    """``params`` with every LoRA adapter zeroed: the base model's output exactly (PEFT's
-    ``disable_adapter``), without a copy of the base."""
-    return jax.tree_util.tree_map_with_path(
-        lambda path, a: jnp.zeros_like(a) if lora.is_adapter(path) else a, params)

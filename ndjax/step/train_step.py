@@ -28,8 +28,7 @@ def reference_features(features: FeaturesFn, mode: str, params: Any, held: Any
     if mode == "none":
         return None
     if mode == "adapters_off":
-        from ndjax.step.preference import adapters_off
-        ref = adapters_off(params)
+        ref = lora.adapters_off(params)
     else:
         ref = held
     ref = jax.lax.stop_gradient(ref)

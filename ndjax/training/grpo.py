@@ -16,8 +16,10 @@ missing), minus the group's mean, divided by the group's (or batch's) standard d
 
 from __future__ import annotations
 
+import contextlib
 import time
-from collections.abc import Callable
+import warnings
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import jax
@@ -34,7 +36,7 @@ def advantages(total: np.ndarray, group: int, scale: str) -> np.ndarray:
     ``group`` consecutive completions, divided by the group's (``scale`` group) or the
     batch's (batch) Bessel-corrected standard deviation + 1e-4, or not (none); NaN -> 0."""
     by_group = total.reshape(-1, group)
-    with np.errstate(all="ignore"), _quiet():
+    with _quiet():
         mean = np.nanmean(by_group, axis=1, keepdims=True)
         out = by_group - mean
         if scale == "group":
@@ -44,17 +46,12 @@ def advantages(total: np.ndarray, group: int, scale: str) -> np.ndarray:
     return np.nan_to_num(out.reshape(-1), nan=0.0).astype(np.float32)
 
 
-class _quiet:
+@contextlib.contextmanager
+def _quiet() -> Iterator[None]:
     """numpy's warnings about all-NaN groups, off: their advantages are 0 by design."""
-
-    def __enter__(self):
-        import warnings
-        self._w = warnings.catch_warnings()
-        self._w.__enter__()
-        warnings.simplefilter("ignore", RuntimeWarning)
-
-    def __exit__(self, *exc):
-        self._w.__exit__(*exc)
+    with np.errstate(all="ignore"), warnings.catch_warnings(action="ignore",
+                                                            category=RuntimeWarning):
+        yield
 
 
 class Rollouts:
@@ -63,7 +60,7 @@ class Rollouts:
     def __init__(self, exp: Any, source: Any):
         s = exp.settings
         g, t = s.grpo, s.train
-        self.exp, self.source, self.g, self.seq_len = exp, source, g, t.seq_len
+        self.source, self.g, self.seq_len = source, g, t.seq_len
         self.tok, self.prompt_field = exp.data.tokenizer, s.data.prompt_field
         self.fns = rewards.load(g.reward_funcs)
         self.names = [getattr(f, "__name__", f"reward_{i}") for i, f in enumerate(self.fns)]
@@ -101,14 +98,14 @@ class Rollouts:
                  else texts)
         per_fn = rewards.call(self.fns, raw, shown, completions, records,
                               prompt_field=self.prompt_field)
-        with np.errstate(all="ignore"), _quiet():
+        with _quiet():
             total = np.where(np.isnan(per_fn).all(axis=1), np.nan,
                              np.nansum(per_fn * self.weights, axis=1))
         adv = advantages(total, g, self.g.scale_rewards)
         rows = self.rows(prompts, completions, adv)
         lengths = np.array([len(c) for c in completions], np.float32)
         truncated = np.array([self.tok.eos_id not in c for c in completions])
-        with np.errstate(all="ignore"), _quiet():
+        with _quiet():
             metrics = {
                 "reward": float(np.nanmean(total)),
                 "reward_std": float(np.nanmean(np.nanstd(total.reshape(-1, g), axis=1,
@@ -167,8 +164,7 @@ def step_fn(exp: Any, source: Any, reference: Any = None
             rows, metrics = rollouts(state.params, group * mu, prompts)
             batch = exp.device_batch({k: v[start:start + count] for k, v in rows.items()})
             if mu > 1:
-                batch["old_logps"] = exp.compiled_token_logps(
-                    state.params, {k: v for k, v in batch.items()})
+                batch["old_logps"] = exp.compiled_token_logps(state.params, batch)
             kept.update(group=group, batch=batch, metrics=metrics)
             metrics = dict(metrics)
         else:  # the group's rollouts again: their metrics, no sampling time
