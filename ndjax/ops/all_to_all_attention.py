@@ -20,6 +20,10 @@ holds fewer kv heads than ``c`` (or a number ``c`` does not divide), each is
 repeated just enough (``kv_repeat``) for the query heads of every slice to find
 theirs, as tensor parallelism does.
 
+Attention sinks (one logit per query head): each device's share of them, split like
+its heads, is sliced as its query heads are, so that the kernel gets the logits of
+the heads it attends for; their gradient is autodiff's, summed over the devices.
+
 The sequence must be in its natural order: each all-to-all concatenates the
 shards' chunks in shard order. It needs no balancing permutation (ring
 attention's zigzag): every device attends over the whole sequence, causal
@@ -74,9 +78,13 @@ def _repeat_backward(r, _, g):
 _repeat_heads.defvjp(_repeat_forward, _repeat_backward)
 
 
-def _local(kernel: Callable, context: int, q, k, v, segment_ids):
+def _local(kernel: Callable, context: int, q, k, v, segment_ids, *sinks):
     """One device: (b, s/c, h, d) of q (k, v with their kv heads) -> the same of the
-    output, attending over the whole sequence for h / c of its heads."""
+    output, attending over the whole sequence for h / c of its heads. ``sinks``: none,
+    or its heads' sink logits (h,)."""
+    h = q.shape[2] // context
+    # to_heads gives context shard j its heads j h .. (j + 1) h - 1: their sinks too.
+    sinks = tuple(lax.dynamic_slice_in_dim(x, lax.axis_index(AXIS) * h, h) for x in sinks)
     r = kv_repeat(k.shape[2], q.shape[2], context)
     if r > 1:
         k, v = _repeat_heads(k, r), _repeat_heads(v, r)
@@ -86,7 +94,7 @@ def _local(kernel: Callable, context: int, q, k, v, segment_ids):
 
     segment_ids = lax.all_gather(segment_ids, AXIS, axis=1, tiled=True)
     with suspended():  # the kernel sees one device's arrays: no rules apply inside
-        out = kernel(to_heads(q), to_heads(k), to_heads(v), segment_ids)
+        out = kernel(to_heads(q), to_heads(k), to_heads(v), segment_ids, *sinks)
     return lax.all_to_all(out, AXIS, split_axis=1, concat_axis=2, tiled=True)
 
 
@@ -104,13 +112,19 @@ def _specs(rules: Rules, heads: tuple[str, ...], kv_heads: tuple[str, ...]
 
 def all_to_all_attention(kernel: Callable, q: jax.Array, k: jax.Array, v: jax.Array,
                          segment_ids: jax.Array, rules: Rules,
-                         heads: tuple[str, ...], kv_heads: tuple[str, ...]) -> jax.Array:
+                         heads: tuple[str, ...], kv_heads: tuple[str, ...],
+                         sinks: jax.Array | None = None) -> jax.Array:
     """``kernel(q, k, v, segment_ids)`` (a one-shard attention of the whole sequence)
     run with the sequence split over ``rules.mesh``'s context axis. ``heads`` and
     ``kv_heads``: the logical names of q and of k, v, whose rules say how batch and
-    heads split too (each device runs the kernel on its own rows and heads)."""
+    heads split too (each device runs the kernel on its own rows and heads).
+    ``sinks`` (h,): the heads' sink logits, then ``kernel(q, k, v, segment_ids,
+    sinks)`` gets those of the heads it attends for."""
     q_spec, kv_spec, seg_spec = _specs(rules, heads, kv_heads)
     context = rules.mesh.shape[AXIS]
     body = functools.partial(_local, kernel, context)
-    return jax.shard_map(body, mesh=rules.mesh, in_specs=(q_spec, kv_spec, kv_spec, seg_spec),
-                         out_specs=q_spec, check_vma=False)(q, k, v, segment_ids)
+    with_sinks = () if sinks is None else (sinks,)
+    sink_spec = (PartitionSpec(q_spec[2]),) * len(with_sinks)  # split like the heads
+    return jax.shard_map(body, mesh=rules.mesh,
+                         in_specs=(q_spec, kv_spec, kv_spec, seg_spec, *sink_spec),
+                         out_specs=q_spec, check_vma=False)(q, k, v, segment_ids, *with_sinks)

@@ -7,18 +7,26 @@ segment_ids (b, s). Each is tested against ``dense`` (tests/test_attention.py).
 
 A layer may ask for more (``AttentionSpec``): a sliding window (Hugging Face's
 ``sliding_window``: a query at p sees keys p - window < k <= p of its document), a
-soft cap on the scores, another score scale. What each kernel computes exactly:
+soft cap on the scores, another score scale, learned attention sinks (GPT-OSS: a
+logit per head that joins each row's softmax as a column whose value is zero).
+What each kernel computes exactly:
 
-=========  ======  ========  =====  ===================================================
-kernel     window  soft cap  scale  with a window
-=========  ======  ========  =====  ===================================================
-dense      yes     yes       yes    the whole score matrix, masked
-blocked    yes     yes       yes    chunks of the window's length, O(seq x window)
-tiled      yes     no        yes    only the key tiles in reach, O(seq x (window+tile))
-ring       yes     no        yes    the same per block; blocks out of reach skipped
-cudnn      yes     no        yes    cuDNN's sliding_window_length
-pallas     no      no        yes    (jax's Pallas kernel has no window)
-=========  ======  ========  =====  ===================================================
+=========  ======  ========  =====  =====  ===================================================
+kernel     window  soft cap  scale  sinks  with a window
+=========  ======  ========  =====  =====  ===================================================
+dense      yes     yes       yes    yes    the whole score matrix, masked
+blocked    yes     yes       yes    yes    chunks of the window's length, O(seq x window)
+tiled      yes     no        yes    yes    only the key tiles in reach, O(seq x (window+tile))
+ring       yes     no        yes    yes    the same per block; blocks out of reach skipped
+cudnn      yes     no        yes    no     cuDNN's sliding_window_length
+pallas     no      no        yes    no     (jax's Pallas kernel has no window)
+=========  ======  ========  =====  =====  ===================================================
+
+Sinks: the dense-style kernels (dense, blocked) add the sink's column to each
+row's softmax; the flash-style ones (tiled, ring) fold it into each row's running
+statistics once, after every key, and their backward gives its gradient from the
+output and log-sum-exp. All-to-all context parallelism hands each device the sink
+logits of the heads it attends for.
 
 A kernel brings what the rest of ndjax needs to know about it, so that neither
 ``Experiment`` nor the model knows any kernel's internals:
@@ -29,8 +37,9 @@ A kernel brings what the rest of ndjax needs to know about it, so that neither
   it ``honours``), with the kernels that do;
 * ``permutation(site)``: the host-side order of the sequence it needs (ring
   attention's zigzag layout), applied to every batch by ``Experiment.device_batch``;
-* ``__call__(q, k, v, segment_ids, cfg, spec)``: the attention itself, with the
-  layer's spec, traced inside the model under the active rule table.
+* ``__call__(q, k, v, segment_ids, cfg, spec, sinks=None)``: the attention itself,
+  with the layer's spec (and its sink logits, (heads,), where ``spec.sinks``),
+  traced inside the model under the active rule table.
 
 ``auto`` (``choose``) takes, in order: ``ring`` when the rules split the sequence
 over ``mesh.context``; on a GPU the first fused kernel whose check passes,
@@ -93,12 +102,15 @@ class AttentionSpec:
     earlier key. ``softcap``: scores become ``softcap * tanh(scores / softcap)``
     before the softmax (Gemma 2's ``attn_logit_softcapping``). ``scale``: the
     scores' factor; None: 1 / sqrt(head_dim) (Gemma 3 sets
-    ``query_pre_attn_scalar ** -0.5``)."""
+    ``query_pre_attn_scalar ** -0.5``). ``sinks``: the rows' softmax has a learned
+    per-head sink logit (GPT-OSS): a column of the softmax whose value vector is
+    zero, given to ``attention`` as ``sinks`` (n_heads,)."""
 
     causal: bool = True
     window: int | None = None
     softcap: float | None = None
     scale: float | None = None
+    sinks: bool = False
 
     def scale_for(self, head_dim: int) -> float:
         return self.scale if self.scale is not None else 1 / math.sqrt(head_dim)
@@ -186,7 +198,8 @@ def _field(name: str) -> str:
 
 
 # An AttentionSpec field, in words, for a kernel that refuses it.
-_FEATURES = {"window": "sliding window", "softcap": "logit soft cap", "scale": "score scale"}
+_FEATURES = {"window": "sliding window", "softcap": "logit soft cap", "scale": "score scale",
+             "sinks": "attention sinks"}
 _PLATFORM_WORDS = {"cpu": "CPUs", "gpu": "NVIDIA GPUs", "tpu": "TPUs"}
 
 
@@ -250,7 +263,8 @@ class Kernel:
                 "or None for no cap.")
         for field, feature in _FEATURES.items():
             value = getattr(spec, field)
-            if value is not None and field not in self.honours:
+            unset = value is None or value is False  # sinks=False: no sinks
+            if not unset and field not in self.honours:
                 raise ConfigError(
                     f"{_field(self.name)} has no {feature}, and the model's attention sets "
                     f"{field}={value!r} (AttentionSpec). {self._instead(field)}")
@@ -279,8 +293,16 @@ class Kernel:
         the packers keep rows within ``max_runs``."""
 
     def __call__(self, q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array,
-                 cfg: Any, spec: AttentionSpec = AttentionSpec()) -> jax.Array:
+                 cfg: Any, spec: AttentionSpec = AttentionSpec(),
+                 sinks: jax.Array | None = None) -> jax.Array:
+        """``sinks``: (heads,) sink logits, given exactly where ``spec.sinks``."""
         raise NotImplementedError
+
+
+def _no_sinks(kernel: Kernel, sinks: jax.Array | None) -> None:
+    """A kernel without sinks called with them: check_spec's refusal."""
+    if sinks is not None:
+        kernel.check_spec(AttentionSpec(sinks=True))
 
 
 def _one_shard(name: str, site: Site) -> None:
@@ -298,11 +320,13 @@ def _window(spec: AttentionSpec, seq_len: int) -> int | None:
 
 
 def masked_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, *,
-                     scale: float | None = None, softcap: float | None = None) -> jax.Array:
+                     scale: float | None = None, softcap: float | None = None,
+                     sinks: jax.Array | None = None) -> jax.Array:
     """Grouped-query attention of q (b, s, h, d) over k, v (b, t, kv, d) where ``mask``
     (b, s, t) allows, with the whole (s x t) score matrix; softmax in float32.
     ``scale``: the scores' factor (None: 1 / sqrt(d)); ``softcap``: scores become
-    softcap * tanh(scores / softcap)."""
+    softcap * tanh(scores / softcap); ``sinks`` (h,): each head's sink logit, one more
+    column of every row's softmax whose value is zero (transformers' GPT-OSS)."""
     b, s, h, d = q.shape
     kv = k.shape[2]
     q = q.reshape(b, s, kv, h // kv, d)
@@ -318,30 +342,43 @@ def masked_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, 
     if softcap is not None:
         scores = softcap * jnp.tanh(scores / softcap)
     scores = jnp.where(key_mask, scores, jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(scores, axis=-1) if sinks is None else _sink_softmax(
+        scores, sinks.astype(jnp.float32).reshape(kv, h // kv), scores_order)
     # Named so that remat=none keeps it (ndjax.models.llama.REMAT_POLICIES).
-    probs = checkpoint_name(jax.nn.softmax(scores, axis=-1).astype(v.dtype), "attn_probs")
+    probs = checkpoint_name(probs.astype(v.dtype), "attn_probs")
     out = jnp.einsum(f"{scores_order},btkd->bskgd", probs, v)
     return out.reshape(b, s, h, d)
 
 
-def _spec_attention(q, k, v, mask, spec: AttentionSpec) -> jax.Array:
-    return masked_attention(q, k, v, mask, scale=spec.scale, softcap=spec.softcap)
+def _sink_softmax(scores: jax.Array, sinks: jax.Array, scores_order: str) -> jax.Array:
+    """The softmax over the keys and the sink (``sinks`` (kv, g) float32), the sink's
+    column left out: its value vector is zero, so it only adds to the denominator.
+    No concatenated (t + 1) copy of the scores; autodiff gives the sink's gradient."""
+    sink = sinks[None, :, None, :] if scores_order == "bksgt" else sinks[None, :, :, None]
+    # The shift cancels in the ratio: no gradient through it (as jax.nn.softmax).
+    m = jax.lax.stop_gradient(jnp.maximum(scores.max(-1), sink))
+    e = jnp.exp(scores - m[..., None])
+    return e / (e.sum(-1) + jnp.exp(sink - m))[..., None]
+
+
+def _spec_attention(q, k, v, mask, spec: AttentionSpec, sinks=None) -> jax.Array:
+    return masked_attention(q, k, v, mask, scale=spec.scale, softcap=spec.softcap, sinks=sinks)
 
 
 def dense(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array,
-          spec: AttentionSpec = AttentionSpec()) -> jax.Array:
+          spec: AttentionSpec = AttentionSpec(), sinks: jax.Array | None = None) -> jax.Array:
     """The reference: causal within each document (and ``spec``'s window), the whole
     score matrix."""
     idx = jnp.arange(q.shape[1])
     mask = ring.allowed(idx, segment_ids, idx, segment_ids, _window(spec, q.shape[1]))
-    return _spec_attention(q, k, v, mask, spec)
+    return _spec_attention(q, k, v, mask, spec, sinks)
 
 
 class Dense(Kernel):
     name, what = "dense", "the whole score matrix, O(seq^2) memory"
 
-    def __call__(self, q, k, v, segment_ids, cfg, spec=AttentionSpec()):
-        return dense(q, k, v, segment_ids, spec)
+    def __call__(self, q, k, v, segment_ids, cfg, spec=AttentionSpec(), sinks=None):
+        return dense(q, k, v, segment_ids, spec, sinks)
 
 
 def query_blocks(seq_len: int) -> int:
@@ -410,7 +447,8 @@ def picked_key_ranges(segment_ids: jax.Array, blocks: int, window: int | None = 
 
 
 def blocked(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array,
-            blocks: int, spec: AttentionSpec = AttentionSpec()) -> jax.Array:
+            blocks: int, spec: AttentionSpec = AttentionSpec(),
+            sinks: jax.Array | None = None) -> jax.Array:
     """``dense``'s function, as ``blocks`` query blocks, block i against the keys up to
     its own last query. The score blocks above the diagonal, every entry masked by
     causality, are never computed: (blocks + 1) / (2 blocks) of dense's work and
@@ -423,11 +461,12 @@ def blocked(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array,
 
     With a window, a block starts at the first key its first query sees; where chunks
     of the window's length do less work (``window_chunks``: O(seq x window), however
-    long the row) they run instead."""
+    long the row) they run instead. ``sinks``: ``masked_attention``'s, each query
+    row's softmax being whole in its block."""
     seq = q.shape[1]
     window = _window(spec, seq)
     if window is not None and _chunks_work(seq, window) < _blocks_work(seq, blocks, window):
-        return window_chunks(q, k, v, segment_ids, window, spec)
+        return window_chunks(q, k, v, segment_ids, window, spec, sinks)
     size = seq // blocks
     idx = jnp.arange(seq)
     picked = picked_key_ranges(segment_ids, blocks, window)
@@ -435,22 +474,24 @@ def blocked(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array,
     for i, starts in enumerate(key_ranges(seq, blocks, window)):
         rows, first, end = slice(i * size, (i + 1) * size), starts[-1], (i + 1) * size
 
-        def attend(start, q, k, v, k_seg, q_seg, rows=rows, first=first, end=end):
+        def attend(start, q, k, v, k_seg, q_seg, sinks, rows=rows, first=first, end=end):
             # k, v, k_seg: the keys from ``first``; this range's are their last ones.
             keys = slice(start - first, end - first)
             mask = ring.allowed(idx[rows], q_seg, idx[start:end], k_seg[:, keys], window)
-            return _spec_attention(q, k[:, keys], v[:, keys], mask, spec)
+            return _spec_attention(q, k[:, keys], v[:, keys], mask, spec, sinks)
 
         branches = [functools.partial(attend, start) for start in starts]
         keys = slice(first, end)
-        args = (q[:, rows], k[:, keys], v[:, keys], segment_ids[:, keys], segment_ids[:, rows])
+        args = (q[:, rows], k[:, keys], v[:, keys], segment_ids[:, keys], segment_ids[:, rows],
+                sinks)
         outs.append(branches[0](*args) if len(branches) == 1 else
                     jax.lax.switch(picked[i], branches, *args))
     return jnp.concatenate(outs, axis=1)
 
 
 def window_chunks(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array,
-                  window: int, spec: AttentionSpec) -> jax.Array:
+                  window: int, spec: AttentionSpec, sinks: jax.Array | None = None
+                  ) -> jax.Array:
     """``dense``'s function with a window shorter than the row: the row cut into chunks
     of ``window`` queries (the last padded), each against the keys of its own and the
     previous chunk, which hold every key its queries can see (p - window < k <= p).
@@ -478,7 +519,7 @@ def window_chunks(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Arr
         b, n, 1, 2 * window)
     mask = (seen[None] & same).reshape(b * n, window, 2 * window)
     out = _spec_attention(chunked(q, 0).reshape(b * n, window, h, d), two(k), two(v), mask,
-                          spec)
+                          spec, sinks)
     return out.reshape(b, n * window, h, d)[:, :s]
 
 
@@ -488,9 +529,9 @@ class Blocked(Kernel):
     def check_site(self, site):
         _one_shard(self.name, site)
 
-    def __call__(self, q, k, v, segment_ids, cfg, spec=AttentionSpec()):
+    def __call__(self, q, k, v, segment_ids, cfg, spec=AttentionSpec(), sinks=None):
         run = functools.partial(blocked, blocks=query_blocks(q.shape[1]), spec=spec)
-        return _per_shard(run, q, k, v, segment_ids)
+        return _per_shard(run, q, k, v, segment_ids, sinks)
 
 
 class Tiled(Kernel):
@@ -499,7 +540,7 @@ class Tiled(Kernel):
     all masked, is skipped rather than computed."""
 
     name, what = "tiled", "online softmax over key tiles, memory linear in seq"
-    honours = ("window", "scale")
+    honours = ("window", "scale", "sinks")
     saves = kernel_vjp.RESIDUALS
 
     def check_site(self, site):
@@ -517,16 +558,16 @@ class Tiled(Kernel):
                 f"{site.seq_len} ({half} tokens, {_field(self.name)}). Use a divisor, e.g. "
                 f"model.attn_kv_tile={fit}.")
 
-    def __call__(self, q, k, v, segment_ids, cfg, spec=AttentionSpec()):
+    def __call__(self, q, k, v, segment_ids, cfg, spec=AttentionSpec(), sinks=None):
         # zigzag on one shard is the identity order: no permutation of the batch.
         run = functools.partial(ring.ring_attention, mesh=None, layout="zigzag",
                                 kv_tile=cfg.attn_kv_tile, window=spec.window, scale=spec.scale)
-        return _per_shard(run, q, k, v, segment_ids)
+        return _per_shard(run, q, k, v, segment_ids, sinks)
 
 
 class Ring(Kernel):
     name, what = "ring", "ring attention over the context axis"
-    honours = ("window", "scale")
+    honours = ("window", "scale", "sinks")
     context_parallel = True
     saves = kernel_vjp.RESIDUALS
 
@@ -554,13 +595,13 @@ class Ring(Kernel):
     def permutation(self, site):
         return ring.layout_permutation(site.layout, site.seq_len, site.context)
 
-    def __call__(self, q, k, v, segment_ids, cfg, spec=AttentionSpec()):
+    def __call__(self, q, k, v, segment_ids, cfg, spec=AttentionSpec(), sinks=None):
         rules = active()
         kw = dict(layout=cfg.cp_layout, kv_tile=cfg.attn_kv_tile, window=spec.window,
                   scale=spec.scale)
         if ring.context_shards(rules) == 1:
             run = functools.partial(ring.ring_attention, mesh=None, **kw)
-            return _per_shard(run, q, k, v, segment_ids)
+            return _per_shard(run, q, k, v, segment_ids, sinks)
         # Each device's rows and heads, as the rule table splits them; heads the table
         # splits unlike the kv heads are gathered (each device computes them all).
         axis = "context"
@@ -568,7 +609,7 @@ class Ring(Kernel):
         rows = tuple(a for a in rows if a != axis)
         heads = tuple(a for a in heads if a != axis) if heads == kv_heads else ()
         return ring.ring_attention(q, k, v, segment_ids, mesh=rules.mesh, axis=axis,
-                                   rows=rows, heads=heads, **kw)
+                                   rows=rows, heads=heads, sinks=sinks, **kw)
 
 
 def segment_runs(segment_ids: jax.Array, max_runs: int) -> tuple[jax.Array, jax.Array]:
@@ -684,7 +725,8 @@ class Cudnn(Kernel):
                 f"max_docs x seq_len softmax statistics per head and layer), or use "
                 f"model.attn_impl='pallas' or 'tiled'.")
 
-    def __call__(self, q, k, v, segment_ids, cfg, spec=AttentionSpec()):
+    def __call__(self, q, k, v, segment_ids, cfg, spec=AttentionSpec(), sinks=None):
+        _no_sinks(self, sinks)
         return cudnn_attention(q, k, v, segment_ids, max_docs=min(cfg.attn_max_docs, q.shape[1]),
                                scale=spec.scale_for(q.shape[-1]),
                                window=_window(spec, q.shape[1]))
@@ -792,7 +834,8 @@ class Pallas(Kernel):
                 f"{site.head_dim}, and train.seq_len={site.seq_len} is not a multiple. Use a "
                 f"multiple of {sizes.block_q}, or model.attn_impl='tiled'.")
 
-    def __call__(self, q, k, v, segment_ids, cfg, spec=AttentionSpec()):
+    def __call__(self, q, k, v, segment_ids, cfg, spec=AttentionSpec(), sinks=None):
+        _no_sinks(self, sinks)
         run = functools.partial(pallas_attention, interpret=platforms.current() != "gpu",
                                 scale=spec.scale)
         return _per_shard(run, q, k, v, segment_ids)
@@ -805,8 +848,8 @@ def _splits(rules: Rules) -> tuple[tuple[tuple[str, ...], ...], ...]:
                  for n in (HEADS, KV_HEADS))
 
 
-def _per_shard(kernel, q: jax.Array, k: jax.Array, v: jax.Array,
-               segment_ids: jax.Array) -> jax.Array:
+def _per_shard(kernel, q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array,
+               sinks: jax.Array | None = None) -> jax.Array:
     """``kernel`` on each device's rows and heads, in a shard_map manual over every
     mesh axis. A ``pallas_call`` has no rule for XLA's partitioner, which would
     otherwise gather every operand whole around it (compiled for GPUs: each device
@@ -814,24 +857,31 @@ def _per_shard(kernel, q: jax.Array, k: jax.Array, v: jax.Array,
     kernels' conditionals (their skipped tiles and key ranges), inside which it
     gathered the operands. Batch and heads split as the rule table says; each
     device's query heads share its kv heads (the model repeats kv heads so that they
-    do: Rules.kv_repeat)."""
+    do: Rules.kv_repeat). ``sinks`` (heads,), where given, split like the heads: each
+    device gets its own heads' (their gradient, the sum over the devices' rows)."""
+    # The kernel gets sinks (by keyword) only where there are: a sink-free call unchanged.
+    with_sinks = () if sinks is None else (sinks,)
+    run = kernel if sinks is None else (
+        lambda q, k, v, segment_ids, sinks: kernel(q, k, v, segment_ids, sinks=sinks))
     rules = active()
     if rules is None or rules.mesh is None or rules.mesh.size == 1:
-        return kernel(q, k, v, segment_ids)
+        return run(q, k, v, segment_ids, *with_sinks)
     q_axes, kv_axes = _splits(rules)
     if q_axes[1] or q_axes[3] or kv_axes != q_axes:
         # The sequence split, or kv heads split unlike the query heads: left to the
         # partitioner (correct, with the gathers above).
-        return kernel(q, k, v, segment_ids)
+        return run(q, k, v, segment_ids, *with_sinks)
     spec = rules.spec(HEADS)  # k's and v's too (kv_axes == q_axes)
     rows = PartitionSpec(spec[0] if len(spec) else None, None)
+    heads = PartitionSpec(spec[2] if len(spec) > 2 else None)
 
-    def local(q, k, v, segment_ids):
+    def local(q, k, v, segment_ids, *sinks):
         with suspended():  # one device's arrays: no rules apply inside
-            return kernel(q, k, v, segment_ids)
+            return run(q, k, v, segment_ids, *sinks)
 
-    return jax.shard_map(local, mesh=rules.mesh, in_specs=(spec, spec, spec, rows),
-                         out_specs=spec, check_vma=False)(q, k, v, segment_ids)
+    return jax.shard_map(local, mesh=rules.mesh,
+                         in_specs=(spec, spec, spec, rows) + (heads,) * len(with_sinks),
+                         out_specs=spec, check_vma=False)(q, k, v, segment_ids, *with_sinks)
 
 
 KERNELS: dict[str, Kernel] = {kernel.name: kernel for kernel in
@@ -984,13 +1034,22 @@ def _chosen_at_trace(impl: str, site: Site) -> Choice:
 
 
 def attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array,
-              cfg: Any, spec: AttentionSpec = AttentionSpec()) -> jax.Array:
+              cfg: Any, spec: AttentionSpec = AttentionSpec(),
+              sinks: jax.Array | None = None) -> jax.Array:
     """Attention with ``cfg.attn_impl``: a kernel name (``Experiment`` resolves
     ``auto`` up front, and ``cfg.cp_impl`` to ring or all_to_all), or ``auto``,
     chosen here from the shapes and active rules (a model built outside an
     Experiment, e.g. in tests). ``spec``: the layer's; a kernel chosen without it in
     ``cfg.attention_specs`` that cannot compute it is refused here (ConfigError),
-    never run without it."""
+    never run without it. ``sinks``: the layer's sink logits (n_heads,), any float
+    dtype (computed in float32), given exactly where ``spec.sinks``."""
+    if (sinks is not None) != spec.sinks:
+        raise ValueError(f"attention: spec.sinks={spec.sinks} and sinks "
+                         f"{'given' if sinks is not None else 'None'}: give sink logits "
+                         "exactly where the spec has sinks")
+    if sinks is not None and sinks.shape != (q.shape[2],):
+        raise ValueError(f"attention: sinks of shape {sinks.shape}, and q has {q.shape[2]} "
+                         "heads: one sink logit per query head")
     rules = active()
     name, cp = cfg.attn_impl, getattr(cfg, "cp_impl", "auto")
     if name == "auto" or cp == "auto":
@@ -998,7 +1057,8 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array,
         name, cp = choice.name, choice.cp
     KERNELS[name].check_spec(spec.at(q.shape[1]))
     if cp == "all_to_all" and ring.context_shards(rules) > 1:
-        def kernel(q, k, v, segment_ids):
-            return KERNELS[name](q, k, v, segment_ids, cfg, spec)
-        return a2a.all_to_all_attention(kernel, q, k, v, segment_ids, rules, HEADS, KV_HEADS)
-    return KERNELS[name](q, k, v, segment_ids, cfg, spec)
+        def kernel(q, k, v, segment_ids, sinks=None):
+            return KERNELS[name](q, k, v, segment_ids, cfg, spec, sinks)
+        return a2a.all_to_all_attention(kernel, q, k, v, segment_ids, rules, HEADS, KV_HEADS,
+                                        sinks)
+    return KERNELS[name](q, k, v, segment_ids, cfg, spec, sinks)

@@ -1,5 +1,5 @@
 """Ring attention over the ``context`` mesh axis: causal, load-balanced, packed documents,
-optionally within a sliding window and with a score scale.
+optionally within a sliding window, with a score scale and with attention sinks.
 
 Each context shard keeps its queries. Key/value blocks (kv heads only: grouped-query
 attention is not expanded before the ring) travel around the ring with
@@ -70,6 +70,15 @@ dK/dV, which make c hops to come home). Segment ids (4 bytes a token) are the
 same in every layer and in both passes, so XLA may hoist their sends out of
 the layer loop and share them between the passes (BENCHMARKS.md); keys and
 values it cannot share (see ``_backward_local``).
+
+Sinks (``sinks``, GPT-OSS: a logit per head that joins each row's softmax as a
+column whose value is zero): folded into each row's running statistics once, after
+every ring step and key tile, so that the log-sum-exp the forward saves includes
+it. The backward of q, k and v is then exact as it is (delta_i = dout_i . out_i
+sums P dP over the sink's column too, whose value is zero); the sink's own
+gradient, -sum over rows and queries of exp(sink - lse_i) delta_i, is computed
+from the output, log-sum-exp and output gradient on the whole arrays, outside the
+shard_maps (``_sink_grad``), so the partitioner sums it over rows and shards.
 
 On one context shard (``mesh=None``) the same kernel runs without collectives:
 that is ``model.attn_impl=tiled`` (``ndjax.ops.attention`` chooses between kernels,
@@ -522,9 +531,30 @@ class _Shard:
         return carry
 
 
-def _forward_local(q, k, v, seg, *, axis: str, context: int, layout: str, tile: int,
-                   window: int | None, scale: float | None):
-    """One shard's forward: (out, lse, [blocks computed, query x key tiles computed])."""
+def _with_sink(o, m, den, sinks):
+    """Running statistics (o, m, den) with the sink's column joined: logit ``sinks``
+    (kv, g), value zero. Once, after every key: per ring step it would count it c times."""
+    s = sinks.astype(jnp.float32)[None, :, :, None]
+    m_new = jnp.maximum(m, s)  # finite: a row's sink is always there
+    rescale = jnp.exp(m - m_new)
+    return o * rescale[..., None], m_new, den * rescale + jnp.exp(s - m_new)
+
+
+def _sink_grad(sinks, out, lse, dout) -> jax.Array:
+    """The sinks' gradient (h,): -sum over rows and queries of exp(sink - lse_i)
+    delta_i, delta_i = dout_i . out_i, with ``lse`` (b, kv, g, n) the rows' log-sum-exp
+    with the sink (the probability of its column is exp(sink - lse))."""
+    b, kv, g, n = lse.shape
+    delta = jnp.sum(dout.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)
+    delta = delta.reshape(b, n, kv, g).transpose(0, 2, 3, 1)
+    p = jnp.exp(sinks.astype(jnp.float32).reshape(1, kv, g, 1) - lse)
+    return -(p * delta).sum((0, 3)).reshape(kv * g).astype(sinks.dtype)
+
+
+def _forward_local(q, k, v, seg, sinks=None, *, axis: str, context: int, layout: str,
+                   tile: int, window: int | None, scale: float | None):
+    """One shard's forward: (out, lse, [blocks computed, query x key tiles computed]).
+    ``sinks`` (this device's heads,): joined once, after the ring (``_with_sink``)."""
     b, n, h, d = q.shape
     kv = k.shape[2]
     sh = _Shard(axis, context, layout, tile, n)
@@ -556,8 +586,11 @@ def _forward_local(q, k, v, seg, *, axis: str, context: int, layout: str, tile: 
         return sh.blocks(one, blocks, carry)
 
     carry = sh.ring(compute, init, (k, v, seg))
-    out = (carry["o"] / carry["den"][..., None]).transpose(0, 3, 1, 2, 4).reshape(b, n, h, d)
-    lse = carry["m"] + jnp.log(carry["den"])
+    o, m, den = carry["o"], carry["m"], carry["den"]
+    if sinks is not None:
+        o, m, den = _with_sink(o, m, den, sinks.reshape(kv, h // kv))
+    out = (o / den[..., None]).transpose(0, 3, 1, 2, 4).reshape(b, n, h, d)
+    lse = m + jnp.log(den)
     return out.astype(q.dtype), lse, jnp.stack([carry["blocks"], carry["tiles"]])
 
 
@@ -613,7 +646,7 @@ def _one(axes: tuple[str, ...]) -> MeshAxes:
 
 
 def _manual(mesh: Mesh, axis: str, rows: tuple[str, ...], heads: tuple[str, ...],
-            forward, backward):
+            forward, backward, sinks: bool = False):
     """``forward`` and ``backward`` as shard_maps manual over every axis of ``mesh``:
     the sequence split over ``axis``, batch rows over ``rows``, heads over ``heads``,
     whatever else replicated. Manual over the context axis alone, XLA's partitioner
@@ -621,7 +654,8 @@ def _manual(mesh: Mesh, axis: str, rows: tuple[str, ...], heads: tuple[str, ...]
     heads) inside each skipping ``lax.cond`` (tens of all-gathers per step, compiled
     for H100s: tests/test_gpu_compile.py). check_vma=False: every device computes on
     its own rows and heads, nothing in the ring reduces over them. The work counts
-    come back per device, context-major (``ring_attention_work``)."""
+    come back per device, context-major (``ring_attention_work``). ``sinks``: the
+    forward takes the sink logits too, split like the heads."""
     if axis in rows + heads or set(rows) & set(heads):
         raise ValueError(f"ring attention: rows over {rows}, heads over {heads} and the "
                          f"sequence over {axis!r} need distinct mesh axes")
@@ -630,7 +664,8 @@ def _manual(mesh: Mesh, axis: str, rows: tuple[str, ...], heads: tuple[str, ...]
     ids, lse = PartitionSpec(r, axis), PartitionSpec(r, h, None, axis)
     counts = PartitionSpec((axis, *(a for a in mesh.axis_names if a != axis)))
     shard = functools.partial(jax.shard_map, mesh=mesh, check_vma=False)
-    forward = shard(forward, in_specs=(seq, seq, seq, ids), out_specs=(seq, lse, counts))
+    sink = (PartitionSpec(h),) if sinks else ()  # the sink logits, split like the heads
+    forward = shard(forward, in_specs=(seq, seq, seq, ids, *sink), out_specs=(seq, lse, counts))
     backward = shard(backward, in_specs=(seq, seq, seq, ids, seq, lse, seq),
                      out_specs=(seq, seq, seq))
     return forward, backward
@@ -639,8 +674,10 @@ def _manual(mesh: Mesh, axis: str, rows: tuple[str, ...], heads: tuple[str, ...]
 @functools.cache
 def _build(mesh: Mesh | None, axis: str, layout: str, kv_tile: int, seq_len: int,
            window: int | None = None, scale: float | None = None, rows: MeshAxes = None,
-           heads: MeshAxes = None):
-    """(attention with its custom VJP, forward that also returns its work per device)."""
+           heads: MeshAxes = None, sinks: bool = False):
+    """(attention with its custom VJP, forward that also returns its work per device).
+    ``sinks``: both take the sink logits as a fifth argument (without, the kernel is
+    the sink-free one exactly)."""
     _check_layout(layout)
     if window is not None and window < 1:
         raise ValueError(f"window={window}: a query sees at least itself (window >= 1)")
@@ -655,14 +692,17 @@ def _build(mesh: Mesh | None, axis: str, layout: str, kv_tile: int, seq_len: int
     forward = functools.partial(_forward_local, **kw)
     backward = functools.partial(_backward_local, **kw)
     if context > 1:
-        forward, backward = _manual(mesh, axis, axes_of(rows), axes_of(heads), forward, backward)
+        forward, backward = _manual(mesh, axis, axes_of(rows), axes_of(heads), forward, backward,
+                                    sinks)
 
-    def attend_fwd(q, k, v, seg):
-        out, lse, _ = forward(q, k, v, seg)
+    def attend_fwd(*args):
+        out, lse, _ = forward(*args)
         return out, lse, None
 
     def attend_bwd(args, out, lse, _, dout):
-        return (*backward(*args, out, lse, dout), None)  # no gradient for the segment ids
+        q, k, v, seg, *sink = args
+        grads = (*backward(q, k, v, seg, out, lse, dout), None)  # none for the segment ids
+        return grads + tuple(_sink_grad(s, out, lse, dout) for s in sink)
 
     return kernel_vjp.named_residuals(attend_fwd, attend_bwd), forward
 
@@ -676,7 +716,7 @@ def ring_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Ar
                    mesh: Mesh | None, axis: str = "context", layout: str = "zigzag",
                    kv_tile: int = 512, window: int | None = None,
                    scale: float | None = None, rows: MeshAxes = None,
-                   heads: MeshAxes = None) -> jax.Array:
+                   heads: MeshAxes = None, sinks: jax.Array | None = None) -> jax.Array:
     """Causal grouped-query attention over packed documents, sequence split over ``axis``.
 
     Same contract as ``ndjax.ops.attention.dense`` on the *unpermuted* sequence; with
@@ -689,10 +729,12 @@ def ring_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Ar
     of q, k and v are split over (each device's query heads with the kv heads they
     read), as the rule table splits them; each device then attends on its own rows
     and heads (``_manual``). Any other split of the inputs is gathered first.
+    ``sinks`` (h,): each head's sink logit (any float dtype, computed in float32; its
+    gradient in its dtype), split over ``heads`` like q's heads.
     """
     attend, _ = _build(mesh, axis, layout, kv_tile, q.shape[1], window, scale,
-                       *_hashable(rows, heads))
-    return attend(q, k, v, segment_ids)
+                       *_hashable(rows, heads), sinks is not None)
+    return attend(q, k, v, segment_ids, *(() if sinks is None else (sinks,)))
 
 
 def ring_attention_work(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array, *,
