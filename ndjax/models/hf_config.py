@@ -8,7 +8,6 @@ a default of its own here."""
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
 from ndjax.models.decoder import FULL, SLIDING, DecoderConfig
@@ -50,7 +49,10 @@ def require(c: dict, where: str, family: str, **wanted: Any) -> None:
 def read_rope(params: dict, c: dict, where: str,
               theta_key: str = "rope_theta") -> tuple[float, RopeScaling | None]:
     """(theta, scaling) of one set of rope parameters (transformers 5's rope_parameters,
-    or 4.x's rope_scaling with the base at the top level, as ``theta_key``)."""
+    or 4.x's rope_scaling with the base at the top level, as ``theta_key``). Absent keys
+    take transformers' values: original_max_position_embeddings a top-level one, else
+    max_position_embeddings; yarn's beta_fast 32, beta_slow 1, truncate true, and a null
+    factor max_position_embeddings / original_max_position_embeddings."""
     theta = (number(params, "rope_theta", where) if "rope_theta" in params
              else number(c, theta_key, where))
     kind = params.get("rope_type", params.get("type", "default"))
@@ -67,15 +69,48 @@ def read_rope(params: dict, c: dict, where: str,
         raise config_error(where, f"{kind} rope scaling lacks its factor", "Add it.")
     if kind == "linear":
         return theta, RopeScaling(factor=float(params["factor"]), rope_type="linear")
+    # transformers prefers a top-level original_max_position_embeddings (Phi 3's).
+    original = c.get("original_max_position_embeddings") or params.get(
+        "original_max_position_embeddings", c["max_position_embeddings"])
+    if isinstance(original, bool) or not isinstance(original, (int, float)) or original < 1:
+        raise config_error(where, f"original_max_position_embeddings={original!r} must be a "
+                           "positive int", "Fix config.json.")
+    if kind == "yarn":
+        return theta, _read_yarn(params, c, where, int(original))
     missing = [k for k in ("low_freq_factor", "high_freq_factor") if k not in params]
     if missing:
         raise config_error(where, f"llama3 rope scaling lacks {missing}",
                            "Add them to config.json.")
-    original = params.get("original_max_position_embeddings", c["max_position_embeddings"])
     return theta, RopeScaling(
         factor=float(params["factor"]), low_freq_factor=float(params["low_freq_factor"]),
         high_freq_factor=float(params["high_freq_factor"]),
         original_max_position_embeddings=int(original))
+
+
+def _read_yarn(params: dict, c: dict, where: str, original: int) -> RopeScaling:
+    factor = params["factor"]
+    if factor is None:  # transformers: the ratio of the lengths
+        factor = number(c, "max_position_embeddings", where) / original
+    values = {}
+    for key in ("factor", "attention_factor", "beta_fast", "beta_slow", "mscale",
+                "mscale_all_dim"):
+        value = factor if key == "factor" else params.get(key)
+        positive = key in ("factor", "attention_factor")  # the others: 0 means unset
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
+                                  or value < 0 or (positive and value == 0)):
+            raise config_error(where, f"yarn rope scaling's {key}={value!r} must be a number "
+                               f"{'>' if positive else '>='} 0", "Fix config.json.")
+        values[key] = None if value is None else float(value)
+    truncate = params.get("truncate", True)
+    if not isinstance(truncate, bool):
+        raise config_error(where, f"yarn rope scaling's truncate={truncate!r} must be true or "
+                           "false", "Fix config.json.")
+    # transformers reads a beta of 0 or null as its default.
+    return RopeScaling(factor=values["factor"], original_max_position_embeddings=original,
+                       rope_type="yarn", beta_fast=values["beta_fast"] or 32.0,
+                       beta_slow=values["beta_slow"] or 1.0, truncate=truncate,
+                       attention_factor=values["attention_factor"], mscale=values["mscale"],
+                       mscale_all_dim=values["mscale_all_dim"])
 
 
 def rope_parameters(c: dict) -> dict:
@@ -125,10 +160,8 @@ def read_window(c: dict, where: str, n_layers: int) -> dict:
 
 def write_rope(theta: float, scaling: RopeScaling | None) -> dict:
     rope: dict[str, Any] = {"rope_type": "default", "rope_theta": theta}
-    if scaling is not None and scaling.rope_type == "linear":
-        rope.update(rope_type="linear", factor=scaling.factor)
-    elif scaling is not None:
-        rope.update(dataclasses.asdict(scaling))
+    if scaling is not None:
+        rope.update(scaling.as_dict())
     return rope
 
 
@@ -150,7 +183,7 @@ def write_dims(cfg: DecoderConfig) -> dict:
 def default_positions(cfg: DecoderConfig) -> int:
     """max_position_embeddings when neither the source nor the run says."""
     s = cfg.rope_scaling
-    if s is not None and s.rope_type == "llama3":
+    if s is not None and s.rope_type in ("llama3", "yarn"):
         return int(s.original_max_position_embeddings * s.factor)
     return 8192
 

@@ -182,19 +182,21 @@ embed_lookup.defvjp(_embed_fwd, _embed_bwd)
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
 def add_bias(x: jax.Array, b: jax.Array, stored: jax.Array, use: ParamUse) -> jax.Array:
-    """``x + b``, where ``b = gather(stored, use)`` (Qwen's q/k/v biases), whose gradient,
-    summed over the tokens in float32, goes to ``stored`` (see ``project``)."""
+    """``x + b``, where ``b = gather(stored, use)`` (Qwen's q/k/v biases, GPT-OSS's output
+    bias), whose gradient, summed over the tokens in float32, goes to ``stored`` (see
+    ``project``)."""
     return x + b
 
 
 def _bias_fwd(x, b, stored, use):
-    return add_bias(x, b, stored, use), jnp.zeros((0,), stored.dtype)
+    # An empty array with the bias's rank and dtype: what the backward needs of it.
+    return add_bias(x, b, stored, use), jnp.zeros((0,) * stored.ndim, stored.dtype)
 
 
-def _bias_bwd(use, dtype_of_stored, g):
-    # The bias is (heads, head_dim): every leading axis of g is a token axis.
-    db = jnp.sum(g.astype(jnp.float32), axis=tuple(range(g.ndim - 2)))
-    return g, None, scatter(db, use, dtype_of_stored.dtype)
+def _bias_bwd(use, like_stored, g):
+    # Every leading axis of g beyond the bias's own is a token axis.
+    db = jnp.sum(g.astype(jnp.float32), axis=tuple(range(g.ndim - like_stored.ndim)))
+    return g, None, scatter(db, use, like_stored.dtype)
 
 
 add_bias.defvjp(_bias_fwd, _bias_bwd)
@@ -222,17 +224,59 @@ class RMSNorm(nnx.Module):
 class RopeScaling:
     """Frequency scaling of rotary embeddings, as Hugging Face's ``rope_parameters``
     name it: ``llama3`` (Llama 3.1+: long wavelengths divided by ``factor``, a smooth
-    band between) or ``linear`` (every frequency divided by ``factor``: Gemma 3's
-    global layers). ``linear`` reads only ``factor``."""
+    band between), ``linear`` (every frequency divided by ``factor``: Gemma 3's
+    global layers) or ``yarn`` (GPT-OSS, DeepSeek V3: frequencies that turn more than
+    ``beta_fast`` times in ``original_max_position_embeddings`` kept, fewer than
+    ``beta_slow`` divided by ``factor``, a ramp between; cos and sin times
+    ``attention_scaling``). ``ROPE_FIELDS`` says which fields each type reads;
+    ``attention_factor`` None: from ``factor`` and, where both are set, ``mscale`` /
+    ``mscale_all_dim``."""
 
     factor: float = 8.0
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
     rope_type: str = "llama3"
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    truncate: bool = True
+    attention_factor: float | None = None
+    mscale: float | None = None
+    mscale_all_dim: float | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        """rope_type and the fields it reads (unset ones left out): Hugging Face's
+        rope_parameters less rope_theta, and ``RopeScaling(**d)`` gives it back."""
+        fields = {k: getattr(self, k) for k in ROPE_FIELDS[self.rope_type]}
+        return {"rope_type": self.rope_type,
+                **{k: v for k, v in fields.items() if v is not None}}
+
+    @property
+    def attention_scaling(self) -> float:
+        """What cos and sin are multiplied by: 1 but for yarn (transformers'
+        ``attention_scaling``)."""
+        if self.rope_type != "yarn":
+            return 1.0
+        if self.attention_factor is not None:
+            return float(self.attention_factor)
+
+        def mscale(scale: float, m: float = 1.0) -> float:
+            return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+        if self.mscale and self.mscale_all_dim:
+            return mscale(self.factor, self.mscale) / mscale(self.factor, self.mscale_all_dim)
+        return mscale(self.factor)
 
 
-ROPE_TYPES = ("llama3", "linear")
+ROPE_TYPES = ("llama3", "linear", "yarn")
+# The fields each rope_type reads.
+ROPE_FIELDS = {
+    "llama3": ("factor", "low_freq_factor", "high_freq_factor",
+               "original_max_position_embeddings"),
+    "linear": ("factor",),
+    "yarn": ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow",
+             "truncate", "attention_factor", "mscale", "mscale_all_dim"),
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -255,10 +299,31 @@ def _llama3(inv: jax.Array, s: RopeScaling) -> jax.Array:
     return jnp.where(medium, smoothed, scaled)
 
 
+def _yarn(theta: float, dim: int, s: RopeScaling) -> jax.Array:
+    # transformers' _compute_yarn_parameters, operation for operation.
+    def correction_dim(rotations: float) -> float:
+        return (dim * math.log(s.original_max_position_embeddings / (rotations * 2 * math.pi))
+                ) / (2 * math.log(theta))
+
+    low, high = correction_dim(s.beta_fast), correction_dim(s.beta_slow)
+    if s.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # as transformers: no division by 0
+    ramp = jnp.clip((jnp.arange(dim // 2, dtype=jnp.float32) - low) / (high - low), 0, 1)
+    extrapolation = 1 - ramp  # the share of each original frequency
+    pos_freqs = theta ** (jnp.arange(0, dim, 2, dtype=jnp.float32) / dim)
+    return (1.0 / (s.factor * pos_freqs) * (1 - extrapolation)
+            + 1.0 / pos_freqs * extrapolation)
+
+
 def rope_frequencies(rope: Rope, head_dim: int) -> jax.Array:
-    """Inverse frequencies, scaled as Hugging Face scales them."""
-    inv = 1.0 / (rope.theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
+    """Inverse frequencies (float32), scaled as Hugging Face scales them."""
     s = rope.scaling
+    if s is not None and s.rope_type == "yarn":
+        return _yarn(rope.theta, head_dim, s)
+    inv = 1.0 / (rope.theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
     if s is None:
         return inv
     if s.rope_type == "linear":
@@ -270,10 +335,15 @@ def rope_frequencies(rope: Rope, head_dim: int) -> jax.Array:
 
 def rope_tables(rope: Rope, head_dim: int, positions: jax.Array
                 ) -> tuple[jax.Array, jax.Array]:
-    """cos and sin (b, s, head_dim) of each token's position, for ``apply_rope``."""
+    """cos and sin (b, s, head_dim) of each token's position, for ``apply_rope`` (times
+    yarn's attention scaling)."""
     freqs = positions[..., None].astype(jnp.float32) * rope_frequencies(rope, head_dim)
     freqs = jnp.concatenate([freqs, freqs], axis=-1)
-    return jnp.cos(freqs), jnp.sin(freqs)
+    cos, sin = jnp.cos(freqs), jnp.sin(freqs)
+    scale = 1.0 if rope.scaling is None else rope.scaling.attention_scaling
+    if scale != 1.0:
+        cos, sin = cos * scale, sin * scale
+    return cos, sin
 
 
 def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:

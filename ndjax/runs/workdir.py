@@ -17,7 +17,6 @@ it with them: moving or deleting the directories the run started from changes no
 
 from __future__ import annotations
 
-import dataclasses
 import filecmp
 import json
 import os
@@ -52,7 +51,7 @@ def resolved_model(model_cfg: Any) -> dict[str, Any]:
                n_layers=model_cfg.n_layers, n_heads=model_cfg.n_heads,
                n_kv_heads=model_cfg.n_kv_heads, ffn_dim=model_cfg.ffn_dim,
                head_dim=model_cfg.hd, rope_theta=float(model_cfg.rope_theta),
-               rope_scaling={} if scaling is None else dataclasses.asdict(scaling),
+               rope_scaling={} if scaling is None else scaling.as_dict(),
                rms_norm_eps=float(model_cfg.rms_norm_eps),
                tie_embeddings=bool(model_cfg.tie_embeddings))
     family = registry.of(model_cfg)
