@@ -172,10 +172,12 @@ class ModelSettings:
     ffn_dim: int | None = setting(None, **_DIMS)
     head_dim: int | None = setting(None, **_DIMS)
     rope_theta: float | None = setting(None, gt=0)
-    # Rotary frequency scaling: {rope_type: llama3 (default) | linear, factor,
-    # low_freq_factor, high_freq_factor, original_max_position_embeddings} (linear reads
-    # only factor); {}: none; None: the preset's. A run saves the model it
-    # trained in full (ndjax.runs.workdir), so its workdir needs no model.init_from.
+    # Rotary frequency scaling: {rope_type: llama3 (default) | linear | yarn, factor,
+    # original_max_position_embeddings; llama3's low_freq_factor, high_freq_factor;
+    # yarn's beta_fast, beta_slow, truncate, attention_factor, mscale, mscale_all_dim}
+    # (linear reads only factor; ndjax.models.layers.RopeScaling); {}: none; None: the
+    # preset's. A run saves the model it trained in full (ndjax.runs.workdir), so its
+    # workdir needs no model.init_from.
     rope_scaling: dict | None = setting(None)
     rms_norm_eps: float | None = setting(None, gt=0)
     tie_embeddings: bool | None = setting(None)
@@ -201,6 +203,29 @@ class ModelSettings:
     router_aux_loss_coef: float | None = setting(None, ge=0)
     # Qwen 2 MoE's shared expert: its width (shared_expert_intermediate_size).
     shared_expert_dim: int | None = setting(None, ge=1)
+    # GPT-OSS's experts: gate clamped above at swiglu_limit and up to +-limit, then
+    # (up + 1) * gate * sigmoid(swiglu_alpha * gate).
+    swiglu_limit: float | None = setting(None, gt=0)
+    swiglu_alpha: float | None = setting(None, gt=0)
+    # DeepSeek V3's multi-head latent attention: the query latent's rank (0: a plain
+    # query projection), the key/value latent's, the rotary dims of head_dim (the rest
+    # take no rotation), the values' head dim, and the rotary dims in interleaved pairs.
+    q_lora_rank: int | None = setting(None, ge=0)
+    kv_lora_rank: int | None = setting(None, ge=1)
+    rope_head_dim: int | None = setting(None, ge=2)
+    v_head_dim: int | None = setting(None, ge=1)
+    rope_interleave: bool | None = setting(None)
+    # DeepSeek V3: its first layers' MLP dense (ffn_dim wide); the experts in n_group
+    # groups, a token's chosen among the topk_group best, weighted by their scores times
+    # routed_scaling_factor.
+    first_k_dense: int | None = setting(None, ge=0)
+    n_group: int | None = setting(None, ge=1)
+    topk_group: int | None = setting(None, ge=1)
+    routed_scaling_factor: float | None = setting(None, gt=0)
+    # DeepSeek V3's auxiliary-loss-free balancing: the step by which each expert's
+    # routing bias moves after each train step, towards balance (unset: the preset's,
+    # its paper's 0.001; 0: the bias stays as loaded).
+    score_bias_rate: float | None = setting(None, ge=0)
     # ST-MoE's router z-loss (the squared logsumexp of the router's logits, averaged
     # over tokens and layers) in the loss: its weight, 0 = off (ST-MoE used 1e-3).
     router_z_loss_coef: float = setting(0.0, ge=0)
@@ -266,17 +291,8 @@ class ModelSettings:
             self.rope_scaling is not None
 
     def check(self) -> None:
-        if self.rope_scaling is not None:
-            from ndjax.models.layers import ROPE_TYPES, RopeScaling
-            known = {f.name for f in dataclasses.fields(RopeScaling)}
-            unknown = sorted(set(self.rope_scaling) - known)
-            if unknown:
-                raise ConfigError(f"model.rope_scaling={self.rope_scaling!r}: unknown keys "
-                                  f"{unknown}; it takes {sorted(known)}.")
-            kind = self.rope_scaling.get("rope_type", "llama3")
-            if self.rope_scaling and kind not in ROPE_TYPES:
-                raise ConfigError(f"model.rope_scaling: rope_type={kind!r}; choose one of "
-                                  f"{ROPE_TYPES}.")
+        if self.rope_scaling:
+            self._check_rope_scaling(self.rope_scaling)
         from ndjax.models import registry
         family = registry.get(self.family)
         if self.init_from is None:  # else config.json says the family and its presets
@@ -284,6 +300,47 @@ class ModelSettings:
                 registry.preset_dims(family, self.preset)
             registry.check_options(family, {f: getattr(self, f)
                                             for f in registry.OPTION_FIELDS})
+
+    @staticmethod
+    def _check_rope_scaling(scaling: dict) -> None:
+        """Keys of RopeScaling, values it can use; a key another rope_type reads only
+        at its default (a run's saved config.json has them all)."""
+        from ndjax.models.layers import ROPE_FIELDS, ROPE_TYPES, RopeScaling
+        fields = {f.name: f.default for f in dataclasses.fields(RopeScaling)}
+        unknown = sorted(set(scaling) - set(fields))
+        if unknown:
+            raise ConfigError(f"model.rope_scaling={scaling!r}: unknown keys "
+                              f"{unknown}; it takes {sorted(fields)}.")
+        kind = scaling.get("rope_type", "llama3")
+        if kind not in ROPE_TYPES:
+            raise ConfigError(f"model.rope_scaling: rope_type={kind!r}; choose one of "
+                              f"{ROPE_TYPES}.")
+        reads = ROPE_FIELDS[kind]
+        for key, value in scaling.items():
+            if key == "rope_type":
+                continue
+            if key not in reads and value != fields[key]:
+                raise ConfigError(f"model.rope_scaling: {key}={value!r} is not read by "
+                                  f"rope_type={kind!r}, which takes {list(reads)}; drop it or "
+                                  f"set rope_type.")
+            optional = key in ("attention_factor", "mscale", "mscale_all_dim")
+            if key == "truncate":
+                ok, want = isinstance(value, bool), "True or False"
+            elif key == "original_max_position_embeddings":
+                ok = isinstance(value, int) and not isinstance(value, bool) and value >= 1
+                want = "an int >= 1"
+            else:
+                ok = (optional and value is None) or (
+                    isinstance(value, int | float) and not isinstance(value, bool)
+                    and math.isfinite(value) and value > 0)
+                want = "a number > 0" + (" or None (unset)" if optional else "")
+            if not ok:
+                raise ConfigError(f"model.rope_scaling: {key}={value!r} must be {want}.")
+        if kind == "llama3" and not (scaling.get("high_freq_factor", 4.0)
+                                     > scaling.get("low_freq_factor", 1.0)):
+            raise ConfigError(f"model.rope_scaling: high_freq_factor="
+                              f"{scaling.get('high_freq_factor', 4.0)!r} must exceed "
+                              f"low_freq_factor={scaling.get('low_freq_factor', 1.0)!r}.")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -63,6 +63,7 @@ FIELD_OF_AXIS = {
     "kv_heads": "model.n_kv_heads", "head_dim": "model.head_dim", "mlp": "model.ffn_dim",
     "layers": "model.n_layers", "norm": "model.dim", "experts": "model.n_experts",
     "expert_mlp": "model.moe_ffn_dim", "lora_rank": "model.lora.rank",
+    "q_lora": "model.q_lora_rank", "kv_lora": "model.kv_lora_rank",
 }
 
 def slow_axes_warning(mesh: Mesh, host_of: Callable[[jax.Device], str]) -> str | None:
@@ -149,6 +150,14 @@ def lora_config(model: ModelSettings, dims: dict) -> lora_lib.LoraConfig | None:
         return None
     targets = lora_lib.parse_targets(s.target_modules)
     mlp = [t for t in targets if t in lora_lib.MLP_TARGETS]
+    # Latent attention (DeepSeek V3) takes adapters on o_proj only, not yet on its latents.
+    latent = [t for t in targets if t in ("q", "k", "v")] if dims.get("kv_lora_rank") else []
+    if latent:
+        raise ConfigError(
+            f"model.lora.target_modules={s.target_modules!r}: model.family={dims['family']!r} "
+            f"has multi-head latent attention (model.kv_lora_rank={dims['kv_lora_rank']}), "
+            f"whose {', '.join(lora_lib.TARGETS[t] for t in latent)} take no adapters yet "
+            "(its q_a/q_b/kv_a/kv_b projections). Use model.lora.target_modules='o_proj'.")
     if dims.get("n_experts") and mlp:
         attention = ",".join(lora_lib.TARGETS[t] for t in targets
                              if t not in lora_lib.MLP_TARGETS) or "q_proj,k_proj,v_proj,o_proj"
@@ -671,6 +680,7 @@ class Experiment:
                            grad_dtype=self.precision.grad_accum,
                            aux_loss_coef=float(self.model_cfg.router_aux_loss_coef),
                            z_loss_coef=float(self.settings.model.router_z_loss_coef),
+                           score_bias_rate=float(self.model_cfg.score_bias_rate),
                            adapters_only=self.adapters_only, saved=self.saved_params,
                            lora_dropout=self.model_cfg.lora.dropout if self.adapters_only else 0.0,
                            dropout_seed=self.settings.train.seed,

@@ -40,7 +40,11 @@ from test_tokenizer_files import QWEN, write_hf_tokenizer
 from transformers import (
     AutoModelForCausalLM,
     Gemma3ForCausalLM,
+    DeepseekV3Config,
+    DeepseekV3ForCausalLM,
     Gemma3TextConfig,
+    GptOssConfig,
+    GptOssForCausalLM,
     LlamaConfig,
     LlamaForCausalLM,
     MistralConfig,
@@ -93,6 +97,25 @@ FAMILIES = {
     "qwen2_moe": (Qwen2MoeConfig, Qwen2MoeForCausalLM, dict(
         num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
         shared_expert_intermediate_size=48, norm_topk_prob=False)),
+    # GPT-OSS: sinks, biases on q/k/v/o, the router and the experts, a window in every
+    # other layer, YaRN past a short original length, and a SwiGLU limit the experts'
+    # activations reach (the released 7.0 would rarely clamp at this scale).
+    "gpt_oss": (GptOssConfig, GptOssForCausalLM, dict(
+        head_dim=16, num_local_experts=4, num_experts_per_tok=2, sliding_window=WINDOW,
+        swiglu_limit=1.0, attn_implementation="eager", rope_parameters=dict(
+            rope_type="yarn", rope_theta=150_000.0, factor=4.0, beta_fast=32.0,
+            beta_slow=1.0, truncate=False, original_max_position_embeddings=16))),
+    # DeepSeek V3: latent attention with both latents (values narrower than the q/k
+    # heads), YaRN with its softmax scale, a dense first layer then two MoE ones, grouped
+    # sigmoid routing with the load-balancing bias, a shared expert.
+    "deepseek_v3": (DeepseekV3Config, DeepseekV3ForCausalLM, dict(
+        num_hidden_layers=3, num_key_value_heads=8, q_lora_rank=24, kv_lora_rank=16,
+        qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=12, n_routed_experts=8,
+        num_experts_per_tok=2, n_group=4, topk_group=2, moe_intermediate_size=32,
+        n_shared_experts=1, first_k_dense_replace=1, routed_scaling_factor=2.5,
+        attn_implementation="eager", rope_parameters=dict(
+            rope_type="yarn", rope_theta=10_000.0, factor=4.0, beta_fast=32.0, beta_slow=1.0,
+            mscale=1.0, mscale_all_dim=0.707, original_max_position_embeddings=16))),
 }
 
 
@@ -110,6 +133,11 @@ def make_family_hf(directory, family, seed=0, dtype=torch.float32, max_shard_siz
                 p.uniform_(-0.5, 0.5) if family == "gemma3" else p.uniform_(0.5, 1.5)
             elif name.endswith("bias"):
                 p.normal_(0.0, 0.5)
+            elif name.endswith("sinks"):  # GPT-OSS: large enough to take a row's weight
+                p.normal_(0.0, 2.0)
+        for name, b in model.named_buffers():  # DeepSeek V3's: large enough to move choices
+            if name.endswith("e_score_correction_bias"):
+                b.normal_(0.0, 0.2)
     kwargs = {} if max_shard_size is None else dict(max_shard_size=max_shard_size)
     model.to(dtype).save_pretrained(directory, **kwargs)
     return model.float()
@@ -146,11 +174,14 @@ def test_logits_match_transformers(saved, family, mesh):
 
 
 MOE_FAMILIES = sorted(f for f in FAMILIES if registry.get(f).moe_names is not None)
+# Those whose transformers model has Switch's load-balancing loss (DeepSeek V3's has none:
+# it balances with its routing bias, tests/test_deepseek_v3.py).
+SWITCH_LOSS = [f for f in MOE_FAMILIES if f != "deepseek_v3"]
 
 
 @pytest.mark.parametrize("mesh, padded", [("one_device", False), ("fsdp_tp", False),
                                           ("fsdp_tp", True)])
-@pytest.mark.parametrize("family", MOE_FAMILIES)
+@pytest.mark.parametrize("family", SWITCH_LOSS)
 def test_load_balancing_loss_matches_transformers(saved, family, mesh, padded):
     """The router's load-balancing loss over all layers equals transformers' aux_loss
     (output_router_logits) on the same weights and tokens: rows without padding and no
@@ -225,7 +256,7 @@ def loss_line(exp, workdir):
 
 
 @pytest.mark.parametrize("output_router_logits", [False, True])
-@pytest.mark.parametrize("family", MOE_FAMILIES)
+@pytest.mark.parametrize("family", SWITCH_LOSS)
 def test_the_aux_loss_is_in_the_loss_as_config_json_says(saved, family, output_router_logits,
                                                           tmp_path):
     """As transformers trains a checkpoint, its load-balancing loss (times
@@ -292,7 +323,7 @@ def test_expert_shards_hold_transformers_experts(tmp_path, family):
     exp = Experiment.from_config(config_for(tmp_path, FSDP_TP, rules=EXPERTS_SPLIT))
     params = load(exp)
     f = getattr(model.config, "moe_intermediate_size", model.config.intermediate_size)
-    layers = model.model.layers
+    layers = [x for x in model.model.layers if hasattr(x.mlp, "experts")]  # (DeepSeek's first)
     bf16 = lambda t: t.detach().to(torch.bfloat16).float().numpy()  # noqa: E731
     want = {
         "router": np.stack([bf16(x.mlp.gate.weight).T for x in layers]),
@@ -302,10 +333,20 @@ def test_expert_shards_hold_transformers_experts(tmp_path, family):
                           for x in layers]),
         "w_down": np.stack([bf16(x.mlp.experts.down_proj).transpose(0, 2, 1)
                             for x in layers]),
+    } if family != "gpt_oss" else {
+        # (experts, dim, gate and up interleaved), (experts, width, dim), and biases.
+        "router": np.stack([bf16(x.mlp.router.weight).T for x in layers]),
+        "router_bias": np.stack([bf16(x.mlp.router.bias) for x in layers]),
+        "w_gate": np.stack([bf16(x.mlp.experts.gate_up_proj[..., ::2]) for x in layers]),
+        "w_up": np.stack([bf16(x.mlp.experts.gate_up_proj[..., 1::2]) for x in layers]),
+        "b_gate": np.stack([bf16(x.mlp.experts.gate_up_proj_bias[..., ::2]) for x in layers]),
+        "b_up": np.stack([bf16(x.mlp.experts.gate_up_proj_bias[..., 1::2]) for x in layers]),
+        "w_down": np.stack([bf16(x.mlp.experts.down_proj) for x in layers]),
+        "b_down": np.stack([bf16(x.mlp.experts.down_proj_bias) for x in layers]),
     }
     for name, value in want.items():
         got = params["layers"]["mlp"][name]
-        if name != "router":
+        if not name.startswith("router"):
             assert got.sharding.spec[1] == "fsdp"  # the experts are split
         for shard in got.addressable_shards:
             np.testing.assert_array_equal(np.asarray(shard.data, np.float32), value[shard.index],
@@ -320,7 +361,8 @@ def test_export_loads_in_transformers_with_identical_weights(saved, family, tmp_
     hf.export(load(exp), exp.model_cfg, str(out), "float32", source=exp.checkpoint)
     config = json.loads((out / "config.json").read_text())
     assert config["model_type"] == model.config.model_type
-    back = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+    back = AutoModelForCausalLM.from_pretrained(  # the same attention code as the source's
+        out, dtype=torch.float32, attn_implementation=model.config._attn_implementation)
     assert type(back) is type(model)
     want = model.state_dict()
     got = back.state_dict()
@@ -417,6 +459,15 @@ FAMILY_MODELS = {
     # family: Mixtral's block is the same code but for its names and renormalising.
     "qwen3_moe": dict(family="qwen3_moe", head_dim=16, n_experts=4, experts_per_token=2,
                       moe_ffn_dim=32, router_aux_loss_coef=0.1),
+    # Sinks in ring attention's log-sum-exp, biases on the attention and the experts.
+    "gpt_oss": dict(family="gpt_oss", head_dim=16, n_experts=4, experts_per_token=2,
+                    sliding_window=WINDOW, sliding_window_pattern=2, router_aux_loss_coef=0.1),
+    # Latent attention (as many kv heads as heads: its keys are per head) over ring, a
+    # dense first layer, grouped routing, and the load-balancing bias moving every step.
+    "deepseek_v3": dict(family="deepseek_v3", n_kv_heads=8, head_dim=16, rope_head_dim=8,
+                        v_head_dim=12, q_lora_rank=24, kv_lora_rank=16, n_experts=4,
+                        experts_per_token=2, moe_ffn_dim=32, shared_expert_dim=32,
+                        first_k_dense=1, n_group=2, topk_group=1, score_bias_rate=0.01),
 }
 
 
@@ -426,11 +477,12 @@ def test_layout_matches_single_device(family):
     attention over context (with the family's window), and tensor wider than the one
     kv head (replicated on both shards whose query heads use it). tests/test_layouts.py
     runs each of those on its own for Llama; here every family meets them all."""
-    model = {**FAMILY_MODELS[family], "n_kv_heads": 1}
+    latent = family == "deepseek_v3"  # keys per head: no kv heads to replicate
+    model = {**FAMILY_MODELS[family], **({} if latent else {"n_kv_heads": 1})}
     exp = Experiment.from_config(tiny_config(mesh=dict(fsdp=2, context=2, tensor=2),
                                              model=model))
     assert exp.attention.name == "ring"
-    assert exp.rules.kv_repeat(1) == 2
+    assert latent or exp.rules.kv_repeat(1) == 2
     assert_same_training(exp, model)
 
 
@@ -443,9 +495,12 @@ SHARED_EXPERT = dict(FAMILY_MODELS["qwen3_moe"], family="qwen2_moe", head_dim=No
     (dict(fsdp=1, expert=4, tensor=2), None, FAMILY_MODELS["qwen3_moe"]),
     (dict(replica=2, fsdp=2, expert=2), None, FAMILY_MODELS["qwen3_moe"]),
     (dict(fsdp=2, expert=4), 1.0, FAMILY_MODELS["qwen3_moe"]),
-    (dict(fsdp=2, expert=2, tensor=2), None, SHARED_EXPERT)],
+    (dict(fsdp=2, expert=2, tensor=2), None, SHARED_EXPERT),
+    (dict(fsdp=2, expert=2, tensor=2), 1.0, FAMILY_MODELS["gpt_oss"]),
+    (dict(fsdp=2, expert=4), None, FAMILY_MODELS["deepseek_v3"])],
     ids=["expert_tensor", "replica_fsdp_expert", "fsdp_expert_capacity",
-         "shared_expert_fsdp_expert_tensor"])
+         "shared_expert_fsdp_expert_tensor", "gpt_oss_fsdp_expert_tensor_capacity",
+         "deepseek_v3_fsdp_expert"])
 def test_expert_parallel_layouts_match_single_device(mesh, capacity, model):
     """The experts split over mesh.expert (each device holds its share; the (token,
     expert) pairs travel to them and back in ragged all-to-alls, emulated on CPU from
@@ -469,13 +524,13 @@ def test_expert_parallel_layouts_match_single_device(mesh, capacity, model):
 
 def test_an_unsupported_model_type_names_the_families(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(
-        {"model_type": "deepseek_v3", "architectures": ["DeepseekV3ForCausalLM"]}))
+        {"model_type": "phi3", "architectures": ["Phi3ForCausalLM"]}))
     with pytest.raises(ConfigError) as e:
         hf.open_checkpoint(str(tmp_path))
     message = str(e.value)
-    assert "model_type='deepseek_v3'" in message and "\n" not in message
+    assert "model_type='phi3'" in message and "\n" not in message
     for model_type in ("llama", "mistral", "qwen2", "qwen3", "gemma3_text", "mixtral",
-                       "qwen3_moe", "qwen2_moe"):
+                       "qwen3_moe", "qwen2_moe", "gpt_oss", "deepseek_v3", "kimi_k2"):
         assert f"'{model_type}'" in message
 
 
@@ -511,6 +566,12 @@ FAMILY_TOKENS = {
     "mixtral": dict(special=("<unk>", "<s>", "</s>"), bos_token="<s>", eos_token="</s>"),
     "gemma3": dict(special=("<pad>", "<eos>", "<bos>", "<start_of_turn>", "<end_of_turn>"),
                    bos_token="<bos>", eos_token="<eos>", pad_token="<pad>"),
+    "deepseek_v3": dict(special=("<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>"),
+                        bos_token="<｜begin▁of▁sentence｜>",
+                        eos_token="<｜end▁of▁sentence｜>"),
+    # gpt-oss's harmony tokens: no BOS before a prompt.
+    "gpt_oss": dict(special=("<|startoftext|>", "<|endoftext|>", "<|return|>"),
+                    eos_token="<|return|>", pad_token="<|endoftext|>"),
 }
 # 2, 9 and 19 words (and a BOS): the longer two run past WINDOW (Mistral's and Gemma's
 # local layers).

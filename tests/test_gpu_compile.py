@@ -532,6 +532,17 @@ def test_bench_moe_layouts_tiny():
 
 
 @needs_extra
+def test_bench_open_models_tiny():
+    """GPT-OSS under LoRA over expert=8 (its sinks: no fused kernel, cuDNN and Pallas
+    have none) and DeepSeek V3 (latent attention, a dense first layer) over expert x
+    tensor, compiled for H100s and tabled."""
+    lines = run_tiny("open_models.py").stdout.splitlines()
+    rows = table_rows(lines, "tiny")
+    assert [r[1] for r in rows] == ["LoRA r=16", "full"], lines
+    assert rows[0][4] not in ("cudnn", "pallas") and all(float(r[8]) > 0 for r in rows), rows
+
+
+@needs_extra
 def test_bench_lora_tiny():
     """Full fine-tuning and LoRA compiled side by side, then timed on the CPU."""
     lines = run_tiny("lora.py").stdout.splitlines()

@@ -592,13 +592,14 @@ BAD = {
     "layers vs config.json": (lambda d: edit_config(d, num_hidden_layers=1), {},
                               r"do not match config.json .*num_hidden_layers=1.*unexpected "
                               r"\['model.layers.1."),
-    "unsupported family": (lambda d: edit_config(d, model_type="deepseek_v3",
-                                                 architectures=["DeepseekV3ForCausalLM"]), {},
-                           r"model_type='deepseek_v3' \(architectures "
-                           r"\['DeepseekV3ForCausalLM'\]\), which ndjax does not implement; "
+    "unsupported family": (lambda d: edit_config(d, model_type="phi3",
+                                                 architectures=["Phi3ForCausalLM"]), {},
+                           r"model_type='phi3' \(architectures "
+                           r"\['Phi3ForCausalLM'\]\), which ndjax does not implement; "
                            r"it reads the model_types"),
     "unsupported rope": (lambda d: edit_config(d, rope_parameters=dict(
-        rope_type="yarn", factor=4.0, rope_theta=1e4)), {}, r"rope type 'yarn' is not supported"),
+        rope_type="dynamic", factor=4.0, rope_theta=1e4)), {},
+        r"rope type 'dynamic' is not supported"),
     "mesh cannot divide": (lambda d: None, dict(intermediate_size=129),
                            r"model.ffn_dim=129 .* cannot be split 2 ways over mesh axes "
                            r"tensor\(2\).*come from model.init_from="),

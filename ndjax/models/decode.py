@@ -9,7 +9,12 @@ decodes with it (``registry.Family.decode``).
 Layout. The cache is ``(layers, batch, slots, kv heads, head_dim)`` in the compute
 dtype, named ``CACHE_NAMES`` for the rule table: rows over the batch's mesh axes,
 kv heads over ``tensor`` like the k/v projections (repeated like the weights when
-the rules replicate kv heads, ``Rules.kv_repeat``), slots unsplit.
+the rules replicate kv heads, ``Rules.kv_repeat``), slots unsplit. Multi-head latent
+attention (``ndjax.models.mla``) caches what its keys and values are made from instead:
+each token's normed latent and its rotated rotary key, ``(layers, batch, slots,
+kv_lora_rank + rope_head_dim)`` in ``Cache.k`` (``v`` None), rows split like the
+batch, the rest whole; each step expands the cache through ``wkv_b`` into every
+head's keys and values (``MLA.expand``).
 
 Batches of prompts of different lengths are left-padded: every row's prompt ends
 at the same slot, so one decode step writes one slot for all rows. Row ``b``'s
@@ -26,19 +31,32 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from ndjax.models.decoder import FULL, HIDDEN, RESIDUAL, SLIDING, Block, Decoder, DecoderConfig
+from ndjax.models.decoder import (
+    FULL,
+    HIDDEN,
+    RESIDUAL,
+    SLIDING,
+    Block,
+    Decoder,
+    DecoderConfig,
+    stacks,
+)
 from ndjax.models.layers import weight
+from ndjax.models.mla import padded
 from ndjax.ops.attention import masked_attention
 from ndjax.parallel.rules import active, constrain
 
 CACHE_NAMES = ("layers", "act_batch", None, "act_kv_heads", "act_head_dim")
+# MLA's cache of latents: (layers, batch, slots, kv_lora_rank + rope_head_dim).
+LATENT_CACHE_NAMES = ("layers", "act_batch", None, None)
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class Cache:
-    k: jax.Array    # (layers, batch, slots, cache_heads, head_dim), compute dtype
-    v: jax.Array
+    k: jax.Array    # (layers, batch, slots, cache_heads, head_dim), compute dtype; MLA: its
+    #                 latents (layers, batch, slots, kv_lora_rank + rope_head_dim)
+    v: jax.Array | None  # as k; None for MLA
     pad: jax.Array  # (batch,) int32: the row's left padding; its slots hold no token
 
 
@@ -49,6 +67,10 @@ def cache_heads(cfg: DecoderConfig) -> int:
 
 
 def init_cache(cfg: DecoderConfig, batch: int, slots: int, pad: jax.Array) -> Cache:
+    if cfg.kv_lora_rank:
+        shape = (cfg.n_layers, batch, slots, cfg.kv_lora_rank + cfg.rope_head_dim)
+        latents = constrain(jnp.zeros(shape, cfg.dtype), LATENT_CACHE_NAMES)
+        return Cache(latents, None, pad.astype(jnp.int32))
     shape = (cfg.n_layers, batch, slots, cache_heads(cfg), cfg.hd)
     zeros = constrain(jnp.zeros(shape, cfg.dtype), CACHE_NAMES)
     return Cache(zeros, zeros, pad.astype(jnp.int32))
@@ -81,21 +103,24 @@ def forward(model: Decoder, tokens: jax.Array, start: jax.Array | int, cache: Ca
     windows = jnp.array([cfg.spec(t).window or cache.k.shape[2] + 1 for t in cfg.types],
                         jnp.int32)
     local = jnp.array([t == SLIDING for t in cfg.types])
-    graphdef, stacked = nnx.split(model.layers)
+    k, v = cache.k, cache.v
+    for stack in stacks(cfg):  # (DeepSeek V3: its dense first layers, then the rest)
+        graphdef, stacked = nnx.split(getattr(model, stack.name))
 
-    def layer(carry, xs):
-        h, k_all, v_all = carry
-        state, i, window, is_local = xs
-        block = nnx.merge(graphdef, state)
-        cos, sin = (jnp.where(is_local, a, b) for a, b in zip(local_tables, global_tables))
-        return _block(block, cfg, h, cos, sin, mask & (behind < window), k_all, v_all, i,
-                      start), None
+        def layer(carry, xs, graphdef=graphdef):
+            h, k_all, v_all = carry
+            state, i, window, is_local = xs
+            block = nnx.merge(graphdef, state)
+            cos, sin = (jnp.where(is_local, a, b) for a, b in zip(local_tables, global_tables))
+            return _block(block, cfg, h, cos, sin, mask & (behind < window), k_all, v_all, i,
+                          start), None
 
-    # The whole cache is carried (not scanned over) so that each layer updates its
-    # slots in place instead of the scan writing a fresh copy of every layer's cache.
-    (x, k, v), _ = jax.lax.scan(layer, (x, cache.k, cache.v),
-                                (stacked, jnp.arange(cfg.n_layers, dtype=jnp.int32), windows,
-                                 local))
+        # The whole cache is carried (not scanned over) so that each layer updates its
+        # slots in place instead of the scan writing a fresh copy of every layer's cache.
+        span = slice(stack.first, stack.stop)
+        (x, k, v), _ = jax.lax.scan(
+            layer, (x, k, v), (stacked, jnp.arange(stack.first, stack.stop, dtype=jnp.int32),
+                               windows[span], local[span]))
     x = constrain(model.final_norm(x[:, -1:]), HIDDEN)
     head = table.T if cfg.tie_embeddings else weight(model.lm_head, cfg.dtype)
     logits = jnp.einsum("bsd,dv->bsv", x, head, preferred_element_type=jnp.float32)
@@ -106,6 +131,8 @@ def forward(model: Decoder, tokens: jax.Array, start: jax.Array | int, cache: Ca
 def _block(block: Block, cfg: DecoderConfig, x, cos, sin, mask, k_all, v_all, layer, start):
     """``decoder.Block`` with its attention reading and writing the cache of ``layer``: the
     new keys and values go in at ``start`` and the queries attend to the whole cache."""
+    if cfg.kv_lora_rank:
+        return _latent_block(block, cfg, x, cos, sin, mask, k_all, layer, start)
     cache = {}
 
     def attend(h):
@@ -117,8 +144,33 @@ def _block(block: Block, cfg: DecoderConfig, x, cos, sin, mask, k_all, v_all, la
                 whole, new[None].astype(whole.dtype), at), CACHE_NAMES)
         spec = cfg.spec(FULL)  # the scale and soft cap; the window is in mask
         out = masked_attention(q, cache["k"][layer], cache["v"][layer], mask,
-                               scale=spec.scale, softcap=spec.softcap)
+                               scale=spec.scale, softcap=spec.softcap,
+                               sinks=block.attn.sink_logits())
         return block.attn.output(out)
 
     x, _ = block.around(x, attend, dropless=True)
     return x, cache["k"], cache["v"]
+
+
+def _latent_block(block: Block, cfg: DecoderConfig, x, cos, sin, mask, latents, layer, start):
+    """``_block`` of multi-head latent attention: the new tokens' latents and rotary keys
+    go into the cache of ``layer`` at ``start``, and the queries attend to the keys and
+    values the whole cache expands to."""
+    cache = {}
+
+    def attend(h):
+        attn = block.attn
+        q = attn.queries(h, cos, sin)
+        new = jnp.concatenate(attn.latent(h, cos, sin), axis=-1)
+        zero = jnp.zeros((), jnp.int32)
+        at = (layer, zero, jnp.asarray(start, jnp.int32), zero)
+        cache["latents"] = constrain(jax.lax.dynamic_update_slice(
+            latents, new[None].astype(latents.dtype), at), LATENT_CACHE_NAMES)
+        mine = cache["latents"][layer]
+        k, v = attn.expand(mine[..., :cfg.kv_lora_rank], mine[..., cfg.kv_lora_rank:])
+        spec = cfg.spec(FULL)  # the scale and soft cap; the window is in mask
+        out = masked_attention(*padded(q, k, v), mask, scale=spec.scale, softcap=spec.softcap)
+        return attn.output(out[..., :v.shape[-1]])
+
+    x, _ = block.around(x, attend, dropless=True)
+    return x, cache["latents"], None

@@ -33,7 +33,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from ndjax.models import lora as lora_lib
-from ndjax.models import quant
+from ndjax.models import mla, quant
 from ndjax.models.layers import (
     ACTIVATION_FNS,
     RMSNorm,
@@ -47,7 +47,7 @@ from ndjax.models.layers import (
     rope_tables,
     use_param,
 )
-from ndjax.models.moe import MoE, aux_metrics
+from ndjax.models.moe import PER_LAYER, MoE, aux_metrics
 from ndjax.ops.attention import HEADS, KV_HEADS, AttentionSpec, attention
 from ndjax.ops.layer_scan import scan_full_remat
 from ndjax.parallel.rules import Weight, constrain
@@ -73,6 +73,18 @@ class DecoderConfig:
     # a family has and which a config may change).
     family: str = "llama"
     qkv_bias: bool = False          # biases on q, k, v (Qwen 2.5)
+    o_bias: bool = False            # a bias on the attention's output projection (GPT-OSS)
+    # Multi-head latent attention (DeepSeek V3, ndjax.models.mla) where kv_lora_rank > 0:
+    # keys and values from a kv_lora_rank latent, queries from a q_lora_rank one (0: a
+    # plain projection); head_dim = the no-rope dims + rope_head_dim rotary ones, values
+    # v_head_dim wide; the rotary dims in interleaved pairs where rope_interleave.
+    q_lora_rank: int = 0
+    kv_lora_rank: int = 0
+    rope_head_dim: int = 0
+    v_head_dim: int = 0
+    rope_interleave: bool = False
+    # A learned logit per query head in each row's softmax, with no value (GPT-OSS's sinks).
+    attn_sinks: bool = False
     qk_norm: bool = False           # RMSNorm over each head of q and k before RoPE
     norm_plus_one: bool = False     # norms scale by (1 + w) (Gemma)
     post_norms: bool = False        # norms on the attention's and MLP's outputs too
@@ -94,6 +106,28 @@ class DecoderConfig:
     # Qwen 2 MoE's shared expert: a SwiGLU MLP this wide that every token runs through
     # beside its top-k, its output scaled by sigmoid(x . w_shared_gate); 0: none.
     shared_expert_dim: int = 0
+    # The shared expert's output scaled by a sigmoid gate of its own (Qwen 2 MoE), or
+    # added as it is (DeepSeek V3's shared experts).
+    shared_expert_gate: bool = True
+    # The first layers' MLP dense (ffn_dim wide), the others' experts (DeepSeek V3's
+    # first_k_dense_replace): a stack of their own (``Decoder.dense_layers``).
+    first_k_dense: int = 0
+    # DeepSeek V3's routing (ndjax.models.moe.route): sigmoid scores, the experts chosen
+    # by the scores plus a load-balancing bias (score_bias) that moves by
+    # score_bias_rate after each step, among topk_group of n_group groups, their
+    # weights times routed_scaling_factor.
+    router_score: str = "softmax"   # softmax | sigmoid
+    score_bias: bool = False
+    score_bias_rate: float = 0.0
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
+    router_bias: bool = False       # a bias on the router's logits (GPT-OSS)
+    expert_bias: bool = False       # biases on each expert's gate, up and down (GPT-OSS)
+    # GPT-OSS's experts: gate clamped above and up to +-limit, then
+    # (up + 1) * gate * sigmoid(alpha * gate); None: the activation's plain gated MLP.
+    swiglu_limit: float | None = None
+    swiglu_alpha: float = 1.702
     moe_impl: str = "auto"          # the experts' grouped matmuls: ndjax.ops.grouped_matmul
     # None: dropless. Else each expert takes at most ceil(capacity_factor x seq_len x
     # experts_per_token / n_experts) of a row's (token, expert) pairs, earliest first
@@ -117,6 +151,11 @@ class DecoderConfig:
         return self.head_dim or self.dim // self.n_heads
 
     @property
+    def rope_dim(self) -> int:
+        """The rotary dims of a query or key head: MLA's rope_head_dim, else all."""
+        return self.rope_head_dim if self.kv_lora_rank else self.hd
+
+    @property
     def expert_dim(self) -> int:
         """Each expert's width (MoE)."""
         return self.moe_ffn_dim or self.ffn_dim
@@ -133,8 +172,11 @@ class DecoderConfig:
     def spec(self, layer_type: str) -> AttentionSpec:
         scale = (None if self.query_pre_attn_scalar is None
                  else self.query_pre_attn_scalar ** -0.5)
+        if self.kv_lora_rank:  # explicit: MLA pads v, q and k for the kernels
+            scale = mla.score_scale(self)
         window = self.sliding_window if layer_type == SLIDING else None
-        return AttentionSpec(window=window, softcap=self.attn_softcap, scale=scale)
+        return AttentionSpec(window=window, softcap=self.attn_softcap, scale=scale,
+                             sinks=self.attn_sinks)
 
     @property
     def attention_specs(self) -> tuple[AttentionSpec, ...]:
@@ -214,6 +256,9 @@ REMAT_POLICIES = {
 
 
 class Attention(nnx.Module):
+    # The matmuls' weights (what QLoRA stores quantized).
+    weight_names = ("wq", "wk", "wv", "wo")
+
     def __init__(self, cfg: DecoderConfig, rngs: nnx.Rngs):
         d, hd, std = cfg.dim, cfg.hd, cfg.init_std
         pd = cfg.param_dtype
@@ -232,6 +277,11 @@ class Attention(nnx.Module):
                                 logical_axes=("kv_heads", "head_dim"))
             self.bv = nnx.Param(jnp.zeros((cfg.n_kv_heads, hd), pd),
                                 logical_axes=("kv_heads", "head_dim"))
+        if cfg.o_bias:
+            self.bo = nnx.Param(jnp.zeros((d,), pd), logical_axes=("embed",))
+        if cfg.attn_sinks:
+            # transformers draws them like the weights (GptOssPreTrainedModel).
+            self.sinks = init_param(rngs, (cfg.n_heads,), ("q_heads",), std, pd)
         if cfg.qk_norm:
             norm = dict(plus_one=cfg.norm_plus_one, names=("head_dim",))
             self.q_norm = RMSNorm(hd, cfg.rms_norm_eps, pd, **norm)
@@ -249,7 +299,14 @@ class Attention(nnx.Module):
     def __call__(self, x, cos, sin, segment_ids, spec: AttentionSpec,
                  dropout: lora_lib.Dropout | None = None):
         q, k, v = self.qkv(x, cos, sin, dropout)
-        return self.output(attention(q, k, v, segment_ids, self.cfg, spec), dropout)
+        return self.output(attention(q, k, v, segment_ids, self.cfg, spec,
+                                     sinks=self.sink_logits()), dropout)
+
+    def sink_logits(self) -> jax.Array | None:
+        """The heads' sink logits in float32 (``attn_sinks``), else None."""
+        if not self.cfg.attn_sinks:
+            return None
+        return constrain(self.sinks[...].astype(jnp.float32), ("act_heads",))
 
     def _project(self, x, name: str, n_kv: int | None, dropout: lora_lib.Dropout | None):
         cfg = self.cfg
@@ -280,8 +337,11 @@ class Attention(nnx.Module):
         out = checkpoint_name(constrain(out, HEADS), "attn_out")
         y = project("bshk,hkd->bsd", out,
                     *use_param(self.wo, self.dtype, param_dtype=self.cfg.param_dtype))
-        return _adapted(self.cfg, y, getattr(self, "lora_o", None), "bshk,hkd->bsd", out, 2,
-                        dropout=dropout, target="o")
+        y = _adapted(self.cfg, y, getattr(self, "lora_o", None), "bshk,hkd->bsd", out, 2,
+                     dropout=dropout, target="o")
+        if self.cfg.o_bias:
+            y = add_bias(y, *use_param(self.bo, self.dtype, param_dtype=self.cfg.param_dtype))
+        return y
 
 
 class MLP(nnx.Module):
@@ -337,15 +397,42 @@ RESIDUAL = ("act_batch", "act_res_seq", "act_embed")
 HIDDEN = ("act_batch", "act_seq", "act_embed")
 
 
+@dataclasses.dataclass(frozen=True)
+class Stack:
+    """Consecutive layers of one kind, their parameters stacked: the Decoder's attribute
+    (and parameter key) ``name``, layers ``first`` .. ``first + count - 1`` of the model,
+    whose MLP is a mixture of experts where ``moe``."""
+
+    name: str
+    first: int
+    count: int
+    moe: bool
+
+    @property
+    def stop(self) -> int:
+        return self.first + self.count
+
+
+def stacks(cfg: DecoderConfig) -> tuple[Stack, ...]:
+    """The model's stacks in layer order: one, ``layers``; or DeepSeek V3's dense first
+    layers (``first_k_dense``) as ``dense_layers`` and its MoE ones as ``layers``."""
+    moe = bool(cfg.n_experts)
+    if not cfg.first_k_dense:
+        return (Stack("layers", 0, cfg.n_layers, moe),)
+    k = cfg.first_k_dense
+    return (Stack("dense_layers", 0, k, False), Stack("layers", k, cfg.n_layers - k, moe))
+
+
 class Block(nnx.Module):
-    def __init__(self, cfg: DecoderConfig, rngs: nnx.Rngs):
+    def __init__(self, cfg: DecoderConfig, rngs: nnx.Rngs, moe: bool | None = None):
+        """``moe``: the MLP a mixture of experts (None: where the model has experts)."""
         norm = dict(plus_one=cfg.norm_plus_one)
         eps, pd = cfg.rms_norm_eps, cfg.param_dtype
         self.attn_norm = RMSNorm(cfg.dim, eps, pd, **norm)
-        self.attn = Attention(cfg, rngs)
+        self.attn = mla.MLA(cfg, rngs) if cfg.kv_lora_rank else Attention(cfg, rngs)
         self.mlp_norm = RMSNorm(cfg.dim, eps, pd, **norm)
-        self.mlp = (MoE(cfg, rngs, shared_expert(cfg, rngs)) if cfg.n_experts
-                    else MLP(cfg, rngs))
+        moe = bool(cfg.n_experts) if moe is None else moe
+        self.mlp = MoE(cfg, rngs, shared_expert(cfg, rngs)) if moe else MLP(cfg, rngs)
         if cfg.post_norms:
             self.post_attn_norm = RMSNorm(cfg.dim, eps, pd, **norm)
             self.post_mlp_norm = RMSNorm(cfg.dim, eps, pd, **norm)
@@ -358,7 +445,7 @@ class Block(nnx.Module):
             # QLoRA: the frozen base weights (every projection, as bitsandbytes
             # quantizes every linear layer but the LM head) stored quantized, drawn
             # first as the unquantized model draws them.
-            quant.quantize_weights(self.attn, ("wq", "wk", "wv", "wo"), cfg.lora.quant)
+            quant.quantize_weights(self.attn, self.attn.weight_names, cfg.lora.quant)
             quant.quantize_weights(self.mlp, ("w_gate", "w_up", "w_down"), cfg.lora.quant)
             if getattr(self.mlp, "shared", None) is not None:  # Qwen 2 MoE's shared expert
                 quant.quantize_weights(self.mlp.shared, ("w_gate", "w_up", "w_down"),
@@ -389,6 +476,15 @@ class Block(nnx.Module):
         return constrain(x + checkpoint_name(out, "mlp_out"), RESIDUAL), stats
 
 
+def _add_stats(a: dict, b: dict) -> dict:
+    """Two runs of layers' statistics: summed, but the per-layer ones
+    (``moe.PER_LAYER``), which follow each other. Either may be {} (dense layers)."""
+    if not a or not b:
+        return a or b
+    return {k: (jnp.concatenate([a[k], b[k]]) if k.startswith(PER_LAYER) else a[k] + b[k])
+            for k in a}
+
+
 def _layer_slice(stacked: Any, start: int, stop: int, group: int | None = None) -> Any:
     """Layers ``start .. stop-1`` of the stacked parameters; ``group``: reshaped to
     (groups, group, ...) for the scan over whole periods."""
@@ -396,6 +492,15 @@ def _layer_slice(stacked: Any, start: int, stop: int, group: int | None = None) 
         a = a[start:stop]
         return a if group is None else a.reshape(a.shape[0] // group, group, *a.shape[1:])
     return jax.tree.map(cut, stacked)
+
+
+def _stacked_blocks(cfg: DecoderConfig, moe: bool):
+    """keys (layers, ...) -> Blocks with stacked parameters, one layer per key."""
+    @nnx.vmap(in_axes=0, out_axes=0,
+              transform_metadata={nnx.PARTITION_NAME: "layers", "logical_axes": "layers"})
+    def stacked(key):
+        return Block(cfg, nnx.Rngs(params=key), moe)
+    return stacked
 
 
 class Decoder(nnx.Module):
@@ -408,12 +513,9 @@ class Decoder(nnx.Module):
         self.embed = init_param(rngs, (cfg.vocab_size, cfg.dim), ("vocab", "embed"),
                                 cfg.init_std, cfg.param_dtype)
 
-        @nnx.vmap(in_axes=0, out_axes=0,
-                  transform_metadata={nnx.PARTITION_NAME: "layers", "logical_axes": "layers"})
-        def stacked(key):
-            return Block(cfg, nnx.Rngs(params=key))
-
-        self.layers = stacked(jax.random.split(rngs.params(), cfg.n_layers))
+        keys = jax.random.split(rngs.params(), cfg.n_layers)
+        for stack in stacks(cfg):
+            setattr(self, stack.name, _stacked_blocks(cfg, stack.moe)(keys[stack.first:stack.stop]))
         self.final_norm = RMSNorm(cfg.dim, cfg.rms_norm_eps, cfg.param_dtype,
                                   plus_one=cfg.norm_plus_one)
         if not cfg.tie_embeddings:
@@ -434,7 +536,8 @@ class Decoder(nnx.Module):
     def rope_tables(self, positions: jax.Array) -> dict[str, tuple[jax.Array, jax.Array]]:
         """cos and sin per layer type the model has."""
         cfg = self.cfg
-        return {t: rope_tables(cfg.rope(t), cfg.hd, positions) for t in dict.fromkeys(cfg.types)}
+        return {t: rope_tables(cfg.rope(t), cfg.rope_dim, positions)
+                for t in dict.fromkeys(cfg.types)}
 
     def features(self, tokens: jax.Array, positions: jax.Array, segment_ids: jax.Array,
                  dropout: lora_lib.Dropout | None = None
@@ -475,15 +578,29 @@ class Decoder(nnx.Module):
         -> (the stream after them, the routers' statistics summed over them; {} for a
         dense model). ``features`` runs every layer; a pipeline stage runs its own
         contiguous range, each layer with its type, index and parameters as in the whole
-        stack, and the stages' statistics add up to the whole stack's."""
+        stack, and the stages' statistics add up to the whole stack's. The range may
+        cross from one ``Stack`` to the next (DeepSeek V3's dense first layers)."""
+        stop = self.cfg.n_layers if stop is None else stop
+        stats: dict = {}
+        for stack in stacks(self.cfg):
+            lo, hi = max(start, stack.first), min(stop, stack.stop)
+            if lo < hi:
+                x, part = self._run_stack(stack, x, tables, segment_ids, dropout, lo, hi)
+                stats = _add_stats(stats, part)
+        return x, stats
+
+    def _run_stack(self, stack: Stack, x: jax.Array, tables: dict, segment_ids: jax.Array,
+                   dropout: lora_lib.Dropout | None, start: int, stop: int
+                   ) -> tuple[jax.Array, dict[str, jax.Array]]:
+        """``layer_stack`` over layers ``start .. stop - 1``, all of ``stack``."""
         cfg = self.cfg
-        stop = cfg.n_layers if stop is None else stop
-        graphdef, stacked = nnx.split(self.layers)
+        graphdef, stacked = nnx.split(getattr(self, stack.name))
         policy = REMAT_POLICIES[cfg.remat]
         consts: tuple = (tables, segment_ids)
-        if dropout is not None:
-            stacked = (stacked, jnp.arange(cfg.n_layers, dtype=jnp.uint32))
+        if dropout is not None:  # each layer's masks drawn from its index in the model
+            stacked = (stacked, jnp.arange(stack.first, stack.stop, dtype=jnp.uint32))
             consts = (*consts, dropout)
+        at = stack.first  # the model's layer i is the stack's i - at
 
         def block(layer_type: str):
             """(h, one layer's parameters (with its index under dropout), consts) -> h,
@@ -498,8 +615,7 @@ class Decoder(nnx.Module):
                                                    cfg.spec(layer_type), layer_dropout)
             return run
 
-        def add(a, b):
-            return jax.tree.map(jnp.add, a, b) if a else b
+        add = _add_stats
 
         def group(pattern: tuple[str, ...], inner: bool):
             """(h, parameters of len(pattern) layers, consts) -> (h, router statistics
@@ -530,7 +646,7 @@ class Decoder(nnx.Module):
                 params, index = params if dropout is not None else (params, None)
                 return scan_full_remat(layers if len(pattern) > 1 else layers[0], x, params,
                                        consts, offload=cfg.remat == "offload",
-                                       per_layer=index)
+                                       per_layer=index, kept_prefix=PER_LAYER)
             run = group(pattern, len(pattern) > 1)
             # The segment ids ride in the scan's carry, not as a constant of the body:
             # jax hoists work that depends only on a scan's constants out of the loop,
@@ -541,7 +657,8 @@ class Decoder(nnx.Module):
                 return (h, carry[1]), stats
             body = jax.checkpoint(step, policy=policy, prevent_cse=False)
             (x, _), stats = jax.lax.scan(body, (x, segment_ids), params)
-            return x, jax.tree.map(lambda a: jnp.sum(a, axis=0), stats)
+            return x, {k: (a.reshape(-1, *a.shape[2:]) if k.startswith(PER_LAYER)
+                           else jnp.sum(a, axis=0)) for k, a in stats.items()}
 
         types, period = cfg.types, cfg.period
         stats: dict = {}
@@ -549,18 +666,19 @@ class Decoder(nnx.Module):
             whole = start + (stop - start) // period * period
             if whole > start:
                 x, part = scanned(types[start:start + period], x,
-                                  _layer_slice(stacked, start, whole,
+                                  _layer_slice(stacked, start - at, whole - at,
                                                period if period > 1 else None))
                 stats = add(stats, part)
             if whole < stop:  # the layers after the last whole period, as one group
                 rest = stop - whole
                 x, part = scanned(types[whole:stop], x,
-                                  _layer_slice(stacked, whole, stop, rest if rest > 1 else None))
+                                  _layer_slice(stacked, whole - at, stop - at,
+                                               rest if rest > 1 else None))
                 stats = add(stats, part)
         else:
             for i in range(start, stop):
                 body = jax.checkpoint(block(types[i]), policy=policy, prevent_cse=True)
-                x, part = body(x, jax.tree.map(lambda a, i=i: a[i], stacked), consts)
+                x, part = body(x, jax.tree.map(lambda a, i=i: a[i - at], stacked), consts)
                 stats = add(stats, part)
         return x, stats
 
@@ -587,25 +705,42 @@ def logical_axes(state: nnx.State) -> dict:
     return out
 
 
-def mlp_params(cfg: DecoderConfig, *, active: bool = False) -> int:
-    """One layer's MLP weights: the dense MLP's, or the MoE's experts and router
-    (``active``: only the experts a token runs through, and the router), and its shared
-    expert and that one's gate where it has one."""
-    if not cfg.n_experts:
+def mlp_params(cfg: DecoderConfig, *, active: bool = False, moe: bool | None = None) -> int:
+    """One layer's MLP parameters: the dense MLP's, or the MoE's experts and router
+    (``active``: only the experts a token runs through, and the router), with their
+    biases, the load-balancing bias, and its shared expert and that one's gate where it
+    has them. ``moe``: of a layer whose MLP is (not) a mixture of experts; None: the
+    model's (``stacks``: DeepSeek V3's first layers are dense)."""
+    if not (bool(cfg.n_experts) if moe is None else moe):
         return 3 * cfg.dim * cfg.ffn_dim
     experts = cfg.experts_per_token if active else cfg.n_experts
-    shared = 3 * cfg.dim * cfg.shared_expert_dim + cfg.dim if cfg.shared_expert_dim else 0
-    return 3 * cfg.dim * cfg.expert_dim * experts + cfg.dim * cfg.n_experts + shared
+    shared = (3 * cfg.dim * cfg.shared_expert_dim + cfg.dim * cfg.shared_expert_gate
+              if cfg.shared_expert_dim else 0)
+    biases = (2 * cfg.expert_dim + cfg.dim) * experts * cfg.expert_bias
+    return (3 * cfg.dim * cfg.expert_dim * experts + cfg.dim * cfg.n_experts + shared + biases
+            + cfg.n_experts * (cfg.router_bias + cfg.score_bias))
+
+
+def attention_params(cfg: DecoderConfig, *, matmul_only: bool = False) -> int:
+    """One layer's attention parameters (``matmul_only``: its matmuls' weights alone):
+    ``Attention``'s, or MLA's (``mla.num_params``)."""
+    if cfg.kv_lora_rank:
+        return mla.num_params(cfg, matmul_only=matmul_only)
+    d, hd = cfg.dim, cfg.hd
+    heads = cfg.n_heads + 2 * cfg.n_kv_heads
+    weights = d * hd * (cfg.n_heads + heads)
+    if matmul_only:
+        return weights
+    return (weights + heads * hd * cfg.qkv_bias + 2 * hd * cfg.qk_norm + d * cfg.o_bias
+            + cfg.n_heads * cfg.attn_sinks)
 
 
 def num_params(cfg: DecoderConfig, *, embeddings: bool = True, active: bool = False) -> int:
     """The parameters; ``active``: those one token uses (MoE: its top-k experts)."""
-    d, hd = cfg.dim, cfg.hd
-    heads = cfg.n_heads + 2 * cfg.n_kv_heads
-    per_layer = (d * hd * (cfg.n_heads + heads) + mlp_params(cfg, active=active)
-                 + (4 if cfg.post_norms else 2) * d)
-    per_layer += heads * hd * cfg.qkv_bias + 2 * hd * cfg.qk_norm
-    n = cfg.n_layers * per_layer + d
+    d = cfg.dim
+    per_layer = attention_params(cfg) + (4 if cfg.post_norms else 2) * d
+    n = cfg.n_layers * per_layer + d + sum(
+        s.count * mlp_params(cfg, active=active, moe=s.moe) for s in stacks(cfg))
     if embeddings:
         n += cfg.vocab_size * d * (1 if cfg.tie_embeddings else 2)
     return n
@@ -626,9 +761,12 @@ def train_flops_per_token(cfg: DecoderConfig, seq_len: int) -> float:
         6 * (matmul weights of the blocks + dim * vocab)
 
     (an MoE layer's: the router and the experts_per_token experts a token runs through)
-      + 12 * n_heads * head_dim * sum over layers of keys_per_query(seq_len, window)
+      + 6 * n_heads * (head_dim + v_head_dim) * sum over layers of
+            keys_per_query(seq_len, window)
 
-    (QK^T and PV are each 2 * head_dim FLOPs per query-key pair.) The causal row is
+    (QK^T is 2 * head_dim FLOPs per query-key pair, PV 2 * v_head_dim: MLA's values
+    are v_head_dim wide, others' head_dim; the zeros MLA pads its values with for the
+    kernels are not counted.) The causal row is
     counted, not the packed documents' shorter ones, as is usual, so that MFU is
     comparable across data sets; a local layer counts the keys in its window.
 
@@ -637,10 +775,11 @@ def train_flops_per_token(cfg: DecoderConfig, seq_len: int) -> float:
     6 * rank * (in + out) (``lora.num_adapter_params``). The attention is unchanged.
     """
     d, hd = cfg.dim, cfg.hd
-    matmul = cfg.n_layers * (d * hd * (2 * cfg.n_heads + 2 * cfg.n_kv_heads)
-                             + mlp_params(cfg, active=True))
+    v_dim = (cfg.v_head_dim or hd) if cfg.kv_lora_rank else hd
+    matmul = cfg.n_layers * attention_params(cfg, matmul_only=True) + sum(
+        s.count * mlp_params(cfg, active=True, moe=s.moe) for s in stacks(cfg))
     keys = sum(keys_per_query(seq_len, cfg.spec(t).window) for t in cfg.types)
-    attention = 12.0 * cfg.n_heads * hd * keys
+    attention = 6.0 * cfg.n_heads * (hd + v_dim) * keys
     if cfg.lora is None:
         return 6.0 * (matmul + d * cfg.vocab_size) + attention
     return (4.0 * (matmul + d * cfg.vocab_size) + 6.0 * lora_lib.num_adapter_params(cfg)

@@ -124,6 +124,12 @@ def adapters_off(params: Any) -> Any:
         lambda path, a: jnp.zeros_like(a) if is_adapter(path) else a, params)
 
 
+# Parameters the step moves by a rule of its own, never by the optimizer (its update is
+# zeroed: ndjax.step.train_step): DeepSeek V3's load-balancing bias
+# (ndjax.models.moe.update_score_bias). Under LoRA they go with the adapters.
+STEPPED = ("score_bias",)
+
+
 def split(params: dict, adapters_only: bool, saved: Sequence[str] = ()
           ) -> tuple[dict, dict]:
     """(trainable, frozen) parts of a nested parameter dict: with ``adapters_only``, the
@@ -132,7 +138,9 @@ def split(params: dict, adapters_only: bool, saved: Sequence[str] = ()
     if not adapters_only:
         return params, {}
     flat = traverse_util.flatten_dict(params)
-    trained = {k for k in flat if is_adapter(k) or k[0] in saved}
+    # What the step moves by a rule of its own (STEPPED) goes with the adapters, so that
+    # checkpoints hold it.
+    trained = {k for k in flat if is_adapter(k) or k[0] in saved or k[-1] in STEPPED}
     train = {k: v for k, v in flat.items() if k in trained}
     frozen = {k: v for k, v in flat.items() if k not in trained}
     return traverse_util.unflatten_dict(train), traverse_util.unflatten_dict(frozen)
@@ -243,7 +251,10 @@ def adapter_shapes(cfg: Any) -> dict[str, tuple[int, int]]:
     """(inputs, outputs) of each of one layer's adapted projections, by target: those of
     ``cfg.lora.targets`` the model has (a mixture of experts has no dense MLP)."""
     q, kv = cfg.n_heads * cfg.hd, cfg.n_kv_heads * cfg.hd
-    sizes = {"q": (cfg.dim, q), "k": (cfg.dim, kv), "v": (cfg.dim, kv), "o": (q, cfg.dim)}
+    # Latent attention (DeepSeek V3) takes o's adapter alone, on its v_head_dim-wide heads.
+    o = cfg.n_heads * (cfg.v_head_dim or cfg.hd) if cfg.kv_lora_rank else q
+    sizes = {"o": (o, cfg.dim)} if cfg.kv_lora_rank else {
+        "q": (cfg.dim, q), "k": (cfg.dim, kv), "v": (cfg.dim, kv), "o": (q, cfg.dim)}
     if not cfg.n_experts:
         sizes.update(gate=(cfg.dim, cfg.ffn_dim), up=(cfg.dim, cfg.ffn_dim),
                      down=(cfg.ffn_dim, cfg.dim))
@@ -273,14 +284,16 @@ def merged(params: dict, cfg: Any) -> dict:
         return params
     params = dequantized(params, cfg.lora.quant)
     frozen = traverse_util.flatten_dict(split(params, True)[1])
-    layers = params["layers"]
-    for target in cfg.lora.targets:
-        module, name, _ = BASE_WEIGHTS[target]
-        adapter = layers[module].get(PREFIX + target)
-        if adapter is None:
-            continue
-        key = ("layers", module, name)
-        frozen[key] = jax.jit(lambda w, a, b: w.astype(jnp.float32) + delta(a, b, cfg.lora.scale),
-                              out_shardings=getattr(frozen[key], "sharding", None))(
-            frozen[key], adapter["a"], adapter["b"])
+    # Each stack of layers (decoder.stacks: "layers", and DeepSeek V3's "dense_layers").
+    for stack in (k for k in params if k.endswith("layers")):
+        for target in cfg.lora.targets:
+            module, name, _ = BASE_WEIGHTS[target]
+            adapter = params[stack][module].get(PREFIX + target)
+            if adapter is None:
+                continue
+            key = (stack, module, name)
+            frozen[key] = jax.jit(
+                lambda w, a, b: w.astype(jnp.float32) + delta(a, b, cfg.lora.scale),
+                out_shardings=getattr(frozen[key], "sharding", None))(
+                frozen[key], adapter["a"], adapter["b"])
     return traverse_util.unflatten_dict(frozen)

@@ -1,12 +1,14 @@
-"""The mixture-of-experts MLP (Mixtral, Qwen3-MoE, Qwen 2 MoE): a linear router, top-k
-experts per token, each expert a SwiGLU MLP, computed dropless with grouped matmuls;
+"""The mixture-of-experts MLP (Mixtral, Qwen3-MoE, Qwen 2 MoE, GPT-OSS): a linear router,
+top-k experts per token, each expert a gated MLP, computed dropless with grouped matmuls;
 and where the family has one (Qwen 2 MoE), a shared expert, a dense MLP every token
-runs through, scaled by a sigmoid gate of its own.
+runs through, scaled by a sigmoid gate of its own. GPT-OSS adds biases to the router
+and to each expert's three projections and clamps its experts' SwiGLU (``gated``).
 
-Routing, in float32: ``softmax(x @ router)`` over the experts, the top
+Routing, in float32: ``softmax(x @ router (+ bias))`` over the experts, the top
 ``experts_per_token`` of them per token (``jax.lax.top_k``), their weights
 renormalised to sum to one where the family does (``norm_topk_prob``: Mixtral
-always, Qwen3-MoE as its config says).
+always, Qwen3-MoE as its config says; GPT-OSS's softmax over the top-k logits is
+this renormalisation).
 
 Dispatch is dropless unless ``model.capacity_factor`` is set: every (token, chosen
 expert) pair is computed. In capacity mode each expert takes at most ceil(factor x
@@ -45,6 +47,7 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -52,7 +55,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import NamedSharding, PartitionSpec
 
-from ndjax.models.layers import ACTIVATION_FNS, init_param, project, use_param
+from ndjax.models.layers import ACTIVATION_FNS, add_bias, init_param, project, use_param
 from ndjax.ops.grouped_matmul import grouped_matmul, resolved
 from ndjax.ops.ragged_exchange import exchange, exclusive_cumsum
 from ndjax.parallel import platforms
@@ -69,15 +72,88 @@ from ndjax.parallel.rules import (
 from ndjax.runtime.errors import ConfigError
 
 ROUTER_LOGITS = ("act_batch", "act_seq", "act_experts")
+# Statistics kept per layer (leading axis: the layers) rather than summed over them.
+PER_LAYER = "layer_"
+# The features' statistic that update_score_bias reads: each MoE layer's assignments.
+EXPERT_COUNTS = "expert_counts"
 
 
-def route(probs: jax.Array, k: int, renormalise: bool) -> tuple[jax.Array, jax.Array]:
-    """Router probabilities (..., experts) -> (the top-k experts (..., k) int32, their
-    weights (..., k), renormalised to sum to 1 where ``renormalise``)."""
-    weights, experts = jax.lax.top_k(probs, k)
+def route(probs: jax.Array, k: int, renormalise: bool, choice: jax.Array | None = None,
+          groups: int = 1, top_groups: int = 1, scale: float = 1.0
+          ) -> tuple[jax.Array, jax.Array]:
+    """Router scores (..., experts) -> (the top-k experts (..., k) int32, their weights
+    (..., k): the scores, renormalised to sum to 1 where ``renormalise``, times
+    ``scale``).
+
+    DeepSeek V3's routing: the experts are chosen by ``choice`` (the scores plus the
+    load-balancing bias; None: the scores) among the ``top_groups`` of ``groups`` equal
+    groups whose two best choice scores sum highest, and weighted by their scores."""
+    if choice is None and groups == 1:
+        weights, experts = jax.lax.top_k(probs, k)
+    else:
+        choice = probs if choice is None else choice
+        if groups > 1:
+            per = choice.shape[-1] // groups
+            grouped = choice.reshape(*choice.shape[:-1], groups, per)
+            best = jnp.sum(jax.lax.top_k(grouped, min(2, per))[0], axis=-1)
+            kept = jnp.sum(jax.nn.one_hot(jax.lax.top_k(best, top_groups)[1], groups), axis=-2)
+            choice = jnp.where(jnp.repeat(kept, per, axis=-1) > 0, choice, -jnp.inf)
+        experts = jax.lax.top_k(choice, k)[1]
+        weights = jnp.take_along_axis(probs, experts, axis=-1)
     if renormalise:
+        # (transformers' DeepSeek V3 adds 1e-20: no float32 sum of k scores notices it)
         weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
-    return experts, weights
+    return experts, weights * scale if scale != 1.0 else weights
+
+
+Glu = Callable[[jax.Array, jax.Array], jax.Array]
+
+
+def gated(cfg) -> Glu:
+    """The experts' (gate, up) -> hidden: ``act(gate) * up``, or GPT-OSS's clamped form
+    (``swiglu_limit``): gate clamped above at the limit and up to +-limit, then
+    ``(up + 1) * gate * sigmoid(alpha * gate)``, as transformers' GptOssExperts."""
+    if cfg.swiglu_limit is None:
+        return _plain(cfg.activation)
+    limit, alpha = cfg.swiglu_limit, cfg.swiglu_alpha
+
+    def clamped(gate, up):
+        # where, not minimum: at the limit itself the gradient passes, as torch's clamp.
+        gate = jnp.where(gate > limit, limit, gate).astype(gate.dtype)
+        up = jnp.where(up > limit, limit, jnp.where(up < -limit, -limit, up)).astype(up.dtype)
+        return (up + 1) * (gate * jax.nn.sigmoid(gate * alpha))
+    return clamped
+
+
+def _plain(activation: str) -> Glu:
+    act = ACTIVATION_FNS[activation]
+    return lambda gate, up: act(gate) * up
+
+
+def _glu(activation: str | Glu) -> Glu:
+    return _plain(activation) if isinstance(activation, str) else activation
+
+
+def _row_bias(b: jax.Array, row_expert: jax.Array, in_group: jax.Array, dtype) -> jax.Array:
+    """Each grouped row's expert's bias (rows, width); zeros on rows in no group, which
+    the grouped matmuls leave zero."""
+    return jnp.where(in_group[:, None], b[jnp.where(in_group, row_expert, 0)], 0).astype(dtype)
+
+
+def _expert_mlp(matmul, rows, w_gate, w_up, w_down, glu: Glu, biases, row_expert, in_group):
+    """The experts' MLP of grouped ``rows`` (named as the dense MLP's, so that the remat
+    policies save or rerun them alike). ``biases``: None, or (gate's, up's, down's, a
+    0/1 factor on down's: one of the devices that split the width adds it)."""
+    gate, up = matmul(rows, w_gate), matmul(rows, w_up)
+    if biases is not None:
+        gate = gate + _row_bias(biases[0], row_expert, in_group, gate.dtype)
+        up = up + _row_bias(biases[1], row_expert, in_group, up.dtype)
+    gate, up = checkpoint_name(gate, "mlp_gate"), checkpoint_name(up, "mlp_up")
+    out = matmul(glu(gate, up), w_down)
+    if biases is not None:
+        out = out + (_row_bias(biases[2], row_expert, in_group, out.dtype)
+                     * biases[3].astype(out.dtype))
+    return out
 
 
 def capacity(cfg, seq_len: int) -> int | None:
@@ -113,13 +189,16 @@ def _counts(flat: jax.Array, keep: jax.Array | None, n_experts: int) -> jax.Arra
 
 
 def dispatch(x: jax.Array, experts: jax.Array, weights: jax.Array, w_gate: jax.Array,
-             w_up: jax.Array, w_down: jax.Array, activation: str = "silu",
-             impl: str = "xla", keep: jax.Array | None = None) -> jax.Array:
+             w_up: jax.Array, w_down: jax.Array, activation: str | Glu = "silu",
+             impl: str = "xla", keep: jax.Array | None = None,
+             biases: tuple | None = None) -> jax.Array:
     """Every token of ``x`` (..., dim) through its ``experts`` (..., k), weighted by
     ``weights`` (..., k) and summed: grouped matmuls over the (token, expert) pairs
     sorted by expert. ``w_gate``, ``w_up``: (E, dim, width); ``w_down``: (E, width, dim);
     ``impl``: the grouped matmuls' (``ndjax.ops.grouped_matmul``); ``keep`` (..., k):
-    the pairs computed (capacity mode, ``within_capacity``), the others give zeros."""
+    the pairs computed (capacity mode, ``within_capacity``), the others give zeros;
+    ``activation``: a name, or (gate, up) -> hidden (``gated``); ``biases``: the
+    experts' (``_expert_mlp``)."""
     n_experts, dim = w_gate.shape[0], x.shape[-1]
     k = experts.shape[-1]
     tokens = x.reshape(-1, dim)
@@ -129,12 +208,12 @@ def dispatch(x: jax.Array, experts: jax.Array, weights: jax.Array, w_gate: jax.A
     sizes = _counts(flat, keep, n_experts)
     # Named as the dense MLP's, so that the remat policies save or rerun them alike.
     matmul = functools.partial(grouped_matmul, sizes=sizes, impl=impl)
-    gate = checkpoint_name(matmul(rows, w_gate), "mlp_gate")
-    up = checkpoint_name(matmul(rows, w_up), "mlp_up")
+    in_group = jnp.arange(order.shape[0]) < jnp.sum(sizes)  # the kept pairs sort first
     # Each pair's output, which the routing weights' gradient reads (k x dim per token).
     # The dropped pairs (capacity mode) sort last, in no group: zeros (the grouped
     # matmuls' contract, ndjax.ops.grouped_matmul), and so are their gradients.
-    out = checkpoint_name(matmul(ACTIVATION_FNS[activation](gate) * up, w_down), "moe_out")
+    out = checkpoint_name(_expert_mlp(matmul, rows, w_gate, w_up, w_down, _glu(activation),
+                                      biases, flat[order], in_group), "moe_out")
     out = out[jnp.argsort(order)].reshape(*experts.shape, dim)  # back in token order
     mixed = jnp.einsum("...kd,...k->...d", out, weights.astype(out.dtype),
                        preferred_element_type=jnp.float32)
@@ -143,9 +222,9 @@ def dispatch(x: jax.Array, experts: jax.Array, weights: jax.Array, w_gate: jax.A
 
 def dispatch_over(axis: str, ways: int, x: jax.Array, experts: jax.Array,
                   weights: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array,
-                  activation: str = "silu", impl: str = "xla",
+                  activation: str | Glu = "silu", impl: str = "xla",
                   platform: str = "cpu", keep: jax.Array | None = None,
-                  limit: int | None = None) -> jax.Array:
+                  limit: int | None = None, biases: tuple | None = None) -> jax.Array:
     """``dispatch`` with the experts split ``ways`` ways over the mesh axis ``axis``
     (inside a ``shard_map`` manual over it): this device holds experts ``[i E/ways,
     (i + 1) E/ways)`` (``w_*``: those), and each (token, expert) pair travels to its
@@ -187,10 +266,10 @@ def dispatch_over(axis: str, ways: int, x: jax.Array, experts: jax.Array,
     grouped = got[regroup]
     sizes = jnp.sum(mine, axis=0)
     matmul = functools.partial(_in_chunks, sizes=sizes, impl=impl, chunks=ways)
-    gate = checkpoint_name(matmul(grouped, w_gate), "mlp_gate")
-    up = checkpoint_name(matmul(grouped, w_up), "mlp_up")
+    grouped_key = key[regroup]  # my local expert of each grouped row, times ways
     # The buffer's unfilled rows are in no group: zeros, as their gradients.
-    out = matmul(ACTIVATION_FNS[activation](gate) * up, w_down)[jnp.argsort(regroup)]
+    out = _expert_mlp(matmul, grouped, w_gate, w_up, w_down, _glu(activation), biases,
+                      grouped_key // ways, grouped_key < ways * local)[jnp.argsort(regroup)]
     # Back: my runs return to their senders, to the rows they came from.
     mine_before = jnp.sum(jnp.where(jnp.arange(ways)[None, :] < me, to_total, 0), axis=1)
     back = exchange(out, pairs, exclusive_cumsum(recv), recv, mine_before, send, axis,
@@ -262,9 +341,19 @@ class MoE(nnx.Module):
         self.w_gate = init_param(rngs, (e, d, f), ("experts", "embed", "expert_mlp"), std, pd)
         self.w_up = init_param(rngs, (e, d, f), ("experts", "embed", "expert_mlp"), std, pd)
         self.w_down = init_param(rngs, (e, f, d), ("experts", "expert_mlp", "embed"), std, pd)
+        if cfg.router_bias:
+            self.router_bias = nnx.Param(jnp.zeros((e,), pd), logical_axes=("experts",))
+        if cfg.expert_bias:
+            self.b_gate = nnx.Param(jnp.zeros((e, f), pd), logical_axes=("experts", "expert_mlp"))
+            self.b_up = nnx.Param(jnp.zeros((e, f), pd), logical_axes=("experts", "expert_mlp"))
+            self.b_down = nnx.Param(jnp.zeros((e, d), pd), logical_axes=("experts", "embed"))
         self.shared = shared
-        if shared is not None:
+        if shared is not None and cfg.shared_expert_gate:
             self.shared_gate = init_param(rngs, (d,), ("embed",), std, pd)
+        if cfg.score_bias:
+            # DeepSeek V3's e_score_correction_bias: float32 whatever the parameters', as
+            # its steps of score_bias_rate are small; trained by no optimizer.
+            self.score_bias = nnx.Param(jnp.zeros((e,), jnp.float32), logical_axes=("experts",))
         self.cfg = cfg
 
     def __call__(self, x: jax.Array, real: jax.Array | None = None, dropless: bool = False
@@ -276,30 +365,51 @@ class MoE(nnx.Module):
         cfg = self.cfg
         real = (jnp.ones(x.shape[:2], jnp.float32) if real is None
                 else real.astype(jnp.float32))
-        logits = checkpoint_name(constrain(project(
-            "bsd,de->bse", x.astype(jnp.float32),
-            *use_param(self.router, jnp.float32, param_dtype=cfg.param_dtype)),
-            ROUTER_LOGITS), "router_logits")
-        probs = jax.nn.softmax(logits, axis=-1)  # float32, as the logits
-        used = [use_param(v, cfg.dtype, param_dtype=cfg.param_dtype)
-                for v in (self.w_gate, self.w_up, self.w_down)]
+        logits = project("bsd,de->bse", x.astype(jnp.float32),
+                         *use_param(self.router, jnp.float32, param_dtype=cfg.param_dtype))
+        if cfg.router_bias:
+            logits = add_bias(logits, *use_param(self.router_bias, jnp.float32,
+                                                 param_dtype=cfg.param_dtype))
+        logits = checkpoint_name(constrain(logits, ROUTER_LOGITS), "router_logits")
+        # float32, as the logits: softmax, or DeepSeek V3's sigmoid scores
+        probs = (jax.nn.sigmoid(logits) if cfg.router_score == "sigmoid"
+                 else jax.nn.softmax(logits, axis=-1))
+        # What the experts are chosen by: the scores, plus DeepSeek V3's load-balancing
+        # bias, which no gradient reaches (``update_score_bias`` moves it).
+        choice = probs
+        if cfg.score_bias:
+            choice = probs + jax.lax.stop_gradient(self.score_bias[...].astype(jnp.float32))
+        params = (self.w_gate, self.w_up, self.w_down)
+        if cfg.expert_bias:
+            params += (self.b_gate, self.b_up, self.b_down)
+        used = [use_param(v, cfg.dtype, param_dtype=cfg.param_dtype) for v in params]
+        ranks = [u[0].ndim for u in used]
+        glu = gated(cfg)
         n, k = cfg.n_experts, cfg.experts_per_token
         impl = resolved(cfg)
         limit = None if dropless else capacity(cfg, x.shape[1])
 
-        def local(x, probs, real, *w):
+        def local(x, probs, choice, real, *w):
             """One device's tokens: top-k, dispatch, and its count of assignments per
             expert (leading axis 1, stacked over the devices). top_k runs here too: left
             to the partitioner, it gathers the whole batch's probabilities first."""
-            w = [a.reshape(a.shape[-3:]) for a in w]  # this device's copy (per_device)
+            # This device's copy (per_device).
+            w = [a.reshape(a.shape[a.ndim - r:]) for a, r in zip(w, ranks)]
+            # Down's bias is added once: by the first of the devices that split the width.
+            here = jnp.ones((), jnp.float32)
+            for a in width:
+                here = here * (jax.lax.axis_index(a) == 0)
+            biases = (*w[3:], here) if cfg.expert_bias else None
             with suspended():
-                experts, weights = route(probs, k, cfg.norm_topk_prob)
+                experts, weights = route(probs, k, cfg.norm_topk_prob,
+                                         choice if cfg.score_bias else None, cfg.n_group,
+                                         cfg.topk_group, cfg.routed_scaling_factor)
                 keep = None if limit is None else within_capacity(experts, n, limit)
                 if split:
-                    out = dispatch_over(split[0], ways, x, experts, weights, *w,
-                                        cfg.activation, impl, platform, keep, limit)
+                    out = dispatch_over(split[0], ways, x, experts, weights, *w[:3], glu,
+                                        impl, platform, keep, limit, biases)
                 else:
-                    out = dispatch(x, experts, weights, *w, cfg.activation, impl, keep)
+                    out = dispatch(x, experts, weights, *w[:3], glu, impl, keep, biases)
                 assigned = jnp.zeros((n,), jnp.float32).at[experts.reshape(-1)].add(
                     jnp.repeat(real.reshape(-1), k))
                 # The real tokens' pairs left out (capacity mode), per device.
@@ -335,24 +445,43 @@ class MoE(nnx.Module):
                 return (out[None] if width else out), assigned
             out, assigned = jax.shard_map(
                 mapped, mesh=rules.mesh, axis_names=set(axes + width),
-                in_specs=(tok, tok, PartitionSpec(*rows), *w_specs),
+                in_specs=(tok, tok, tok, PartitionSpec(*rows), *w_specs),
                 out_specs=(part, PartitionSpec(axes or None)),
-                check_vma=False)(x, probs, real, *w)
+                check_vma=False)(x, probs, choice, real, *w)
             if width:
                 out = jnp.sum(out.astype(jnp.float32), axis=0).astype(x.dtype)
         else:
-            out, assigned = local(x, probs, real, *(u[0] for u in used))
-        if self.shared is not None:
+            out, assigned = local(x, probs, choice, real, *(u[0] for u in used))
+        if self.shared is not None and cfg.shared_expert_gate:
             gate = project("bsd,d->bs", x, *use_param(self.shared_gate, cfg.dtype,
                                                       param_dtype=cfg.param_dtype))
             out = out + (jax.nn.sigmoid(gate)[..., None] * self.shared(x)).astype(out.dtype)
+        elif self.shared is not None:  # DeepSeek's shared experts: ungated
+            out = out + self.shared(x).astype(out.dtype)
         # ST-MoE's router z-loss term per token: the squared log-partition of its logits.
         z = jnp.square(jax.nn.logsumexp(logits, axis=-1))
         counted = jnp.sum(assigned, axis=0)  # the devices' (assignments, dropped pairs)
+        if cfg.router_score == "sigmoid":  # the load-balancing loss's shares sum to 1
+            probs = probs / jnp.sum(probs, axis=-1, keepdims=True)
         stats = {"assigned": counted[:n], "dropped": counted[n],
                  "probs": jnp.sum(probs * real[..., None], axis=(0, 1)), "rows": jnp.sum(real),
                  "z": jnp.sum(z * real)}
+        if cfg.score_bias:  # each layer's own, for update_score_bias
+            stats[PER_LAYER + "assigned"] = counted[None, :n]
         return out, stats
+
+
+def update_score_bias(params: dict, counts: jax.Array, rate: float | jax.Array) -> dict:
+    """DeepSeek V3's auxiliary-loss-free balancing, after a step: each MoE layer's
+    ``score_bias`` moves by ``rate`` towards balance, down for an expert that took more
+    than the layer's mean of (token, expert) assignments in the step's batch, up for
+    one that took fewer (``counts``: (MoE layers, experts), the batch's, the same on
+    every layout)."""
+    mlp = params["layers"]["mlp"]
+    bias = mlp["score_bias"]
+    step = rate * jnp.sign(jnp.mean(counts, axis=-1, keepdims=True) - counts)
+    return {**params, "layers": {**params["layers"], "mlp": {
+        **mlp, "score_bias": (bias + step.astype(bias.dtype))}}}
 
 
 def expert_axes(rules) -> tuple[str, ...]:
@@ -389,6 +518,9 @@ def aux_metrics(stats: dict[str, jax.Array], n_experts: int, k: int) -> dict[str
     share = stats["assigned"] / rows
     aux = n_experts * jnp.sum(share * (stats["probs"] / rows))
     load = stats["assigned"] / (rows * k / n_experts)
-    return {"aux_loss": aux, "router_z_loss": stats["z"] / rows,
-            "expert_load_min": jnp.min(load), "expert_load_max": jnp.max(load),
-            "expert_dropped": stats["dropped"] / (rows * k)}
+    out = {"aux_loss": aux, "router_z_loss": stats["z"] / rows,
+           "expert_load_min": jnp.min(load), "expert_load_max": jnp.max(load),
+           "expert_dropped": stats["dropped"] / (rows * k)}
+    if PER_LAYER + "assigned" in stats:  # (MoE layers, experts): update_score_bias's counts
+        out[EXPERT_COUNTS] = stats[PER_LAYER + "assigned"]
+    return out

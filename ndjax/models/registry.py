@@ -20,7 +20,8 @@ from ndjax.models.decoder import DecoderConfig
 from ndjax.runtime.errors import ConfigError
 
 # The modules that register the families (imported on first use).
-FAMILY_MODULES = ("llama", "mistral", "qwen", "gemma", "mixtral", "qwen3_moe", "qwen2_moe")
+FAMILY_MODULES = ("llama", "mistral", "qwen", "gemma", "mixtral", "qwen3_moe", "qwen2_moe",
+                  "gpt_oss", "deepseek_v3")
 
 # The mixture-of-experts fields (ndjax.models.moe); 0 / False on a dense family.
 MOE_FIELDS = ("n_experts", "experts_per_token", "moe_ffn_dim", "norm_topk_prob",
@@ -28,23 +29,40 @@ MOE_FIELDS = ("n_experts", "experts_per_token", "moe_ffn_dim", "norm_topk_prob",
 
 # Of those, what is a choice of training rather than of the model: a config sets it over
 # model.init_from's config.json (ndjax.runs.hf.override_dims).
-TRAINING_FIELDS = ("router_aux_loss_coef",)
+TRAINING_FIELDS = ("router_aux_loss_coef", "score_bias_rate")
 
 # DecoderConfig fields beyond the dims that some families have, as config fields
 # (ndjax.config.ModelSettings): set on a family that lacks them, they are refused.
 OPTION_FIELDS = ("qkv_bias", "qk_norm", "sliding_window", "sliding_window_pattern",
-                 "query_pre_attn_scalar", "local_rope_theta", *MOE_FIELDS)
+                 "query_pre_attn_scalar", "local_rope_theta", *MOE_FIELDS,
+                 # GPT-OSS's experts
+                 "swiglu_limit", "swiglu_alpha",
+                 # DeepSeek V3's latent attention and routing
+                 "q_lora_rank", "kv_lora_rank", "rope_head_dim", "v_head_dim", "rope_interleave",
+                 "first_k_dense", "n_group", "topk_group", "routed_scaling_factor",
+                 "score_bias_rate")
 _WHAT = {"qkv_bias": "q/k/v biases", "qk_norm": "q/k norms", "sliding_window": "sliding window",
          "sliding_window_pattern": "pattern of local and global layers",
          "query_pre_attn_scalar": "query scalar", "local_rope_theta": "local rotary base",
          **{f: "experts (it is dense)" for f in MOE_FIELDS},
          "moe_ffn_dim": "expert width of its own (its experts are ffn_dim wide)",
          "norm_topk_prob": "choice of renormalising the top-k weights",
-         "shared_expert_dim": "shared expert"}
+         "shared_expert_dim": "shared expert",
+         "score_bias_rate": "load-balancing bias (DeepSeek V3's)",
+         "swiglu_limit": "clamped SwiGLU (GPT-OSS's)", "swiglu_alpha": "clamped SwiGLU (GPT-OSS's)",
+         **{f: "latent attention (DeepSeek V3's)" for f in (
+             "q_lora_rank", "kv_lora_rank", "rope_head_dim", "v_head_dim", "rope_interleave")},
+         "first_k_dense": "dense first layers (DeepSeek V3's)",
+         **{f: "group-limited routing (DeepSeek V3's)" for f in (
+             "n_group", "topk_group", "routed_scaling_factor")}}
 
 # ndjax layer paths of the norms -> Hugging Face names, without ".weight".
 STANDARD_NORMS = {"attn_norm": "input_layernorm", "mlp_norm": "post_attention_layernorm"}
 FLAT = "flat"  # an HF tensor that is the ndjax parameter flattened (biases)
+# The ndjax parameter is the even (EVEN) or odd (ODD) columns of the HF tensor's last
+# axis, which interleaves two parameters (GPT-OSS's experts' gate_up_proj: gate, up).
+EVEN, ODD = "even", "odd"
+INTERLEAVED = (EVEN, ODD)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,22 +101,27 @@ class Family:
         from ndjax.models import decode
         return decode
 
-    def hf_names(self, cfg: DecoderConfig) -> tuple[dict, dict]:
+    def hf_names(self, cfg: DecoderConfig, moe: bool | None = None) -> tuple[dict, dict]:
         """(top-level, per-layer) maps: ndjax parameter path -> (Hugging Face name,
         split). ``split`` None: the same layout; FLAT: the HF tensor is the parameter
-        flattened; an int: the HF weight is a Linear's (out, in) matrix and the ndjax
-        parameter its transpose with in = shape[:split], out = shape[split:]. A name with
+        flattened; EVEN / ODD: the parameter is those columns of the HF tensor's last
+        axis (another parameter the others); an int: the HF weight is a Linear's (out,
+        in) matrix and the ndjax parameter its transpose with in = shape[:split], out =
+        shape[split:]. A name with
         "{expert}" is one tensor per expert: the parameter's leading axis, each slice
-        with that split (``expert_names``)."""
+        with that split (``expert_names``). ``moe``: the per-layer map of a stack whose
+        MLP is (True) or is not (False) a mixture of experts; None: the model's
+        (``decoder.stacks``: DeepSeek V3's first layers are dense)."""
         top = {("embed",): ("model.embed_tokens.weight", None),
                ("final_norm", "scale"): ("model.norm.weight", None)}
         if not cfg.tie_embeddings:
             top[("lm_head",)] = ("lm_head.weight", 1)
-        layer = {("attn", "wq"): ("self_attn.q_proj.weight", 1),
-                 ("attn", "wk"): ("self_attn.k_proj.weight", 1),
-                 ("attn", "wv"): ("self_attn.v_proj.weight", 1),
-                 ("attn", "wo"): ("self_attn.o_proj.weight", 2)}
-        if cfg.n_experts:
+        layer = ({("attn", "wq"): ("self_attn.q_proj.weight", 1),
+                  ("attn", "wk"): ("self_attn.k_proj.weight", 1),
+                  ("attn", "wv"): ("self_attn.v_proj.weight", 1),
+                  ("attn", "wo"): ("self_attn.o_proj.weight", 2)}
+                 if not cfg.kv_lora_rank else mla_names(cfg))
+        if bool(cfg.n_experts) if moe is None else moe:
             layer.update({("mlp", *((p,) if isinstance(p, str) else p)): entry
                           for p, entry in (self.moe_names or {}).items()})
         else:
@@ -108,8 +131,12 @@ class Family:
         for path, name in self.norm_names.items():
             if cfg.post_norms or not path.startswith("post_"):
                 layer[(path, "scale")] = (f"{name}.weight", None)
-        if cfg.qkv_bias:
+        if cfg.qkv_bias and not cfg.kv_lora_rank:
             layer.update({("attn", f"b{x}"): (f"self_attn.{x}_proj.bias", FLAT) for x in "qkv"})
+        if cfg.o_bias:
+            layer[("attn", "bo")] = ("self_attn.o_proj.bias", None)
+        if cfg.attn_sinks:
+            layer[("attn", "sinks")] = ("self_attn.sinks", None)
         if cfg.qk_norm:
             layer.update({("attn", f"{x}_norm", "scale"): (f"self_attn.{x}_norm.weight", None)
                           for x in "qk"})
@@ -118,6 +145,31 @@ class Family:
     def hf_config(self, cfg: DecoderConfig) -> dict:
         return dict(self.write_hf(cfg), architectures=[self.architecture],
                     model_type=self.model_types[0])
+
+
+def mla_names(cfg: DecoderConfig) -> dict:
+    """``hf_names`` of multi-head latent attention (``ndjax.models.mla``), transformers'
+    DeepseekV3Attention: each HF matrix is the parameter transposed. kv_b_proj's rows
+    are per head [the no-rope key dims, the value's] and kv_a_proj_with_mqa's [the
+    latent, the rotary key], as wkv_b's and wkv_a's last axes hold them. ``qkv_bias``
+    (transformers' attention_bias, with ``o_bias``): the biases of q_a_proj (where there
+    is a query latent) and kv_a_proj_with_mqa."""
+    attn = "self_attn."
+    if cfg.q_lora_rank:
+        names = {("attn", "wq_a"): (attn + "q_a_proj.weight", 1),
+                 ("attn", "q_a_norm", "scale"): (attn + "q_a_layernorm.weight", None),
+                 ("attn", "wq_b"): (attn + "q_b_proj.weight", 1)}
+    else:
+        names = {("attn", "wq"): (attn + "q_proj.weight", 1)}
+    names.update({("attn", "wkv_a"): (attn + "kv_a_proj_with_mqa.weight", 1),
+                  ("attn", "kv_a_norm", "scale"): (attn + "kv_a_layernorm.weight", None),
+                  ("attn", "wkv_b"): (attn + "kv_b_proj.weight", 1),
+                  ("attn", "wo"): (attn + "o_proj.weight", 2)})
+    if cfg.qkv_bias:
+        if cfg.q_lora_rank:
+            names[("attn", "bq_a")] = (attn + "q_a_proj.bias", None)
+        names[("attn", "bkv_a")] = (attn + "kv_a_proj_with_mqa.bias", None)
+    return names
 
 
 _FAMILIES: dict[str, Family] = {}

@@ -61,11 +61,19 @@ def _add(a: Any, b: Any) -> Any:
     return jax.tree.map(jnp.add, a, b)
 
 
+def _parts(aux: dict, prefix: str | None) -> tuple[dict, dict]:
+    """(the aux entries summed over layers, those kept per layer: keys with ``prefix``)."""
+    kept = {k: v for k, v in aux.items() if prefix is not None and k.startswith(prefix)}
+    return {k: v for k, v in aux.items() if k not in kept}, kept
+
+
 def scan_full_remat(layer: Layer | tuple[Layer, ...], h: jax.Array, params: Any,
-                    consts: tuple, offload: bool = False, per_layer: Any = None
-                    ) -> tuple[jax.Array, Any]:
+                    consts: tuple, offload: bool = False, per_layer: Any = None,
+                    kept_prefix: str | None = None) -> tuple[jax.Array, Any]:
     """``h`` through every layer of the stacked ``params`` (leading axis: layers) ->
-    (the output, the layers' aux summed).
+    (the output, the layers' aux summed; but the aux entries whose keys start with
+    ``kept_prefix``, statistics that take no gradient, each layer's stacked along their
+    leading axis).
 
     ``layer`` may be a tuple of P layers (a period of different layers: Gemma 3's five
     local ones and a global one); then ``params`` is (groups, P, ...) and each scan step
@@ -89,34 +97,42 @@ def scan_full_remat(layer: Layer | tuple[Layer, ...], h: jax.Array, params: Any,
     def run_group(carry, xs, keep):
         c, total = carry
         p, extra = xs
-        saved = []
+        saved, stats = [], []
         for j, f in enumerate(layers):
             saved.append(_to_bits(c))
             c, aux = f(c, at(p, j), consts_at(extra, j))
-            total = _add(total, aux)
+            summed, each = _parts(aux, kept_prefix)
+            total = _add(total, summed)
+            stats.append(each)
+        stats = jax.tree.map(lambda *a: jnp.concatenate(a), *stats)
         if not keep:
-            return (c, total), None
+            return (c, total), stats
         kept = jnp.stack(saved) if inner else saved[0]
-        return (c, total), _to_host(kept) if offload else kept
+        return (c, total), (_to_host(kept) if offload else kept, stats)
 
     def zeros(h, params, extra):
         first = jax.tree.map(lambda a: a[0], (params, extra))
         aux = jax.eval_shape(layers[0], h, at(first[0], 0), consts_at(first[1], 0))[1]
-        return jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), aux)
+        return jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), _parts(aux, kept_prefix)[0])
+
+    def flat(stats):  # (groups, layers of a group, ...) -> (layers, ...)
+        return jax.tree.map(lambda a: a.reshape(-1, *a.shape[2:]), stats)
 
     @jax.custom_vjp
     def run(h, params, consts, extra):
-        return jax.lax.scan(lambda c, xs: run_group(c, xs, False),
-                            (h, zeros(h, params, extra)), (params, extra))[0]
+        (c, total), stats = jax.lax.scan(lambda c, xs: run_group(c, xs, False),
+                                         (h, zeros(h, params, extra)), (params, extra))
+        return c, {**total, **flat(stats)}
 
     def forward(h, params, consts, extra):
-        out, inputs = jax.lax.scan(lambda c, xs: run_group(c, xs, True),
-                                   (h, zeros(h, params, extra)), (params, extra))
-        return out, (inputs, params, consts, extra)
+        (c, total), (inputs, stats) = jax.lax.scan(lambda c, xs: run_group(c, xs, True),
+                                                   (h, zeros(h, params, extra)), (params, extra))
+        return (c, {**total, **flat(stats)}), (inputs, params, consts, extra)
 
     def backward(saved, cotangents):
         inputs, params, consts, extra = saved
         g, g_aux = cotangents
+        g_aux = _parts(g_aux, kept_prefix)[0]  # the per-layer statistics take none
 
         def step(g, group_inputs):
             bits, p, e = group_inputs
@@ -131,7 +147,11 @@ def scan_full_remat(layer: Layer | tuple[Layer, ...], h: jax.Array, params: Any,
                     # (Gemma 3 12B at 32k tokens: 41.2 -> 38.6 GiB of temporaries).
                     x, g = jax.lax.optimization_barrier((x, g))
                 c = consts_at(e, j)
-                _, vjp = jax.vjp(lambda x, q, f=layers[j], c=c: f(x, q, c), x, at(p, j))
+
+                def summed(x, q, f=layers[j], c=c):
+                    h, aux = f(x, q, c)
+                    return h, _parts(aux, kept_prefix)[0]
+                _, vjp = jax.vjp(summed, x, at(p, j))
                 g, grads[j] = vjp((g, g_aux))
             g_p = jax.tree.map(lambda *gs: jnp.stack(gs), *grads) if inner else grads[0]
             return g, g_p

@@ -64,6 +64,12 @@ _PARAMS: Table = (
     ("q_heads", "tensor"),            # q/k/v column-parallel ...
     ("kv_heads", "tensor"),
     ("head_dim", None),
+    # Multi-head latent attention's latents (ndjax.models.mla): the rows of its second
+    # projections FSDP-sharded as embed's; wkv_a's outputs (the latent and the rotary
+    # key) whole, as embed takes those axes first.
+    ("q_lora", ("fsdp", "context", "expert")),
+    ("kv_lora", ("fsdp", "context", "expert")),
+    ("kv_lora_rope", None),
     ("mlp", "tensor"),                # gate/up column-parallel, down row-parallel
     ("experts", "expert"),            # MoE: the experts split over the expert axis
     ("expert_mlp", "tensor"),         # each expert's width, split as the dense MLP's
@@ -86,8 +92,9 @@ PRESETS: dict[str, Table] = {
     "megatron_sp": _replace(_ACTIVATIONS, act_res_seq=("context", "tensor")) + _PARAMS,
     # ZeRO-3 across replicas too: parameters and optimizer state are sharded
     # over every data axis (less memory, gathers cross the replica axis).
-    "zero3_everywhere": _ACTIVATIONS + _replace(_PARAMS,
-                                                embed=("replica", "fsdp", "context", "expert")),
+    "zero3_everywhere": _ACTIVATIONS + _replace(
+        _PARAMS, **{name: ("replica", "fsdp", "context", "expert")
+                    for name in ("embed", "q_lora", "kv_lora")}),
 }
 
 DATA_NAMES = ("act_batch", "act_seq")

@@ -8,6 +8,9 @@ headers against the family's parameter names.
 ``load_params`` then builds every parameter directly in its target sharding,
 each device's shard read lazily (``safe_open(...).get_slice(name)[index]``:
 only that shard's bytes, a chunk at a time), so the host holds about one shard.
+MXFP4 experts (GPT-OSS on the Hub: uint8 ``X_blocks`` and ``X_scales`` in place of
+``X``) are the tensor ``X`` in its bf16 shape from the headers on, read through a
+view that dequantizes the experts each read covers (``ndjax.models.mxfp4``, ``_slice``).
 ``check_adapter`` and ``load_adapter`` do the same for a PEFT adapter directory
 (model.lora.init_from): ``export_adapter``'s inverse, from the same table of names.
 
@@ -63,7 +66,7 @@ from ndjax.config import (  # noqa: F401
 )
 from ndjax.data.loader import data_tokenizer
 from ndjax.data.tokenizers import HFTokenizer, Tokenizer
-from ndjax.models import decoder, lora, registry
+from ndjax.models import decoder, lora, mxfp4, registry
 from ndjax.models import quant as quant_lib
 from ndjax.models.decoder import DecoderConfig
 from ndjax.models.quant import QuantConfig
@@ -71,6 +74,10 @@ from ndjax.runtime.errors import ConfigError
 
 _DTYPES = {"F32": np.dtype(np.float32), "F16": np.dtype(np.float16),
            "BF16": np.dtype(jnp.bfloat16)}
+# Also read: uint8 pairs X_blocks + X_scales, the MXFP4 tensor X (ndjax.models.mxfp4).
+_MXFP4_DTYPE = "U8"
+_MXFP4_PARTS = ("_blocks", "_scales")
+_READS = f"{sorted(_DTYPES)} and MXFP4 experts (U8 pairs NAME_blocks, NAME_scales)"
 # A shard is read in this many chunks (of at most _CHUNK_CAP bytes each), so that
 # the host holds the shard plus one chunk of the file, not two copies of the shard.
 _CHUNKS = 32
@@ -91,12 +98,14 @@ def _hf_shape(shape: tuple[int, ...], split: int | str | None) -> tuple[int, ...
         return shape
     if split == registry.FLAT:
         return (math.prod(shape),)
+    if split in registry.INTERLEAVED:
+        return (*shape[:-1], 2 * shape[-1])
     return (math.prod(shape[split:]), math.prod(shape[:split]))
 
 
 def _groups(ndim: int, split: int | str | None) -> list[list[int]]:
     """The ndjax axes each Hugging Face axis holds, flattened, in order."""
-    if split is None:
+    if split is None or split in registry.INTERLEAVED:
         return [[a] for a in range(ndim)]
     if split == registry.FLAT:
         return [list(range(ndim))]
@@ -112,24 +121,86 @@ class _Entry:
 
     path: str
     shape: tuple[int, ...]
+    # An MXFP4 tensor (``shape``: dequantized, the bf16 layout's): the (file, name) of its
+    # blocks and of its scales, which may be in two files (``path`` is the blocks').
+    mxfp4: tuple[tuple[str, str], tuple[str, str]] | None = None
 
 
 def _read_header(path: str) -> dict[str, _Entry]:
     """Every tensor of one .safetensors file; the library checks the header and offsets."""
-    try:
-        with safe_open(path, framework="numpy") as f:
-            slices = {name: f.get_slice(name) for name in f.keys()}
-            found = {name: (s.get_dtype(), tuple(s.get_shape())) for name, s in slices.items()}
-    except SafetensorError as e:
-        raise ConfigError(f"{path} is not a readable safetensors file ({e}). Re-save it with "
-                          "transformers' save_pretrained.") from e
-    entries = {}
-    for name, (code, shape) in found.items():
-        if code not in _DTYPES:
-            raise ConfigError(f"{path}: tensor {name} has dtype {code}; ndjax reads "
-                              f"{sorted(_DTYPES)}. Convert the checkpoint first.")
-        entries[name] = _Entry(path, shape)
+    return _read_headers([path])
+
+
+def _read_headers(paths: list[str]) -> dict[str, _Entry]:
+    """Every tensor of the files (a later file's name wins), an MXFP4 pair X_blocks +
+    X_scales (uint8, in any two of the files) as the one tensor X (``_Entry.mxfp4``)."""
+    entries: dict[str, _Entry] = {}
+    parts: dict[str, tuple[str, tuple[int, ...]]] = {}  # MXFP4 part name -> file, shape
+    for path in paths:
+        try:
+            with safe_open(path, framework="numpy") as f:
+                slices = {name: f.get_slice(name) for name in f.keys()}
+                found = {name: (s.get_dtype(), tuple(s.get_shape()))
+                         for name, s in slices.items()}
+        except SafetensorError as e:
+            raise ConfigError(f"{path} is not a readable safetensors file ({e}). Re-save it "
+                              "with transformers' save_pretrained.") from e
+        for name, (code, shape) in found.items():
+            if code == _MXFP4_DTYPE and name.endswith(_MXFP4_PARTS):
+                parts[name] = (path, shape)
+            elif code not in _DTYPES:
+                raise ConfigError(f"{path}: tensor {name} has dtype {code}; ndjax reads "
+                                  f"{_READS}. Convert the checkpoint first.")
+            else:
+                entries[name] = _Entry(path, shape)
+    for name in sorted(parts):
+        base, part = name[:-len("_blocks")], name[-len("_blocks"):]
+        other = base + _MXFP4_PARTS[part == "_blocks"]
+        path, shape = parts[name]
+        if other not in parts:
+            raise ConfigError(f"{path}: tensor {name} (U8) has no {other} (U8) in the "
+                              f"checkpoint's files; ndjax reads {_READS}. Download the "
+                              "whole checkpoint.")
+        if part == "_scales":
+            continue
+        scales_path, scales_shape = parts[other]
+        try:
+            full = mxfp4.dequantized_shape(shape, scales_shape)
+        except ValueError as e:
+            raise ConfigError(f"{path}: MXFP4 tensor {base}: {e}. Convert the checkpoint "
+                              "first.") from None
+        if base in entries:
+            raise ConfigError(f"{path}: tensor {base} is in the files both as it is and as "
+                              "MXFP4 blocks and scales. Download the checkpoint again.")
+        entries[base] = _Entry(path, full, ((path, name), (scales_path, other)))
     return entries
+
+
+def _slice(files: dict[str, Any], entry: _Entry, name: str) -> Any:
+    """Tensor ``name`` (``entry``) as a safetensors slice (``get_shape``, ``[index]``) of
+    the open ``files`` (path -> ``safe_open``): its file's ``get_slice``, or for an MXFP4
+    tensor a ``mxfp4.Mxfp4Slice`` of its blocks and scales (float32 in the bf16 layout).
+    A file that only an MXFP4 tensor's scales are in is opened into ``files``."""
+    if entry.mxfp4 is None:
+        return files[entry.path].get_slice(name)
+    for path, _ in entry.mxfp4:
+        if path not in files:  # closed when ``files`` goes
+            files[path] = safe_open(path, framework="numpy")
+    (blocks_path, blocks), (scales_path, scales) = entry.mxfp4
+    return mxfp4.Mxfp4Slice(files[blocks_path].get_slice(blocks),
+                            files[scales_path].get_slice(scales))
+
+
+def _check_quantization(config: dict, where: str) -> None:
+    """config.json's ``quantization_config``: only MXFP4's (GPT-OSS's experts) is read."""
+    quant = config.get("quantization_config")
+    if quant is None:
+        return
+    method = quant.get("quant_method") if isinstance(quant, dict) else quant
+    if method != "mxfp4":
+        raise ConfigError(f"{where}: config.json has quantization_config with quant_method="
+                          f"{method!r}; ndjax reads bf16, f32 and f16 weights and MXFP4 "
+                          "experts (quant_method 'mxfp4'). Use the unquantized checkpoint.")
 
 
 def _fill(out: np.ndarray, tensor: Any, shape: tuple[int, ...], split: int | None,
@@ -201,6 +272,34 @@ def grow_vocab(ckpt: Checkpoint, vocab_size: int) -> Checkpoint:
                                file_vocab=ckpt.dims["vocab_size"])
 
 
+class _Columns:
+    """The even or odd columns of an HF tensor's last axis (``registry.EVEN`` / ``ODD``),
+    read as a safetensors slice of its own: a read of columns [a, b) reads the HF
+    columns [2a, 2b) and keeps every other one."""
+
+    def __init__(self, tensor: Any, part: str):
+        self.tensor, self.first = tensor, registry.INTERLEAVED.index(part)
+
+    def get_shape(self) -> list[int]:
+        shape = list(self.tensor.get_shape())
+        return [*shape[:-1], shape[-1] // 2]
+
+    def __getitem__(self, key: Any) -> np.ndarray:
+        key = key if isinstance(key, tuple) else (key,)
+        shape = self.get_shape()
+        key = key + (slice(None),) * (len(shape) - len(key))
+        lo, hi, _ = key[-1].indices(shape[-1])
+        block = np.asarray(self.tensor[(*key[:-1], slice(2 * lo, 2 * hi))])
+        return block[..., self.first::2]
+
+
+def interleave(even: np.ndarray, odd: np.ndarray) -> np.ndarray:
+    """The HF tensor whose even and odd columns (last axis) are ``even`` and ``odd``."""
+    out = np.empty((*even.shape[:-1], 2 * even.shape[-1]), even.dtype)
+    out[..., 0::2], out[..., 1::2] = even, odd
+    return out
+
+
 class _GrownRows:
     """A vocabulary tensor's safetensors slice with rows ``file_rows..rows`` added, each
     the mean of the file's rows (float32, read a chunk at a time)."""
@@ -236,15 +335,16 @@ def _expected_shapes(dims: dict) -> dict[str, tuple[int, ...]]:
     """Every Hugging Face tensor the family's model with these dims has, with its
     shape: the family's names for the parameters of the model it builds."""
     cfg = DecoderConfig(**dims)
-    top, layer = registry.of(cfg).hf_names(cfg)
+    top, _ = registry.of(cfg).hf_names(cfg)
     shapes = _param_shapes(cfg)
     out = {name: _hf_shape(_at(shapes, path).shape, split) for path, (name, split) in top.items()}
-    for path, (name, split) in layer.items():
-        shape = _at(shapes["layers"], path).shape[1:]
-        for each, e in registry.expert_names(name, shape):
-            one = shape if e is None else shape[1:]
-            out.update({f"model.layers.{i}.{each}": _hf_shape(one, split)
-                        for i in range(cfg.n_layers)})
+    for stack in decoder.stacks(cfg):
+        for path, (name, split) in registry.of(cfg).hf_names(cfg, stack.moe)[1].items():
+            shape = _at(shapes[stack.name], path).shape[1:]
+            for each, e in registry.expert_names(name, shape):
+                one = shape if e is None else shape[1:]
+                out.update({f"model.layers.{i}.{each}": _hf_shape(one, split)
+                            for i in range(stack.first, stack.stop)})
     return out
 
 
@@ -281,6 +381,15 @@ def _weight_files(directory: str) -> list[str]:
                       f"model.safetensors.index.json. {fix}")
 
 
+def _prediction_layer(name: str, config: dict, n_layers: int) -> bool:
+    """Whether ``name`` is a multi-token-prediction layer's (DeepSeek V3's
+    ``num_nextn_predict_layers``, stored as the layers after the model's), which ndjax
+    does not read."""
+    extra = config.get("num_nextn_predict_layers") or 0
+    found = re.match(r"model\.layers\.(\d+)\.", name)
+    return bool(extra and found and n_layers <= int(found.group(1)) < n_layers + extra)
+
+
 def open_checkpoint(directory: str, field: str = "model.init_from") -> Checkpoint:
     """Checks a local HF Llama directory (config, files, every tensor's shape); reads no data.
     ``field``: the config field that names it, in errors."""
@@ -299,15 +408,15 @@ def open_checkpoint(directory: str, field: str = "model.init_from") -> Checkpoin
             config = json.load(f)
     except ValueError as e:
         raise ConfigError(f"{field}={directory!r}: config.json is not JSON ({e}).") from e
+    _check_quantization(config, f"{field}={directory!r}")
     family = registry.for_config_json(config, directory)
     dims = family.read_config_json(config, directory)
-    tensors: dict[str, _Entry] = {}
-    for path in _weight_files(directory):
-        tensors.update(_read_header(path))
+    tensors = _read_headers(_weight_files(directory))
     expected = _expected_shapes(dims)
     missing = sorted(set(expected) - set(tensors))
     extra = sorted(n for n in set(tensors) - set(expected) if not _IGNORED.fullmatch(n)
-                   and not (n == "lm_head.weight" and dims["tie_embeddings"]))
+                   and not (n == "lm_head.weight" and dims["tie_embeddings"])
+                   and not _prediction_layer(n, config, dims["n_layers"]))
     if missing or extra:
         raise ConfigError(
             f"{field}={directory!r}: the weights do not match config.json (e.g. "
@@ -412,7 +521,8 @@ def load_params(ckpt: Checkpoint, shapes: Any, shardings: Any,
     weight, and the scales of the shards whose codes went first.
     """
     cfg = DecoderConfig(**ckpt.dims)
-    top, per_layer = registry.of(cfg).hf_names(cfg)
+    top, _ = registry.of(cfg).hf_names(cfg)
+    stacks = {s.name: (s, registry.of(cfg).hf_names(cfg, s.moe)[1]) for s in decoder.stacks(cfg)}
     with contextlib.ExitStack() as stack:
         files = {path: stack.enter_context(safe_open(path, framework="numpy"))
                  for path in sorted({e.path for e in ckpt.tensors.values()})}
@@ -420,7 +530,7 @@ def load_params(ckpt: Checkpoint, shapes: Any, shardings: Any,
         grown: dict[str, _GrownRows] = {}  # one per tensor: its mean is read once
 
         def tensor(name: str) -> Any:
-            found = files[ckpt.tensors[name].path].get_slice(name)
+            found = _slice(files, ckpt.tensors[name], name)
             if ckpt.file_vocab is not None and name in VOCAB_TENSORS:
                 return grown.setdefault(name, _GrownRows(found, ckpt.dims["vocab_size"]))
             return found
@@ -429,7 +539,7 @@ def load_params(ckpt: Checkpoint, shapes: Any, shardings: Any,
             dtype = np.dtype(shape.dtype)
             keys = tuple(str(k.key) for k in path)
             shard = sharding.shard_shape(shape.shape)
-            if keys[0] != "layers":
+            if keys[0] not in stacks:
                 name, split = top[keys]
 
                 def read_top(index):
@@ -439,6 +549,7 @@ def load_params(ckpt: Checkpoint, shapes: Any, shardings: Any,
                 return _put(shape.shape, sharding, read_top)
             part = keys[-1] if quant is not None and keys[-1] in ("codes", "scales") else None
             weight_keys = keys[1:-1] if part else keys[1:]
+            layer_stack, per_layer = stacks[keys[0]]
             hf_name, split = per_layer[weight_keys]
             full = shape.shape
             if part:  # the weight's shape, of which these are the codes or the scales
@@ -447,14 +558,18 @@ def load_params(ckpt: Checkpoint, shapes: Any, shardings: Any,
             experts = registry.expert_names(hf_name, full[1:])
 
             def read(index, out_dtype=dtype):
-                layers = range(full[0])[index[0]]
+                # The stack's layers of this shard, as the model's (HF's) indices.
+                layers = [layer_stack.first + i for i in range(full[0])[index[0]]]
                 out = np.empty((len(layers), *(len(range(n)[i]) for n, i in
                                                zip(full[1:], index[1:], strict=True))),
                                out_dtype)
                 for j, i in enumerate(layers):
                     if experts[0][1] is None:
-                        _fill(out[j], tensor(f"model.layers.{i}.{hf_name}"), full[1:],
-                              split, index[1:])
+                        source = tensor(f"model.layers.{i}.{hf_name}")
+                        if split in registry.INTERLEAVED:
+                            source = _Columns(source, split)
+                        _fill(out[j], source, full[1:],
+                              None if split in registry.INTERLEAVED else split, index[1:])
                         continue
                     # One tensor per expert: the parameter's leading axis.
                     for m, e in enumerate(range(full[1])[index[1]]):
@@ -467,7 +582,7 @@ def load_params(ckpt: Checkpoint, shapes: Any, shardings: Any,
             def read_quantized(index):
                 last = index[-1].indices(shape.shape[-1])
                 weight_index = (*index[:-1], slice(last[0] * per, last[1] * per))
-                key = (weight_keys, _index_key(weight_index))
+                key = (keys[0], weight_keys, _index_key(weight_index))
                 if part == "scales" and key in later_scales:
                     return later_scales.pop(key)
                 codes, scales = quant_lib.quantize(read(weight_index, np.float32), quant)
@@ -569,14 +684,30 @@ def _tensors(params: Any, cfg: DecoderConfig) -> Iterator[tuple[str, tuple[int, 
             return a.reshape(_hf_shape(shape, split)[::-1]).T
         return name, _hf_shape(shape, split), get
 
-    top, per_layer = registry.of(cfg).hf_names(cfg)
+    def interleaved(name, parts, layer):
+        """One HF tensor of two parameters' columns, interleaved (``_Columns``)."""
+        even, odd = (parts[p] for p in registry.INTERLEAVED)
+        return name, _hf_shape(even.shape[1:], registry.EVEN), (
+            lambda: interleave(_host(even[layer]), _host(odd[layer])))
+
     yield entry("model.embed_tokens.weight", params["embed"], None)
-    layers = params["layers"]
-    for i in range(cfg.n_layers):
-        for path, (name, split) in per_layer.items():
-            x = _at(layers, path)
-            for each, e in registry.expert_names(name, x.shape[1:]):
-                yield entry(f"model.layers.{i}.{each}", x, split, i, e)
+    for stack in decoder.stacks(cfg):
+        layers = params[stack.name]
+        per_layer = registry.of(cfg).hf_names(cfg, stack.moe)[1]
+        for i in range(stack.count):  # the model's layer stack.first + i
+            hf_layer = f"model.layers.{stack.first + i}"
+            written = set()
+            for path, (name, split) in per_layer.items():
+                x = _at(layers, path)
+                if split in registry.INTERLEAVED:
+                    if name not in written:
+                        written.add(name)
+                        parts = {s: _at(layers, p) for p, (n, s) in per_layer.items()
+                                 if n == name}
+                        yield interleaved(f"{hf_layer}.{name}", parts, i)
+                    continue
+                for each, e in registry.expert_names(name, x.shape[1:]):
+                    yield entry(f"{hf_layer}.{each}", x, split, i, e)
     yield entry("model.norm.weight", params["final_norm"]["scale"], None)
     if "lm_head" in params:
         yield entry("lm_head.weight", params["lm_head"], 1)
@@ -686,13 +817,15 @@ def _adapter_tensors(tree: Any, cfg: DecoderConfig
     two cannot drift."""
     for target in cfg.lora.targets:
         module, _, n_in = lora.BASE_WEIGHTS[target]
-        if lora.PREFIX + target not in tree["layers"][module]:
-            continue
         hf_module = f"{'self_attn' if module == 'attn' else 'mlp'}.{lora.TARGETS[target]}"
-        for i in range(cfg.n_layers):
-            for part, split in (("a", n_in), ("b", 1)):
-                yield (f"base_model.model.model.layers.{i}.{hf_module}.lora_{part.upper()}"
-                       ".weight", ("layers", module, lora.PREFIX + target, part), i, split)
+        for stack in decoder.stacks(cfg):
+            if lora.PREFIX + target not in tree[stack.name][module]:
+                continue
+            for i in range(stack.count):
+                for part, split in (("a", n_in), ("b", 1)):
+                    yield (f"base_model.model.model.layers.{stack.first + i}.{hf_module}."
+                           f"lora_{part.upper()}.weight",
+                           (stack.name, module, lora.PREFIX + target, part), i, split)
 
 
 def export_adapter(params: Any, cfg: DecoderConfig, out_dir: str,

@@ -9,8 +9,9 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import optax
+from flax import traverse_util
 
-from ndjax.models import lora
+from ndjax.models import lora, moe
 from ndjax.parallel.rules import constrain
 from ndjax.step.objectives import Batch, CrossEntropy, FeaturesFn, Objective, finish_metrics
 from ndjax.step.state import TrainState
@@ -58,6 +59,9 @@ class StepOptions:
     aux_loss_coef: float = 0.0
     # The router z-loss's weight in the loss (model.router_z_loss_coef).
     z_loss_coef: float = 0.0
+    # DeepSeek V3's load-balancing bias: its step after each optimizer step
+    # (model.score_bias_rate; ndjax.models.moe.update_score_bias); 0: it stays.
+    score_bias_rate: float = 0.0
     # LoRA: only the adapters get gradients and updates (and the top-level parameters
     # ``saved``: model.lora.modules_to_save); the rest is frozen, passed through the step
     # untouched (ndjax.models.lora.split).
@@ -222,6 +226,16 @@ def keep_unless_schedule(keep: Callable[[jax.Array, jax.Array], jax.Array],
     return jax.tree.map(pick, new, old, is_leaf=_is_schedule_state)
 
 
+def _unless_stepped(updates: Any) -> Any:
+    """The optimizer's updates with those of ``lora.STEPPED`` parameters zeroed: they
+    take no gradient, but AdamW's weight decay would still move them."""
+    flat = traverse_util.flatten_dict(updates)
+    if not any(k[-1] in lora.STEPPED for k in flat):
+        return updates
+    return traverse_util.unflatten_dict({k: jnp.zeros_like(v) if k[-1] in lora.STEPPED else v
+                                         for k, v in flat.items()})
+
+
 def train_step(features: FeaturesFn, optimizer: optax.GradientTransformation,
                schedule: optax.Schedule, options: StepOptions, grad_shardings: Any,
                state: TrainState, batch: Batch, reference: Any = None
@@ -253,6 +267,7 @@ def train_step(features: FeaturesFn, optimizer: optax.GradientTransformation,
     # advanced it may hold a count that lags state.step).
     old_opt_state = schedule_counts_at(state.opt_state, state.step)
     updates, opt_state = optimizer.update(grads, old_opt_state, trainable)
+    updates = _unless_stepped(updates)
     params = optax.apply_updates(trainable, updates)
     if options.skip_nonfinite:
         # Keep the old parameters and Adam's state (moments and their count),
@@ -263,6 +278,11 @@ def train_step(features: FeaturesFn, optimizer: optax.GradientTransformation,
         params = jax.tree.map(keep, params, trainable)
         opt_state = keep_unless_schedule(keep, opt_state, old_opt_state)
     params = lora.merge(frozen, params)
+    counts = aux.pop(moe.EXPERT_COUNTS, None)
+    if counts is not None and options.score_bias_rate:
+        # A skipped step (skip_nonfinite) leaves the bias too.
+        rate = options.score_bias_rate * (finite if options.skip_nonfinite else 1.0)
+        params = moe.update_score_bias(params, counts, rate)
     metrics = {
         "loss": loss,
         "grad_norm": grad_norm,
