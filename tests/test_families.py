@@ -173,6 +173,30 @@ def test_logits_match_transformers(saved, family, mesh):
     np.testing.assert_allclose(ndjax_logits(exp, load(exp), toks), ref, rtol=0, atol=1e-4)
 
 
+# GPT-OSS's sinks and DeepSeek V3's latent attention in the context-parallel kernels, and
+# their experts split over mesh.expert beside tensor parallelism.
+OPEN_MODEL_MESHES = {
+    "fsdp_expert_tensor": (dict(fsdp=2, expert=2, tensor=2), {}),
+    "fsdp_context_ring": (dict(fsdp=4, context=2), dict(cp_impl="ring", cp_layout="contiguous")),
+    "fsdp_context_all_to_all": (dict(fsdp=4, context=2), dict(cp_impl="all_to_all")),
+}
+
+
+@pytest.mark.parametrize("mesh", sorted(OPEN_MODEL_MESHES))
+@pytest.mark.parametrize("family", ["gpt_oss", "deepseek_v3"])
+def test_the_open_models_logits_match_transformers_on_their_layouts(saved, family, mesh):
+    directory, model = saved(family)
+    axes, fields = OPEN_MODEL_MESHES[mesh]
+    config = config_for(directory, axes)
+    config.model.update(fields)
+    exp = Experiment.from_config(config)
+    if "context" in axes:
+        assert exp.attention.cp == fields["cp_impl"], exp.attention
+    toks = tokens(model.config.vocab_size)
+    np.testing.assert_allclose(ndjax_logits(exp, load(exp), toks), hf_logits(model, toks),
+                               rtol=0, atol=1e-4)
+
+
 MOE_FAMILIES = sorted(f for f in FAMILIES if registry.get(f).moe_names is not None)
 # Those whose transformers model has Switch's load-balancing loss (DeepSeek V3's has none:
 # it balances with its routing bias, tests/test_deepseek_v3.py).
