@@ -80,12 +80,19 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tiny", action="store_true", help="the tiny presets, a smoke run")
     args = parser.parse_args()
+    os.environ["JAX_PLATFORMS"] = "cpu"  # the CUDA plugin's GPUs: compile-only targets
+    from ndjax.runtime.console import native_stderr
+
+    with native_stderr():
+        import jax
+        jax.devices()
     from ndjax.hardware import gpu_target
 
     gpu_target.require()
-    print(f"# bench/open_models.py{' --tiny' if args.tiny else ''}, "
+    print(f"`PYTHONPATH=. python bench/open_models.py{' --tiny' if args.tiny else ''}`, "
           f"{datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC, "
-          f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores\n")
+          f"{platform.processor() or platform.machine()} ({os.cpu_count()} cores, no GPU), "
+          f"jax {jax.__version__}\n")
     print("Compiled for H100s (XLA's GPU compiler, no GPU), bfloat16, remat full, one row "
           "per GPU; GiB per device; weights = trained / frozen; a2a = the experts' "
           "all-to-all bytes one device sends per step, all = every collective's:\n")

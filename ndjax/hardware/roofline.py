@@ -153,19 +153,32 @@ def recomputed_forward_flops(cfg: Any, seq_len: int, remat: str) -> dict[str, fl
     half of the keys (a local layer's: those in its window); how much of it a kernel
     really reruns is the kernel's (the dense kernel reruns PV under full, and its
     QK^T under every policy, none too)."""
-    from ndjax.models.decoder import keys_per_query
+    from ndjax.models.decoder import keys_per_query, stacks
 
-    d, hd, layers = cfg.dim, cfg.hd, cfg.n_layers
-    # An MoE token runs through experts_per_token experts: their widths, summed.
-    width = cfg.experts_per_token * cfg.expert_dim if cfg.n_experts else cfg.ffn_dim
-    per_layer = {"q": 2 * d * cfg.n_heads * hd, "k": 2 * d * cfg.n_kv_heads * hd,
-                 "v": 2 * d * cfg.n_kv_heads * hd, "o": 2 * cfg.n_heads * hd * d,
-                 "gate": 2 * d * width, "up": 2 * d * width}
-    if cfg.n_experts:
-        per_layer.update(expert_down=2 * width * d, router=2 * d * cfg.n_experts)
-    out = {part: float(layers * per_layer[part]) for part in RERUN[remat] if part in per_layer}
+    d, hd, h, layers = cfg.dim, cfg.hd, cfg.n_heads, cfg.n_layers
+    v_dim = (cfg.v_head_dim or hd) if cfg.kv_lora_rank else hd
+    if cfg.kv_lora_rank:  # latent attention: each part with its latent's matmul
+        nope, latent = hd - cfg.rope_head_dim, cfg.kv_lora_rank
+        q = 2 * (d * cfg.q_lora_rank + cfg.q_lora_rank * h * hd if cfg.q_lora_rank
+                 else d * h * hd)
+        attention = {"q": q, "k": 2 * (d * (latent + cfg.rope_head_dim) + latent * h * nope),
+                     "v": 2 * latent * h * v_dim}
+    else:
+        attention = {"q": 2 * d * h * hd, "k": 2 * d * cfg.n_kv_heads * hd,
+                     "v": 2 * d * cfg.n_kv_heads * hd}
+    attention["o"] = 2 * h * v_dim * d
+    out = {part: float(layers * attention[part]) for part in RERUN[remat] if part in attention}
+    for stack in stacks(cfg):  # (DeepSeek V3's dense first layers beside the MoE ones)
+        # An MoE token runs through experts_per_token experts: their widths, summed.
+        width = cfg.experts_per_token * cfg.expert_dim if stack.moe else cfg.ffn_dim
+        mlp = {"gate": 2 * d * width, "up": 2 * d * width}
+        if stack.moe:
+            mlp.update(expert_down=2 * width * d, router=2 * d * cfg.n_experts)
+        for part in RERUN[remat]:
+            if part in mlp:
+                out[part] = out.get(part, 0.0) + float(stack.count * mlp[part])
     if "attention" in RERUN[remat]:
-        out["attention"] = float(sum(4 * cfg.n_heads * hd * keys_per_query(
+        out["attention"] = float(sum(2 * h * (hd + v_dim) * keys_per_query(
             seq_len, cfg.spec(t).window) for t in cfg.types))
     return out
 

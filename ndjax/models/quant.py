@@ -10,8 +10,8 @@ level nearest to ``value / absmax(block)``; it reads back as ``level * absmax``.
 Blocks run along a weight's last axis (the output features: ``(dim, heads, head_dim)``
 blocks along head_dim, ``(ffn, dim)`` along dim), so that a block never straddles two
 shards of a weight sharded as its rules say, and the codes and scales keep the weight's
-logical names: the rule tables lay them out, and FSDP gathers them, like the weight,
-moving a quarter of bfloat16's bytes under NF4. NF4 codes are packed two to a byte along
+logical names (the scales' last axis unsplit): the rule tables lay them out, and FSDP
+gathers them, like the weight, moving a quarter of bfloat16's bytes under NF4. NF4 codes are packed two to a byte along
 that axis, the first in the high nibble (bitsandbytes' order). The scales are
 float32 (QLoRA's second quantisation of the scales, 8-bit per 256, is not done here).
 
@@ -111,10 +111,13 @@ class Quantized(nnx.Module):
     carrying the weight's logical names (``layers.use_param`` dequantises it at use)."""
 
     def __init__(self, weight: nnx.Param, q: QuantConfig):
-        names = weight.get_metadata()["logical_axes"]
+        names = tuple(weight.get_metadata()["logical_axes"])
         codes, scales = quantize(weight[...], q)
         self.codes = nnx.Param(codes, logical_axes=names)
-        self.scales = nnx.Param(scales, logical_axes=names)
+        # The scales' last axis (one per block) unsplit: its length, the weight's over the
+        # block, need not divide as the weight's does (GPT-OSS's 2880 / 64 = 45 blocks
+        # over 8 devices); a device slices its blocks' scales out where it uses them.
+        self.scales = nnx.Param(scales, logical_axes=(*names[:-1], None))
         self.q = q
 
 
