@@ -13,7 +13,8 @@ Rows, bfloat16 compute, ``model.remat=full``, one 4096-token row per GPU:
 - ``deepseek_v3`` cut to 2 of its 61 layers, its first dense layer and one MoE layer
   (``first_k_dense=1``: 256 experts, MLA, the shared expert), full fine-tuning (float32
   weights and Adam moments), on 8 H100s with ``mesh.expert=8`` and 64 with
-  ``mesh.expert=64``, the experts as Mosaic grouped matmuls.
+  ``mesh.expert=64``, the experts as Mosaic grouped matmuls; at 64 also in capacity mode
+  (``model.capacity_factor=1.25``), which bounds what a device can receive.
 
 Columns: the step's arguments (weights, optimizer state, batch) and temporaries per
 device as the compile plans them (no cuBLAS/cuDNN workspaces: docs/compile-and-plan.md),
@@ -41,6 +42,8 @@ CASES = [
      dict(n_layers=2, first_k_dense=1, moe_impl="mosaic"), {}),
     ("full, 2 of 61 layers", "deepseek_v3", "deepseek_v3", 64, dict(expert=64),
      dict(n_layers=2, first_k_dense=1, moe_impl="mosaic"), {}),
+    ("full, 2 of 61 layers, capacity 1.25", "deepseek_v3", "deepseek_v3", 64, dict(expert=64),
+     dict(n_layers=2, first_k_dense=1, moe_impl="mosaic", capacity_factor=1.25), {}),
 ]
 TINY = [
     ("LoRA r=16", "gpt_oss", "tiny", 8, dict(expert=8), {}, LORA),

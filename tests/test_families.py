@@ -39,9 +39,9 @@ from test_hf import (
 from test_tokenizer_files import QWEN, write_hf_tokenizer
 from transformers import (
     AutoModelForCausalLM,
-    Gemma3ForCausalLM,
     DeepseekV3Config,
     DeepseekV3ForCausalLM,
+    Gemma3ForCausalLM,
     Gemma3TextConfig,
     GptOssConfig,
     GptOssForCausalLM,

@@ -11,8 +11,9 @@ Blocks run along a weight's last axis (the output features: ``(dim, heads, head_
 blocks along head_dim, ``(ffn, dim)`` along dim), so that a block never straddles two
 shards of a weight sharded as its rules say, and the codes and scales keep the weight's
 logical names (the scales' last axis unsplit): the rule tables lay them out, and FSDP
-gathers them, like the weight, moving a quarter of bfloat16's bytes under NF4. NF4 codes are packed two to a byte along
-that axis, the first in the high nibble (bitsandbytes' order). The scales are
+gathers them, like the weight, moving a quarter of bfloat16's bytes under NF4. NF4 codes
+are packed two to a byte along that axis, the first in the high nibble (bitsandbytes'
+order). The scales are
 float32 (QLoRA's second quantisation of the scales, 8-bit per 256, is not done here).
 
 Weights are dequantised where a layer uses them, inside the layer scan, into the
