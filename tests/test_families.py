@@ -518,21 +518,20 @@ SHARED_EXPERT = dict(FAMILY_MODELS["qwen3_moe"], family="qwen2_moe", head_dim=No
 @pytest.mark.parametrize("mesh, capacity, model", [
     (dict(fsdp=1, expert=4, tensor=2), None, FAMILY_MODELS["qwen3_moe"]),
     (dict(replica=2, fsdp=2, expert=2), None, FAMILY_MODELS["qwen3_moe"]),
-    (dict(fsdp=2, expert=4), 1.0, FAMILY_MODELS["qwen3_moe"]),
     (dict(fsdp=2, expert=2, tensor=2), None, SHARED_EXPERT),
     (dict(fsdp=2, expert=2, tensor=2), 1.0, FAMILY_MODELS["gpt_oss"]),
     (dict(fsdp=2, expert=4), None, FAMILY_MODELS["deepseek_v3"])],
-    ids=["expert_tensor", "replica_fsdp_expert", "fsdp_expert_capacity",
-         "shared_expert_fsdp_expert_tensor", "gpt_oss_fsdp_expert_tensor_capacity",
-         "deepseek_v3_fsdp_expert"])
+    ids=["expert_tensor", "replica_fsdp_expert", "shared_expert_fsdp_expert_tensor",
+         "gpt_oss_fsdp_expert_tensor_capacity", "deepseek_v3_fsdp_expert"])
 def test_expert_parallel_layouts_match_single_device(mesh, capacity, model):
     """The experts split over mesh.expert (each device holds its share; the (token,
     expert) pairs travel to them and back in ragged all-to-alls, emulated on CPU from
-    an all-gather), beside FSDP, tensor parallelism and replicas; fsdp x expert in
-    capacity mode, which drops the same pairs on every layout (each row's first, per
-    expert); and a shared expert, its width over tensor, beside experts split over
-    expert and fsdp. Dropless fsdp x expert=4 is test_moe's all-tokens-to-one-expert
-    case."""
+    an all-gather), beside FSDP, tensor parallelism and replicas; GPT-OSS's biased
+    experts on fsdp x expert x tensor in capacity mode, which drops the same pairs on
+    every layout (each row's first, per expert); a shared expert, its width over tensor,
+    beside experts split over expert and fsdp; and DeepSeek V3's grouped routing, its
+    bias moving, on fsdp x expert=4. Dropless fsdp x expert=4 is also test_moe's
+    all-tokens-to-one-expert case."""
     model = dict(model, capacity_factor=capacity)
     exp = Experiment.from_config(tiny_config(mesh=mesh, model=model))
     spec = exp.state_sharding.params["layers"]["mlp"]["w_gate"].spec
