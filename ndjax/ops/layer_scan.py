@@ -91,16 +91,18 @@ def scan_full_remat(layer: Layer | tuple[Layer, ...], h: jax.Array, params: Any,
     def at(p, j):
         return jax.tree.map(lambda a: a[j], p) if inner else p
 
-    def consts_at(extra, j):
+    # ``consts`` reach every function below as an argument, never from this scope: the
+    # custom VJP's rules may run under other traces (a pipeline's vmap over stages).
+    def consts_at(consts, extra, j):
         return consts if per_layer is None else (*consts, at(extra, j))
 
-    def run_group(carry, xs, keep):
+    def run_group(consts, carry, xs, keep):
         c, total = carry
         p, extra = xs
         saved, stats = [], []
         for j, f in enumerate(layers):
             saved.append(_to_bits(c))
-            c, aux = f(c, at(p, j), consts_at(extra, j))
+            c, aux = f(c, at(p, j), consts_at(consts, extra, j))
             summed, each = _parts(aux, kept_prefix)
             total = _add(total, summed)
             stats.append(each)
@@ -110,9 +112,9 @@ def scan_full_remat(layer: Layer | tuple[Layer, ...], h: jax.Array, params: Any,
         kept = jnp.stack(saved) if inner else saved[0]
         return (c, total), (_to_host(kept) if offload else kept, stats)
 
-    def zeros(h, params, extra):
+    def zeros(h, params, consts, extra):
         first = jax.tree.map(lambda a: a[0], (params, extra))
-        aux = jax.eval_shape(layers[0], h, at(first[0], 0), consts_at(first[1], 0))[1]
+        aux = jax.eval_shape(layers[0], h, at(first[0], 0), consts_at(consts, first[1], 0))[1]
         return jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), _parts(aux, kept_prefix)[0])
 
     def flat(stats):  # (groups, layers of a group, ...) -> (layers, ...)
@@ -120,13 +122,14 @@ def scan_full_remat(layer: Layer | tuple[Layer, ...], h: jax.Array, params: Any,
 
     @jax.custom_vjp
     def run(h, params, consts, extra):
-        (c, total), stats = jax.lax.scan(lambda c, xs: run_group(c, xs, False),
-                                         (h, zeros(h, params, extra)), (params, extra))
+        (c, total), stats = jax.lax.scan(lambda c, xs: run_group(consts, c, xs, False),
+                                         (h, zeros(h, params, consts, extra)), (params, extra))
         return c, {**total, **flat(stats)}
 
     def forward(h, params, consts, extra):
-        (c, total), (inputs, stats) = jax.lax.scan(lambda c, xs: run_group(c, xs, True),
-                                                   (h, zeros(h, params, extra)), (params, extra))
+        (c, total), (inputs, stats) = jax.lax.scan(
+            lambda c, xs: run_group(consts, c, xs, True), (h, zeros(h, params, consts, extra)),
+            (params, extra))
         return (c, {**total, **flat(stats)}), (inputs, params, consts, extra)
 
     def backward(saved, cotangents):
@@ -146,7 +149,7 @@ def scan_full_remat(layer: Layer | tuple[Layer, ...], h: jax.Array, params: Any,
                     # may run them ahead and keep several layers' activations at once
                     # (Gemma 3 12B at 32k tokens: 41.2 -> 38.6 GiB of temporaries).
                     x, g = jax.lax.optimization_barrier((x, g))
-                c = consts_at(e, j)
+                c = consts_at(consts, e, j)
 
                 def summed(x, q, f=layers[j], c=c):
                     h, aux = f(x, q, c)
