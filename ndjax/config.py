@@ -354,6 +354,9 @@ class MeshSettings:
     expert: int = setting(1)
     context: int = setting(1)
     tensor: int = setting(1)
+    # Pipeline stages (ndjax.parallel.pipeline): each holds a contiguous run of the layers;
+    # the batch runs through them in train.microbatches micro-batches.
+    stage: int = setting(1)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -498,6 +501,9 @@ class TrainSettings:
     # grad_accum rows in one jitted step, gradients summed (activation memory of
     # one slice; the update is the same as one big batch's).
     grad_accum: int = setting(1, ge=1, hint=" (micro-batches per step)")
+    # Under mesh.stage > 1: the pipeline's micro-batches per grad_accum slice (0: as many
+    # as stages). GPipe idles (stage-1)/(microbatches+stage-1) of the time: more shrink it.
+    microbatches: int = setting(0, ge=0, hint=" (pipeline micro-batches; 0: mesh.stage)")
     # Sequence positions per chunk of the LM head + cross-entropy: the logits of
     # one chunk exist at a time, never the whole batch's (b x seq x vocab).
     loss_chunk: int = setting(1024, ge=1, hint=" (sequence positions per chunk of the LM "

@@ -445,7 +445,8 @@ def check_fields(config: ml_collections.ConfigDict | Settings, platform: str | N
 def degrees(settings: Settings, devices: Sequence[jax.Device]) -> ParallelDims:
     """The mesh's degrees for these devices (checked before anything else)."""
     m = settings.mesh
-    return ParallelDims(m.replica, m.fsdp, m.context, m.tensor, m.expert).resolve(len(devices))
+    return ParallelDims(m.replica, m.fsdp, m.context, m.tensor, m.expert, m.stage).resolve(
+        len(devices))
 
 
 def build_layout(settings: Settings, dims: ParallelDims, devices: Sequence[jax.Device]
@@ -468,6 +469,10 @@ def place_model(model_cfg: DecoderConfig, settings: Settings, rules: rules_lib.R
     the experts' grouped matmuls."""
     t = settings.train
     _check_placement(model_cfg, settings, rules)
+    stages = rules.mesh.shape["stage"]
+    if stages > 1:
+        model_cfg = dataclasses.replace(model_cfg, stages=stages,
+                                        microbatches=t.microbatches or stages)
     site = attention_ops.Site.of(model_cfg, t.seq_len, rules, t.batch_size // t.grad_accum)
     chosen = attention_ops.choose(model_cfg.attn_impl, site)
     model_cfg = dataclasses.replace(model_cfg, attn_impl=chosen.name,
@@ -484,6 +489,7 @@ def _check_placement(model_cfg: DecoderConfig, settings: Settings,
                      rules: rules_lib.Rules) -> None:
     """The experts, the batch and the loss chunks against the mesh (no kernel chosen)."""
     _check_experts(model_cfg, rules, settings.model.family)
+    _check_pipeline(model_cfg, settings.train, rules)
     _check_batch(settings.train, rules, rules.mesh)
     _check_loss_chunk(settings.train, rules, rules.mesh)
 
@@ -1024,6 +1030,46 @@ def _check_batch(t: TrainSettings, rules: rules_lib.Rules, mesh: Mesh) -> None:
             f"rows must split evenly over {ways} = {parts}, the mesh axes that split the "
             f"batch, so batch_size must be a multiple of {k} x {ways} = {k * ways}. Use "
             f"train.grad_accum in {fits} or a larger batch_size.")
+
+
+def _check_pipeline(model_cfg: DecoderConfig, t: TrainSettings, rules: rules_lib.Rules) -> None:
+    """mesh.stage against the layers, the layer pattern and the micro-batches."""
+    stages = rules.mesh.shape["stage"]
+    if stages == 1:
+        return
+    n = model_cfg.n_layers
+    if len(decoder.stacks(model_cfg)) > 1:
+        raise ConfigError(
+            f"mesh.stage={stages} with model.first_k_dense={model_cfg.first_k_dense}: "
+            "pipeline stages over dense first layers and MoE layers together are not built "
+            "yet; set mesh.stage=1.")
+    if n % stages:
+        fits = [d for d in range(2, n + 1) if n % d == 0][:6]
+        raise ConfigError(
+            f"mesh.stage={stages} does not divide model.n_layers={n}: each stage runs an "
+            f"equal run of layers. Use mesh.stage in {fits}.")
+    per_stage, period = n // stages, model_cfg.period
+    if per_stage % period:
+        raise ConfigError(
+            f"mesh.stage={stages} gives each stage {per_stage} layers, not whole periods of "
+            f"the model's {period}-layer pattern of layer types, so the stages would run "
+            f"different layers. Use a mesh.stage that divides {n // period}.")
+    if model_cfg.lora is not None and model_cfg.lora.dropout:
+        raise ConfigError(
+            f"mesh.stage={stages} with model.lora.dropout={model_cfg.lora.dropout}: LoRA "
+            "dropout inside pipeline stages is not built yet; set model.lora.dropout=0 or "
+            "mesh.stage=1.")
+    m = t.microbatches or stages
+    rows = t.batch_size // t.grad_accum
+    data, parts = _ways(rules, rules.mesh, ("act_batch",))
+    if rows % (m * data):
+        fits = [d for d in range(1, rows + 1) if rows % (d * data) == 0]
+        raise ConfigError(
+            f"train.microbatches={m}: the pipeline cuts each grad_accum slice's "
+            f"{rows} rows (train.batch_size={t.batch_size} / train.grad_accum={t.grad_accum}) "
+            f"into {m} micro-batches whose rows split over {data} = {parts}, the mesh axes "
+            f"that split the batch, so {rows} must be a multiple of {m} x {data}. Use "
+            f"train.microbatches in {fits} or a larger batch_size.")
 
 
 def _ways(rules: rules_lib.Rules, mesh: Mesh, names: Sequence[str]) -> tuple[int, str]:

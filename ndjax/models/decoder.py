@@ -50,6 +50,7 @@ from ndjax.models.layers import (
 from ndjax.models.moe import PER_LAYER, MoE, aux_metrics
 from ndjax.ops.attention import HEADS, KV_HEADS, AttentionSpec, attention
 from ndjax.ops.layer_scan import scan_full_remat
+from ndjax.parallel import pipeline
 from ndjax.parallel.rules import Weight, constrain
 
 FULL, SLIDING = "full_attention", "sliding_attention"
@@ -145,6 +146,11 @@ class DecoderConfig:
     cp_impl: str = "auto"         # context parallelism: ring | all_to_all | auto
     attn_kv_tile: int = 512       # ring attention's key tile: memory O(local_len x tile)
     attn_max_docs: int = 64       # documents per row the cudnn kernel makes room for
+    # Pipeline parallelism (ndjax.parallel.pipeline): the layers cut into ``stages`` runs
+    # over the mesh's stage axis, the rows into ``microbatches``.
+    stages: int = 1
+    microbatches: int = 1
+    pipeline_schedule: str = "gpipe"
 
     @property
     def hd(self) -> int:
@@ -562,7 +568,10 @@ class Decoder(nnx.Module):
         """
         cfg = self.cfg
         x, embed = self.embed_tokens(tokens)
-        x, stats = self.layer_stack(x, self.rope_tables(positions), segment_ids, dropout)
+        if cfg.stages > 1:
+            x, stats = self.pipelined(x, self.rope_tables(positions), segment_ids)
+        else:
+            x, stats = self.layer_stack(x, self.rope_tables(positions), segment_ids, dropout)
         aux = aux_metrics(stats, cfg.n_experts, cfg.experts_per_token) if cfg.n_experts else {}
 
         x = constrain(self.final_norm(x), HIDDEN)
@@ -589,12 +598,32 @@ class Decoder(nnx.Module):
                 stats = _add_stats(stats, part)
         return x, stats
 
-    def _run_stack(self, stack: Stack, x: jax.Array, tables: dict, segment_ids: jax.Array,
-                   dropout: lora_lib.Dropout | None, start: int, stop: int
-                   ) -> tuple[jax.Array, dict[str, jax.Array]]:
-        """``layer_stack`` over layers ``start .. stop - 1``, all of ``stack``."""
+    def pipelined(self, x: jax.Array, tables: dict[str, tuple[jax.Array, jax.Array]],
+                  segment_ids: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
+        """``layer_stack`` over every layer as ``cfg.stages`` pipeline stages of
+        ``n_layers / stages`` layers each (``ndjax.parallel.pipeline``). Each stage runs
+        the same layer types (``Experiment`` checks that the pattern's period divides a
+        stage's layers) and the model has one stack."""
         cfg = self.cfg
-        graphdef, stacked = nnx.split(getattr(self, stack.name))
+        (stack,) = stacks(cfg)
+        _, stacked = nnx.split(getattr(self, stack.name))
+        per_stage = cfg.n_layers // cfg.stages
+
+        def stage(params, h, rows):
+            tables, seg = rows
+            return self._run_stack(stack, h, tables, seg, None, 0, per_stage, params)
+
+        plan = pipeline.schedule(cfg.pipeline_schedule, cfg.stages, cfg.microbatches)
+        return pipeline.run(plan, stage, stacked, x, (tables, segment_ids), RESIDUAL, PER_LAYER)
+
+    def _run_stack(self, stack: Stack, x: jax.Array, tables: dict, segment_ids: jax.Array,
+                   dropout: lora_lib.Dropout | None, start: int, stop: int,
+                   stacked: Any = None) -> tuple[jax.Array, dict[str, jax.Array]]:
+        """``layer_stack`` over layers ``start .. stop - 1``, all of ``stack``; ``stacked``:
+        the layers' parameters in place of the stack's own (a pipeline stage's)."""
+        cfg = self.cfg
+        graphdef, own = nnx.split(getattr(self, stack.name))
+        stacked = own if stacked is None else stacked
         policy = REMAT_POLICIES[cfg.remat]
         consts: tuple = (tables, segment_ids)
         if dropout is not None:  # each layer's masks drawn from its index in the model

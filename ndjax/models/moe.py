@@ -443,8 +443,12 @@ class MoE(nnx.Module):
             def mapped(*args):
                 out, assigned = local(*args)
                 return (out[None] if width else out), assigned
+            # Manual over ``stage`` too (a size-1 axis unless pipelined): a pipeline vmaps
+            # the layers over it (spmd_axis_name), and jax splits a vmapped shard_map's
+            # operands over that axis only where the shard_map is manual over it.
+            stage = ("stage",) if "stage" in rules.mesh.axis_names else ()
             out, assigned = jax.shard_map(
-                mapped, mesh=rules.mesh, axis_names=set(axes + width),
+                mapped, mesh=rules.mesh, axis_names=set(axes + width + stage),
                 in_specs=(tok, tok, tok, PartitionSpec(*rows), *w_specs),
                 out_specs=(part, PartitionSpec(axes or None)),
                 check_vma=False)(x, probs, choice, real, *w)

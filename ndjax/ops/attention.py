@@ -146,6 +146,8 @@ class Site:
     cp_impl: str = "auto"
     # Ways the rule table splits the query heads (tensor parallelism).
     head_shards: int = 1
+    # Pipeline stages (mesh.stage): the layers run vmapped over them.
+    stages: int = 1
 
     @property
     def heads_per_shard(self) -> int:
@@ -170,7 +172,8 @@ class Site:
                    compute_capability=platforms.compute_capability(devices), rows=rows,
                    devices=len(devices) if rules is not None else 1,
                    specs=tuple(getattr(cfg, "attention_specs", (AttentionSpec(),))),
-                   cp_impl=getattr(cfg, "cp_impl", "auto"), head_shards=_head_shards(rules))
+                   cp_impl=getattr(cfg, "cp_impl", "auto"), head_shards=_head_shards(rules),
+                   stages=rules.mesh.shape.get("stage", 1) if rules is not None else 1)
 
 
 def _head_shards(rules: Rules | None) -> int:
@@ -702,6 +705,13 @@ class Cudnn(Kernel):
                 f"{_field(self.name)}: cuDNN attends within packed documents only on Hopper "
                 f"or newer GPUs (compute capability >= 9.0), and this one is "
                 f"{site.compute_capability}. Use model.attn_impl='pallas'.")
+        if site.stages > 1:
+            # A pipeline vmaps the layers over its stages, and jax's batching rule for
+            # cuDNN attention reshapes the documents' lengths wrongly (compiled for H100s).
+            raise ConfigError(
+                f"{_field(self.name)} cannot run inside pipeline stages (mesh.stage="
+                f"{site.stages}): jax's cuDNN attention has no working vmap rule. Use "
+                "model.attn_impl='pallas' or 'tiled' (auto picks them).")
         if site.rows == 1 and site.devices > 1:
             # jax's sharding rule for cuDNN's saved statistics, (rows x documents,
             # heads, seq), fails to verify when rows is 1 (compiled for H100s).
@@ -879,9 +889,39 @@ def _per_shard(kernel, q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: ja
         with suspended():  # one device's arrays: no rules apply inside
             return run(q, k, v, segment_ids, *sinks)
 
-    return jax.shard_map(local, mesh=rules.mesh,
-                         in_specs=(spec, spec, spec, rows) + (heads,) * len(with_sinks),
-                         out_specs=spec, check_vma=False)(q, k, v, segment_ids, *with_sinks)
+    in_specs = (spec, spec, spec, rows) + (heads,) * len(with_sinks)
+    shard = functools.partial(jax.shard_map, mesh=rules.mesh, check_vma=False)
+    if rules.mesh.shape.get("stage", 1) > 1:
+        return _per_shard_in_stages(local, shard, in_specs, spec)(q, k, v, segment_ids,
+                                                                 *with_sinks)
+    return shard(local, in_specs=in_specs, out_specs=spec)(q, k, v, segment_ids, *with_sinks)
+
+
+def _per_shard_in_stages(local, shard, in_specs, out_spec):
+    """``_per_shard``'s shard_map inside pipeline stages, which vmap it over ``stage``:
+    jax differentiating a shard_map manual over every axis gives its residuals a spec
+    over all of them, ``stage`` included, which the vmap over ``stage`` cannot take. So
+    the gradient is a shard_map of its own that recomputes the kernel's forward (one
+    more attention forward per layer in the backward pass)."""
+    @jax.custom_vjp
+    def attend(*args):
+        return shard(local, in_specs=in_specs, out_specs=out_spec)(*args)
+
+    def forward(*args):
+        return attend(*args), args
+
+    def backward(args, g):
+        def local_grads(g, *args):
+            _, vjp = jax.vjp(lambda *a: local(*a[:3], args[3], *a[3:]),
+                             *args[:3], *args[4:])
+            return vjp(g)
+        rest = in_specs[:3] + in_specs[4:]
+        grads = shard(local_grads, in_specs=(out_spec, *in_specs), out_specs=rest)(g, *args)
+        segment_ids = np.zeros(args[3].shape, jax.dtypes.float0)
+        return (*grads[:3], segment_ids, *grads[3:])
+
+    attend.defvjp(forward, backward)
+    return attend
 
 
 KERNELS: dict[str, Kernel] = {kernel.name: kernel for kernel in

@@ -1,15 +1,16 @@
-"""The device mesh: five named axes, validated degrees, hybrid layout across hosts.
+"""The device mesh: six named axes, validated degrees, hybrid layout across hosts.
 
-Axis order is ``replica, fsdp, expert, context, tensor`` from outermost to innermost
-(``expert`` splits a mixture of experts' experts, and is one more data axis for
-everything else).
+Axis order is ``stage, replica, fsdp, expert, context, tensor`` from outermost to
+innermost (``stage`` splits the layers into pipeline stages,
+``ndjax.parallel.pipeline``; ``expert`` splits a mixture of experts' experts, and is
+one more data axis for everything else).
 Devices that are neighbours in ``jax.devices()`` (same node, fast NVLink) end up
 on the innermost axes, so the chattiest collectives stay inside a node:
 tensor parallelism all-reduces activations in every layer, context parallelism
 passes key/value blocks around its ring in every attention call, while FSDP
 gathers weights once per layer and replicas only all-reduce gradients once per
-step. Across processes (slow network) only ``replica`` and ``fsdp`` are split
-by default.
+step; pipeline stages only pass activations to their neighbours. Across processes
+(slow network) ``stage``, ``replica`` and ``fsdp`` are split first.
 """
 
 from __future__ import annotations
@@ -26,20 +27,21 @@ from jax.sharding import AxisType, Mesh
 
 from ndjax.runtime.errors import ConfigError
 
-AXES: tuple[str, ...] = ("replica", "fsdp", "expert", "context", "tensor")
+AXES: tuple[str, ...] = ("stage", "replica", "fsdp", "expert", "context", "tensor")
 
 
 @dataclasses.dataclass(frozen=True)
 class ParallelDims:
-    """Degrees of the mesh axes. At most one may be -1 ("the rest"). ``expert`` comes
-    last among the fields (positional calls name the other four), first-but-two in
-    ``AXES``."""
+    """Degrees of the mesh axes. At most one may be -1 ("the rest"). ``expert`` and
+    ``stage`` come last among the fields (positional calls name the other four), not
+    in ``AXES``' order."""
 
     replica: int = 1
     fsdp: int = -1
     context: int = 1
     tensor: int = 1
     expert: int = 1
+    stage: int = 1
 
     @property
     def sizes(self) -> tuple[int, ...]:
@@ -78,8 +80,9 @@ class ParallelDims:
         field = _fields(labels)
         fill = [a for a, s in zip(AXES, self.sizes) if s == -1]
         known = math.prod(s for s in self.sizes if s != -1)
+        # Callers with names of their own (Accelerate's) name only the axes they set.
         short = labels or {a: a for a in AXES}
-        desc = ", ".join(f"{short[a]}={s}" for a, s in zip(AXES, self.sizes))
+        desc = ", ".join(f"{short[a]}={s}" for a, s in zip(AXES, self.sizes) if a in short)
         if fill:
             if num_devices % known:
                 raise ConfigError(
@@ -95,19 +98,19 @@ class ParallelDims:
         return self
 
     def __str__(self) -> str:
-        # expert only where it splits (a dense model never does).
+        # expert and stage only where they split (a dense model never splits experts).
         return " x ".join(f"{a}={s}" for a, s in zip(AXES, self.sizes)
-                          if a != "expert" or s != 1)
+                          if a not in ("expert", "stage") or s != 1)
 
 
 def _fields(labels: Mapping[str, str] | None) -> Mapping[str, str]:
-    return labels or {a: f"mesh.{a}" for a in AXES}
+    return {**{a: f"mesh.{a}" for a in AXES}, **(labels or {})}
 
 
 def _split_across_processes(sizes: tuple[int, ...], num_granules: int) -> tuple[int, ...]:
     """Splits the mesh into (per-node sizes, across-node sizes).
 
-    Outer axes take the across-node factor first (replica, then fsdp, ...), so
+    Outer axes take the across-node factor first (stage, replica, fsdp, ...), so
     tensor and context stay inside a node unless a layout cannot avoid it.
     """
     remaining = num_granules

@@ -56,7 +56,7 @@ _ACTIVATIONS: Table = (
     ("act_experts", None),           # MoE router logits: every expert on every device
 )
 _PARAMS: Table = (
-    ("layers", None),
+    ("layers", "stage"),             # pipeline stages: contiguous runs of layers
     ("vocab", "tensor"),              # vocab-parallel embedding and LM head
     # FSDP over Accelerate's dp_shard x cp group, and the expert axis (a data axis
     # outside the experts; the experts' own weights take it for their experts first).

@@ -94,6 +94,7 @@ class Layout:
     grad_accum: int = 1
     cp_impl: str = "auto"        # model.cp_impl: how context shards meet (context > 1)
     expert: int = 1              # mesh.expert (positional calls name the other four)
+    stage: int = 1               # mesh.stage: pipeline stages (not searched yet)
 
     @property
     def degrees(self) -> tuple[int, ...]:
@@ -114,7 +115,7 @@ class Layout:
 
 
 def factorizations(n: int, experts: int = 0) -> list[tuple[int, ...]]:
-    """Degrees in ``AXES``' order (replica, fsdp, expert, context, tensor) with product
+    """Degrees in ``AXES``' order (stage, replica, fsdp, expert, context, tensor) with product
     n, tensor, context and expert first growing (the usual reading order of a plan).
     ``expert`` > 1 only for a mixture of ``experts`` experts, dividing them."""
     divisors = [d for d in range(1, n + 1) if n % d == 0]
@@ -125,7 +126,7 @@ def factorizations(n: int, experts: int = 0) -> list[tuple[int, ...]]:
             for c in divisors:
                 for f in divisors:
                     if n % (e * t * c * f) == 0:
-                        out.append((n // (e * t * c * f), f, e, c, t))
+                        out.append((1, n // (e * t * c * f), f, e, c, t))
     return out
 
 

@@ -105,7 +105,8 @@ def for_generation(config: ml_collections.ConfigDict, n_devices: int
                    ) -> ml_collections.ConfigDict:
     """``config`` with the fields that only training reads set to values every mesh
     accepts, so that a decode mesh need not fit the training batch and the run's
-    data files need not be present. Model, mesh and rules are kept."""
+    data files need not be present. Model, mesh and rules are kept, but pipeline stages
+    (mesh.stage), whose devices join fsdp."""
     c = ml_collections.ConfigDict(config.to_dict())
     c.data.update(source="synthetic", files="", eval_files="")
     c.export.hf_dir = c.export.adapter_dir = None  # a finished run has written them
@@ -113,6 +114,10 @@ def for_generation(config: ml_collections.ConfigDict, n_devices: int
     # Any data-axis product divides the device count.
     c.train.update(batch_size=n_devices, grad_accum=1, seq_len=2 * n_devices,
                    loss_chunk=2 * n_devices, eval_every=0)
+    stages = c.mesh.get("stage", 1)
+    if stages > 1:  # decoding runs no pipeline: the stages' devices shard the weights
+        c.mesh.stage = 1
+        c.mesh.fsdp = -1 if c.mesh.fsdp == -1 else c.mesh.fsdp * stages
     return c
 
 
