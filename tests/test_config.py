@@ -38,7 +38,7 @@ GOOD = {
     "model.lora.quantize": "nf4", "model.lora.quant_block": "32", "model.lora.dropout": "0.05",
     "model.lora.init_from": "/nowhere/adapter", "model.lora.modules_to_save": "embed_tokens",
     "mesh.replica": "2", "mesh.fsdp": "2", "mesh.expert": "2", "mesh.context": "2",
-    "mesh.tensor": "2",
+    "mesh.tensor": "2", "mesh.stage": "2",
     "runtime.cpu_devices": "4", "runtime.coordinator": "localhost:1234",
     "runtime.num_processes": "2", "runtime.process_id": "1",
     "runtime.local_device_ids": "0,1", "runtime.init_timeout": "60",
@@ -48,6 +48,7 @@ GOOD = {
     "train.min_lr_ratio": "0.5", "train.weight_decay": "0.0", "train.b1": "0.8",
     "train.b2": "0.999", "train.eps": "1e-6", "train.clip_norm": "0.5",
     "train.opt_state_dtype": "bfloat16", "train.on_nan": "skip", "train.grad_accum": "2",
+    "train.microbatches": "4",
     "train.loss_chunk": "64", "train.eval_every": "10", "train.eval_steps": "2",
     "train.epochs": "1.5", "train.warmup_ratio": "0.05", "train.evals_per_epoch": "2",
     "train.objective": "dpo", "preference.beta": "0.5", "preference.label_smoothing": "0.1",
@@ -149,7 +150,7 @@ BAD = {
                                                         r"the adapters; name embed_tokens "
                                                         r"and/or lm_head"),
     **{f"mesh.{a}": (2.5, r" must be an int")
-       for a in ("replica", "fsdp", "expert", "context", "tensor")},
+       for a in ("replica", "fsdp", "expert", "context", "tensor", "stage")},
     "runtime.cpu_devices": (0, r" must be an int >= 1"),
     "runtime.coordinator": (1234, r" must be a string"),
     "runtime.num_processes": (0, r" must be an int >= 1"),
@@ -174,6 +175,7 @@ BAD = {
     "train.opt_state_dtype": ("fp8", r": choose one of"),
     "train.on_nan": ("ignore", r": choose one of"),
     "train.grad_accum": (0, r" must be an int >= 1"),
+    "train.microbatches": (-1, r" must be an int >= 0 \(pipeline micro-batches"),
     "train.loss_chunk": (0, r" must be an int >= 1"),
     "train.eval_every": (-1, r" must be an int >= 0"),
     "train.eval_steps": (0, r" must be an int >= 1"),

@@ -691,3 +691,25 @@ def test_grpo_memory_tiny():
     assert abs(float(peak[11]) - (float(peak[7]) + max(adds))) <= 0.02, peak
     (gathers,) = [r for r in table_rows(lines, "full") if len(r) == 5]
     assert float(gathers[1]) > 0, gathers  # decode gathers the weights for every token
+
+
+# ----- pipeline stages (mesh.stage) ------------------------------------------------------
+
+
+@needs_extra
+def test_pipeline_stages_compile_for_h100s_with_pallas_attention():
+    """stage=2 x fsdp=2 on H100s: the stages' layers vmapped over ``stage`` compile with
+    the GPU's kernels: Pallas attention (cuDNN's vmap rule is broken, so auto refuses it
+    inside stages) in its shard_map, whose gradient recomputes its forward; the stream
+    moves between the stages in collective permutes of one micro-batch's activations."""
+    c = tiny_config(mesh=dict(stage=2, fsdp=2), model=dict(n_layers=4, remat="full"),
+                    train=dict(batch_size=8, seq_len=512, microbatches=2))
+    exp = Experiment.from_config(c, gpu_target.devices(H100, 4))
+    assert exp.attention.name == "pallas" and exp.model_cfg.stages == 2
+    permutes = {x.bytes for x in collectives(exp.compiled_step.as_text())
+                if x.kind == "collective-permute"}
+    rows = 8 // 2 // 2  # a micro-batch's rows on one fsdp shard
+    assert rows * 512 * exp.model_cfg.dim * 2 in permutes, permutes  # bf16 stream
+    with pytest.raises(ConfigError, match=r"cannot run inside pipeline stages \(mesh.stage=2\)"):
+        c.model.attn_impl = "cudnn"
+        Experiment.from_config(c, gpu_target.devices(H100, 4))

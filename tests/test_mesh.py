@@ -15,8 +15,8 @@ from ndjax.runtime.errors import ConfigError
 
 def test_axis_order_and_auto_types(cpu_devices):
     mesh = build_mesh(ParallelDims(replica=2, fsdp=2, context=1, tensor=2))
-    assert mesh.axis_names == AXES == ("replica", "fsdp", "expert", "context", "tensor")
-    assert dict(mesh.shape) == dict(replica=2, fsdp=2, expert=1, context=1, tensor=2)
+    assert mesh.axis_names == AXES == ("stage", "replica", "fsdp", "expert", "context", "tensor")
+    assert dict(mesh.shape) == dict(stage=1, replica=2, fsdp=2, expert=1, context=1, tensor=2)
     assert all(t == AxisType.Auto for t in mesh.axis_types)
     # tensor is innermost: a tensor group is two neighbouring devices.
     ids = [[d.id for d in row] for row in mesh.devices.reshape(-1, 2)]

@@ -29,7 +29,7 @@ def test_factorizations_are_every_mesh_once():
         assert len(meshes) == len(set(meshes)) == count
         assert all(math.prod(m) == n for m in meshes)
     # The expert axis only for a mixture of experts, and only degrees dividing its experts.
-    assert {m[2] for m in planner.factorizations(8, experts=4)} == {1, 2, 4}
+    assert {m[3] for m in planner.factorizations(8, experts=4)} == {1, 2, 4}
     assert len(planner.factorizations(8, experts=4)) == 20 + 10 + 4
 
 

@@ -1,0 +1,140 @@
+"""Pipeline parallelism (mesh.stage, ndjax.parallel.pipeline): GPipe over 2 and 4 stages,
+alone and with every other axis, trains like one device; checkpoints move between stage
+counts; the schedule's bubble and held activations are the program's; bad input is one
+line.
+
+Tolerances as tests/test_layouts.py (helpers.assert_same_training): 3 AdamW steps' losses
+at rtol 1e-5, the first step's gradients within 1e-5 of each parameter's largest. What is
+not checked here: speed, and GPU kernels inside stages (the GPU compile of a pipelined
+step is tests/test_gpu_compile.py's).
+"""
+
+import shutil
+
+import jax
+import numpy as np
+import pytest
+from conftest import tiny_config
+from data_files import chat_overrides
+from helpers import assert_same_training, with_overrides
+from test_checkpoint import logged_steps, losses_by_step
+
+from ndjax.experiment import Experiment
+from ndjax.parallel import pipeline, rules
+from ndjax.runtime.errors import ConfigError
+from ndjax.training.loop import train
+from ndjax.verbs import generate
+
+FOUR = dict(n_layers=4)
+MOE = dict(family="qwen3_moe", head_dim=16, n_experts=4, experts_per_token=2, moe_ffn_dim=32)
+LORA = {"lora": {"rank": 4, "alpha": 16.0}}
+QLORA = {"lora": {"rank": 4, "alpha": 16.0, "quantize": "nf4", "quant_block": 8}}
+
+# name: (mesh, model, overrides, devices). Batches of 8 rows.
+LAYOUTS = {
+    # 2 micro-batches (mesh.stage's default) of 4 rows.
+    "stage2": (dict(stage=2), {}, {}, 2),
+    # More micro-batches than stages, each layer's input kept and recomputed, and
+    # grad_accum slices each run through the pipeline.
+    "stage4_fsdp2_full_remat_grad_accum": (
+        dict(stage=4, fsdp=2), {**FOUR, "remat": "full"},
+        {"train.grad_accum": 2, "train.microbatches": 2}, 8),
+    "stage2_fsdp2_tensor2_lora": (dict(stage=2, fsdp=2, tensor=2), LORA, {}, 8),
+    # Packed chat rows (documents and padding) through ring attention inside the stages.
+    "stage2_fsdp2_context2_ring_chat": (dict(stage=2, fsdp=2, context=2), {}, "chat", 8),
+    "stage2_context2_tensor2_all_to_all_qlora": (
+        dict(stage=2, context=2, tensor=2), {**QLORA, "cp_impl": "all_to_all"}, {}, 8),
+    # The experts' exchange (a shard_map over the data axes) inside the stages, with the
+    # router's load-balancing loss summed over micro-batches.
+    "stage2_fsdp2_expert2_moe": (dict(stage=2, fsdp=2, expert=2), MOE, {}, 8),
+}
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_stages_train_like_one_device(cpu_devices, tmp_path, layout):
+    mesh, model, overrides, devices = LAYOUTS[layout]
+    if overrides == "chat":
+        overrides = chat_overrides(tmp_path)
+    config = with_overrides(tiny_config(mesh=mesh, model=model), overrides)
+    exp = Experiment.from_config(config, cpu_devices[:devices])
+    assert exp.model_cfg.stages == mesh["stage"]
+    # The layers' parameters are split over the stages, contiguously; nothing else is.
+    assert exp.state_sharding.params["layers"]["attn_norm"]["scale"].spec[0] == "stage"
+    assert "stage" not in str(exp.state_sharding.params["embed"].spec)
+    assert_same_training(exp, model, overrides or None)
+
+
+def test_checkpoints_move_between_stage_counts(tmp_path):
+    """Saved at step 2 on 4 stages (x fsdp 2), resumed on 2 stages and on none: steps 3
+    and 4 are the uninterrupted run's. ``ndjax generate`` decodes such a run without stages."""
+    config = tiny_config(mesh=dict(stage=4, fsdp=2), model=FOUR, train=dict(steps=4))
+    config.checkpoint.every = 2
+    config.log.tensorboard = False
+    source = tmp_path / "stage4"
+    train(config, str(source), verbose=False)
+    reference = losses_by_step(logged_steps(str(source)))
+    for mesh in (dict(stage=2, fsdp=4), dict(fsdp=8)):
+        workdir = tmp_path / f"stage{mesh.get('stage', 1)}"
+        other = tiny_config(mesh=mesh, model=FOUR, train=dict(steps=4))
+        shutil.copytree(source / "checkpoints", workdir / "checkpoints")
+        other.checkpoint.update(resume="2", every=0)
+        other.log.tensorboard = False
+        records = train(other, str(workdir), verbose=False)
+        assert [r["step"] for r in records] == [3, 4], mesh
+        np.testing.assert_allclose([r["loss"] for r in records], [reference[3], reference[4]],
+                                   rtol=1e-5, err_msg=str(mesh))
+    # Generation runs no pipeline: the stages' devices shard the weights over fsdp.
+    decode = generate.for_generation(config, 8)
+    assert (decode.mesh.stage, decode.mesh.fsdp) == (1, 8)
+
+
+def test_the_bubble_and_the_activations_held_are_the_programs(cpu_devices):
+    """GPipe's bubble is (S - 1) / (M + S - 1); the step's saved activations (remat=full:
+    each layer's input) are those of M + S - 1 ticks, each stage one micro-batch a tick:
+    GPipe's M micro-batches and the bubble's S - 1 ticks, which the scan saves too. The
+    compiled step moves the stream between stages with collective permutes."""
+    assert pipeline.GPipe(4, 8).bubble == 3 / 11
+    assert pipeline.GPipe(2, 2).bubble == 1 / 3
+    stages, micro = 4, 4
+    exp = Experiment.from_config(tiny_config(mesh=dict(stage=stages, fsdp=2),
+                                             model={**FOUR, "remat": "full"},
+                                             train=dict(microbatches=micro)), cpu_devices)
+    plan = pipeline.GPipe(stages, micro)
+    batch = exp.abstract_batch
+    rows, seq = batch["inputs"].shape[0] // micro, batch["inputs"].shape[1]
+
+    def residuals(params, batch):
+        def features(p):
+            return exp.features(p, batch["inputs"], batch["positions"], batch["segment_ids"])[0]
+        return jax.tree.leaves(jax.vjp(features, params)[1])
+
+    with jax.set_mesh(exp.mesh), rules.use(exp.rules):
+        saved = jax.eval_shape(residuals, exp.abstract_state.params, batch)
+    dim = exp.model_cfg.dim
+    # (ticks, a stage's layers, stages, a micro-batch's rows, seq, dim): the largest residual.
+    biggest = max(saved, key=lambda a: a.size).shape
+    assert biggest == (plan.ticks, 4 // stages, stages, rows, seq, dim), biggest
+
+    hlo = exp.compiled_step.as_text()
+    assert "collective-permute" in hlo
+
+
+@pytest.mark.parametrize("mesh, model, train_, message", [
+    (dict(stage=3, fsdp=2), dict(n_layers=4), {},
+     r"^mesh.stage=3 does not divide model.n_layers=4: .* Use mesh.stage in \[2, 4\]\.$"),
+    (dict(stage=2, fsdp=4), dict(family="gemma3", n_layers=6, sliding_window=8), {},
+     r"^mesh.stage=2 gives each stage 3 layers, not whole periods of the model's 6-layer "),
+    (dict(stage=2, fsdp=4), {}, dict(microbatches=4),
+     r"^train.microbatches=4: .* 8 must be a multiple of 4 x 4\. Use train.microbatches in "
+     r"\[1, 2\]"),
+    (dict(stage=2, fsdp=4), {"lora": {"rank": 4, "dropout": 0.1}}, {},
+     r"^mesh.stage=2 with model.lora.dropout=0.1: "),
+    (dict(stage=2, fsdp=4), dict(family="deepseek_v3", preset="tiny", dim=None, n_layers=None,
+                                 n_heads=None, n_kv_heads=None, ffn_dim=None, rope_theta=None),
+     {}, r"^mesh.stage=2 with model.first_k_dense=1: pipeline stages over dense first layers "),
+])
+def test_bad_pipelines_are_one_line(cpu_devices, mesh, model, train_, message):
+    with pytest.raises(ConfigError, match=message) as e:
+        Experiment.from_config(tiny_config(mesh=mesh, model=model, train=train_),
+                               cpu_devices[:6 if mesh["stage"] == 3 else 8])
+    assert "\n" not in str(e.value)
