@@ -443,10 +443,11 @@ class MoE(nnx.Module):
             def mapped(*args):
                 out, assigned = local(*args)
                 return (out[None] if width else out), assigned
-            # Manual over ``stage`` too (a size-1 axis unless pipelined): a pipeline vmaps
-            # the layers over it (spmd_axis_name), and jax splits a vmapped shard_map's
-            # operands over that axis only where the shard_map is manual over it.
-            stage = ("stage",) if "stage" in rules.mesh.axis_names else ()
+            # Pipelined, manual over ``stage`` too: the pipeline vmaps the layers over it
+            # (spmd_axis_name), and jax splits a vmapped shard_map's operands over that
+            # axis only where the shard_map is manual over it. Not otherwise: manual over
+            # the size-1 axis, XLA's CPU compiler fails a check on the bfloat16 step.
+            stage = ("stage",) if rules.mesh.shape.get("stage", 1) > 1 else ()
             out, assigned = jax.shard_map(
                 mapped, mesh=rules.mesh, axis_names=set(axes + width + stage),
                 in_specs=(tok, tok, tok, PartitionSpec(*rows), *w_specs),

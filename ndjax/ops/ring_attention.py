@@ -662,9 +662,10 @@ def _manual(mesh: Mesh, axis: str, rows: tuple[str, ...], heads: tuple[str, ...]
     r, h = _one(rows), _one(heads)
     seq = PartitionSpec(r, axis, h)  # q, k, v, the output and their gradients
     ids, lse = PartitionSpec(r, axis), PartitionSpec(r, h, None, axis)
-    # Not over ``stage``: a pipeline vmaps the layers over it (spmd_axis_name), and
-    # adds it to every spec itself.
-    counts = PartitionSpec((axis, *(a for a in mesh.axis_names if a not in (axis, "stage"))))
+    # Not over pipeline stages: the pipeline vmaps the layers over them (spmd_axis_name),
+    # and adds ``stage`` to every spec itself.
+    staged = ("stage",) if mesh.shape.get("stage", 1) > 1 else ()
+    counts = PartitionSpec((axis, *(a for a in mesh.axis_names if a not in (axis, *staged))))
     shard = functools.partial(jax.shard_map, mesh=mesh, check_vma=False)
     sink = (PartitionSpec(h),) if sinks else ()  # the sink logits, split like the heads
     forward = shard(forward, in_specs=(seq, seq, seq, ids, *sink), out_specs=(seq, lse, counts))
