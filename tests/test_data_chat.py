@@ -376,8 +376,8 @@ def test_sft_config_passes_the_checks(tokenizers, tmp_path):
     config.export.hf_dir = str(tmp_path / "tuned")
     exp = Experiment.from_config(config)
     assert exp.model_cfg.vocab_size == VOCAB  # from the directory's config.json
-    assert dict(exp.mesh.shape) == {"replica": 1, "fsdp": 4, "expert": 1, "context": 1,
-                                    "tensor": 2}
+    assert dict(exp.mesh.shape) == {"stage": 1, "replica": 1, "fsdp": 4, "expert": 1,
+                                    "context": 1, "tensor": 2}
 
 
 def _loaded_samples(config):

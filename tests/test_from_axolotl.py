@@ -196,7 +196,8 @@ def test_nd_parallel_yaml_maps_the_mesh_and_builds(files):
     assert_every_field_accounted_for(raw, conv)
 
     config, exp = build(conv)
-    assert dict(exp.mesh.shape) == {"replica": 1, "fsdp": 2, "expert": 1, "context": 2, "tensor": 2}
+    assert dict(exp.mesh.shape) == {"stage": 1, "replica": 1, "fsdp": 2, "expert": 1,
+                                    "context": 2, "tensor": 2}
     assert exp.model_cfg.family == "llama" and exp.model_cfg.vocab_size == VOCAB
     assert config.model.init_from == files["hf"]
     assert (exp.model_cfg.lora.rank, exp.model_cfg.lora.targets) == (16, ("q", "v"))
@@ -271,7 +272,8 @@ def test_sft_yaml_with_chat_template_datasets(files):
     assert_every_field_accounted_for(raw, conv)
 
     _, exp = build(conv)
-    assert dict(exp.mesh.shape) == {"replica": 1, "fsdp": 8, "expert": 1, "context": 1, "tensor": 1}
+    assert dict(exp.mesh.shape) == {"stage": 1, "replica": 1, "fsdp": 8, "expert": 1,
+                                    "context": 1, "tensor": 1}
     assert exp.settings.train.eval_every == 10 and exp.settings.data.source == "chat"
 
 
@@ -608,8 +610,8 @@ def test_expert_parallel_comes_on_top_of_dp_shard_as_in_axolotl(files):
     assert o["train.batch_size"] == 1 * 2 * 8
     assert "inferred as Axolotl does from --devices=8" in conv.notes["mesh.fsdp"]
     _, exp = build(conv)
-    assert dict(exp.mesh.shape) == {"replica": 1, "fsdp": 4, "expert": 2, "context": 1,
-                                    "tensor": 1}
+    assert dict(exp.mesh.shape) == {"stage": 1, "replica": 1, "fsdp": 4, "expert": 2,
+                                    "context": 1, "tensor": 1}
     with pytest.raises(ConfigError, match=re.escape(
             "expert_parallel_size: 3 does not divide base_model's 4 experts")):
         from_axolotl.convert({**raw, "expert_parallel_size": 3}, devices=6)
