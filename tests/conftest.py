@@ -84,7 +84,18 @@ def pytest_addoption(parser):
              "jax while the first leg runs every parameter set")
 
 
+# The longest tests (minutes on 2 cores), started first: pytest-xdist hands tests out in
+# collection order, and one of these started last keeps a worker busy while the other idles.
+LONGEST = ("test_bench_gpu_cases_compile_for_an_h200", "test_bench_open_models_tiny",
+           "test_bench_moe_layouts_tiny", "test_gloo_cache_hang_tiny",
+           "test_cpu_step_variants_tiny", "test_context_parallel_tiny",
+           "test_plan_for_the_top_layouts_compiles_less_and_ranks_the_same",
+           "test_plan_rejects_with_reasons_and_fits_with_remat",
+           "test_importing_ndjax_keeps_step_temporaries_mapped")
+
+
 def pytest_collection_modifyitems(config, items):
+    items.sort(key=lambda item: getattr(item, "originalname", item.name) not in LONGEST)
     cap = config.getoption("--params-per-test")
     if cap is None:
         return

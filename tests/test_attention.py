@@ -638,11 +638,11 @@ def held():  # bytes malloc has handed out, from its heaps and from mmap
 
 idle = held()
 faults = []
-for _ in range(8):
+for _ in range(5):
     # The runtime frees a run's temporaries after its result is ready: a run started
     # before then needs a second block (new memory, faulted in) whatever malloc keeps.
     # Waiting for the free counts what the settings decide, not the threads' timing.
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + 5
     while held() > idle + temp // 2 and time.monotonic() < deadline:
         time.sleep(0.001)
     before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
