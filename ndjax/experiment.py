@@ -45,6 +45,7 @@ from ndjax.models.quant import QuantConfig
 from ndjax.ops import attention as attention_ops
 from ndjax.ops import grouped_matmul
 from ndjax.parallel import distributed, platforms
+from ndjax.parallel import mesh as mesh_lib
 from ndjax.parallel import rules as rules_lib
 from ndjax.parallel.mesh import ParallelDims, build_mesh, cross_process_axes
 from ndjax.runs import hf
@@ -469,7 +470,7 @@ def place_model(model_cfg: DecoderConfig, settings: Settings, rules: rules_lib.R
     the experts' grouped matmuls."""
     t = settings.train
     _check_placement(model_cfg, settings, rules)
-    stages = rules.mesh.shape["stage"]
+    stages = mesh_lib.stages(rules.mesh)
     if stages > 1:
         model_cfg = dataclasses.replace(model_cfg, stages=stages,
                                         microbatches=t.microbatches or stages)
@@ -1034,7 +1035,7 @@ def _check_batch(t: TrainSettings, rules: rules_lib.Rules, mesh: Mesh) -> None:
 
 def _check_pipeline(model_cfg: DecoderConfig, t: TrainSettings, rules: rules_lib.Rules) -> None:
     """mesh.stage against the layers, the layer pattern and the micro-batches."""
-    stages = rules.mesh.shape["stage"]
+    stages = mesh_lib.stages(rules.mesh)
     if stages == 1:
         return
     n = model_cfg.n_layers

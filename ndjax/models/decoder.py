@@ -150,7 +150,6 @@ class DecoderConfig:
     # over the mesh's stage axis, the rows into ``microbatches``.
     stages: int = 1
     microbatches: int = 1
-    pipeline_schedule: str = "gpipe"
 
     @property
     def hd(self) -> int:
@@ -613,7 +612,7 @@ class Decoder(nnx.Module):
             tables, seg = rows
             return self._run_stack(stack, h, tables, seg, None, 0, per_stage, params)
 
-        plan = pipeline.schedule(cfg.pipeline_schedule, cfg.stages, cfg.microbatches)
+        plan = pipeline.GPipe(cfg.stages, cfg.microbatches)
         return pipeline.run(plan, stage, stacked, x, (tables, segment_ids), RESIDUAL, PER_LAYER)
 
     def _run_stack(self, stack: Stack, x: jax.Array, tables: dict, segment_ids: jax.Array,

@@ -58,6 +58,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from ndjax.models.layers import ACTIVATION_FNS, add_bias, init_param, project, use_param
 from ndjax.ops.grouped_matmul import grouped_matmul, resolved
 from ndjax.ops.ragged_exchange import exchange, exclusive_cumsum
+from ndjax.parallel import mesh as mesh_lib
 from ndjax.parallel import platforms
 from ndjax.parallel.rules import (
     ParamUse,
@@ -447,7 +448,7 @@ class MoE(nnx.Module):
             # (spmd_axis_name), and jax splits a vmapped shard_map's operands over that
             # axis only where the shard_map is manual over it. Not otherwise: manual over
             # the size-1 axis, XLA's CPU compiler fails a check on the bfloat16 step.
-            stage = ("stage",) if rules.mesh.shape.get("stage", 1) > 1 else ()
+            stage = ("stage",) if mesh_lib.stages(rules.mesh) > 1 else ()
             out, assigned = jax.shard_map(
                 mapped, mesh=rules.mesh, axis_names=set(axes + width + stage),
                 in_specs=(tok, tok, tok, PartitionSpec(*rows), *w_specs),

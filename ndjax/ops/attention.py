@@ -66,6 +66,7 @@ from jax.sharding import PartitionSpec
 from ndjax.ops import all_to_all_attention as a2a
 from ndjax.ops import kernel_vjp
 from ndjax.ops import ring_attention as ring
+from ndjax.parallel import mesh as mesh_lib
 from ndjax.parallel import platforms
 from ndjax.parallel.rules import Rules, active, axes_of, suspended
 from ndjax.runtime.errors import ConfigError
@@ -173,7 +174,7 @@ class Site:
                    devices=len(devices) if rules is not None else 1,
                    specs=tuple(getattr(cfg, "attention_specs", (AttentionSpec(),))),
                    cp_impl=getattr(cfg, "cp_impl", "auto"), head_shards=_head_shards(rules),
-                   stages=rules.mesh.shape.get("stage", 1) if rules is not None else 1)
+                   stages=mesh_lib.stages(rules.mesh) if rules is not None else 1)
 
 
 def _head_shards(rules: Rules | None) -> int:
@@ -891,7 +892,7 @@ def _per_shard(kernel, q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: ja
 
     in_specs = (spec, spec, spec, rows) + (heads,) * len(with_sinks)
     shard = functools.partial(jax.shard_map, mesh=rules.mesh, check_vma=False)
-    if rules.mesh.shape.get("stage", 1) > 1:
+    if mesh_lib.stages(rules.mesh) > 1:
         return _per_shard_in_stages(local, shard, in_specs, spec)(q, k, v, segment_ids,
                                                                  *with_sinks)
     return shard(local, in_specs=in_specs, out_specs=spec)(q, k, v, segment_ids, *with_sinks)

@@ -97,6 +97,7 @@ from jax import lax
 from jax.sharding import Mesh, PartitionSpec
 
 from ndjax.ops import kernel_vjp
+from ndjax.parallel import mesh as mesh_lib
 from ndjax.parallel.rules import MeshAxes, Rules, axes_of
 
 LAYOUTS = ("zigzag", "contiguous")
@@ -664,7 +665,7 @@ def _manual(mesh: Mesh, axis: str, rows: tuple[str, ...], heads: tuple[str, ...]
     ids, lse = PartitionSpec(r, axis), PartitionSpec(r, h, None, axis)
     # Not over pipeline stages: the pipeline vmaps the layers over them (spmd_axis_name),
     # and adds ``stage`` to every spec itself.
-    staged = ("stage",) if mesh.shape.get("stage", 1) > 1 else ()
+    staged = ("stage",) if mesh_lib.stages(mesh) > 1 else ()
     counts = PartitionSpec((axis, *(a for a in mesh.axis_names if a not in (axis, *staged))))
     shard = functools.partial(jax.shard_map, mesh=mesh, check_vma=False)
     sink = (PartitionSpec(h),) if sinks else ()  # the sink logits, split like the heads

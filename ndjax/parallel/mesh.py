@@ -103,6 +103,13 @@ class ParallelDims:
                           if a not in ("expert", "stage") or s != 1)
 
 
+def stages(mesh: Mesh) -> int:
+    """The mesh's pipeline stages (``mesh.stage``; 1 for a mesh without the axis). Over more
+    than one, the layers run vmapped over ``stage`` (``ndjax.parallel.pipeline``), and the
+    shard_maps inside them name the axis as that vmap needs."""
+    return mesh.shape.get("stage", 1)
+
+
 def _fields(labels: Mapping[str, str] | None) -> Mapping[str, str]:
     return {**{a: f"mesh.{a}" for a in AXES}, **(labels or {})}
 

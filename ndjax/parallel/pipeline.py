@@ -24,8 +24,6 @@ from jax.sharding import PartitionSpec
 
 from ndjax.parallel import rules as rules_lib
 
-SCHEDULES = ("gpipe",)
-
 
 @dataclasses.dataclass(frozen=True)
 class GPipe:
@@ -36,7 +34,6 @@ class GPipe:
 
     stages: int
     microbatches: int
-    name = "gpipe"
 
     @property
     def ticks(self) -> int:
@@ -46,17 +43,6 @@ class GPipe:
     def bubble(self) -> float:
         """The share of stage-ticks with no micro-batch to run: (S - 1) / (M + S - 1)."""
         return (self.stages - 1) / self.ticks
-
-    @property
-    def microbatches_alive(self) -> int:
-        """Micro-batches whose activations a stage holds at the end of the forward."""
-        return self.microbatches
-
-
-def schedule(name: str, stages: int, microbatches: int) -> GPipe:
-    if name != "gpipe":
-        raise ValueError(f"pipeline schedule {name!r}: choose one of {SCHEDULES}")
-    return GPipe(stages, microbatches)
 
 
 def _split_rows(a: jax.Array, m: int) -> jax.Array:
