@@ -12,6 +12,7 @@ run needs no settings: nothing is initialized unless the config or a launcher
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -254,14 +255,24 @@ class PeerWatch:
     no heartbeat for runtime.heartbeat_timeout seconds) or the coordinator
     itself is unreachable, it calls ``report(message)``, which must end the
     process.
+
+    The coordinator answers that question as a barrier: a process's k-th ask
+    returns once every live process has asked k times (or left). When every
+    process stops watching at the end of a run, the watches must stop after the
+    same ask, or one waits forever for a peer that stopped asking but has not
+    left: see ``stop(together=True)``.
     """
+
+    _made = 0  # watches made in this process: a key of their own for each
 
     def __init__(self, report: Callable[[str], None], heartbeat_timeout: float,
                  interval: float = 1.0):
         self.report, self.heartbeat_timeout = report, heartbeat_timeout
         self.interval = interval
-        self._stop = threading.Event()
+        self._stop, self._together = threading.Event(), threading.Event()
         self._thread: threading.Thread | None = None
+        PeerWatch._made += 1
+        self._last_ask_key = f"ndjax/peer_watch/{PeerWatch._made}/last_ask"
         if jax.process_count() > 1:
             self._thread = threading.Thread(target=self._run, name="ndjax-peer-watch",
                                             daemon=True)
@@ -285,11 +296,33 @@ class PeerWatch:
                 f"{self.heartbeat_timeout:g} s (killed, crashed, preempted or cut off).")
 
     def _run(self) -> None:
-        while not self._stop.wait(self.interval):
+        asks = 0
+        while True:
+            self._stop.wait(self.interval)  # returns at once when stopping
             message = self.lost()
-            if message is not None and not self._stop.is_set():
-                self.report(message)
+            asks += 1
+            if message is not None:
+                if not self._stop.is_set():
+                    self.report(message)
                 return
+            if self._together.is_set() and self._last_ask() is None:
+                # The first to stop together names the ask after this one as the
+                # last: every watch has made `asks` asks (each waited for the
+                # others'), and all read the key before their next ask returns.
+                with contextlib.suppress(Exception):  # another process wrote it first
+                    client().key_value_set(self._last_ask_key, str(asks + 1))
+            last = self._last_ask()
+            if last is not None and asks >= last:
+                return
+            if self._stop.is_set() and not self._together.is_set():
+                return
+
+    def _last_ask(self) -> int | None:
+        try:
+            value = client().key_value_try_get(self._last_ask_key)
+        except Exception:  # noqa: BLE001 -- not written yet (or no coordinator: the next ask says)
+            return None
+        return int(value)
 
     def wait_for_verdict(self) -> None:
         """After a failed collective: give the watch time to name the lost process
@@ -297,7 +330,14 @@ class PeerWatch:
         if self._thread is not None:
             self._thread.join(self.heartbeat_timeout + 5 * self.interval)
 
-    def stop(self) -> None:
+    def stop(self, together: bool = False) -> None:
+        """Stops watching. ``together``: every process is stopping its watch now
+        (all have reached the end of the run), and each returns once all watches
+        have made their last ask; the key that names it tells a watch to stop even
+        before its own process says so. Otherwise the others' watches go on, and
+        report this process once it leaves."""
+        if together:
+            self._together.set()
         self._stop.set()
         if self._thread is not None:
             self._thread.join()
@@ -312,7 +352,7 @@ def finish(watch: PeerWatch, timeout_s: float = 600.0) -> None:
         return
     kv = client()
     kv.wait_at_barrier("ndjax/finished", int(timeout_s * 1000))
-    watch.stop()
+    watch.stop(together=True)
     kv.wait_at_barrier("ndjax/unwatched", int(timeout_s * 1000))
     leave()
 
