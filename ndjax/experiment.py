@@ -1055,11 +1055,6 @@ def _check_pipeline(model_cfg: DecoderConfig, t: TrainSettings, rules: rules_lib
             f"mesh.stage={stages} gives each stage {per_stage} layers, not whole periods of "
             f"the model's {period}-layer pattern of layer types, so the stages would run "
             f"different layers. Use a mesh.stage that divides {n // period}.")
-    if model_cfg.lora is not None and model_cfg.lora.dropout:
-        raise ConfigError(
-            f"mesh.stage={stages} with model.lora.dropout={model_cfg.lora.dropout}: LoRA "
-            "dropout inside pipeline stages is not built yet; set model.lora.dropout=0 or "
-            "mesh.stage=1.")
     m = t.microbatches or stages
     rows = t.batch_size // t.grad_accum
     data, parts = _ways(rules, rules.mesh, ("act_batch",))

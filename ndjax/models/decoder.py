@@ -568,7 +568,7 @@ class Decoder(nnx.Module):
         cfg = self.cfg
         x, embed = self.embed_tokens(tokens)
         if cfg.stages > 1:
-            x, stats = self.pipelined(x, self.rope_tables(positions), segment_ids)
+            x, stats = self.pipelined(x, self.rope_tables(positions), segment_ids, dropout)
         else:
             x, stats = self.layer_stack(x, self.rope_tables(positions), segment_ids, dropout)
         aux = aux_metrics(stats, cfg.n_experts, cfg.experts_per_token) if cfg.n_experts else {}
@@ -598,35 +598,47 @@ class Decoder(nnx.Module):
         return x, stats
 
     def pipelined(self, x: jax.Array, tables: dict[str, tuple[jax.Array, jax.Array]],
-                  segment_ids: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
+                  segment_ids: jax.Array, dropout: lora_lib.Dropout | None = None
+                  ) -> tuple[jax.Array, dict[str, jax.Array]]:
         """``layer_stack`` over every layer as ``cfg.stages`` pipeline stages of
         ``n_layers / stages`` layers each (``ndjax.parallel.pipeline``). Each stage runs
         the same layer types (``Experiment`` checks that the pattern's period divides a
-        stage's layers) and the model has one stack."""
+        stage's layers) and the model has one stack. Under LoRA dropout each layer's
+        index travels with its parameters and each token's id with its micro-batch, so
+        the masks are the unpipelined step's."""
         cfg = self.cfg
         (stack,) = stacks(cfg)
         _, stacked = nnx.split(getattr(self, stack.name))
         per_stage = cfg.n_layers // cfg.stages
+        layer_ids = jnp.arange(stack.first, stack.stop, dtype=jnp.uint32)
 
         def stage(params, h, rows):
-            tables, seg = rows
-            return self._run_stack(stack, h, tables, seg, None, 0, per_stage, params)
+            params, ids = params
+            tables, seg, token_ids = rows
+            drop = None if dropout is None else dataclasses.replace(dropout, token_ids=token_ids)
+            return self._run_stack(stack, h, tables, seg, drop, 0, per_stage, params, ids)
 
         plan = pipeline.GPipe(cfg.stages, cfg.microbatches)
-        return pipeline.run(plan, stage, stacked, x, (tables, segment_ids), RESIDUAL, PER_LAYER)
+        token_ids = None if dropout is None else dropout.token_ids
+        return pipeline.run(plan, stage, (stacked, layer_ids), x,
+                            (tables, segment_ids, token_ids), RESIDUAL, PER_LAYER)
 
     def _run_stack(self, stack: Stack, x: jax.Array, tables: dict, segment_ids: jax.Array,
                    dropout: lora_lib.Dropout | None, start: int, stop: int,
-                   stacked: Any = None) -> tuple[jax.Array, dict[str, jax.Array]]:
+                   stacked: Any = None, layer_ids: jax.Array | None = None
+                   ) -> tuple[jax.Array, dict[str, jax.Array]]:
         """``layer_stack`` over layers ``start .. stop - 1``, all of ``stack``; ``stacked``:
-        the layers' parameters in place of the stack's own (a pipeline stage's)."""
+        the layers' parameters in place of the stack's own, and ``layer_ids`` their
+        indices in the model (a pipeline stage's)."""
         cfg = self.cfg
         graphdef, own = nnx.split(getattr(self, stack.name))
         stacked = own if stacked is None else stacked
         policy = REMAT_POLICIES[cfg.remat]
         consts: tuple = (tables, segment_ids)
         if dropout is not None:  # each layer's masks drawn from its index in the model
-            stacked = (stacked, jnp.arange(stack.first, stack.stop, dtype=jnp.uint32))
+            if layer_ids is None:
+                layer_ids = jnp.arange(stack.first, stack.stop, dtype=jnp.uint32)
+            stacked = (stacked, layer_ids)
             consts = (*consts, dropout)
         at = stack.first  # the model's layer i is the stack's i - at
 
