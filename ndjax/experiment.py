@@ -62,7 +62,8 @@ from ndjax.step.train_step import Batch, StepOptions, eval_step, train_step
 FIELD_OF_AXIS = {
     "vocab": "model.vocab_size", "embed": "model.dim", "q_heads": "model.n_heads",
     "kv_heads": "model.n_kv_heads", "head_dim": "model.head_dim", "mlp": "model.ffn_dim",
-    "layers": "model.n_layers", "norm": "model.dim", "experts": "model.n_experts",
+    "layers": "model.n_layers", "dense_layers": "model.first_k_dense", "norm": "model.dim",
+    "experts": "model.n_experts",
     "expert_mlp": "model.moe_ffn_dim", "lora_rank": "model.lora.rank",
     "q_lora": "model.q_lora_rank", "kv_lora": "model.kv_lora_rank",
 }
@@ -1038,23 +1039,22 @@ def _check_pipeline(model_cfg: DecoderConfig, t: TrainSettings, rules: rules_lib
     stages = mesh_lib.stages(rules.mesh)
     if stages == 1:
         return
-    n = model_cfg.n_layers
-    if len(decoder.stacks(model_cfg)) > 1:
+    # DeepSeek V3's dense first layers run before the stages; the stages cut the rest.
+    n, k = model_cfg.n_layers, model_cfg.first_k_dense
+    if (n - k) % stages:
+        fits = [d for d in range(2, n - k + 1) if (n - k) % d == 0][:6]
+        what = f"model.n_layers={n}" if not k else (
+            f"the {n - k} MoE layers (model.n_layers={n} less model.first_k_dense={k}, "
+            "which run before the stages)")
         raise ConfigError(
-            f"mesh.stage={stages} with model.first_k_dense={model_cfg.first_k_dense}: "
-            "pipeline stages over dense first layers and MoE layers together are not built "
-            "yet; set mesh.stage=1.")
-    if n % stages:
-        fits = [d for d in range(2, n + 1) if n % d == 0][:6]
-        raise ConfigError(
-            f"mesh.stage={stages} does not divide model.n_layers={n}: each stage runs an "
+            f"mesh.stage={stages} does not divide {what}: each stage runs an "
             f"equal run of layers. Use mesh.stage in {fits}.")
-    per_stage, period = n // stages, model_cfg.period
+    per_stage, period = (n - k) // stages, model_cfg.period
     if per_stage % period:
         raise ConfigError(
             f"mesh.stage={stages} gives each stage {per_stage} layers, not whole periods of "
             f"the model's {period}-layer pattern of layer types, so the stages would run "
-            f"different layers. Use a mesh.stage that divides {n // period}.")
+            f"different layers. Use a mesh.stage that divides {(n - k) // period}.")
     m = t.microbatches or stages
     rows = t.batch_size // t.grad_accum
     data, parts = _ways(rules, rules.mesh, ("act_batch",))

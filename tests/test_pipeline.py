@@ -27,6 +27,10 @@ from ndjax.verbs import generate
 
 FOUR = dict(n_layers=4)
 MOE = dict(family="qwen3_moe", head_dim=16, n_experts=4, experts_per_token=2, moe_ffn_dim=32)
+# DeepSeek V3's tiny preset (MLA, sigmoid group-limited routing, a shared expert, one dense
+# first layer); its dense layer runs before the stages, which cut the other n_layers - 1.
+DEEPSEEK = dict(family="deepseek_v3", preset="tiny", dim=None, n_layers=None, n_heads=None,
+                n_kv_heads=None, ffn_dim=None, rope_theta=None)
 LORA = {"lora": {"rank": 4, "alpha": 16.0}}
 QLORA = {"lora": {"rank": 4, "alpha": 16.0, "quantize": "nf4", "quant_block": 8}}
 
@@ -49,6 +53,10 @@ LAYOUTS = {
     # The experts' exchange (a shard_map over the data axes) inside the stages, with the
     # router's load-balancing loss summed over micro-batches.
     "stage2_fsdp2_expert2_moe": (dict(stage=2, fsdp=2, expert=2), MOE, {}, 8),
+    # The dense first layer on every stage's devices, then 4 MoE layers over 2 stages; the
+    # load-balancing biases move by the per-layer counts the stages return in layer order.
+    "stage2_fsdp2_expert2_deepseek": (dict(stage=2, fsdp=2, expert=2),
+                                      {**DEEPSEEK, "n_layers": 5}, {}, 8),
 }
 
 
@@ -63,6 +71,9 @@ def test_stages_train_like_one_device(cpu_devices, tmp_path, layout):
     # The layers' parameters are split over the stages, contiguously; nothing else is.
     assert exp.state_sharding.params["layers"]["attn_norm"]["scale"].spec[0] == "stage"
     assert "stage" not in str(exp.state_sharding.params["embed"].spec)
+    if "dense_layers" in exp.state_sharding.params:  # on every stage, as the embedding
+        dense = jax.tree.leaves(exp.state_sharding.params["dense_layers"])
+        assert dense and all("stage" not in str(s.spec) for s in dense)
     assert_same_training(exp, model, overrides or None)
 
 
@@ -130,9 +141,9 @@ def test_the_bubble_and_the_activations_held_are_the_programs(cpu_devices):
     (dict(stage=2, fsdp=4), {}, dict(microbatches=4),
      r"^train.microbatches=4: .* 8 must be a multiple of 4 x 4\. Use train.microbatches in "
      r"\[1, 2\]"),
-    (dict(stage=2, fsdp=4), dict(family="deepseek_v3", preset="tiny", dim=None, n_layers=None,
-                                 n_heads=None, n_kv_heads=None, ffn_dim=None, rope_theta=None),
-     {}, r"^mesh.stage=2 with model.first_k_dense=1: pipeline stages over dense first layers "),
+    (dict(stage=2, fsdp=4), DEEPSEEK, {},
+     r"^mesh.stage=2 does not divide the 3 MoE layers \(model.n_layers=4 less "
+     r"model.first_k_dense=1, which run before the stages\): .* Use mesh.stage in \[3\]\.$"),
 ])
 def test_bad_pipelines_are_one_line(cpu_devices, mesh, model, train_, message):
     with pytest.raises(ConfigError, match=message) as e:

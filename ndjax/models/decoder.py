@@ -499,10 +499,12 @@ def _layer_slice(stacked: Any, start: int, stop: int, group: int | None = None) 
     return jax.tree.map(cut, stacked)
 
 
-def _stacked_blocks(cfg: DecoderConfig, moe: bool):
-    """keys (layers, ...) -> Blocks with stacked parameters, one layer per key."""
+def _stacked_blocks(cfg: DecoderConfig, moe: bool, axis: str):
+    """keys (layers, ...) -> Blocks with stacked parameters, one layer per key; their
+    leading axis has the logical name ``axis`` (the stack's name: the rules split
+    ``layers`` over pipeline stages, ``dense_layers`` never)."""
     @nnx.vmap(in_axes=0, out_axes=0,
-              transform_metadata={nnx.PARTITION_NAME: "layers", "logical_axes": "layers"})
+              transform_metadata={nnx.PARTITION_NAME: axis, "logical_axes": axis})
     def stacked(key):
         return Block(cfg, nnx.Rngs(params=key), moe)
     return stacked
@@ -520,7 +522,8 @@ class Decoder(nnx.Module):
 
         keys = jax.random.split(rngs.params(), cfg.n_layers)
         for stack in stacks(cfg):
-            setattr(self, stack.name, _stacked_blocks(cfg, stack.moe)(keys[stack.first:stack.stop]))
+            blocks = _stacked_blocks(cfg, stack.moe, stack.name)
+            setattr(self, stack.name, blocks(keys[stack.first:stack.stop]))
         self.final_norm = RMSNorm(cfg.dim, cfg.rms_norm_eps, cfg.param_dtype,
                                   plus_one=cfg.norm_plus_one)
         if not cfg.tie_embeddings:
@@ -568,7 +571,13 @@ class Decoder(nnx.Module):
         cfg = self.cfg
         x, embed = self.embed_tokens(tokens)
         if cfg.stages > 1:
-            x, stats = self.pipelined(x, self.rope_tables(positions), segment_ids, dropout)
+            tables = self.rope_tables(positions)
+            *before, staged = stacks(cfg)
+            stats = {}
+            if before:  # DeepSeek V3's dense first layers: on every stage, before the stages
+                x, stats = self.layer_stack(x, tables, segment_ids, dropout, 0, staged.first)
+            x, part = self.pipelined(x, tables, segment_ids, dropout)
+            stats = _add_stats(stats, part)
         else:
             x, stats = self.layer_stack(x, self.rope_tables(positions), segment_ids, dropout)
         aux = aux_metrics(stats, cfg.n_experts, cfg.experts_per_token) if cfg.n_experts else {}
@@ -600,23 +609,24 @@ class Decoder(nnx.Module):
     def pipelined(self, x: jax.Array, tables: dict[str, tuple[jax.Array, jax.Array]],
                   segment_ids: jax.Array, dropout: lora_lib.Dropout | None = None
                   ) -> tuple[jax.Array, dict[str, jax.Array]]:
-        """``layer_stack`` over every layer as ``cfg.stages`` pipeline stages of
-        ``n_layers / stages`` layers each (``ndjax.parallel.pipeline``). Each stage runs
-        the same layer types (``Experiment`` checks that the pattern's period divides a
-        stage's layers) and the model has one stack. Under LoRA dropout each layer's
-        index travels with its parameters and each token's id with its micro-batch, so
-        the masks are the unpipelined step's."""
+        """``layer_stack`` over the last stack's layers (all of them but DeepSeek V3's
+        dense first ones) as ``cfg.stages`` pipeline stages of an equal run of layers
+        each (``ndjax.parallel.pipeline``). Each stage runs the same layer types
+        (``Experiment`` checks that the pattern's period divides a stage's layers).
+        Under LoRA dropout each layer's index travels with its parameters and each
+        token's id with its micro-batch, so the masks are the unpipelined step's."""
         cfg = self.cfg
-        (stack,) = stacks(cfg)
+        stack = stacks(cfg)[-1]
         _, stacked = nnx.split(getattr(self, stack.name))
-        per_stage = cfg.n_layers // cfg.stages
+        per_stage = stack.count // cfg.stages
         layer_ids = jnp.arange(stack.first, stack.stop, dtype=jnp.uint32)
 
         def stage(params, h, rows):
             params, ids = params
             tables, seg, token_ids = rows
             drop = None if dropout is None else dataclasses.replace(dropout, token_ids=token_ids)
-            return self._run_stack(stack, h, tables, seg, drop, 0, per_stage, params, ids)
+            return self._run_stack(stack, h, tables, seg, drop, stack.first,
+                                   stack.first + per_stage, params, ids)
 
         plan = pipeline.GPipe(cfg.stages, cfg.microbatches)
         token_ids = None if dropout is None else dropout.token_ids

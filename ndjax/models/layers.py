@@ -75,7 +75,7 @@ def _names(var: nnx.Param) -> tuple[str, ...]:
     names = tuple(var.get_metadata()["logical_axes"])
     # Inside the layer scan a variable holds one layer's slice, while its
     # metadata still names the stacked ``layers`` axis.
-    if len(names) == var[...].ndim + 1 and names[0] == "layers":
+    if len(names) == var[...].ndim + 1 and names[0] in ("layers", "dense_layers"):
         names = names[1:]
     return names
 

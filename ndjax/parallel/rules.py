@@ -57,6 +57,7 @@ _ACTIVATIONS: Table = (
 )
 _PARAMS: Table = (
     ("layers", "stage"),             # pipeline stages: contiguous runs of layers
+    ("dense_layers", None),          # DeepSeek V3's dense first layers: before the stages
     ("vocab", "tensor"),              # vocab-parallel embedding and LM head
     # FSDP over Accelerate's dp_shard x cp group, and the expert axis (a data axis
     # outside the experts; the experts' own weights take it for their experts first).
