@@ -500,13 +500,20 @@ def test_layout_matches_single_device(family):
     """fsdp x context x tensor in one layout: parameters over fsdp x context, ring
     attention over context (with the family's window), and tensor wider than the one
     kv head (replicated on both shards whose query heads use it). tests/test_layouts.py
-    runs each of those on its own for Llama; here every family meets them all."""
+    runs each of those on its own for Llama; here every family meets them all. The
+    mixtures of experts take expert=2 for fsdp (the experts split over it, the other
+    weights stored over it as over fsdp): DeepSeek V3's grouped routing, its bias
+    moving, and GPT-OSS's biased experts meet the experts' exchange beside context."""
     latent = family == "deepseek_v3"  # keys per head: no kv heads to replicate
     model = {**FAMILY_MODELS[family], **({} if latent else {"n_kv_heads": 1})}
-    exp = Experiment.from_config(tiny_config(mesh=dict(fsdp=2, context=2, tensor=2),
-                                             model=model))
+    moe = bool(model.get("n_experts"))
+    mesh = dict(expert=2, context=2, tensor=2) if moe else dict(fsdp=2, context=2, tensor=2)
+    exp = Experiment.from_config(tiny_config(mesh=mesh, model=model))
     assert exp.attention.name == "ring"
     assert latent or exp.rules.kv_repeat(1) == 2
+    if moe:
+        spec = exp.state_sharding.params["layers"]["mlp"]["w_gate"].spec
+        assert "expert" in jax.tree.leaves(tuple(spec)), spec
     assert_same_training(exp, model)
 
 
@@ -519,19 +526,19 @@ SHARED_EXPERT = dict(FAMILY_MODELS["qwen3_moe"], family="qwen2_moe", head_dim=No
     (dict(fsdp=1, expert=4, tensor=2), None, FAMILY_MODELS["qwen3_moe"]),
     (dict(replica=2, fsdp=2, expert=2), None, FAMILY_MODELS["qwen3_moe"]),
     (dict(fsdp=2, expert=2, tensor=2), None, SHARED_EXPERT),
-    (dict(fsdp=2, expert=2, tensor=2), 1.0, FAMILY_MODELS["gpt_oss"]),
-    (dict(fsdp=2, expert=4), None, FAMILY_MODELS["deepseek_v3"])],
+    (dict(fsdp=2, expert=2, tensor=2), 1.0, FAMILY_MODELS["gpt_oss"])],
     ids=["expert_tensor", "replica_fsdp_expert", "shared_expert_fsdp_expert_tensor",
-         "gpt_oss_fsdp_expert_tensor_capacity", "deepseek_v3_fsdp_expert"])
+         "gpt_oss_fsdp_expert_tensor_capacity"])
 def test_expert_parallel_layouts_match_single_device(mesh, capacity, model):
     """The experts split over mesh.expert (each device holds its share; the (token,
     expert) pairs travel to them and back in ragged all-to-alls, emulated on CPU from
-    an all-gather), beside FSDP, tensor parallelism and replicas; GPT-OSS's biased
-    experts on fsdp x expert x tensor in capacity mode, which drops the same pairs on
-    every layout (each row's first, per expert); a shared expert, its width over tensor,
-    beside experts split over expert and fsdp; and DeepSeek V3's grouped routing, its
-    bias moving, on fsdp x expert=4. Dropless fsdp x expert=4 is also test_moe's
-    all-tokens-to-one-expert case."""
+    an all-gather), beside FSDP, tensor parallelism and replicas; a shared expert, its
+    width over tensor, beside experts split over expert and fsdp; and GPT-OSS's biased
+    experts in capacity mode (refused with context), which drops the same pairs on every
+    layout (each row's first, per expert). DeepSeek V3's grouped routing (each of its 2
+    groups on one expert shard) meets the exchange in test_layout_matches_single_device;
+    fsdp x expert=4 is test_moe's (every token on one expert, dropless and in capacity
+    mode)."""
     model = dict(model, capacity_factor=capacity)
     exp = Experiment.from_config(tiny_config(mesh=mesh, model=model))
     spec = exp.state_sharding.params["layers"]["mlp"]["w_gate"].spec
