@@ -45,9 +45,10 @@ CASES = [
     ("full, 2 of 61 layers, capacity 1.25", "deepseek_v3", "deepseek_v3", 64, dict(expert=64),
      dict(n_layers=2, first_k_dense=1, moe_impl="mosaic", capacity_factor=1.25), {}),
 ]
+# 2 layers each: GPT-OSS's sliding and full one, DeepSeek V3's dense and MoE one.
 TINY = [
-    ("LoRA r=16", "gpt_oss", "tiny", 8, dict(expert=8), {}, LORA),
-    ("full", "deepseek_v3", "tiny", 8, dict(expert=4, tensor=2), {}, {}),
+    ("LoRA r=16", "gpt_oss", "tiny", 8, dict(expert=8), dict(n_layers=2), LORA),
+    ("full", "deepseek_v3", "tiny", 8, dict(expert=4, tensor=2), dict(n_layers=2), {}),
 ]
 
 

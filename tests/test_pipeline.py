@@ -27,10 +27,13 @@ from ndjax.verbs import generate
 
 FOUR = dict(n_layers=4)
 MOE = dict(family="qwen3_moe", head_dim=16, n_experts=4, experts_per_token=2, moe_ffn_dim=32)
-# DeepSeek V3's tiny preset (MLA, sigmoid group-limited routing, a shared expert, one dense
-# first layer); its dense layer runs before the stages, which cut the other n_layers - 1.
-DEEPSEEK = dict(family="deepseek_v3", preset="tiny", dim=None, n_layers=None, n_heads=None,
-                n_kv_heads=None, ffn_dim=None, rope_theta=None)
+# DeepSeek V3 at the tiny config's width (MLA, sigmoid group-limited routing, a shared
+# expert, the load-balancing bias moving, one dense first layer); its dense layer runs
+# before the stages, which cut the other n_layers - 1.
+DEEPSEEK = dict(family="deepseek_v3", n_kv_heads=8, head_dim=16, rope_head_dim=8,
+                v_head_dim=12, q_lora_rank=24, kv_lora_rank=16, n_experts=4,
+                experts_per_token=2, moe_ffn_dim=32, shared_expert_dim=32, first_k_dense=1,
+                n_group=2, topk_group=1, score_bias_rate=0.01)
 LORA = {"lora": {"rank": 4, "alpha": 16.0}}
 QLORA = {"lora": {"rank": 4, "alpha": 16.0, "quantize": "nf4", "quant_block": 8}}
 
@@ -56,7 +59,7 @@ LAYOUTS = {
     # The dense first layer on every stage's devices, then 4 MoE layers over 2 stages; the
     # load-balancing biases move by the per-layer counts the stages return in layer order.
     "stage2_fsdp2_expert2_deepseek": (dict(stage=2, fsdp=2, expert=2),
-                                      {**DEEPSEEK, "n_layers": 5}, {}, 8),
+                                      {**DEEPSEEK, "n_layers": 3}, {}, 8),
 }
 
 
@@ -141,7 +144,7 @@ def test_the_bubble_and_the_activations_held_are_the_programs(cpu_devices):
     (dict(stage=2, fsdp=4), {}, dict(microbatches=4),
      r"^train.microbatches=4: .* 8 must be a multiple of 4 x 4\. Use train.microbatches in "
      r"\[1, 2\]"),
-    (dict(stage=2, fsdp=4), DEEPSEEK, {},
+    (dict(stage=2, fsdp=4), {**DEEPSEEK, "n_layers": 4}, {},
      r"^mesh.stage=2 does not divide the 3 MoE layers \(model.n_layers=4 less "
      r"model.first_k_dense=1, which run before the stages\): .* Use mesh.stage in \[3\]\.$"),
 ])
