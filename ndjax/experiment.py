@@ -483,7 +483,8 @@ def place_model(model_cfg: DecoderConfig, settings: Settings, rules: rules_lib.R
     if model_cfg.n_experts:
         model_cfg = dataclasses.replace(model_cfg, moe_impl=grouped_matmul.choose(
             model_cfg.moe_impl, grouped_matmul.Site.of(
-                model_cfg, devices, grouped_matmul.width_shards(rules))))
+                model_cfg, devices, grouped_matmul.width_shards(rules),
+                mesh_lib.stages(rules.mesh))))
     return model_cfg, chosen, seq_permutation
 
 

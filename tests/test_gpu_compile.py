@@ -713,3 +713,12 @@ def test_pipeline_stages_compile_for_h100s_with_pallas_attention():
     with pytest.raises(ConfigError, match=r"cannot run inside pipeline stages \(mesh.stage=2\)"):
         c.model.attn_impl = "cudnn"
         Experiment.from_config(c, gpu_target.devices(H100, 4))
+    # Nor can the Mosaic grouped matmuls (jax fails to batch them over the stages):
+    # auto takes ragged_dot there, and an explicit choice is one line.
+    c.model.update(dict(MOE_SMALL, attn_impl="auto", dtype="bfloat16"))
+    moe = Experiment.from_config(c, gpu_target.devices(H100, 4))
+    assert moe.model_cfg.moe_impl == "xla"
+    with pytest.raises(ConfigError, match=r"^model.moe_impl='mosaic': they cannot run inside "
+                                          r"pipeline stages \(mesh.stage=2\)"):
+        c.model.moe_impl = "mosaic"
+        Experiment.from_config(c, gpu_target.devices(H100, 4))

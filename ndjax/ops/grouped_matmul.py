@@ -39,6 +39,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from ndjax.parallel import mesh as mesh_lib
 from ndjax.parallel import platforms
 from ndjax.parallel.rules import active
 from ndjax.runtime.errors import ConfigError
@@ -70,16 +71,19 @@ class Site:
     compute_capability: str | None  # of the first GPU, e.g. "9.0"
     dtype: str                      # the compute dtype's name
     dims: tuple[int, ...]           # the matrices' dims on one device: model dim, width
+    stages: int = 1                 # mesh.stage: the layers vmapped over pipeline stages
 
     @classmethod
-    def of(cls, cfg: Any, devices: Iterable[jax.Device], width_shards: int = 1) -> Site:
+    def of(cls, cfg: Any, devices: Iterable[jax.Device], width_shards: int = 1,
+           stages: int = 1) -> Site:
         """``cfg``: a ``DecoderConfig`` with experts; ``devices``: the step's;
-        ``width_shards``: the ways the rules split each expert's width (tensor)."""
+        ``width_shards``: the ways the rules split each expert's width (tensor);
+        ``stages``: the mesh's pipeline stages."""
         devices = list(devices)
         return cls(platform=platforms.of(devices),
                    compute_capability=platforms.compute_capability(devices),
                    dtype=jnp.dtype(cfg.dtype).name,
-                   dims=(cfg.dim, cfg.expert_dim // max(1, width_shards)))
+                   dims=(cfg.dim, cfg.expert_dim // max(1, width_shards)), stages=stages)
 
 
 def _block(n: int) -> int | None:
@@ -97,6 +101,11 @@ def mosaic_refusal(site: Site) -> str | None:
     if not (site.compute_capability or "").startswith("9."):
         return (f"jax's Mosaic GPU grouped matmuls are written for Hopper GPUs (compute "
                 f"capability 9.x: H100, H200), and this one is {site.compute_capability}")
+    if site.stages > 1:
+        # The pipeline vmaps the layers over the stages, and jax's batching of the
+        # kernel fails (ragged_dot_mgpu takes the length of a batched ref).
+        return (f"they cannot run inside pipeline stages (mesh.stage={site.stages}), where "
+                "jax cannot batch them")
     if site.dtype not in _DTYPES:
         return f"they need bfloat16 or float16 compute, and model.dtype is {site.dtype}"
     bad = [d for d in site.dims if d % BLOCK_K]
@@ -133,7 +142,8 @@ def resolved(cfg: Any) -> str:
     rules = active()
     if rules is None:
         return choose("auto", Site.of(cfg, jax.devices()))
-    return choose("auto", Site.of(cfg, rules.mesh.devices.flat, width_shards(rules)))
+    return choose("auto", Site.of(cfg, rules.mesh.devices.flat, width_shards(rules),
+                                  mesh_lib.stages(rules.mesh)))
 
 
 def width_shards(rules: Any) -> int:
