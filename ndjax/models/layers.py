@@ -71,11 +71,16 @@ def use_param(var: nnx.Param, dtype, n_kv_heads: int | None = None, param_dtype:
     return checkpoint_name(gather(as_stored, use), "gathered_weight"), value, use
 
 
+# The logical names of the stacked layers' leading axis: the stacks' names
+# (decoder.stacks). The rules split ``layers`` over pipeline stages, ``dense_layers`` never.
+STACKED_AXES = ("layers", "dense_layers")
+
+
 def _names(var: nnx.Param) -> tuple[str, ...]:
     names = tuple(var.get_metadata()["logical_axes"])
     # Inside the layer scan a variable holds one layer's slice, while its
     # metadata still names the stacked ``layers`` axis.
-    if len(names) == var[...].ndim + 1 and names[0] in ("layers", "dense_layers"):
+    if len(names) == var[...].ndim + 1 and names[0] in STACKED_AXES:
         names = names[1:]
     return names
 

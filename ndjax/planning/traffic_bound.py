@@ -41,6 +41,7 @@ import numpy as np
 
 from ndjax.hardware import roofline
 from ndjax.models import moe
+from ndjax.models.layers import STACKED_AXES
 
 
 def _axes(spec: Any) -> set[str]:
@@ -91,7 +92,7 @@ def least_traffic(exp: Any, devices: Any, devices_per_node: int) -> roofline.Lin
                  jax.tree.leaves(exp.param_names, is_leaf=lambda x: isinstance(x, tuple)),
                  jax.tree.leaves(exp.state_sharding.params), strict=True)
     for (path, shape), names, storage in leaves:
-        names = names[1:] if names and names[0] in ("layers", "dense_layers") else names
+        names = names[1:] if names and names[0] in STACKED_AXES else names
         if len(names) < 2:
             continue  # norm scales and the like: not gathered through rules.gather
         stored = _axes(storage.spec)
