@@ -6,6 +6,7 @@ import json
 
 import jax
 import numpy as np
+import optax
 from conftest import TINY_MODEL, tiny_config
 
 from ndjax.data.loader import make_loader
@@ -46,11 +47,14 @@ def with_overrides(config, overrides=None):
     return config
 
 
-def run_steps(exp: Experiment, initial_state=None, steps: int | None = None):
+def run_steps(exp: Experiment, initial_state=None, steps: int | None = None,
+              grads: list | None = None):
     """Runs the compiled step; returns (losses, final params on the host).
 
     ``initial_state`` (host arrays) is placed in this layout's shardings, so
-    every layout starts from bit-identical parameters.
+    every layout starts from bit-identical parameters. ``grads``: a list the first
+    step's gradients are appended to (``step_gradients``), read before the next step
+    donates that state.
     """
     steps = exp.config.train.steps if steps is None else steps
     if initial_state is None:
@@ -58,10 +62,27 @@ def run_steps(exp: Experiment, initial_state=None, steps: int | None = None):
     else:
         state = jax.device_put(initial_state, exp.state_sharding)
     losses = []
-    for batch in host_batches(exp.config, steps):
+    for i, batch in enumerate(host_batches(exp.config, steps)):
         state, metrics = exp.compiled_step(state, exp.device_batch(batch))
         losses.append(float(metrics["loss"]))
+        if i == 0 and grads is not None:
+            grads.append(step_gradients(exp, state.opt_state, metrics["grad_norm"]))
     return np.array(losses), jax.device_get(state.params)
+
+
+def step_gradients(exp: Experiment, opt_state, grad_norm):
+    """The gradients the train step took in its first step, on the host, read back from
+    AdamW's first moment after it: mu_1 = (1 - b1) x the clipped gradient, and the clip
+    scaled it by clip_norm / grad_norm (the step's metric, before clipping) where the
+    norm was over. What the real step computed, in its layout, with no second compile;
+    exact to a few float32 roundings (far below GRAD_RTOL)."""
+    t = exp.config.train
+    adam = [s for s in jax.tree.leaves(opt_state, is_leaf=lambda x: isinstance(
+        x, optax.ScaleByAdamState)) if isinstance(s, optax.ScaleByAdamState)]
+    assert len(adam) == 1 and int(adam[0].count) == 1, adam
+    norm = float(grad_norm)
+    scale = 1.0 / (1.0 - t.b1) * (norm / t.clip_norm if 0 < t.clip_norm < norm else 1.0)
+    return jax.tree.map(lambda m: np.asarray(m, np.float64) * scale, jax.device_get(adam[0].mu))
 
 
 _references: dict = {}
@@ -84,8 +105,9 @@ def _reference(model_overrides, rules="default", overrides=None):
         config = with_overrides(tiny_config(model=model_overrides, rules=rules), overrides)
         exp = Experiment.from_config(config, jax.devices()[:1])
         init = jax.device_get(exp.init_state())
-        losses, params = run_steps(exp, init)
-        _references[key] = (init, losses, params, first_step_grads(exp, init))
+        grads = []
+        losses, params = run_steps(exp, init, grads=grads)
+        _references[key] = (init, losses, params, grads[0])
     return _references[key]
 
 
@@ -120,10 +142,11 @@ def assert_same_training(exp, model_overrides, overrides=None):
     after Adam are not compared: Adam divides by sqrt(v), so an entry whose gradient is
     near 0 turns summation-order noise into a visible parameter difference."""
     init, ref_losses, _, ref_grads = _reference(model_overrides, overrides=overrides)
-    losses, params = run_steps(exp, init)
+    grads = []
+    losses, params = run_steps(exp, init, grads=grads)
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
-    for (path, g), want in zip(jax.tree_util.tree_leaves_with_path(first_step_grads(exp, init)),
-                               jax.tree.leaves(ref_grads)):
+    for (path, g), want in zip(jax.tree_util.tree_leaves_with_path(grads[0]),
+                               jax.tree.leaves(ref_grads), strict=True):
         np.testing.assert_allclose(g, want, rtol=0, atol=GRAD_RTOL * np.abs(want).max(),
                                    err_msg=jax.tree_util.keystr(path))
     # The run must have trained for real, or equality would prove nothing.
