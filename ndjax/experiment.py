@@ -828,7 +828,9 @@ class Experiment:
 
     @functools.cached_property
     def abstract_state(self) -> state_lib.TrainState:
-        shapes = jax.eval_shape(self._init, jax.ShapeDtypeStruct((), jnp.uint32))
+        # From the parameters' shapes (no second trace of the model's init: the
+        # planner asks this of every layout it checks).
+        shapes = jax.eval_shape(self._fresh_state, self.param_shapes)
         return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
                             shapes, self.state_sharding)
 
