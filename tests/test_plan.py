@@ -198,6 +198,62 @@ def test_layouts_plan_both_cp_algorithms_where_auto_chooses():
     assert {x.cp_impl for x in planner.layouts(config, 4, ["default"])} == {"ring"}
 
 
+def test_stages_are_planned_over_whole_nodes_with_micro_batches():
+    """The sixth axis: stage counts that divide the staged layers and give each stage
+    whole nodes; each with GPipe's micro-batches, the most up to 4 a stage that split
+    the batch's rows over the data axes (or the config's own)."""
+    assert planner.stage_degrees(64, 32, 8) == [1, 2, 4, 8]   # Llama 3 8B on 8 nodes
+    assert planner.stage_degrees(64, 58, 8) == [1, 2]         # DeepSeek V3's 58 MoE layers
+    assert planner.stage_degrees(8, 32, 8) == [1]             # one node: no stages
+    assert len(planner.factorizations(8, stages=(1, 2, 4))) == 20 + 10 + 4
+    config = tiny_config(model={"n_layers": 4}, train={"batch_size": 16})
+    assert all(x.stage == 1 for x in planner.layouts(config, 8, ["default"], 2))  # --stages=off
+    assert {x.stage for x in planner.layouts(config, 8, ["default"], 2, stages=[2])} == {1, 2}
+    every = planner.layouts(config, 8, ["default"], devices_per_node=2, stages=None)  # auto
+    staged = {x.degrees: x.microbatches for x in every if x.stage > 1}
+    assert {d[0] for d in staged} == {2, 4}
+    assert all(x.microbatches == 0 for x in every if x.stage == 1)
+    # (stage, replica, fsdp, expert, context, tensor): 16 rows over replica x fsdp.
+    assert staged[2, 2, 2, 1, 1, 1] == 4 and staged[2, 1, 1, 1, 1, 4] == 8
+    assert staged[4, 1, 2, 1, 1, 1] == 8 and staged[4, 1, 1, 1, 2, 1] == 16
+    layout = planner.Layout(2, 2, 1, 1, stage=2, microbatches=4)
+    assert layout.settings == "default, 4 micro-batches"
+    assert layout.schedule.bubble == pytest.approx(1 / 5)
+    config.train.microbatches = 2
+    assert {x.microbatches for x in planner.layouts(config, 8, ["default"], 2, None)
+            if x.stage > 1} == {2}
+
+
+def test_a_staged_layout_is_priced_by_its_bubble_and_sends():
+    """stage=2 x fsdp=2 on 2 devices a node: the compute is what GPipe's ticks run (the
+    layers' FLOPs x ticks / micro-batches, the LM head once per stage); the stage sends
+    are the compiled step's collective permutes, across nodes; the bound from the
+    shardings (traffic_bound: the stage's own layers, never gathered over stage) stays
+    below what the step compiles to."""
+    config = tiny_config(model={"n_layers": 4, "attn_impl": "dense"},
+                         train={"batch_size": 8, "seq_len": 64})
+    layout = planner.Layout(1, 2, 1, 1, stage=2, microbatches=4)
+    devices = jax.devices()[:4]
+    checked = planner.check(config, layout, devices, H100, devices_per_node=2)
+    cfg = checked.settings.model
+    head = 6 * cfg.dim * cfg.vocab_size * checked.tokens
+    ticks = 4 + 2 - 1
+    assert checked.executed_flops == pytest.approx(
+        (checked.model_flops + checked.recompute_flops - head) * ticks / 4 + 2 * head)
+    assert "all-gather" not in checked.least_link.across  # no weight crosses the stages
+    assert checked.least_link.across["collective-permute"] > 0
+    cand = planner.Candidate(layout)
+    planner._fill(cand, planner.measure(checked.config.to_json(sort_keys=True), 4), checked,
+                  H100, 2, 1e12)
+    assert cand.status == "ranked", cand.reason
+    assert cand.link.across["collective-permute"] >= checked.least_link.across[
+        "collective-permute"]
+    assert cand.estimate.compute_s == pytest.approx(
+        checked.executed_flops / 4 / (H100.peak_tflops * 1e12))
+    assert 0 < checked.least_step_s(H100) <= cand.estimate.serial_s
+    assert cand.as_dict()["bubble"] == pytest.approx(1 / 5)
+
+
 def test_traffic_splits_by_the_nodes_a_group_spans():
     records = [dict(kind="all-gather", ring_bytes=100.0, executed=2, groups=[[0, 1], [2, 3]]),
                dict(kind="all-reduce", ring_bytes=10.0, executed=3, groups=[[0, 2], [1, 3]]),
@@ -241,6 +297,7 @@ def test_cli_json_lists_every_layout(tmp_path):
 @pytest.mark.parametrize("args, message", [
     (("--devices=2", "--hardware=tpu"), "--hardware='tpu': choose one of"),
     (("--devices=0",), "--devices=0 must be >= 1"),
+    (("--devices=16", "--stages=1,2"), "--stages='1,2': use off, auto or stage counts >= 2"),
     (("--devices=2", "--config.model.dtype=float8"), "model.dtype='float8'"),
 ])
 def test_cli_bad_input_is_one_line(args, message, tmp_path):

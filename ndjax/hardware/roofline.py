@@ -271,15 +271,19 @@ class Estimate:
 
 def estimate(hw: Hardware, link: Link, model_flops: float, tokens: int, devices: int,
              remat: str, recompute_flops: float | None = None,
-             host_bytes: float = 0.0) -> Estimate:
+             host_bytes: float = 0.0, executed_flops: float | None = None) -> Estimate:
     """``model_flops``: training FLOPs of one step over all devices (ndjax.hardware.flops);
     ``recompute_flops``: what ``remat`` reruns in that step, all devices
     (``recomputed_forward_flops`` x tokens), else priced by ``recompute_factor``;
     ``host_bytes``: what each device offloads to host memory (out in the forward
-    pass, back in the backward: twice over its PCIe link)."""
+    pass, back in the backward: twice over its PCIe link); ``executed_flops``: what
+    the devices compute, all of them, where it is more than the model's and remat's
+    (a pipeline's bubble: ``planner.executed_flops``). MFU counts ``model_flops``."""
     if recompute_flops is None:
         recompute_flops = model_flops * (recompute_factor(remat) - 1.0)
-    compute = (model_flops + recompute_flops) / devices / (hw.peak_tflops * 1e12)
+    if executed_flops is None:
+        executed_flops = model_flops + recompute_flops
+    compute = executed_flops / devices / (hw.peak_tflops * 1e12)
     return Estimate(compute_s=compute, inside_s=link.inside_bytes / (hw.nvlink_gbs * GB),
                     across_s=link.across_bytes / (hw.network_gbs * GB), tokens=tokens,
                     model_flops=model_flops, devices=devices, peak_tflops=hw.peak_tflops,

@@ -2,9 +2,11 @@
 
 For one config and N devices:
 
-1. ``layouts``: every factorisation of N into replica x fsdp x context x tensor,
-   under each rule preset (or the config's own table), with the config's
-   ``model.remat`` and ``train.grad_accum``.
+1. ``layouts``: every factorisation of N into stage x replica x fsdp x expert x
+   context x tensor (stages where asked for, ``stage_degrees``: whole nodes each;
+   experts for a mixture of experts), under each rule preset (or the config's own
+   table), with the config's ``model.remat`` and ``train.grad_accum`` (and with
+   stages, ``microbatches``).
 2. ``check``: ``Experiment.from_config`` on the N devices compiled for, the checks a
    train.py run makes, with the target's dtypes (``model.dtype=auto`` is
    bfloat16 on GPUs). A layout that fails one is *rejected* with that one-line
@@ -34,7 +36,9 @@ For one config and N devices:
    that fits (its measured communication plus the compute of more remat: more
    remat adds compute and never removes a collective) is not compiled.
 5. ``ndjax.hardware.roofline`` turns FLOPs and collectives into a step time on the target
-   hardware; fitting layouts are ranked by it (no-overlap figure).
+   hardware; fitting layouts are ranked by it (no-overlap figure). With stages the
+   compute is what the devices run (``executed_flops``: GPipe's bubble and the LM head
+   on every stage), the stage sends are the compiled step's collective permutes.
 
 The CPU compiler is a stand-in for the GPU one: memory figures are XLA's CPU
 buffer plan for the same program (the CPU widens bf16 buffers and lowers
@@ -63,8 +67,10 @@ import ml_collections
 from ndjax.config import Settings, as_settings, default_config
 from ndjax.hardware import roofline
 from ndjax.parallel import platforms
+from ndjax.parallel import rules as rules_lib
 from ndjax.parallel.collectives import collectives
 from ndjax.parallel.mesh import AXES
+from ndjax.parallel.pipeline import GPipe
 from ndjax.parallel.rules import PRESETS
 from ndjax.planning import traffic_bound
 from ndjax.runtime import children, compiler
@@ -94,7 +100,8 @@ class Layout:
     grad_accum: int = 1
     cp_impl: str = "auto"        # model.cp_impl: how context shards meet (context > 1)
     expert: int = 1              # mesh.expert (positional calls name the other four)
-    stage: int = 1               # mesh.stage: pipeline stages (not searched yet)
+    stage: int = 1               # mesh.stage: pipeline stages
+    microbatches: int = 0        # train.microbatches, with stage > 1 (GPipe's micro-batches)
 
     @property
     def degrees(self) -> tuple[int, ...]:
@@ -107,60 +114,114 @@ class Layout:
 
     @property
     def settings(self) -> str:
-        """The rule table, and the CP algorithm where the sequence is split."""
-        return self.rules + (f", {self.cp_impl}" if self.context > 1 else "")
+        """The rule table, the CP algorithm where the sequence is split, and the
+        micro-batches where the layers are."""
+        return (self.rules + (f", {self.cp_impl}" if self.context > 1 else "")
+                + (f", {self.microbatches} micro-batches" if self.stage > 1 else ""))
+
+    @property
+    def schedule(self) -> GPipe | None:
+        """The pipeline's schedule (None without stages)."""
+        return GPipe(self.stage, self.microbatches) if self.stage > 1 else None
 
     def with_(self, **changes: Any) -> Layout:
         return dataclasses.replace(self, **changes)
 
 
-def factorizations(n: int, experts: int = 0) -> list[tuple[int, ...]]:
+def factorizations(n: int, experts: int = 0, stages: Sequence[int] = (1,)
+                   ) -> list[tuple[int, ...]]:
     """Degrees in ``AXES``' order (stage, replica, fsdp, expert, context, tensor) with product
     n, tensor, context and expert first growing (the usual reading order of a plan).
-    ``expert`` > 1 only for a mixture of ``experts`` experts, dividing them."""
-    divisors = [d for d in range(1, n + 1) if n % d == 0]
-    splits = [e for e in divisors if e == 1 or (experts and experts % e == 0)]
+    ``expert`` > 1 only for a mixture of ``experts`` experts, dividing them; ``stage``
+    one of ``stages`` (``stage_degrees``)."""
     out = []
-    for e in splits:
-        for t in divisors:
-            for c in divisors:
-                for f in divisors:
-                    if n % (e * t * c * f) == 0:
-                        out.append((1, n // (e * t * c * f), f, e, c, t))
+    for s in stages:
+        if n % s:
+            continue
+        rest = n // s
+        divisors = [d for d in range(1, rest + 1) if rest % d == 0]
+        splits = [e for e in divisors if e == 1 or (experts and experts % e == 0)]
+        for e in splits:
+            for t in divisors:
+                for c in divisors:
+                    for f in divisors:
+                        if rest % (e * t * c * f) == 0:
+                            out.append((s, rest // (e * t * c * f), f, e, c, t))
     return out
 
 
+def stage_degrees(n: int, staged_layers: int, devices_per_node: int) -> list[int]:
+    """The pipeline stage counts planned: 1, and each count >= 2 that divides the layers
+    the stages cut and gives every stage whole nodes (n / stage a multiple of
+    ``devices_per_node``). Stages are for the slow links: inside a node, FSDP's and
+    tensor parallelism's collectives run over NVLink, and a pipeline would only add
+    its bubble."""
+    out = [1]
+    for s in range(2, n + 1):
+        if n % s == 0 and staged_layers % s == 0 and (n // s) % devices_per_node == 0:
+            out.append(s)
+    return out
+
+
+def microbatches(config: ml_collections.ConfigDict | Settings, layout: Layout) -> int:
+    """GPipe's micro-batches for a layout with stages: the config's
+    ``train.microbatches`` where set; else the most, up to 4 per stage, that split each
+    grad_accum slice's rows evenly over the axes that split the batch. More shrink the
+    bubble, (S - 1) / (M + S - 1), 20% at 4 per stage; each adds a tick of weight
+    gathers and smaller matmuls, which the roofline does not price."""
+    s = as_settings(config)
+    if layout.stage == 1:
+        return 0
+    if s.train.microbatches:
+        return s.train.microbatches
+    table = s.rules if layout.rules == CONFIG_RULES else layout.rules
+    axes = dict(rules_lib.get_table(table)).get("act_batch")
+    degrees = dict(zip(AXES, layout.degrees))
+    data = math.prod(degrees[a] for a in rules_lib.axes_of(axes))
+    rows = s.train.batch_size // layout.grad_accum // data
+    fits = [m for m in range(1, 4 * layout.stage + 1) if rows and rows % m == 0]
+    return fits[-1] if fits else layout.stage  # none: the check says why
+
+
 def layouts(config: ml_collections.ConfigDict, n: int,
-            presets: Sequence[str] | None = None) -> list[Layout]:
+            presets: Sequence[str] | None = None, devices_per_node: int = 8,
+            stages: Sequence[int] | None = ()) -> list[Layout]:
     """Every candidate: degrees x rule tables, with the config's remat and grad_accum;
     with context > 1 and ``model.cp_impl=auto``, once per CP algorithm, side by side
     (the ring and all-to-all trade memory, bytes and kernels by shape: let the
-    figures choose)."""
+    figures choose). ``stages``: the pipeline stage counts besides 1 (None: every
+    count ``stage_degrees`` gives), each layout with its ``microbatches``."""
     if isinstance(config.rules, str):
         tables = list(presets) if presets else list(PRESETS)
     else:
         tables = [CONFIG_RULES]
     cp = config.model.cp_impl
+    experts, staged = _model_counts(config)
+    if stages is None:
+        stages = stage_degrees(n, staged, devices_per_node) if staged else [1]
     out = []
-    for degrees in factorizations(n, _experts(config)):
+    for degrees in factorizations(n, experts, sorted({1, *stages})):
         mesh = dict(zip(AXES, degrees))
         for rules in tables:
             for algorithm in (CP_ALGORITHMS if mesh["context"] > 1 and cp == "auto"
                               else (cp,)):
-                out.append(Layout(**mesh, rules=rules, remat=config.model.remat,
-                                  grad_accum=config.train.grad_accum, cp_impl=algorithm))
+                layout = Layout(**mesh, rules=rules, remat=config.model.remat,
+                                grad_accum=config.train.grad_accum, cp_impl=algorithm)
+                out.append(layout.with_(microbatches=microbatches(config, layout)))
     return out
 
 
-def _experts(config: ml_collections.ConfigDict) -> int:
-    """The model's experts (0: dense), as ``Experiment`` reads them; 0 where the config
-    does not check (each layout's check then says why)."""
+def _model_counts(config: ml_collections.ConfigDict) -> tuple[int, int]:
+    """The model's experts (0: dense) and the layers pipeline stages cut (DeepSeek V3's
+    dense first layers run before them), as ``Experiment`` reads them; (0, 0) where the
+    config does not check (each layout's check then says why)."""
     from ndjax.experiment import check_fields
 
     try:
-        return check_fields(config)[1].n_experts
+        cfg = check_fields(config)[1]
     except ConfigError:
-        return 0
+        return 0, 0
+    return cfg.n_experts, cfg.n_layers - cfg.first_k_dense
 
 
 def target_settings(config: ml_collections.ConfigDict | Settings, layout: Layout,
@@ -176,7 +237,8 @@ def target_settings(config: ml_collections.ConfigDict | Settings, layout: Layout
         attn_impl=s.model.attn_impl if attn_impl is None else attn_impl)
     return dataclasses.replace(
         s, model=model, mesh=dataclasses.replace(s.mesh, **dict(zip(AXES, layout.degrees))),
-        train=dataclasses.replace(s.train, grad_accum=layout.grad_accum),
+        train=dataclasses.replace(s.train, grad_accum=layout.grad_accum,
+                                  microbatches=layout.microbatches or s.train.microbatches),
         rules=s.rules if layout.rules == CONFIG_RULES else layout.rules)
 
 
@@ -203,14 +265,21 @@ class Checked:
     recompute_flops: float = 0.0
     # The least traffic its step can have, from its shardings (ndjax.planning.traffic_bound).
     least_link: roofline.Link | None = None
+    # What its devices compute in one step, all devices (``executed_flops``).
+    executed_flops: float | None = None
 
     def least_step_s(self, hardware: roofline.Hardware) -> float:
         """A lower bound of its step time: its compute, and its least traffic."""
         if self.least_link is None:
             return 0.0
-        return roofline.estimate(hardware, self.least_link, self.model_flops, self.tokens,
+        return self.estimate(hardware, self.least_link).serial_s
+
+    def estimate(self, hardware: roofline.Hardware, link: roofline.Link,
+                 host_bytes: float = 0.0) -> roofline.Estimate:
+        """Its roofline step time with ``link``'s traffic."""
+        return roofline.estimate(hardware, link, self.model_flops, self.tokens,
                                  math.prod(self.layout.degrees), self.layout.remat,
-                                 self.recompute_flops).serial_s
+                                 self.recompute_flops, host_bytes, self.executed_flops)
 
     @property
     def config(self) -> ml_collections.ConfigDict:
@@ -255,13 +324,29 @@ def check(config: ml_collections.ConfigDict | Settings, layout: Layout,
         target.model, attn_impl=stand_in, cp_impl=choice.cp or target.model.cp_impl))
     attention = choice.label if stand_in == on_gpu else f"{choice.label} (compiled as {stand_in})"
     tokens = t.batch_size * t.seq_len
-    signature = (layout.remat, layout.grad_accum, target.model.attn_impl, target.model.cp_impl,
-                 program_signature(exp.rules, exp.mesh))
+    signature = (layout.remat, layout.grad_accum, layout.microbatches, target.model.attn_impl,
+                 target.model.cp_impl, program_signature(exp.rules, exp.mesh))
     rerun = sum(roofline.recomputed_forward_flops(exp.model_cfg, t.seq_len,
-                                                  layout.remat).values())
-    return Checked(layout, target, attention, flops_per_token(exp.model_cfg, t.seq_len) * tokens,
-                   tokens, signature, argument_bytes(exp), recompute_flops=rerun * tokens,
-                   least_link=traffic_bound.least_traffic(exp, devices, devices_per_node))
+                                                  layout.remat).values()) * tokens
+    model_flops = flops_per_token(exp.model_cfg, t.seq_len) * tokens
+    return Checked(layout, target, attention, model_flops, tokens, signature,
+                   argument_bytes(exp), recompute_flops=rerun,
+                   least_link=traffic_bound.least_traffic(exp, devices, devices_per_node),
+                   executed_flops=executed_flops(exp.model_cfg, layout, model_flops + rerun,
+                                                 tokens))
+
+
+def executed_flops(cfg: Any, layout: Layout, flops: float, tokens: int) -> float | None:
+    """What the devices compute in one step of a layout with stages, all devices, from
+    ``flops`` (the model's and remat's): GPipe runs every stage at every tick, the
+    bubble's on zeros, so the layers take ticks / micro-batches of their work; the
+    embedding, LM head and loss run outside the stages on every stage's devices, once
+    per stage (DeepSeek V3's dense first layers too: not counted). None without stages."""
+    plan = layout.schedule
+    if plan is None:
+        return None
+    head = 6 * cfg.dim * cfg.vocab_size * tokens  # ndjax.hardware.flops' LM head term
+    return (flops - head) * plan.ticks / plan.microbatches + head * plan.stages
 
 
 def argument_bytes(exp: Any) -> int:
@@ -488,9 +573,11 @@ class Candidate:
 
     def as_dict(self) -> dict[str, Any]:
         e, link = self.estimate, self.link
+        plan = self.layout.schedule
         out = dict(mesh=dict(zip(AXES, self.layout.degrees)), rules=self.layout.rules,
                    remat=self.layout.remat, grad_accum=self.layout.grad_accum,
-                   cp_impl=self.layout.cp_impl,
+                   cp_impl=self.layout.cp_impl, microbatches=self.layout.microbatches,
+                   bubble=plan.bubble if plan else 0.0,
                    status=self.status, reason=self.reason, aliases=self.aliases,
                    least_step_s=self.least_step_s)
         if self.status in ("ranked", "over"):
@@ -557,14 +644,15 @@ def _gib(n: float) -> str:
 
 def _check_all(config: Settings, n: int, hardware: roofline.Hardware,
                devices: Sequence[jax.Device], presets: Sequence[str] | None, inputs: Any,
-               devices_per_node: int = 8) -> tuple[list[Candidate], dict[int, Checked], int]:
+               devices_per_node: int = 8, stages: Sequence[int] | None = ()
+               ) -> tuple[list[Candidate], dict[int, Checked], int]:
     """Every layout through the checks: rejected ones with their reason, and one
     candidate per distinct program, under its plainest name (the default rules, then
     the fewest replicas) with the others as its aliases."""
     rejected: list[Candidate] = []
     checked: dict[int, Checked] = {}
     same: dict[tuple, list[Candidate]] = {}
-    for layout in layouts(config, n, presets):
+    for layout in layouts(config, n, presets, devices_per_node, stages):
         cand = Candidate(layout)
         try:
             c = check(config, layout, devices, hardware, inputs, devices_per_node)
@@ -596,9 +684,7 @@ def _fill(cand: Candidate, r: dict, c: Checked, hardware: roofline.Hardware,
     cand.compile_s, cand.collectives = r["compile_s"], r["collectives"]
     cand.rematerializations = r.get("rematerializations", [])
     cand.link = roofline.traffic(r["collectives"], devices_per_node)
-    cand.estimate = roofline.estimate(hardware, cand.link, c.model_flops, c.tokens,
-                                      math.prod(c.layout.degrees), c.layout.remat,
-                                      c.recompute_flops, host_bytes=cand.host)
+    cand.estimate = c.estimate(hardware, cand.link, cand.host)
     cand.status = "ranked" if _fits(r, hardware, budget) else "over"
 
 
@@ -623,9 +709,7 @@ def _at_least(cand: Candidate, c: Checked, hardware: roofline.Hardware) -> float
     """A lower bound of ``c``'s step time from ``cand``'s measurement at less remat:
     more remat (or accumulation) adds compute and never removes a collective, so the
     communication measured there and the compute of ``c``'s remat bound it below."""
-    return roofline.estimate(hardware, cand.link, c.model_flops, c.tokens,
-                             math.prod(c.layout.degrees), c.layout.remat,
-                             c.recompute_flops, host_bytes=cand.host).serial_s
+    return c.estimate(hardware, cand.link, cand.host).serial_s
 
 
 def _remedy(config: Settings, over: list[Candidate],
@@ -652,9 +736,10 @@ def _remedy(config: Settings, over: list[Candidate],
                 continue
             chosen = None
             while queue and chosen is None:
+                layout = queue.pop(0)  # more accumulation: fewer rows to cut into micro-batches
                 try:
-                    c = check(config, queue.pop(0), devices, hardware, inputs,
-                              devices_per_node)
+                    c = check(config, layout.with_(microbatches=microbatches(config, layout)),
+                              devices, hardware, inputs, devices_per_node)
                 except ConfigError:  # e.g. a grad_accum the batch does not split into
                     continue
                 bound, best = _at_least(cand, c, hardware), _kth_best([*ranked, *over], top)
@@ -703,11 +788,12 @@ def make_plan(config: ml_collections.ConfigDict, n: int, hardware: roofline.Hard
               devices_per_node: int, mem_fraction: float, compiler: Compiler,
               devices: Sequence[jax.Device], presets: Sequence[str] | None = None,
               progress: Callable[[str], None] = lambda _: None,
-              top: int | None = None) -> Plan:
+              top: int | None = None, stages: Sequence[int] | None = ()) -> Plan:
     """Check, compile and price every layout (see the module docstring). With ``top``,
     what cannot rank among the ``top`` best is not compiled: a layout whose
     parameters, optimizer state and batch alone overflow the budget, and remedies
-    that could not beat the ``top``-th best step time."""
+    that could not beat the ``top``-th best step time. ``stages``: as ``layouts``'
+    (by default none: a sixth axis more than doubles the layouts to check and compile)."""
     from ndjax.experiment import check_inputs
 
     # What no layout changes is checked once (a bad field there is the user's error),
@@ -719,7 +805,7 @@ def make_plan(config: ml_collections.ConfigDict, n: int, hardware: roofline.Hard
     budget = hardware.memory_bytes * mem_fraction
     progress(compiler.describe())
     candidates, checked, aliases = _check_all(settings, n, hardware, devices, presets, inputs,
-                                              devices_per_node)
+                                              devices_per_node, stages)
     pending = [c for c in candidates if id(c) in checked]
     progress(f"{len(pending) + aliases} layouts pass the checks ({len(pending)} distinct "
              f"programs), {len(candidates) - len(pending)} rejected")

@@ -19,11 +19,19 @@ program cannot avoid is counted, each once:
   compute dtype. The backward pass's reductions are not counted (under LoRA the first
   layer's need not run).
 
-* **The experts' exchange** (``mesh.expert``): per layer, each device's (token, expert)
+* **The experts' exchange** (``mesh.expert``): per MoE layer, each device's (token, expert)
   pairs to their experts' devices and back, two all-to-alls over the expert axis in the
   compute dtype, counted as ``parallel.collectives`` counts a ragged all-to-all (the
   pairs a device has; in capacity mode ``min(1, capacity_factor)`` of them), and their
   two transposes in the backward pass when every parameter is trained.
+* **Pipeline stages** (``mesh.stage``): a device runs its stage's layers only (the
+  per-layer terms above count those) and holds its stage's share of the stacked
+  weights (never gathered over ``stage``). GPipe's program (``ndjax.parallel.pipeline``)
+  gathers those weights and reduce-scatters their gradients at every tick (M + S - 1
+  of them a step, bubble ticks included: XLA does not hoist them out of the tick
+  loop), and at every tick each device sends its share of a micro-batch's residual
+  stream to the next stage and, backward, its gradient back: two collective permutes
+  over ``stage`` a tick.
 
 Context parallelism's exchange of keys and values, the vocabulary-parallel head and loss,
 and every bookkeeping reduction are left out: the bound is below what a compiled step
@@ -85,6 +93,8 @@ def least_traffic(exp: Any, devices: Any, devices_per_node: int) -> roofline.Lin
     def size(axes: set[str]) -> int:
         return math.prod(mesh.shape[a] for a in axes)
 
+    # GPipe's ticks: the staged weights' gathers and reductions run at each one.
+    ticks = cfg.microbatches + cfg.stages - 1 if cfg.stages > 1 else 1
     trained = {jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(
         exp.trainable(exp.param_shapes))}
     compute_bytes = np.dtype(cfg.dtype).itemsize
@@ -92,28 +102,52 @@ def least_traffic(exp: Any, devices: Any, devices_per_node: int) -> roofline.Lin
                  jax.tree.leaves(exp.param_names, is_leaf=lambda x: isinstance(x, tuple)),
                  jax.tree.leaves(exp.state_sharding.params), strict=True)
     for (path, shape), names, storage in leaves:
+        # A stack's layer axis (split over ``stage``): each device keeps its own layers.
+        lead = _axes(tuple(storage.spec)[:1]) if names and names[0] in STACKED_AXES else set()
         names = names[1:] if names and names[0] in STACKED_AXES else names
         if len(names) < 2:
             continue  # norm scales and the like: not gathered through rules.gather
-        stored = _axes(storage.spec)
+        stored = _axes(storage.spec) - lead
         gathered_spec = rules.compute_spec(rules.stored_names(names, cfg.n_kv_heads)
                                            if "kv_heads" in names else names)
         kept = _axes(gathered_spec)
         gathered_over = stored - kept
-        elements = math.prod(shape.shape) / size(kept)
+        elements = math.prod(shape.shape) / size(kept | lead)
         g = size(gathered_over)
         narrow = min(shape.dtype.itemsize, compute_bytes)
-        send("all-gather", gathered_over, (g - 1) / g * elements * narrow)
+        times = ticks if lead else 1
+        send("all-gather", gathered_over, times * (g - 1) / g * elements * narrow)
         if jax.tree_util.keystr(path) not in trained:
             continue
-        send("reduce-scatter", gathered_over, (g - 1) / g * elements * 4)
+        send("reduce-scatter", gathered_over, times * (g - 1) / g * elements * 4)
         replicas = set(rules.data_axes) - stored - kept
         r = size(replicas)
         send("all-reduce", replicas, 2 * (r - 1) / r * elements / g * 4)
     _tensor_activations(exp, send, size)
     every_param = len(trained) == len(jax.tree.leaves(exp.param_shapes))
     _expert_exchange(exp, send, size, 4 if every_param else 2)
+    _stage_sends(exp, send, size)
     return roofline.Link(inside, across)
+
+
+def _layers_per_device(cfg: Any, moe_only: bool = False) -> float:
+    """The layers a device runs: with pipeline stages, its stage's share of the staged
+    ones, and DeepSeek V3's dense first layers (run before the stages, on every device;
+    not with ``moe_only``)."""
+    staged = cfg.n_layers - cfg.first_k_dense
+    return (0 if moe_only else cfg.first_k_dense) + staged / max(cfg.stages, 1)
+
+
+def _stage_sends(exp: Any, send: Any, size: Any) -> None:
+    """At each tick, a micro-batch's residual stream to the next stage, its gradient back."""
+    rules, cfg, t = exp.rules, exp.model_cfg, exp.settings.train
+    if cfg.stages <= 1:
+        return
+    rows = t.batch_size // t.grad_accum // cfg.microbatches  # a micro-batch's
+    shard = (rows * t.seq_len * cfg.dim / size(set(rules.axes_of("act_batch")))
+             / size(set(rules.axes_of("act_res_seq"))) / size(set(rules.axes_of("act_embed"))))
+    ticks = (cfg.microbatches + cfg.stages - 1) * t.grad_accum
+    send("collective-permute", {"stage"}, 2 * ticks * shard * np.dtype(cfg.dtype).itemsize)
 
 
 def _tensor_activations(exp: Any, send: Any, size: Any) -> None:
@@ -128,7 +162,7 @@ def _tensor_activations(exp: Any, send: Any, size: Any) -> None:
         split.append(set(rules.axes_of("mlp")) - data)
     for axes in split:
         k = size(axes)
-        send("all-reduce", axes, cfg.n_layers * 2 * (k - 1) / k * block_out)
+        send("all-reduce", axes, _layers_per_device(cfg) * 2 * (k - 1) / k * block_out)
 
 
 def _expert_exchange(exp: Any, send: Any, size: Any, per_layer: int) -> None:
@@ -144,4 +178,5 @@ def _expert_exchange(exp: Any, send: Any, size: Any, per_layer: int) -> None:
         pairs *= min(1.0, cfg.capacity_factor)
     g = size(split)
     rows = pairs * cfg.dim * np.dtype(cfg.dtype).itemsize
-    send("all-to-all", split, cfg.n_layers * per_layer * (g - 1) / g * rows)
+    send("all-to-all", split, _layers_per_device(cfg, moe_only=True) * per_layer * (g - 1) / g
+         * rows)

@@ -67,6 +67,9 @@ def define_flags() -> list[flags.FlagHolder]:
                       "simulated CPU devices; auto: gpu where installed."),
         f.DEFINE_string("cache_dir", None, "Where measurements are kept; default "
                         "~/.cache/ndjax/plan; '' for none."),
+        f.DEFINE_string("stages", "off", "Pipeline stages (mesh.stage) to plan: off; auto "
+                        "(each count that divides the layers and gives every stage whole "
+                        "nodes); or counts, e.g. 2,4. More than doubles the layouts."),
     ]
     flags.mark_flag_as_required("config")
     flags.mark_flag_as_required("devices")
@@ -91,9 +94,25 @@ def _check_flags(hardware_names: list[str], presets: list[str]) -> None:
         raise ConfigError(f"--mem_fraction={fraction} must be in (0, 1].")
     if args.workers is not None and args.workers < 0:
         raise ConfigError(f"--workers={args.workers} must be >= 0.")
+    stage_counts(args.stages)
     unknown = [r for r in args.rules or [] if r not in presets]
     if unknown:
         raise ConfigError(f"--rules: {unknown} are not rule presets; choose from {presets}.")
+
+
+def stage_counts(text: str) -> list[int] | None:
+    """--stages as ``planner.layouts`` takes it: [] (off), None (auto) or the counts."""
+    from ndjax.runtime.errors import ConfigError
+
+    if text in ("off", "auto"):
+        return [] if text == "off" else None
+    try:
+        counts = [int(x) for x in text.split(",")]
+    except ValueError:
+        counts = []
+    if not counts or min(counts) < 2:
+        raise ConfigError(f"--stages={text!r}: use off, auto or stage counts >= 2 (e.g. 2,4).")
+    return counts
 
 
 def _gb(n: float) -> str:
@@ -157,6 +176,11 @@ def report(plan, config, top: int) -> str:  # noqa: ANN001 -- planner.Plan, Conf
             notes.append(f"  #{i}: {c.reason} (tried: {'; '.join(c.tried)})")
         if c.aliases:
             notes.append(f"  #{i}: the same program as {', '.join(c.aliases)}")
+        if c.layout.schedule:
+            plan_ = c.layout.schedule
+            notes.append(f"  #{i}: GPipe over {plan_.stages} stages, {plan_.microbatches} "
+                         f"micro-batches: {plan_.bubble:.0%} of each stage's ticks idle "
+                         "(the bubble, in compute ms)")
         if c.host:
             notes.append(f"  #{i}: {_gib(c.host)} GiB of layer inputs per device in host memory; "
                          f"{_ms(e.host_s)} ms over PCIe per step (in comm ms)")
@@ -241,7 +265,8 @@ def run(argv: list[str]) -> None:
     try:
         plan = planner.make_plan(config, n, roofline.HARDWARE[args.hardware],
                                  args.devices_per_node, fraction, compiler, devices,
-                                 args.rules, progress, None if args.exhaustive else args.top)
+                                 args.rules, progress, None if args.exhaustive else args.top,
+                                 stage_counts(args.stages))
     except ConfigError as e:  # a field no layout changes (model dims, data, ...)
         fail(PROGRAM, e)
     finally:
