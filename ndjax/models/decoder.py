@@ -824,13 +824,18 @@ def train_flops_per_token(cfg: DecoderConfig, seq_len: int) -> float:
     4 (not 6) FLOPs per weight, the LM head's too; each adapter adds its two matmuls,
     6 * rank * (in + out) (``lora.num_adapter_params``). The attention is unchanged.
     """
-    d, hd = cfg.dim, cfg.hd
+    hd = cfg.hd
     v_dim = (cfg.v_head_dim or hd) if cfg.kv_lora_rank else hd
     matmul = cfg.n_layers * attention_params(cfg, matmul_only=True) + sum(
         s.count * mlp_params(cfg, active=True, moe=s.moe) for s in stacks(cfg))
     keys = sum(keys_per_query(seq_len, cfg.spec(t).window) for t in cfg.types)
     attention = 6.0 * cfg.n_heads * (hd + v_dim) * keys
     if cfg.lora is None:
-        return 6.0 * (matmul + d * cfg.vocab_size) + attention
-    return (4.0 * (matmul + d * cfg.vocab_size) + 6.0 * lora_lib.num_adapter_params(cfg)
+        return 6.0 * matmul + head_flops_per_token(cfg) + attention
+    return (4.0 * matmul + head_flops_per_token(cfg) + 6.0 * lora_lib.num_adapter_params(cfg)
             + attention)
+
+
+def head_flops_per_token(cfg: DecoderConfig) -> float:
+    """The LM head's share of ``train_flops_per_token``: 6 * dim * vocab, 4 under LoRA."""
+    return (6.0 if cfg.lora is None else 4.0) * cfg.dim * cfg.vocab_size

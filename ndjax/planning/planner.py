@@ -66,6 +66,7 @@ import ml_collections
 
 from ndjax.config import Settings, as_settings, default_config
 from ndjax.hardware import roofline
+from ndjax.models import decoder
 from ndjax.parallel import platforms
 from ndjax.parallel import rules as rules_lib
 from ndjax.parallel.collectives import collectives
@@ -345,7 +346,7 @@ def executed_flops(cfg: Any, layout: Layout, flops: float, tokens: int) -> float
     plan = layout.schedule
     if plan is None:
         return None
-    head = 6 * cfg.dim * cfg.vocab_size * tokens  # ndjax.hardware.flops' LM head term
+    head = decoder.head_flops_per_token(cfg) * tokens
     return (flops - head) * plan.ticks / plan.microbatches + head * plan.stages
 
 

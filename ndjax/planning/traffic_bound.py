@@ -50,6 +50,7 @@ import numpy as np
 from ndjax.hardware import roofline
 from ndjax.models import moe
 from ndjax.models.layers import STACKED_AXES
+from ndjax.parallel.pipeline import GPipe
 
 
 def _axes(spec: Any) -> set[str]:
@@ -94,7 +95,7 @@ def least_traffic(exp: Any, devices: Any, devices_per_node: int) -> roofline.Lin
         return math.prod(mesh.shape[a] for a in axes)
 
     # GPipe's ticks: the staged weights' gathers and reductions run at each one.
-    ticks = cfg.microbatches + cfg.stages - 1 if cfg.stages > 1 else 1
+    ticks = _ticks(cfg)
     trained = {jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(
         exp.trainable(exp.param_shapes))}
     compute_bytes = np.dtype(cfg.dtype).itemsize
@@ -130,6 +131,11 @@ def least_traffic(exp: Any, devices: Any, devices_per_node: int) -> roofline.Lin
     return roofline.Link(inside, across)
 
 
+def _ticks(cfg: Any) -> int:
+    """GPipe's ticks a step (of one grad_accum slice); 1 without stages."""
+    return GPipe(cfg.stages, cfg.microbatches).ticks if cfg.stages > 1 else 1
+
+
 def _layers_per_device(cfg: Any, moe_only: bool = False) -> float:
     """The layers a device runs: with pipeline stages, its stage's share of the staged
     ones, and DeepSeek V3's dense first layers (run before the stages, on every device;
@@ -146,7 +152,7 @@ def _stage_sends(exp: Any, send: Any, size: Any) -> None:
     rows = t.batch_size // t.grad_accum // cfg.microbatches  # a micro-batch's
     shard = (rows * t.seq_len * cfg.dim / size(set(rules.axes_of("act_batch")))
              / size(set(rules.axes_of("act_res_seq"))) / size(set(rules.axes_of("act_embed"))))
-    ticks = (cfg.microbatches + cfg.stages - 1) * t.grad_accum
+    ticks = _ticks(cfg) * t.grad_accum
     send("collective-permute", {"stage"}, 2 * ticks * shard * np.dtype(cfg.dtype).itemsize)
 
 

@@ -176,10 +176,9 @@ def report(plan, config, top: int) -> str:  # noqa: ANN001 -- planner.Plan, Conf
             notes.append(f"  #{i}: {c.reason} (tried: {'; '.join(c.tried)})")
         if c.aliases:
             notes.append(f"  #{i}: the same program as {', '.join(c.aliases)}")
-        if c.layout.schedule:
-            plan_ = c.layout.schedule
-            notes.append(f"  #{i}: GPipe over {plan_.stages} stages, {plan_.microbatches} "
-                         f"micro-batches: {plan_.bubble:.0%} of each stage's ticks idle "
+        if schedule := c.layout.schedule:
+            notes.append(f"  #{i}: GPipe over {schedule.stages} stages, {schedule.microbatches} "
+                         f"micro-batches: {schedule.bubble:.0%} of each stage's ticks idle "
                          "(the bubble, in compute ms)")
         if c.host:
             notes.append(f"  #{i}: {_gib(c.host)} GiB of layer inputs per device in host memory; "
