@@ -357,6 +357,10 @@ class MeshSettings:
     # Pipeline stages (ndjax.parallel.pipeline): each holds a contiguous run of the layers;
     # the batch runs through them in train.microbatches micro-batches.
     stage: int = setting(1)
+    # train.py plans the layout (ndjax.planning.auto): the degrees above, the rule table,
+    # model.remat, train.grad_accum and model.cp_impl become ndjax plan's best for the
+    # devices present.
+    auto: bool = setting(False)
 
 
 @dataclasses.dataclass(frozen=True)

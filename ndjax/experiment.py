@@ -447,6 +447,9 @@ def check_fields(config: ml_collections.ConfigDict | Settings, platform: str | N
 def degrees(settings: Settings, devices: Sequence[jax.Device]) -> ParallelDims:
     """The mesh's degrees for these devices (checked before anything else)."""
     m = settings.mesh
+    if m.auto:
+        raise ConfigError("mesh.auto=True: train.py plans the layout; here, set the mesh's "
+                          "degrees (`ndjax plan` ranks them) and mesh.auto=False.")
     return ParallelDims(m.replica, m.fsdp, m.context, m.tensor, m.expert, m.stage).resolve(
         len(devices))
 

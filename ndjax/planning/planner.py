@@ -237,7 +237,8 @@ def target_settings(config: ml_collections.ConfigDict | Settings, layout: Layout
         scan_layers=True if s.model.scan_layers is None else s.model.scan_layers,
         attn_impl=s.model.attn_impl if attn_impl is None else attn_impl)
     return dataclasses.replace(
-        s, model=model, mesh=dataclasses.replace(s.mesh, **dict(zip(AXES, layout.degrees))),
+        s, model=model, mesh=dataclasses.replace(s.mesh, auto=False,
+                                                 **dict(zip(AXES, layout.degrees))),
         train=dataclasses.replace(s.train, grad_accum=layout.grad_accum,
                                   microbatches=layout.microbatches or s.train.microbatches),
         rules=s.rules if layout.rules == CONFIG_RULES else layout.rules)

@@ -20,6 +20,7 @@ import ml_collections
 from ndjax.config import Settings
 from ndjax.data.loader import data_tokenizer, dropped_overlong, open_loader
 from ndjax.experiment import Experiment, Inputs
+from ndjax.planning import auto as auto_layout
 from ndjax.runs import hf
 from ndjax.runs import workdir as workdir_lib
 from ndjax.runs.checkpoint import Checkpointer, check_resume
@@ -206,6 +207,10 @@ def train(config: ml_collections.ConfigDict, workdir: str,
     started = time.perf_counter()
     as_given = Settings.parse(config)
     trackers.check_installed(as_given.log)  # W&B or MLflow on and not installed: one line
+    # mesh.auto: the planner's best layout for these devices, recorded as the run's config.
+    config, auto_note = auto_layout.resolve(config, devices)
+    if auto_note is not None:
+        as_given = Settings.parse(config)
     # A run resumed from its checkpoints needs nothing outside its workdir: the model
     # it trains is the one it saved, whatever became of model.init_from, and its
     # tokenizer and chat template are the copies it made of data.tokenizer's files.
@@ -280,6 +285,8 @@ def train(config: ml_collections.ConfigDict, workdir: str,
             verbose=verbose, append=resume_step is not None, settings=s))
         for line in summary.startup(exp, workdir, resume_step):
             sinks.message(line)
+        if auto_note:
+            sinks.message(auto_note)
         if epoch_note:
             sinks.message(epoch_note)
         if data_counts.get("data/dropped_overlong"):
