@@ -322,6 +322,19 @@ def table(rows: list[dict]) -> list[str]:
     return lines
 
 
+def _compile_case(case: dict, steps: int) -> dict:
+    """``run_case`` of a --compile_for case in this process: a case XLA cannot compile is
+    a row of its own, as in a process of its own."""
+    from ndjax.runtime.console import native_stderr
+
+    try:
+        with native_stderr(echo=False):
+            return run_case(case, steps)
+    except Exception as e:  # noqa: BLE001 -- the sweep goes on to the next case
+        first = (str(e).strip().splitlines() or [""])[0][:160]
+        return dict(name=case["name"], note=f"failed: {type(e).__name__}: {first}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tiny", action="store_true", help="CPU smoke run: tiny shapes")
@@ -350,6 +363,11 @@ def main() -> None:
                    "XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95"))
     if args.tiny or args.compile_for:
         env["JAX_PLATFORMS"] = "cpu"
+    if args.compile_for:
+        # Nothing runs on a device: the cases compile one after another in this process
+        # (a process each would start jax and the CUDA plugin again each time).
+        os.environ.update(JAX_PLATFORMS="cpu", XLA_PYTHON_CLIENT_MEM_FRACTION=env[
+            "XLA_PYTHON_CLIENT_MEM_FRACTION"])
     rows = []
     for case in cases(args.tiny):
         if args.compile_for:
@@ -357,6 +375,10 @@ def main() -> None:
         left = budget - (time.perf_counter() - start)
         if left < (10 if args.tiny else 60):
             rows.append(dict(name=case["name"], note="skipped: time budget spent"))
+            continue
+        if args.compile_for:
+            rows.append(_compile_case(case, steps))
+            print(f"{case['name']}: {rows[-1].get('note') or 'ok'}", file=sys.stderr, flush=True)
             continue
         cmd = [sys.executable, os.path.abspath(__file__), "--case", json.dumps(case),
                "--steps", str(steps)]

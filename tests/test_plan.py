@@ -384,39 +384,35 @@ def test_stopped_planner_ends_its_workers(signum, tmp_path):
 
 
 def test_mesh_auto_trains_on_the_planners_best_layout(tmp_path, monkeypatch, capsys):
-    """mesh.auto=True: the run takes ndjax plan's best layout for its devices (here 2 CPU
-    devices, priced as H100s), says so on its start-up lines and records it as the run's
-    config; a second run of the same config takes it from the plan cache. Other commands
-    refuse mesh.auto, in one line."""
+    """mesh.auto=True: the run plans its devices (here 2 CPU devices, priced as H100s) as
+    ndjax plan --top=1 does, trains on the best layout, says so on its start-up lines and
+    records it as the run's config; the same config on the same devices then takes it
+    from the plan cache. (That the best is ndjax plan's first: make_plan's tests.) Other
+    commands refuse mesh.auto, in one line."""
+    from ndjax.planning import auto
     from ndjax.training.loop import train
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     config = tiny_config(train={"steps": 1, "batch_size": 2, "seq_len": 64})
     config.mesh.auto = True
     devices = jax.devices()[:2]
-    records = train(config, str(tmp_path / "a"), devices)
+    records = train(config, str(tmp_path / "run"), devices)
     assert math.isfinite(records[-1]["loss"])
-    first = capsys.readouterr()
-    assert "train.py: mesh.auto: compiling" in first.err
-    # What `ndjax plan --top=1` ranks first, from the same measurements (all cached now).
-    messages = []
-    compiler = planner.Compiler(2, 0, planner.Cache(planner.default_cache_dir()),
-                                messages.append)
-    best = planner.make_plan(config, 2, H100, 2, planner.mem_fraction_default(), compiler,
-                             devices, None, top=1).by_status("ranked")[0].layout
-    assert _compiles(messages) and all(m.startswith("compiling 0 step(s)")
-                                       for m in messages if m.startswith("compiling"))
-    note = next(line for line in first.out.splitlines() if "mesh.auto:" in line)
-    assert f"mesh.auto: {best.mesh} [{best.settings}], remat {best.remat}" in note
+    out, err = capsys.readouterr()
+    assert "train.py: mesh.auto: compiling" in err
+    note = next(line for line in out.splitlines() if "mesh.auto:" in line)
     assert f"layouts for 2 cpu devices priced as {H100.name}, " in note
-    saved = json.load(open(tmp_path / "a" / "config.json"))
-    assert saved["mesh"]["auto"] is False
-    assert [saved["mesh"][a] for a in ("replica", "fsdp", "context", "tensor")] == [
-        best.replica, best.fsdp, best.context, best.tensor]
-
-    train(config, str(tmp_path / "b"), devices)
-    second = capsys.readouterr()
-    assert "compiling" not in second.err and "from the plan cache" in second.out
+    saved = json.load(open(tmp_path / "run" / "config.json"))
+    chosen = planner.Layout(**{a: saved["mesh"][a] for a in
+                               ("replica", "fsdp", "context", "tensor", "expert")},
+                            rules=saved["rules"], remat=saved["model"]["remat"],
+                            grad_accum=saved["train"]["grad_accum"],
+                            cp_impl=saved["model"]["cp_impl"])
+    assert saved["mesh"]["auto"] is False and chosen.mesh != "1 device"
+    assert f"mesh.auto: {chosen.mesh} [{chosen.settings}], remat {chosen.remat}" in note
+    again, cached = auto.resolve(config, devices)
+    assert cached == note + "; from the plan cache" and "compiling" not in capsys.readouterr().err
+    assert again.mesh.to_dict() == saved["mesh"] and again.rules == saved["rules"]
 
     with pytest.raises(ConfigError, match=r"mesh.auto=True: train.py plans the layout"):
         Experiment.from_config(config, devices)
