@@ -9,6 +9,7 @@ import glob
 import json
 import os
 import struct
+import time
 import warnings
 
 import jax
@@ -93,11 +94,20 @@ def wandb_records(path):
             yield record
 
 
-def wandb_logged(workdir, run_id):
+def _finished(path):
+    return any(r.WhichOneof("record_type") == "exit" for r in wandb_records(path))
+
+
+def wandb_logged(workdir, run_id, wait_s=60):
     """What the offline W&B run files of ``run_id`` hold: ({(step, key): value}, the
-    config of each file, the number of files)."""
-    files = sorted(glob.glob(os.path.join(workdir, "wandb", f"offline-run-*-{run_id}",
-                                          f"run-{run_id}.wandb")))
+    config of each file, the number of files). W&B's service process writes them; a
+    finished run's file ends with its exit record, waited for up to ``wait_s`` (once, a
+    loaded machine read a file that held no history yet)."""
+    pattern = os.path.join(workdir, "wandb", f"offline-run-*-{run_id}", f"run-{run_id}.wandb")
+    deadline = time.monotonic() + wait_s
+    while not ((files := sorted(glob.glob(pattern))) and all(map(_finished, files))) \
+            and time.monotonic() < deadline:
+        time.sleep(0.2)
     logged, configs = {}, []
     for path in files:
         for record in wandb_records(path):
