@@ -118,12 +118,12 @@ def test_plan_for_the_top_layouts_compiles_less_and_ranks_the_same(tmp_path):
     config.model.attn_impl = "dense"
     every, some = [], []
     # One cache: the plans share their compiles, and _compiles counts what each measured.
-    roomy = _plan(config, H100, tmp_path, every, n=4)
+    roomy = _plan(config, H100, tmp_path, every, n=2)
     need = sorted(c.memory for c in roomy.by_status("ranked"))
     tight = dataclasses.replace(H100, memory_gb=(need[0] + need[1]) / 2 / 1e9)
     every.clear()
-    full = _plan(config, tight, tmp_path, every, n=4)
-    best = _plan(config, tight, tmp_path, some, n=4, top=1)
+    full = _plan(config, tight, tmp_path, every, n=2)
+    best = _plan(config, tight, tmp_path, some, n=2, top=1)
     first = full.by_status("ranked")[0]
     # The least step time of each layout, from its shardings, is below what it compiles to
     # (ndjax.planning.traffic_bound), and not a trivial 0.
