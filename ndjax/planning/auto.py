@@ -106,17 +106,16 @@ def plan(config: ml_collections.ConfigDict, devices: Sequence[jax.Device],
     if (hit := cache.get(key)) is not None:
         return Choice(planner.Layout(**hit["layout"]), hit["note"] + "; from the plan cache")
     on_gpu = devices[0].platform == "gpu"
-    # CPU devices compile here, on the run's own devices; GPUs for the target in worker
-    # processes (XLA's GPU compiler without touching the run's GPUs).
+    # Every layout is checked on the run's own devices. CPU devices compile here too; for
+    # GPUs, worker processes compile for their kind (XLA's GPU compiler, compile-only
+    # devices: nothing touches the run's GPUs).
     target = hardware if on_gpu and not gpu_target.missing() else None
     workers = min(os.cpu_count() or 1, 4) if on_gpu else 0
-    compile_on = devices if not on_gpu or target is None else gpu_target.devices(
-        roofline.HARDWARE[hardware], n, per_node)
     started = time.perf_counter()
     compiler = planner.Compiler(n, workers, cache, progress, target, per_node)
     try:
         result = planner.make_plan(config, n, roofline.HARDWARE[hardware], per_node, fraction,
-                                   compiler, compile_on, None, progress, top=1)
+                                   compiler, devices, None, progress, top=1)
     finally:
         compiler.close()
     ranked = result.by_status("ranked")
