@@ -35,6 +35,7 @@ from ndjax.experiment import Experiment
 from ndjax.hardware import gpu_target, roofline
 from ndjax.ops import attention as attn
 from ndjax.parallel.collectives import collectives, in_conditionals
+from ndjax.parallel.mesh import AXES
 from ndjax.planning import planner, traffic_bound
 from ndjax.runtime import compiler
 from ndjax.runtime.errors import ConfigError
@@ -170,7 +171,7 @@ def _step_temp(impl, seq, mesh=None, model=None, hw="h100", step="train", rows=2
     c = tiny_config(mesh=mesh or dict(fsdp=2), model={**SMALL, "attn_impl": impl,
                                                       **(model or {})},
                     train=dict(batch_size=rows, seq_len=seq))
-    n = int(np.prod([v for v in c.mesh.values()]))
+    n = int(np.prod([c.mesh[a] for a in AXES]))
     exp = Experiment.from_config(c, gpu_target.devices(roofline.HARDWARE[hw], n))
     with warnings.catch_warnings():
         # An XLA option the GPU compiler does not know (compiler.compile_step).

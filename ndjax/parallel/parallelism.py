@@ -163,9 +163,12 @@ class ParallelismConfig:
     def apply_to(self, config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
         """Sets ``config.mesh`` (and ``config.model.cp_impl`` if ``cp_handler`` says a
         strategy) from these sizes, in place; returns ``config``. The sizes are
-        checked against the devices when the experiment is built, as any mesh."""
+        checked against the devices when the experiment is built, as any mesh. Sizes
+        given are the layout: ``mesh.auto`` (train.py planning one) is turned off."""
         for axis, name in FIELDS.items():
             config.mesh[axis] = getattr(self, name)
+        if "auto" in config.mesh:
+            config.mesh.auto = False
         cp_impl = _cp_impl(self.cp_handler)
         if cp_impl is not None:
             config.model.cp_impl = cp_impl
