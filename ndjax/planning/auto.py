@@ -139,11 +139,9 @@ def plan(config: ml_collections.ConfigDict, devices: Sequence[jax.Device],
 
 
 def resolve(config: ml_collections.ConfigDict, devices: Sequence[jax.Device] | None = None,
-            cache_dir: str | None = None) -> tuple[ml_collections.ConfigDict, str | None]:
-    """``config`` with the planned layout where it has mesh.auto=True (and the start-up
-    line's note), else as it is. Every process of a run gets process 0's choice."""
-    if not config.mesh.get("auto", False):
-        return config, None
+            cache_dir: str | None = None) -> tuple[ml_collections.ConfigDict, str]:
+    """``config`` (with mesh.auto=True) with the planned layout, and the start-up line's
+    note. Every process of a run gets process 0's choice."""
     devices = list(jax.devices() if devices is None else devices)
     if jax.process_count() == 1:
         choice = plan(config, devices, _progress, cache_dir)

@@ -208,8 +208,9 @@ def train(config: ml_collections.ConfigDict, workdir: str,
     as_given = Settings.parse(config)
     trackers.check_installed(as_given.log)  # W&B or MLflow on and not installed: one line
     # mesh.auto: the planner's best layout for these devices, recorded as the run's config.
-    config, auto_note = auto_layout.resolve(config, devices)
-    if auto_note is not None:
+    auto_note = None
+    if as_given.mesh.auto:
+        config, auto_note = auto_layout.resolve(config, devices)
         as_given = Settings.parse(config)
     # A run resumed from its checkpoints needs nothing outside its workdir: the model
     # it trains is the one it saved, whatever became of model.init_from, and its
