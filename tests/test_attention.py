@@ -669,10 +669,7 @@ def test_importing_ndjax_keeps_step_temporaries_mapped(malloc):
     from ndjax.runtime import cpu_malloc
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    # Without the suite's XLA_FLAGS (tests/conftest.py): unoptimised CPU code runs the
-    # five steps in 14 s instead of 1; what malloc does with their temporaries is the same.
-    env = dict(os.environ, PYTHONPATH=root, JAX_PLATFORMS="cpu", XLA_FLAGS="",
-               **{cpu_malloc.ENV: malloc})
+    env = dict(os.environ, PYTHONPATH=root, JAX_PLATFORMS="cpu", **{cpu_malloc.ENV: malloc})
     out = subprocess.run([sys.executable, "-c", _FAULTS_SCRIPT], env=env, capture_output=True,
                          text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
