@@ -378,21 +378,22 @@ def main() -> None:
             continue
         if args.compile_for:
             rows.append(_compile_case(case, steps))
-            print(f"{case['name']}: {rows[-1].get('note') or 'ok'}", file=sys.stderr, flush=True)
-            continue
-        cmd = [sys.executable, os.path.abspath(__file__), "--case", json.dumps(case),
-               "--steps", str(steps)]
-        try:
-            out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=left)
-        except subprocess.TimeoutExpired:
-            rows.append(dict(name=case["name"], note=f"timed out after {left:.0f} s"))
-            continue
-        result = [line for line in out.stdout.splitlines() if line.startswith("RESULT ")]
-        if out.returncode or not result:
-            tail = (out.stderr.strip().splitlines() or ["no output"])[-1][:160]
-            rows.append(dict(name=case["name"], note=f"failed (exit {out.returncode}): {tail}"))
         else:
-            rows.append(json.loads(result[-1][len("RESULT "):]))
+            cmd = [sys.executable, os.path.abspath(__file__), "--case", json.dumps(case),
+                   "--steps", str(steps)]
+            try:
+                out = subprocess.run(cmd, env=env, capture_output=True, text=True,
+                                     timeout=left)
+            except subprocess.TimeoutExpired:
+                rows.append(dict(name=case["name"], note=f"timed out after {left:.0f} s"))
+                continue
+            result = [line for line in out.stdout.splitlines() if line.startswith("RESULT ")]
+            if out.returncode or not result:
+                tail = (out.stderr.strip().splitlines() or ["no output"])[-1][:160]
+                rows.append(dict(name=case["name"],
+                                 note=f"failed (exit {out.returncode}): {tail}"))
+            else:
+                rows.append(json.loads(result[-1][len("RESULT "):]))
         print(f"{case['name']}: {rows[-1].get('note') or 'ok'}", file=sys.stderr, flush=True)
 
     import jax

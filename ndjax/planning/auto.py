@@ -28,6 +28,7 @@ import jax
 import ml_collections
 
 from ndjax.hardware import roofline
+from ndjax.parallel import distributed
 from ndjax.parallel.mesh import AXES
 from ndjax.planning import planner
 from ndjax.runtime.errors import ConfigError
@@ -47,19 +48,8 @@ class Choice:
     note: str
 
     def apply(self, config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
-        """``config`` (not changed) with this layout: mesh.auto off, the degrees set."""
-        x = self.layout
-        out = ml_collections.ConfigDict(config.to_dict())
-        for axis, degree in zip(AXES, x.degrees):
-            out.mesh[axis] = degree
-        out.mesh.auto = False
-        if x.rules != planner.CONFIG_RULES:
-            out.rules = x.rules
-        out.model.remat, out.model.cp_impl = x.remat, x.cp_impl
-        out.train.grad_accum = x.grad_accum
-        if x.microbatches:
-            out.train.microbatches = x.microbatches
-        return out
+        """``config`` (not changed) with this layout (``planner.layout_settings``)."""
+        return ml_collections.ConfigDict(planner.layout_settings(config, self.layout).to_dict())
 
 
 def hardware_of(devices: Sequence[jax.Device]) -> tuple[str, str]:
@@ -97,8 +87,6 @@ def plan(config: ml_collections.ConfigDict, devices: Sequence[jax.Device],
 
     n = len(devices)
     hardware, on = hardware_of(devices)
-    from ndjax.parallel import distributed
-
     per_node = max(1, n // len({distributed.host_of(d) for d in devices}))
     fraction = planner.mem_fraction_default()
     cache = planner.Cache(planner.default_cache_dir() if cache_dir is None else cache_dir)
@@ -119,19 +107,20 @@ def plan(config: ml_collections.ConfigDict, devices: Sequence[jax.Device],
     finally:
         compiler.close()
     ranked = result.by_status("ranked")
+    checked = len(result.candidates) + result.aliases
     if not ranked:
         closest = min(result.by_status("over"), key=lambda c: c.memory, default=None)
         closest = closest or next(iter(result.candidates), None)
         why = (f" The closest, {closest.layout.mesh} [{closest.layout.settings}] "
                f"({closest.status}): {' '.join(closest.reason.split())}" if closest else "")
         raise ConfigError(
-            f"mesh.auto=True: none of the {len(result.candidates) + result.aliases} layouts of "
+            f"mesh.auto=True: none of the {checked} layouts of "
             f"{on} fits {result.budget / 2**30:.1f} GiB a device.{why} (`ndjax plan` lists "
             "them all.)")
     best = ranked[0]
     x = best.layout
     note = (f"mesh.auto: {x.mesh} [{x.settings}], remat {x.remat}, grad_accum {x.grad_accum}: "
-            f"ndjax plan's best of {len(result.candidates) + result.aliases} layouts for {on}, "
+            f"ndjax plan's best of {checked} layouts for {on}, "
             f"{best.estimate.serial_s * 1e3:.3g} ms a step by its roofline; planned in "
             f"{time.perf_counter() - started:.0f} s")
     cache.put(key, {"layout": dataclasses.asdict(x), "note": note})
@@ -146,8 +135,6 @@ def resolve(config: ml_collections.ConfigDict, devices: Sequence[jax.Device] | N
     if jax.process_count() == 1:
         choice = plan(config, devices, _progress, cache_dir)
         return choice.apply(config), choice.note
-    from ndjax.parallel import distributed
-
     kv = distributed.client()
     if jax.process_index() == 0:
         try:

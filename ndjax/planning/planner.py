@@ -225,23 +225,28 @@ def _model_counts(config: ml_collections.ConfigDict) -> tuple[int, int]:
     return cfg.n_experts, cfg.n_layers - cfg.first_k_dense
 
 
-def target_settings(config: ml_collections.ConfigDict | Settings, layout: Layout,
-                    attn_impl: str | None = None) -> Settings:
-    """The settings of one layout, in the target's dtypes (a new object: the config
-    given is not changed)."""
+def layout_settings(config: ml_collections.ConfigDict | Settings, layout: Layout) -> Settings:
+    """The settings with one layout's fields (degrees, rules, remat, CP algorithm,
+    accumulation, micro-batches; mesh.auto off), the rest as given (a new object)."""
     s = as_settings(config)
-    model = dataclasses.replace(
-        s.model, remat=layout.remat, cp_impl=layout.cp_impl,
-        dtype="bfloat16" if s.model.dtype == "auto" else s.model.dtype,
-        # What a GPU runs (decoder.default_scan_layers).
-        scan_layers=True if s.model.scan_layers is None else s.model.scan_layers,
-        attn_impl=s.model.attn_impl if attn_impl is None else attn_impl)
     return dataclasses.replace(
-        s, model=model, mesh=dataclasses.replace(s.mesh, auto=False,
-                                                 **dict(zip(AXES, layout.degrees))),
+        s, model=dataclasses.replace(s.model, remat=layout.remat, cp_impl=layout.cp_impl),
+        mesh=dataclasses.replace(s.mesh, auto=False, **dict(zip(AXES, layout.degrees))),
         train=dataclasses.replace(s.train, grad_accum=layout.grad_accum,
                                   microbatches=layout.microbatches or s.train.microbatches),
         rules=s.rules if layout.rules == CONFIG_RULES else layout.rules)
+
+
+def target_settings(config: ml_collections.ConfigDict | Settings, layout: Layout,
+                    attn_impl: str | None = None) -> Settings:
+    """``layout_settings`` in the target's dtypes and with what a GPU runs (a new object:
+    the config given is not changed)."""
+    s = layout_settings(config, layout)
+    return dataclasses.replace(s, model=dataclasses.replace(
+        s.model, dtype="bfloat16" if s.model.dtype == "auto" else s.model.dtype,
+        # What a GPU runs (decoder.default_scan_layers).
+        scan_layers=True if s.model.scan_layers is None else s.model.scan_layers,
+        attn_impl=s.model.attn_impl if attn_impl is None else attn_impl))
 
 
 def target_config(config: ml_collections.ConfigDict | Settings, layout: Layout,
