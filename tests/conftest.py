@@ -24,12 +24,12 @@ _FLAGS = [os.environ.get("XLA_FLAGS", ""),
 # (tests/test_gpu_compile.py, CI's second run of leg 1) are what train.py gets.
 if gpu_target.missing():
     _FLAGS += ["--xla_backend_optimization_level=0", "--xla_llvm_disable_expensive_passes=true"]
-    # jax 0.10's XLA still has the CPU backend's older elemental emitters, which compile
-    # a step in two thirds of the time of its MLIR fusion emitters (the same fusions
-    # and buffers: only the code for each fusion is written another way); jax 0.12's
-    # XLA has only the fusion emitters and aborts on the flag.
-    if jax.__version_info__ < (0, 11):
-        _FLAGS += ["--xla_cpu_use_fusion_emitters=false"]
+# jax 0.10's XLA still has the CPU backend's older elemental emitters, which compile a
+# step in two thirds of the time of its MLIR fusion emitters (the same fusions and
+# buffers: only each fusion's code is written another way). A CPU option, so the GPU
+# compiles keep train.py's. jax 0.12's XLA has only the fusion emitters and aborts on it.
+if jax.__version_info__ < (0, 11):
+    _FLAGS += ["--xla_cpu_use_fusion_emitters=false"]
 os.environ["XLA_FLAGS"] = " ".join(_FLAGS).strip()
 
 # CPU devices even where jax's CUDA plugin is installed (the gpu-compile extra): its
