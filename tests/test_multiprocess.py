@@ -473,3 +473,37 @@ def test_a_checkpoint_unreadable_on_one_process_falls_back_on_both(tmp_path):
     records = metrics(work)
     assert [r["step"] for r in records] == list(range(1, 7))
     np.testing.assert_allclose(losses(records), reference, rtol=1e-5)
+
+
+def test_mesh_auto_plans_on_process_0_and_every_process_takes_its_choice(tmp_path):
+    """mesh.auto=True over 2 processes (1 CPU device each, priced as H100s): process 0
+    plans, the other reads its layout from the coordinator's key-value store and plans
+    nothing, and both train on it (a different layout on either would not run one SPMD
+    program). Where no layout fits (a memory fraction no step fits in), process 0's
+    one-line error reaches the other the same way: both exit 2 with it. The planner's
+    choice itself: test_plan.py's mesh.auto test."""
+    auto = ["--config.mesh.auto=True", "--config.runtime.cpu_devices=1",
+            "--config.train.steps=2", "--config.train.batch_size=2"]
+    env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path / "cache")}
+    results = run_two(tmp_path / "run", *auto, env=env)
+    check_ok(results)
+    (_, out0, err0), (_, _, err1) = results
+    assert "train.py: mesh.auto: compiling" in err0 and "mesh.auto" not in err1, err1[-2000:]
+    note = next(line for line in out0.splitlines() if "mesh.auto:" in line)
+    assert "layouts for 2 cpu devices priced as" in note, note
+    saved = json.load(open(tmp_path / "run" / "config.json"))
+    degrees = {a: saved["mesh"][a] for a in ("replica", "fsdp", "context", "tensor", "expert")}
+    assert saved["mesh"]["auto"] is False and sorted(degrees.values()) == [1, 1, 1, 1, 2]
+    assert [r["step"] for r in metrics(tmp_path / "run") if "loss" in r] == [1, 2]
+
+    env["XLA_PYTHON_CLIENT_MEM_FRACTION"] = "1e-9"
+    results = run_two(tmp_path / "none_fits", *auto, env=env)
+    errors = []
+    for i, (code, _, err) in enumerate(results):
+        lines = [line for line in err.splitlines() if line.startswith("train.py: error:")]
+        assert code == 2 and len(lines) == 1, f"process {i}: exit {code}\n{err[-3000:]}"
+        errors.append(lines[0].replace(f"process {i} of 2: ", "", 1))
+    assert errors[0] == errors[1], errors
+    assert errors[0].startswith("train.py: error: mesh.auto=True: none of the 15 layouts of 2 "
+                                "cpu devices priced as"), errors[0]
+    assert not (tmp_path / "none_fits" / "metrics.jsonl").exists()
