@@ -9,6 +9,7 @@ CPU: the same program a GPU compiles with Triton, executed by XLA.
 
 import dataclasses
 import types
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -612,6 +613,12 @@ def test_unknown_compile_option_is_dropped_with_a_warning():
         compiled = compiler.compile_step(lowered, {"xla_no_such": True,
                                                    "xla_gpu_enable_latency_hiding_scheduler": True})
     np.testing.assert_array_equal(compiled(jnp.ones(3)), 2 * np.ones(3))
+    # The quick CPU options (the planner's and a small init's) name an option jax 0.12's
+    # XLA retired (the older emitters): dropped there without a warning, used on 0.10.
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        quick = compiler.compile_step(lowered, compiler.CPU_QUICK_OPTIONS, "cpu")
+    np.testing.assert_array_equal(quick(jnp.ones(3)), 2 * np.ones(3))
 
 
 _FAULTS_SCRIPT = """

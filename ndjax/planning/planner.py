@@ -86,8 +86,9 @@ OFFLOAD = "offload"
 CP_ALGORITHMS = ("ring", "all_to_all")
 # The planner reads the compiled module's buffers and collectives, never runs it:
 # LLVM's optimisations of the CPU code change neither and take most of the time
-# (the tiny step: 11.0 s -> 2.9 s, the same bytes and collectives).
-MEASURE_OPTIONS = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
+# (the tiny step: 11.0 s -> 2.9 s, the same bytes and collectives); so do the fusion
+# emitters where jax 0.10's older ones are there to take instead (compiler.CPU_QUICK_OPTIONS).
+MEASURE_OPTIONS = compiler.CPU_QUICK_OPTIONS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -434,8 +435,8 @@ def measure(config_json: str, n: int, target: str | None = None,
             else:
                 devices = jax.devices()[:n]
                 exp = Experiment.from_config(config, devices)
-                compiled = exp.lower_step().compile({**compiler.options("cpu"),
-                                                     **MEASURE_OPTIONS})
+                compiled = compiler.compile_step(
+                    exp.lower_step(), {**compiler.options("cpu"), **MEASURE_OPTIONS}, "cpu")
     except Exception as e:  # noqa: BLE001 -- a layout XLA cannot compile is a result too
         return {"error": f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0][:300]}"}
     seconds = time.perf_counter() - start

@@ -98,9 +98,15 @@ def options(platform: str | None = None, env: dict[str, str] | None = None) -> d
     return {k: v for k, v in chosen.items() if f"--{k}=" not in xla_flags}
 
 
-# LLVM's optimisations off (as the planner measures: ndjax.planning.planner.MEASURE_OPTIONS).
+# LLVM's optimisations off (as the planner measures: ndjax.planning.planner.MEASURE_OPTIONS)
+# and, where this XLA still has them (jax 0.10's; jax 0.12's has not), the CPU backend's
+# elemental emitters instead of its MLIR fusion emitters: the same HLO and buffers, the
+# code of each fusion written another way, in two thirds of the compile time.
 CPU_QUICK_OPTIONS: dict[str, Any] = {"xla_backend_optimization_level": 0,
-                                     "xla_llvm_disable_expensive_passes": True}
+                                     "xla_llvm_disable_expensive_passes": True,
+                                     "xla_cpu_use_fusion_emitters": False}
+# Options a newer XLA retired with what they chose between: dropped without a warning.
+_RETIRED = frozenset({"xla_cpu_use_fusion_emitters"})
 # Below this many parameters the init compiles quickly rather than runs quickly. Its
 # compile time hardly depends on the model's size, its run time grows with it: for
 # the 6M-parameter model of bench/first_step.py the quick options compile the init
@@ -134,6 +140,7 @@ def compile_step(lowered: jax.stages.Lowered,
             unknown = _UNKNOWN.search(str(e))
             if not unknown or unknown.group(1) not in chosen:
                 raise
-            warnings.warn(f"XLA does not know the compile option {unknown.group(1)!r} "
-                          f"(ndjax.runtime.compiler); compiling without it.", stacklevel=2)
+            if unknown.group(1) not in _RETIRED:
+                warnings.warn(f"XLA does not know the compile option {unknown.group(1)!r} "
+                              f"(ndjax.runtime.compiler); compiling without it.", stacklevel=2)
             del chosen[unknown.group(1)]
