@@ -357,6 +357,9 @@ class MeshSettings:
     # Pipeline stages (ndjax.parallel.pipeline): each holds a contiguous run of the layers;
     # the batch runs through them in train.microbatches micro-batches.
     stage: int = setting(1)
+    # Chunks of layers each stage holds (> 1: the circular schedule, a micro-batch going
+    # round the stages this many times; its bubble is this many times smaller).
+    virtual_stages: int = setting(1, ge=1)
     # train.py plans the layout (ndjax.planning.auto): the degrees above, the rule table,
     # model.remat, train.grad_accum and model.cp_impl become ndjax plan's best for the
     # devices present.

@@ -477,7 +477,8 @@ def place_model(model_cfg: DecoderConfig, settings: Settings, rules: rules_lib.R
     stages = mesh_lib.stages(rules.mesh)
     if stages > 1:
         model_cfg = dataclasses.replace(model_cfg, stages=stages,
-                                        microbatches=t.microbatches or stages)
+                                        microbatches=t.microbatches or stages,
+                                        virtual_stages=settings.mesh.virtual_stages)
     site = attention_ops.Site.of(model_cfg, t.seq_len, rules, t.batch_size // t.grad_accum)
     chosen = attention_ops.choose(model_cfg.attn_impl, site)
     model_cfg = dataclasses.replace(model_cfg, attn_impl=chosen.name,
@@ -495,7 +496,7 @@ def _check_placement(model_cfg: DecoderConfig, settings: Settings,
                      rules: rules_lib.Rules) -> None:
     """The experts, the batch and the loss chunks against the mesh (no kernel chosen)."""
     _check_experts(model_cfg, rules, settings.model.family)
-    _check_pipeline(model_cfg, settings.train, rules)
+    _check_pipeline(model_cfg, settings.train, rules, settings.mesh.virtual_stages)
     _check_batch(settings.train, rules, rules.mesh)
     _check_loss_chunk(settings.train, rules, rules.mesh)
 
@@ -574,6 +575,8 @@ class Experiment:
     seq_permutation: np.ndarray | None = None
     checkpoint: hf.Checkpoint | None = None  # model.init_from, checked
     data: loader.DataInput | None = None     # what the data loader is opened with
+    # in_layer_order's and in_storage_order's compiled moves, by direction and tree.
+    _reorder_fns: dict = dataclasses.field(default_factory=dict, repr=False)
 
     @classmethod
     def from_config(cls, config: ml_collections.ConfigDict | Settings,
@@ -725,19 +728,47 @@ class Experiment:
     def saved(self, state: state_lib.TrainState) -> state_lib.TrainState:
         """What a checkpoint holds of ``state``: all of it, or under LoRA the adapters
         and their optimizer state (the frozen base is model.init_from's, or the seed's:
-        ``with_base``)."""
-        return state.replace(params=self.trainable(state.params))
+        ``with_base``), in layer order (``in_layer_order``)."""
+        return self.in_layer_order(state.replace(params=self.trainable(state.params)))
 
     @property
     def abstract_saved_state(self) -> state_lib.TrainState:
-        return self.saved(self.abstract_state)
+        state = self.abstract_state
+        return state.replace(params=self.trainable(state.params))
 
     def with_base(self, params: Any) -> Any:
-        """Restored parameters (``saved``'s) -> every parameter: under LoRA the frozen
-        base is read again from where step 0 had it."""
+        """Restored parameters (``saved``'s, in layer order) -> every parameter, in layer
+        order: under LoRA the frozen base is read again from where step 0 had it."""
         if not self.adapters_only:
             return params
-        return lora_lib.merge(lora_lib.split(self.init_state().params, True)[1], params)
+        base = lora_lib.split(self.init_state().params, True)[1]
+        return lora_lib.merge(self.in_layer_order(base), params)
+
+    def in_layer_order(self, tree: Any) -> Any:
+        """A tree of this layout's device arrays (the state, its parameters, a part of
+        them) from the train state's order of the pipelined layers to layer order, which
+        checkpoints and exports hold: the same tree under the circular pipeline
+        (``decoder.layer_order``), whose stages hold every S-th chunk. Same shardings;
+        the layers move between stages once."""
+        return self._reordered(tree, False)
+
+    def in_storage_order(self, tree: Any) -> Any:
+        """``in_layer_order``'s inverse: a restored or imported tree into the train
+        state's order."""
+        return self._reordered(tree, True)
+
+    def _reordered(self, tree: Any, to_storage: bool) -> Any:
+        if decoder.layer_order(self.model_cfg) is None:
+            return tree
+        leaves, treedef = jax.tree.flatten(tree)
+        shardings = tuple(a.sharding for a in leaves)
+        key = (to_storage, treedef, shardings)
+        if key not in self._reorder_fns:
+            self._reorder_fns[key] = jax.jit(
+                lambda t: decoder.reorder_layers(t, self.model_cfg, to_storage),
+                out_shardings=jax.tree.unflatten(treedef, shardings))
+        with jax.set_mesh(self.mesh):
+            return self._reorder_fns[key](tree)
 
     def _fresh_state(self, params: Any) -> state_lib.TrainState:
         return state_lib.TrainState(step=state_lib.zero_step(), params=params,
@@ -780,10 +811,12 @@ class Experiment:
         read, under QLoRA) and the adapters of ``_adapters``."""
         seed = self.settings.train.seed if seed is None else seed
         if not self.adapters_only:
-            return hf.load_params(self.checkpoint, self.param_shapes, self.state_sharding.params)
+            return self.in_storage_order(hf.load_params(
+                self.checkpoint, self.param_shapes, self.state_sharding.params))
         base = hf.load_params(self.checkpoint, *(lora_lib.split(t, True)[1] for t in (
             self.param_shapes, self.state_sharding.params)), quant=self.model_cfg.lora.quant)
-        return lora_lib.merge({**base, **self._saved_modules()}, self._adapters(seed))
+        return lora_lib.merge({**self.in_storage_order(base), **self._saved_modules()},
+                              self._adapters(seed))
 
     def _saved_modules(self) -> dict[str, Any]:
         """model.lora.modules_to_save's parameters as ``model.lora.init_from`` holds them
@@ -800,8 +833,9 @@ class Experiment:
         directory = self.settings.model.lora.init_from
         if directory is None:
             return self._compiled_adapters(jnp.asarray(seed, jnp.uint32))
-        return hf.load_adapter(directory, self.model_cfg, *(self.adapters(t) for t in (
-            self.param_shapes, self.state_sharding.params)))
+        return self.in_storage_order(hf.load_adapter(
+            directory, self.model_cfg, *(self.adapters(t) for t in (
+                self.param_shapes, self.state_sharding.params))))
 
     @functools.cached_property
     def _compiled_adapters(self) -> jax.stages.Compiled:
@@ -1040,28 +1074,52 @@ def _check_batch(t: TrainSettings, rules: rules_lib.Rules, mesh: Mesh) -> None:
             f"train.grad_accum in {fits} or a larger batch_size.")
 
 
-def _check_pipeline(model_cfg: DecoderConfig, t: TrainSettings, rules: rules_lib.Rules) -> None:
-    """mesh.stage against the layers, the layer pattern and the micro-batches."""
+def _check_pipeline(model_cfg: DecoderConfig, t: TrainSettings, rules: rules_lib.Rules,
+                    virtual: int = 1) -> None:
+    """mesh.stage and mesh.virtual_stages against the layers, the layer pattern and the
+    micro-batches."""
     stages = mesh_lib.stages(rules.mesh)
     if stages == 1:
+        if virtual > 1:
+            raise ConfigError(
+                f"mesh.virtual_stages={virtual} needs pipeline stages: it is the chunks of "
+                "layers each stage holds. Set mesh.stage > 1 or mesh.virtual_stages=1.")
         return
     # DeepSeek V3's dense first layers run before the stages; the stages cut the rest.
     n, k = model_cfg.n_layers, model_cfg.first_k_dense
+    chunks = stages * virtual
+    what = f"model.n_layers={n}" if not k else (
+        f"the {n - k} MoE layers (model.n_layers={n} less model.first_k_dense={k}, "
+        "which run before the stages)")
     if (n - k) % stages:
         fits = [d for d in range(2, n - k + 1) if (n - k) % d == 0][:6]
-        what = f"model.n_layers={n}" if not k else (
-            f"the {n - k} MoE layers (model.n_layers={n} less model.first_k_dense={k}, "
-            "which run before the stages)")
         raise ConfigError(
             f"mesh.stage={stages} does not divide {what}: each stage runs an "
             f"equal run of layers. Use mesh.stage in {fits}.")
-    per_stage, period = (n - k) // stages, model_cfg.period
-    if per_stage % period:
+    if (n - k) % chunks:
+        fits = [d for d in range(1, (n - k) // stages + 1) if (n - k) % (stages * d) == 0]
         raise ConfigError(
-            f"mesh.stage={stages} gives each stage {per_stage} layers, not whole periods of "
-            f"the model's {period}-layer pattern of layer types, so the stages would run "
-            f"different layers. Use a mesh.stage that divides {(n - k) // period}.")
+            f"mesh.virtual_stages={virtual}: {stages} stages x {virtual} chunks do not "
+            f"divide {what}: each chunk is an equal run of layers. Use "
+            f"mesh.virtual_stages in {fits}.")
+    per_chunk, period = (n - k) // chunks, model_cfg.period
+    if per_chunk % period:
+        if virtual == 1:
+            asked, each, fix = f"mesh.stage={stages}", "each stage", "a mesh.stage"
+        else:
+            asked = f"mesh.stage={stages} x mesh.virtual_stages={virtual}"
+            each, fix = "each chunk", "mesh.stage x mesh.virtual_stages"
+        raise ConfigError(
+            f"{asked} gives {each} {per_chunk} layers, not whole periods of the model's "
+            f"{period}-layer pattern of layer types, so the stages would run different "
+            f"layers. Use {fix} that divides {(n - k) // period}.")
     m = t.microbatches or stages
+    if virtual > 1 and m < stages:
+        raise ConfigError(
+            f"train.microbatches={m} with mesh.stage={stages}, mesh.virtual_stages="
+            f"{virtual}: the circular schedule sends a micro-batch from the last stage "
+            f"back to the first, which needs at least as many micro-batches as stages. "
+            f"Use train.microbatches >= {stages}.")
     rows = t.batch_size // t.grad_accum
     data, parts = _ways(rules, rules.mesh, ("act_batch",))
     if rows % (m * data):

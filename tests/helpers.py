@@ -49,7 +49,7 @@ def with_overrides(config, overrides=None):
 
 def run_steps(exp: Experiment, initial_state=None, steps: int | None = None,
               grads: list | None = None):
-    """Runs the compiled step; returns (losses, final params on the host).
+    """Runs the compiled step; returns (losses, final params on the host, in layer order).
 
     ``initial_state`` (host arrays) is placed in this layout's shardings, so
     every layout starts from bit-identical parameters. ``grads``: a list the first
@@ -60,14 +60,17 @@ def run_steps(exp: Experiment, initial_state=None, steps: int | None = None,
     if initial_state is None:
         state = exp.init_state()
     else:
-        state = jax.device_put(initial_state, exp.state_sharding)
+        # In layer order, as a checkpoint has it: into the layout's (a circular
+        # pipeline's stored order), and back for what is returned.
+        state = exp.in_storage_order(jax.device_put(initial_state, exp.state_sharding))
     losses = []
     for i, batch in enumerate(host_batches(exp.config, steps)):
         state, metrics = exp.compiled_step(state, exp.device_batch(batch))
         losses.append(float(metrics["loss"]))
         if i == 0 and grads is not None:
-            grads.append(step_gradients(exp, state.opt_state, metrics["grad_norm"]))
-    return np.array(losses), jax.device_get(state.params)
+            grads.append(step_gradients(exp, exp.in_layer_order(state.opt_state),
+                                        metrics["grad_norm"]))
+    return np.array(losses), jax.device_get(exp.in_layer_order(state.params))
 
 
 def step_gradients(exp: Experiment, opt_state, grad_norm):
@@ -115,7 +118,8 @@ def first_step_grads(exp: Experiment, initial_state):
     """The float32 gradients of the first step's loss, from ``initial_state`` (host),
     computed in ``exp``'s layout (the step's own ``loss_and_grads``), on the host: of
     what trains (every parameter, or under LoRA the adapters)."""
-    params = jax.device_put(initial_state.params, exp.state_sharding.params)
+    params = exp.in_storage_order(jax.device_put(initial_state.params,
+                                                 exp.state_sharding.params))
     batch = exp.device_batch(host_batches(exp.config, 1)[0])
     trainable, frozen = lora.split(params, exp.adapters_only)
 
@@ -127,7 +131,7 @@ def first_step_grads(exp: Experiment, initial_state):
         return loss_and_grads(features, exp.step_options, trainable, batch, dropout=dropout)
 
     with rules_lib.use(exp.rules):
-        return jax.device_get(jax.jit(fn)(trainable, batch)[2])
+        return jax.device_get(exp.in_layer_order(jax.jit(fn)(trainable, batch)[2]))
 
 
 # First-step gradients, per parameter: |layout - one device| <= GRAD_RTOL x the

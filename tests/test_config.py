@@ -38,7 +38,8 @@ GOOD = {
     "model.lora.quantize": "nf4", "model.lora.quant_block": "32", "model.lora.dropout": "0.05",
     "model.lora.init_from": "/nowhere/adapter", "model.lora.modules_to_save": "embed_tokens",
     "mesh.replica": "2", "mesh.fsdp": "2", "mesh.expert": "2", "mesh.context": "2",
-    "mesh.tensor": "2", "mesh.stage": "2", "mesh.auto": "True",
+    "mesh.tensor": "2", "mesh.stage": "2", "mesh.virtual_stages": "2",
+    "mesh.auto": "True",
     "runtime.cpu_devices": "4", "runtime.coordinator": "localhost:1234",
     "runtime.num_processes": "2", "runtime.process_id": "1",
     "runtime.local_device_ids": "0,1", "runtime.init_timeout": "60",
@@ -151,6 +152,7 @@ BAD = {
                                                         r"and/or lm_head"),
     **{f"mesh.{a}": (2.5, r" must be an int")
        for a in ("replica", "fsdp", "expert", "context", "tensor", "stage")},
+    "mesh.virtual_stages": (0, r" must be an int >= 1"),
     "mesh.auto": ("yes", r" must be True or False"),
     "runtime.cpu_devices": (0, r" must be an int >= 1"),
     "runtime.coordinator": (1234, r" must be a string"),

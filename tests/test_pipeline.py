@@ -56,6 +56,14 @@ LAYOUTS = {
     # The experts' exchange (a shard_map over the data axes) inside the stages, with the
     # router's load-balancing loss summed over micro-batches.
     "stage2_fsdp2_expert2_moe": (dict(stage=2, fsdp=2, expert=2), MOE, {}, 8),
+    # The circular schedule: 8 layers in 4 chunks of 2, stage 0 holding layers 0-1 and
+    # 4-5; each micro-batch goes round the 2 stages twice.
+    "stage2_virtual2": (dict(stage=2, virtual_stages=2), dict(n_layers=8), {}, 2),
+    # 3 chunks a stage, more micro-batches than stages (the last stage's output waits a
+    # tick for stage 0), with fsdp, tensor and LoRA.
+    "stage2_virtual3_fsdp2_tensor2_lora": (
+        dict(stage=2, virtual_stages=3, fsdp=2, tensor=2), {**LORA, "n_layers": 6},
+        {"train.microbatches": 4}, 8),
     # The dense first layer on every stage's devices, then 4 MoE layers over 2 stages; the
     # load-balancing biases move by the per-layer counts the stages return in layer order.
     "stage2_fsdp2_expert2_deepseek": (dict(stage=2, fsdp=2, expert=2),
@@ -81,35 +89,52 @@ def test_stages_train_like_one_device(cpu_devices, tmp_path, layout):
 
 
 def test_checkpoints_move_between_stage_counts(tmp_path):
-    """Saved at step 2 on 4 stages (x fsdp 2), resumed on 2 stages and on none: steps 3
-    and 4 are the uninterrupted run's. ``ndjax generate`` decodes such a run without stages."""
-    config = tiny_config(mesh=dict(stage=4, fsdp=2), model=FOUR, train=dict(steps=4))
-    config.checkpoint.every = 2
-    config.log.tensorboard = False
+    """Saved at step 2 on 4 stages (x fsdp 2), resumed on 2 stages, on 2 stages of 2
+    chunks each (the circular schedule's stored order) and on none: steps 3 to 5 are
+    the uninterrupted run's. The circular run's own step-4 checkpoint (saved in layer
+    order) resumes on no stages for step 5. ``ndjax generate`` decodes such a run
+    without stages."""
+    def run_config(mesh):
+        c = tiny_config(mesh=mesh, model=FOUR, train=dict(steps=5))
+        c.checkpoint.every = 2
+        c.log.tensorboard = False
+        return c
+
+    config = run_config(dict(stage=4, fsdp=2))
     source = tmp_path / "stage4"
     train(config, str(source), verbose=False)
     reference = losses_by_step(logged_steps(str(source)))
-    for mesh in (dict(stage=2, fsdp=4), dict(fsdp=8)):
-        workdir = tmp_path / f"stage{mesh.get('stage', 1)}"
-        other = tiny_config(mesh=mesh, model=FOUR, train=dict(steps=4))
-        shutil.copytree(source / "checkpoints", workdir / "checkpoints")
-        other.checkpoint.update(resume="2", every=0)
-        other.log.tensorboard = False
+
+    def resume(mesh, name, checkpoints, step):
+        workdir = tmp_path / name
+        shutil.copytree(checkpoints, workdir / "checkpoints")
+        other = run_config(mesh)
+        other.checkpoint.resume = str(step)
         records = train(other, str(workdir), verbose=False)
-        assert [r["step"] for r in records] == [3, 4], mesh
+        assert [r["step"] for r in records] == list(range(step + 1, 6)), mesh
         # Another layout sums in another order: f32 losses at the suite's rtol 1e-5.
-        np.testing.assert_allclose([r["loss"] for r in records], [reference[3], reference[4]],
+        np.testing.assert_allclose([r["loss"] for r in records],
+                                   [reference[s] for s in range(step + 1, 6)],
                                    rtol=1e-5, err_msg=str(mesh))
+        return workdir
+
+    resume(dict(stage=2, fsdp=4), "stage2", source / "checkpoints", 2)
+    circular = resume(dict(stage=2, virtual_stages=2, fsdp=4), "circular",
+                      source / "checkpoints", 2)
+    resume(dict(fsdp=8), "none", source / "checkpoints", 2)
+    resume(dict(fsdp=8), "none_from_circular", circular / "checkpoints", 4)
     # Generation runs no pipeline: the stages' devices shard the weights over fsdp.
-    decode = generate.for_generation(config, 8)
-    assert (decode.mesh.stage, decode.mesh.fsdp) == (1, 8)
+    decode = generate.for_generation(run_config(dict(stage=2, virtual_stages=2, fsdp=4)), 8)
+    assert (decode.mesh.stage, decode.mesh.virtual_stages, decode.mesh.fsdp) == (1, 1, 8)
 
 
 def test_the_bubble_and_the_activations_held_are_the_programs(cpu_devices):
     """GPipe's bubble is (S - 1) / (M + S - 1); the step's saved activations (remat=full:
     each layer's input) are those of M + S - 1 ticks, each stage one micro-batch a tick:
     GPipe's M micro-batches and the bubble's S - 1 ticks, which the scan saves too. The
-    compiled step moves the stream between stages with collective permutes."""
+    compiled step moves the stream between stages with collective permutes. The circular
+    schedule's are (S - 1) / (V M + S - 1) and V M + S - 1 ticks of each chunk's input,
+    which the backward pass runs again."""
     assert pipeline.GPipe(4, 8).bubble == 3 / 11
     assert pipeline.GPipe(2, 2).bubble == 1 / 3
     stages, micro = 4, 4
@@ -135,6 +160,25 @@ def test_the_bubble_and_the_activations_held_are_the_programs(cpu_devices):
     hlo = exp.compiled_step.as_text()
     assert "collective-permute" in hlo
 
+    # The circular schedule: V M + S - 1 ticks of a chunk of L / (S V) layers, and the
+    # bubble V times smaller.
+    assert pipeline.Circular(4, 8, 2).bubble == 3 / 19
+    virtual = 2
+    exp = Experiment.from_config(tiny_config(mesh=dict(stage=stages, fsdp=2,
+                                                       virtual_stages=virtual),
+                                             model={"n_layers": 8, "remat": "full"},
+                                             train=dict(microbatches=micro)), cpu_devices)
+    plan = pipeline.schedule(stages, micro, virtual)
+    assert plan.ticks == virtual * micro + stages - 1
+    with jax.set_mesh(exp.mesh), rules.use(exp.rules):
+        saved = jax.eval_shape(residuals, exp.abstract_state.params, batch)
+    # Each tick the chunks' inputs alone (ticks, stages, rows, seq, dim); the weights
+    # once, (stages, virtual, a chunk's layers, ...), not once a tick.
+    biggest = max(saved, key=lambda a: a.size).shape
+    assert biggest == (plan.ticks, stages, rows, seq, dim), biggest
+    per_tick = [a.shape for a in saved if a.shape[:1] == (plan.ticks,) and a.ndim > 2]
+    assert all(shape[1:4] == (stages, rows, seq) for shape in per_tick), per_tick
+
 
 @pytest.mark.parametrize("mesh, model, train_, message", [
     (dict(stage=3, fsdp=2), dict(n_layers=4), {},
@@ -147,9 +191,41 @@ def test_the_bubble_and_the_activations_held_are_the_programs(cpu_devices):
     (dict(stage=2, fsdp=4), {**DEEPSEEK, "n_layers": 4}, {},
      r"^mesh.stage=2 does not divide the 3 MoE layers \(model.n_layers=4 less "
      r"model.first_k_dense=1, which run before the stages\): .* Use mesh.stage in \[3\]\.$"),
+    (dict(fsdp=8, virtual_stages=2), {}, {},
+     r"^mesh.virtual_stages=2 needs pipeline stages: .* Set mesh.stage > 1 or "),
+    (dict(stage=2, fsdp=4, virtual_stages=3), dict(n_layers=4), {},
+     r"^mesh.virtual_stages=3: 2 stages x 3 chunks do not divide model.n_layers=4: .* Use "
+     r"mesh.virtual_stages in \[1, 2\]\.$"),
+    (dict(stage=2, fsdp=4, virtual_stages=2), dict(family="gemma3", n_layers=12,
+                                                    sliding_window=8), {},
+     r"^mesh.stage=2 x mesh.virtual_stages=2 gives each chunk 3 layers, not whole periods "),
+    (dict(stage=4, fsdp=2, virtual_stages=2), dict(n_layers=8), dict(microbatches=2),
+     r"^train.microbatches=2 with mesh.stage=4, mesh.virtual_stages=2: .* Use "
+     r"train.microbatches >= 4\.$"),
 ])
 def test_bad_pipelines_are_one_line(cpu_devices, mesh, model, train_, message):
     with pytest.raises(ConfigError, match=message) as e:
         Experiment.from_config(tiny_config(mesh=mesh, model=model, train=train_),
-                               cpu_devices[:6 if mesh["stage"] == 3 else 8])
+                               cpu_devices[:6 if mesh.get("stage") == 3 else 8])
     assert "\n" not in str(e.value)
+
+
+def test_hugging_face_files_in_and_out_of_the_circular_order(tmp_path):
+    """model.init_from on 2 stages of 2 chunks each: the state holds the layers in the
+    circular order (stage 0 layers 0 and 2, stage 1 layers 1 and 3), and train.py's
+    steps=0 exports the file's weights unchanged (transformers loads them)."""
+    from test_hf import assert_same_weights, config_for, make_hf
+    from transformers import AutoModelForCausalLM
+
+    model = make_hf(tmp_path / "hf", num_hidden_layers=4)
+    c = config_for(tmp_path / "hf", dict(stage=2, virtual_stages=2, fsdp=4),
+                   hf_dir=str(tmp_path / "out"), dtype="float32")
+    exp = Experiment.from_config(c, jax.devices())
+    stored = jax.device_get(exp.init_state().params["layers"]["mlp"]["w_down"])
+    for position, layer in enumerate([0, 2, 1, 3]):
+        np.testing.assert_array_equal(
+            stored[position], model.model.layers[layer].mlp.down_proj.weight.detach().numpy().T)
+    c.train.steps = 0
+    c.log.tensorboard = False
+    train(c, str(tmp_path / "w"), verbose=False)
+    assert_same_weights(AutoModelForCausalLM.from_pretrained(tmp_path / "out"), model)

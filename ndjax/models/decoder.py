@@ -29,6 +29,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
@@ -150,6 +151,9 @@ class DecoderConfig:
     # over the mesh's stage axis, the rows into ``microbatches``.
     stages: int = 1
     microbatches: int = 1
+    # Chunks of layers per stage (the circular schedule where > 1): the pipelined stack's
+    # parameters are stored in ``pipeline.storage_order`` (``layer_order``).
+    virtual_stages: int = 1
 
     @property
     def hd(self) -> int:
@@ -428,6 +432,32 @@ def stacks(cfg: DecoderConfig) -> tuple[Stack, ...]:
     return (Stack("dense_layers", 0, k, False), Stack("layers", k, cfg.n_layers - k, moe))
 
 
+def layer_order(cfg: DecoderConfig) -> np.ndarray | None:
+    """The model's layer (of the last stack's, from 0) at each position of that stack's
+    stored parameters, or None where they are stored in layer order (every layout but
+    the circular pipeline's: ``pipeline.storage_order``)."""
+    if cfg.virtual_stages == 1:
+        return None
+    return pipeline.storage_order(stacks(cfg)[-1].count, cfg.stages, cfg.virtual_stages)
+
+
+def reorder_layers(tree: Any, cfg: DecoderConfig, to_storage: bool) -> Any:
+    """``tree``'s arrays under the last stack's key (parameters, their LoRA adapters,
+    the optimizer's moments) from layer order to ``layer_order``'s (``to_storage``) or
+    back. Checkpoints, Hugging Face files and PEFT adapters are in layer order; the
+    train state of a circular pipeline is in its storage order. Host or device arrays."""
+    order = layer_order(cfg)
+    if order is None:
+        return tree
+    index = order if to_storage else np.argsort(order)
+    name = stacks(cfg)[-1].name
+
+    def move(path, a):
+        under = any(getattr(k, "key", None) == name for k in path)
+        return a[index] if under and getattr(a, "ndim", 0) and a.shape[0] == len(index) else a
+    return jax.tree_util.tree_map_with_path(move, tree)
+
+
 class Block(nnx.Module):
     def __init__(self, cfg: DecoderConfig, rngs: nnx.Rngs, moe: bool | None = None):
         """``moe``: the MLP a mixture of experts (None: where the model has experts)."""
@@ -521,9 +551,13 @@ class Decoder(nnx.Module):
                                 cfg.init_std, cfg.param_dtype)
 
         keys = jax.random.split(rngs.params(), cfg.n_layers)
+        order = layer_order(cfg)
         for stack in stacks(cfg):
             blocks = _stacked_blocks(cfg, stack.moe, stack.name)
-            setattr(self, stack.name, blocks(keys[stack.first:stack.stop]))
+            # Each layer drawn from its key in the model, stored where layer_order puts it.
+            own = keys[stack.first:stack.stop]
+            setattr(self, stack.name, blocks(own if order is None or stack.name != "layers"
+                                             else own[order]))
         self.final_norm = RMSNorm(cfg.dim, cfg.rms_norm_eps, cfg.param_dtype,
                                   plus_one=cfg.norm_plus_one)
         if not cfg.tie_embeddings:
@@ -618,17 +652,21 @@ class Decoder(nnx.Module):
         cfg = self.cfg
         stack = stacks(cfg)[-1]
         _, stacked = nnx.split(getattr(self, stack.name))
-        per_stage = stack.count // cfg.stages
-        layer_ids = jnp.arange(stack.first, stack.stop, dtype=jnp.uint32)
+        per_chunk = stack.count // (cfg.stages * cfg.virtual_stages)
+        order = layer_order(cfg)
+        layer_ids = stack.first + jnp.asarray(
+            np.arange(stack.count) if order is None else order, jnp.uint32)
 
         def stage(params, h, rows):
             params, ids = params
             tables, seg, token_ids = rows
             drop = None if dropout is None else dataclasses.replace(dropout, token_ids=token_ids)
+            # A chunk's layer types are the stack's first ones (Experiment checks that
+            # the pattern's period divides a chunk).
             return self._run_stack(stack, h, tables, seg, drop, stack.first,
-                                   stack.first + per_stage, params, ids)
+                                   stack.first + per_chunk, params, ids)
 
-        plan = pipeline.GPipe(cfg.stages, cfg.microbatches)
+        plan = pipeline.schedule(cfg.stages, cfg.microbatches, cfg.virtual_stages)
         token_ids = None if dropout is None else dropout.token_ids
         return pipeline.run(plan, stage, (stacked, layer_ids), x,
                             (tables, segment_ids, token_ids), RESIDUAL, PER_LAYER)
@@ -642,6 +680,9 @@ class Decoder(nnx.Module):
         indices in the model (a pipeline stage's)."""
         cfg = self.cfg
         graphdef, own = nnx.split(getattr(self, stack.name))
+        if stacked is None and stack.name == "layers" and layer_order(cfg) is not None:
+            raise ValueError("the circular pipeline's layers are stored out of layer order "
+                             "(layer_order): they run through pipelined() only")
         stacked = own if stacked is None else stacked
         policy = REMAT_POLICIES[cfg.remat]
         consts: tuple = (tables, segment_ids)

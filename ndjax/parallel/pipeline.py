@@ -1,12 +1,16 @@
 """Pipeline parallelism over the mesh's ``stage`` axis, as one SPMD program.
 
-The decoder's layers are cut into ``stages`` contiguous runs. Their stacked parameters'
-leading axis (logical name ``layers``) is split over ``stage`` by the rule table, so
-stage s holds layers s*L/S .. (s+1)*L/S - 1 and no weight moves. The batch is cut into
-micro-batches. At each tick every stage runs its layers on the micro-batch in front
-of it: one function vmapped over the stage axis with ``spmd_axis_name="stage"``, which
-XLA partitions onto the stages' devices. Then the residual stream moves one stage on,
-a collective permute between neighbours.
+The decoder's layers are cut into ``stages`` x ``virtual`` runs of equal length (chunks).
+Their stacked parameters' leading axis (logical name ``layers``) is split over ``stage``
+by the rule table, contiguously: stage s holds the s-th block of the storage order. GPipe
+(``virtual`` 1) stores the layers in order, so stage s holds chunk s. The circular
+schedule stores them so that stage s holds chunks s, s + S, s + 2S, ... (``storage_order``):
+a micro-batch goes round the stages ``virtual`` times. No weight moves in either.
+
+The batch is cut into micro-batches. At each tick every stage runs its chunk on the
+micro-batch in front of it: one function vmapped over the stage axis with
+``spmd_axis_name="stage"``, which XLA partitions onto the stages' devices. Then the
+residual stream moves one stage on, a collective permute between neighbours.
 
 The embedding, the final norm, the LM head and the loss run outside the pipeline on
 every stage's devices (replicated over ``stage``), as MaxText's pipeline runs them.
@@ -20,6 +24,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import PartitionSpec
 
 from ndjax.parallel import rules as rules_lib
@@ -36,13 +41,52 @@ class GPipe:
     microbatches: int
 
     @property
+    def virtual(self) -> int:
+        """Chunks of layers per stage: one."""
+        return 1
+
+    @property
     def ticks(self) -> int:
-        return self.microbatches + self.stages - 1
+        return self.virtual * self.microbatches + self.stages - 1
 
     @property
     def bubble(self) -> float:
-        """The share of stage-ticks with no micro-batch to run: (S - 1) / (M + S - 1)."""
+        """The share of stage-ticks with no micro-batch to run: (S - 1) / (V M + S - 1)."""
         return (self.stages - 1) / self.ticks
+
+
+@dataclasses.dataclass(frozen=True)
+class Circular(GPipe):
+    """The circular (interleaved) schedule, MaxText's and Megatron's forward order:
+    each stage holds ``virtual`` chunks of L / (S V) layers, and a micro-batch goes
+    round the stages ``virtual`` times. Round v of micro-batch m is on stage s at tick
+    v M + m + s, so every stage is busy from tick s to tick V M + s - 1 and the bubble
+    is (S - 1) / (V M + S - 1): V times fewer idle ticks, each V times shorter. A
+    micro-batch leaves the last stage M - S + 1 ticks before stage 0 takes it again,
+    hence M >= S. Each tick saves its chunks' inputs alone, V M + S - 1 of them, and
+    the backward pass runs each chunk's forward again (a chunk's weights are picked by
+    tick, and the scan would otherwise save every tick's pick)."""
+
+    virtual_stages: int = 2
+
+    @property
+    def virtual(self) -> int:
+        return self.virtual_stages
+
+
+def schedule(stages: int, microbatches: int, virtual: int = 1) -> GPipe:
+    """GPipe for one chunk per stage, else the circular schedule."""
+    return GPipe(stages, microbatches) if virtual == 1 else Circular(stages, microbatches,
+                                                                      virtual)
+
+
+def storage_order(count: int, stages: int, virtual: int) -> np.ndarray:
+    """The layer (of ``count``, in order) at each position of the stacked parameters'
+    leading axis, which ``stage`` splits into contiguous blocks: stage s's block holds
+    chunks s, s + S, ..., s + (V - 1) S of ``count / (S V)`` layers. The identity for
+    GPipe (``virtual`` 1)."""
+    k = count // (stages * virtual)
+    return np.arange(count).reshape(virtual, stages, k).transpose(1, 0, 2).reshape(-1)
 
 
 def _split_rows(a: jax.Array, m: int) -> jax.Array:
@@ -74,54 +118,85 @@ StageFn = Callable[[Any, jax.Array, Any], tuple[jax.Array, dict]]
 def run(plan: GPipe, stage_fn: StageFn, params: Any, x: jax.Array, per_row: Any,
         x_names: tuple[str | None, ...], per_layer: str) -> tuple[jax.Array, dict]:
     """``x`` (b, ...) through every stage -> (the last stage's output (b, ...), the stats
-    summed over micro-batches: those under ``per_layer`` keys (L, ...) in layer order).
+    summed over micro-batches: those under ``per_layer`` keys (L, ...) in the parameters'
+    storage order).
 
-    ``params``: the stacked layers' parameters, leading axis L = stages x L/stages.
-    ``per_row``: arrays with the batch as leading axis (rotary tables, segment ids), cut
-    into micro-batches as ``x`` is. ``x_names``: ``x``'s logical axes.
+    ``params``: the stacked layers' parameters, leading axis L = S x V x L/(S V) in
+    ``storage_order``. ``per_row``: arrays with the batch as leading axis (rotary
+    tables, segment ids), cut into micro-batches as ``x`` is. ``x_names``: ``x``'s
+    logical axes.
     """
-    s, m = plan.stages, plan.microbatches
-    staged = jax.tree.map(lambda a: a.reshape(s, a.shape[0] // s, *a.shape[1:]), params)
+    s, m, v = plan.stages, plan.microbatches, plan.virtual
+    staged = jax.tree.map(lambda a: a.reshape(s, v, a.shape[0] // (s * v), *a.shape[1:]),
+                          params)
     xs = rules_lib.constrain(_split_rows(x, m), (None, *x_names))
     rows = jax.tree.map(lambda a: _split_rows(a, m), per_row)
     stage_ids = jnp.arange(s)
-    stages = jax.vmap(stage_fn, spmd_axis_name="stage")
 
-    def inputs_at(t, state):
-        """Stage 0 takes micro-batch t; stage i > 0 what stage i - 1 gave at tick t - 1."""
+    def chunk_fn(chunks, rnd, h, consts):
+        """One stage: its chunk of round ``rnd`` (a chunk of its own: no weight moves)."""
+        chunk = jax.tree.map(lambda a: a[0] if v == 1 else
+                             jax.lax.dynamic_index_in_dim(a, rnd, keepdims=False), chunks)
+        return stage_fn(chunk, h, consts)
+
+    if v > 1:
+        # The scan would save each tick's pick of weights (and what the layers derive
+        # from them) for the backward pass: M copies of a stage's weights. Each tick
+        # keeps the chunk's input alone, and the backward pass runs the chunk again.
+        chunk_fn = jax.checkpoint(chunk_fn, prevent_cse=False,
+                                  policy=jax.checkpoint_policies.nothing_saveable)
+    stages = jax.vmap(chunk_fn, spmd_axis_name="stage")
+
+    def inputs_at(t, state, out):
+        """Stage 0 takes micro-batch t in the first round, and in a later round what the
+        last stage gave for it (kept in ``out`` since); stage i > 0 what stage i - 1 gave
+        at tick t - 1."""
         first = xs[jnp.minimum(t, m - 1)]
+        if v > 1:
+            first = jnp.where(t < m, first, out[t % m])
         shifted = jnp.roll(state, 1, axis=0)  # a collective permute over ``stage``
         at_first = (stage_ids == 0).reshape(s, *([1] * (state.ndim - 1)))
         return _constrain_staged(jnp.where(at_first, first[None], shifted), x_names)
 
     def tick(carry, t):
         state, out, stats = carry
-        mb = t - stage_ids                       # the micro-batch at each stage
-        valid = (mb >= 0) & (mb < m)
-        consts = jax.tree.map(lambda a: a[jnp.clip(mb, 0, m - 1)], rows)
-        h, st = stages(staged, inputs_at(t, state), consts)
+        work = t - stage_ids                     # each stage's (round, micro-batch)
+        rnd, mb = jnp.clip(work // m, 0, v - 1), jnp.clip(work % m, 0, m - 1)
+        valid = (work >= 0) & (work < v * m)
+        consts = jax.tree.map(lambda a: a[mb], rows)
+        h, st = stages(staged, rnd, inputs_at(t, state, out), consts)
         h = _constrain_staged(h, x_names)
-        # The last stage's output is micro-batch t - (s - 1)'s. Ticks before s - 1 write
-        # the bubble's zeros to slot 0, which tick s - 1 overwrites.
-        out = out.at[jnp.clip(t - (s - 1), 0, m - 1)].set(h[s - 1])
-        stats = {k: v + _masked_sum(st[k], valid, k.startswith(per_layer))
-                 for k, v in stats.items()}
+        # The last stage's output is micro-batch (t - (s - 1)) % m's: the step's output
+        # after the last round, before it stage 0's input of the next. Bubble ticks
+        # (before s - 1) write nothing.
+        slot = jnp.clip(t - (s - 1), 0, v * m - 1) % m
+        out = out.at[slot].set(jnp.where(valid[s - 1], h[s - 1], out[slot]))
+        stats = {k: acc + _masked_sum(st[k], valid, rnd, v, k.startswith(per_layer))
+                 for k, acc in stats.items()}
         return (h, out, stats), None
 
     state0 = _constrain_staged(jnp.zeros((s, *xs.shape[1:]), x.dtype), x_names)
-    shapes = jax.eval_shape(stages, staged, state0,
+    shapes = jax.eval_shape(stages, staged, jnp.zeros(s, jnp.int32), state0,
                             jax.tree.map(lambda a: a[jnp.zeros(s, jnp.int32)], rows))[1]
-    stats0 = {k: jnp.zeros(v.shape if k.startswith(per_layer) else v.shape[1:], v.dtype)
-              for k, v in shapes.items()}
+    # Per-layer stats (stages, chunk's layers, ...) accumulate per round: (S, V, L/(S V)).
+    stats0 = {k: jnp.zeros((s, v, *a.shape[1:]) if k.startswith(per_layer) else a.shape[1:],
+                           a.dtype) for k, a in shapes.items()}
     (_, out, stats), _ = jax.lax.scan(tick, (state0, jnp.zeros_like(xs), stats0),
                                       jnp.arange(plan.ticks))
-    stats = {k: (v.reshape(-1, *v.shape[2:]) if k.startswith(per_layer) else v)
-             for k, v in stats.items()}
+    stats = {k: (a.reshape(-1, *a.shape[3:]) if k.startswith(per_layer) else a)
+             for k, a in stats.items()}
     return rules_lib.constrain(_join_rows(out), x_names), stats
 
 
-def _masked_sum(v: jax.Array, valid: jax.Array, keep_stages: bool) -> jax.Array:
+def _masked_sum(a: jax.Array, valid: jax.Array, rnd: jax.Array, virtual: int,
+                keep_stages: bool) -> jax.Array:
     """A tick's stats (stages, ...) from the stages that held a micro-batch: summed over
-    the stages, or (``keep_stages``: per-layer stats) kept per stage."""
-    v = jnp.where(valid.reshape(-1, *([1] * (v.ndim - 1))), v, jnp.zeros_like(v))
-    return v if keep_stages else jnp.sum(v, axis=0)
+    the stages, or (``keep_stages``: per-layer stats) kept per stage, in the slot of
+    the round each stage ran (stages, virtual, ...)."""
+    a = jnp.where(valid.reshape(-1, *([1] * (a.ndim - 1))), a, jnp.zeros_like(a))
+    if not keep_stages:
+        return jnp.sum(a, axis=0)
+    if virtual == 1:
+        return a[:, None]
+    one_hot = jax.nn.one_hot(rnd, virtual, dtype=a.dtype)  # (stages, virtual)
+    return one_hot.reshape(*one_hot.shape, *([1] * (a.ndim - 1))) * a[:, None]

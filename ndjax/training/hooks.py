@@ -274,12 +274,12 @@ class Export(Hook):
         if trainer.stop_reason:
             return
         from ndjax.runs import hf
+        params = trainer.exp.in_layer_order(trainer.state.params)
         if self.adapter_dir:
-            hf.export_adapter(trainer.state.params, trainer.exp.model_cfg, self.adapter_dir,
-                              self.base)
+            hf.export_adapter(params, trainer.exp.model_cfg, self.adapter_dir, self.base)
             trainer.sinks.message(f"exported LoRA adapters (PEFT) to {self.adapter_dir}")
         if self.hf_dir:
-            hf.export(trainer.state.params, trainer.exp.model_cfg, self.hf_dir, self.dtype,
+            hf.export(params, trainer.exp.model_cfg, self.hf_dir, self.dtype,
                       source=self.source, shard_bytes=self.shard_bytes, **self.kw)
             trainer.sinks.message(f"exported Hugging Face checkpoint to {self.hf_dir}")
         trainer.exported = self.hf_dir or self.adapter_dir
@@ -315,7 +315,7 @@ class Sample(Hook):
         if not due(self.every, step):
             return
         trainer.flush()
-        self.generator.params = trainer.state.params
+        self.generator.params = trainer.exp.in_layer_order(trainer.state.params)
         new = self.generator.generate([self.ids])[0]
         eos = self.tokenizer.eos_id
         text = self.tokenizer.decode([i for i in new if i != eos])

@@ -268,7 +268,8 @@ def train(config: ml_collections.ConfigDict, workdir: str,
         resume_step = None if resumed is None else resumed[0]
         if resumed is not None:
             resume_step, state, data_state = resumed
-            state = state.replace(params=exp.with_base(state.params))
+            # Checkpoints hold the layers in order; the state, in the layout's.
+            state = exp.in_storage_order(state.replace(params=exp.with_base(state.params)))
             data.set_state(data_state)  # the next batch is the one after the saved step
             first_step = data_state["rows"] // exp.data.batches.batch_size + 1
             # Moved aside, not deleted, until this run has saved: a crash before then

@@ -116,7 +116,7 @@ def for_generation(config: ml_collections.ConfigDict, n_devices: int
                    loss_chunk=2 * n_devices, eval_every=0)
     stages = c.mesh.get("stage", 1)
     if stages > 1:  # decoding runs no pipeline: the stages' devices shard the weights
-        c.mesh.stage = 1
+        c.mesh.stage, c.mesh.virtual_stages = 1, 1
         c.mesh.fsdp = -1 if c.mesh.fsdp == -1 else c.mesh.fsdp * stages
     return c
 
