@@ -347,6 +347,11 @@ def _check_grpo(settings: Settings) -> None:
     anything compiles)."""
     t, d, g = settings.train, settings.data, settings.grpo
     where = "train.objective='grpo'"
+    if settings.mesh.virtual_stages > 1:
+        raise ConfigError(
+            f"{where} with mesh.virtual_stages={settings.mesh.virtual_stages}: GRPO samples "
+            "from the train state, whose layers the circular schedule stores out of order; "
+            "not built yet. Set mesh.virtual_stages=1.")
     if d.format != "prompt":
         raise ConfigError(f"{where} samples completions of prompts, and data.format="
                           f"{d.format!r}: set data.source=chat and data.format=prompt (records "
@@ -751,6 +756,15 @@ class Experiment:
         (``decoder.layer_order``), whose stages hold every S-th chunk. Same shardings;
         the layers move between stages once."""
         return self._reordered(tree, False)
+
+    @functools.cached_property
+    def layer_order_model(self) -> tuple[Any, DecoderConfig]:
+        """The graph and config that run ``in_layer_order``'s parameters outside the
+        pipeline (the sample hook's decoding): the model's, with one chunk per stage."""
+        if decoder.layer_order(self.model_cfg) is None:
+            return self.graphdef, self.model_cfg
+        cfg = dataclasses.replace(self.model_cfg, virtual_stages=1)
+        return nnx.split(nnx.eval_shape(lambda: decoder.Decoder(cfg, nnx.Rngs(0))))[0], cfg
 
     def in_storage_order(self, tree: Any) -> Any:
         """``in_layer_order``'s inverse: a restored or imported tree into the train

@@ -231,9 +231,14 @@ def test_trainer_delivers_metrics_one_step_late_and_in_order():
                      ("metrics", 3)]
 
 
-def test_sample_hook_writes_what_generate_gives_for_that_checkpoint(tmp_path, cpu_devices):
+@pytest.mark.parametrize("mesh", [dict(fsdp=8), dict(stage=2, virtual_stages=2, fsdp=4)],
+                         ids=["fsdp", "circular_pipeline"])
+def test_sample_hook_writes_what_generate_gives_for_that_checkpoint(tmp_path, cpu_devices,
+                                                                     mesh):
+    """On the training mesh; the circular pipeline's state holds its layers out of order,
+    and the hook decodes them in order."""
     from ndjax.verbs import generate
-    c = tiny_config(mesh=dict(fsdp=8), model=dict(vocab_size=264), train=dict(steps=4))
+    c = tiny_config(mesh=mesh, model=dict(vocab_size=264, n_layers=4), train=dict(steps=4))
     c.log.update(sample_every=2, sample_prompt="import os", sample_tokens=6)
     train(c, str(tmp_path), cpu_devices, verbose=False)
     samples = [json.loads(line) for line in (tmp_path / "samples.jsonl").read_text().splitlines()]

@@ -202,6 +202,9 @@ def test_the_bubble_and_the_activations_held_are_the_programs(cpu_devices):
     (dict(stage=4, fsdp=2, virtual_stages=2), dict(n_layers=8), dict(microbatches=2),
      r"^train.microbatches=2 with mesh.stage=4, mesh.virtual_stages=2: .* Use "
      r"train.microbatches >= 4\.$"),
+    (dict(stage=2, fsdp=4, virtual_stages=2), dict(n_layers=4), dict(objective="grpo"),
+     r"^train.objective='grpo' with mesh.virtual_stages=2: GRPO samples from the train "
+     r"state, .* not built yet\. Set mesh.virtual_stages=1\.$"),
 ])
 def test_bad_pipelines_are_one_line(cpu_devices, mesh, model, train_, message):
     with pytest.raises(ConfigError, match=message) as e:

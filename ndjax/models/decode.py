@@ -39,6 +39,7 @@ from ndjax.models.decoder import (
     Block,
     Decoder,
     DecoderConfig,
+    layer_order,
     stacks,
 )
 from ndjax.models.layers import weight
@@ -104,6 +105,9 @@ def forward(model: Decoder, tokens: jax.Array, start: jax.Array | int, cache: Ca
                         jnp.int32)
     local = jnp.array([t == SLIDING for t in cfg.types])
     k, v = cache.k, cache.v
+    if layer_order(cfg) is not None:  # the scan below runs the stacked layers as stored
+        raise ValueError("decoding needs the layers in order: pass Experiment.in_layer_order's "
+                         "parameters with a config of virtual_stages=1")
     for stack in stacks(cfg):  # (DeepSeek V3: its dense first layers, then the rest)
         graphdef, stacked = nnx.split(getattr(model, stack.name))
 

@@ -300,8 +300,9 @@ class Sample(Hook):
         self.every, self.prompt, self.path = every, prompt, path
         self.tokenizer = tokenizer
         self.ids = self.tokenizer.encode(prompt)
+        graphdef, cfg = exp.layer_order_model  # after_step passes the layers in order
         self.generator = Generator(
-            exp.graphdef, None, exp.model_cfg, exp.rules, max_new_tokens=max_new_tokens,
+            graphdef, None, cfg, exp.rules, max_new_tokens=max_new_tokens,
             max_len=seq_len, eos_ids=(self.tokenizer.eos_id,),
             pad_id=self.tokenizer.pad_id, max_len_what="train.seq_len")
         if len(self.ids) + max_new_tokens > seq_len:
