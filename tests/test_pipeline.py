@@ -64,6 +64,14 @@ LAYOUTS = {
     "stage2_virtual3_fsdp2_tensor2_lora": (
         dict(stage=2, virtual_stages=3, fsdp=2, tensor=2), {**LORA, "n_layers": 6},
         {"train.microbatches": 4}, 8),
+    # 4 stages of 2 chunks, the experts' exchange inside them.
+    "stage4_virtual2_expert2_moe": (dict(stage=4, virtual_stages=2, expert=2),
+                                    {**MOE, "n_layers": 8}, {"train.microbatches": 4}, 8),
+    # Ring attention over MLA inside the chunks, and the load-balancing biases moving by
+    # counts that come back in the stored order, as the biases are stored.
+    "stage2_virtual2_context2_expert2_deepseek": (
+        dict(stage=2, virtual_stages=2, context=2, expert=2), {**DEEPSEEK, "n_layers": 5},
+        {}, 8),
     # The dense first layer on every stage's devices, then 4 MoE layers over 2 stages; the
     # load-balancing biases move by the per-layer counts the stages return in layer order.
     "stage2_fsdp2_expert2_deepseek": (dict(stage=2, fsdp=2, expert=2),
@@ -178,6 +186,24 @@ def test_the_bubble_and_the_activations_held_are_the_programs(cpu_devices):
     assert biggest == (plan.ticks, stages, rows, seq, dim), biggest
     per_tick = [a.shape for a in saved if a.shape[:1] == (plan.ticks,) and a.ndim > 2]
     assert all(shape[1:4] == (stages, rows, seq) for shape in per_tick), per_tick
+
+
+def test_the_start_up_lines_name_the_schedule(cpu_devices, tmp_path):
+    from ndjax.training import summary
+
+    def line(mesh, model, train_=None):
+        exp = Experiment.from_config(tiny_config(mesh=mesh, model=model, train=train_),
+                                     cpu_devices)
+        return [x for x in summary.startup(exp, str(tmp_path), None)
+                if x.startswith("pipeline: ")]
+
+    assert line(dict(stage=2, virtual_stages=2, fsdp=4), dict(n_layers=8)) == [
+        "pipeline: Circular, 2 stages of 2 chunks of 2 layers each, taken in turn; 2 "
+        "micro-batches per step: 5 ticks, 20% of them idle on each stage (the bubble)"]
+    assert line(dict(stage=4, fsdp=2), FOUR, dict(grad_accum=2, microbatches=2)) == [
+        "pipeline: GPipe, 4 stages of 1 layer each; 2 micro-batches per step per grad_accum "
+        "slice: 5 ticks, 60% of them idle on each stage (the bubble)"]
+    assert line(dict(fsdp=8), {}) == []
 
 
 @pytest.mark.parametrize("mesh, model, train_, message", [

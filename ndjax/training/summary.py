@@ -11,6 +11,7 @@ import numpy as np
 
 from ndjax.experiment import Experiment
 from ndjax.models import decoder, lora
+from ndjax.parallel import pipeline
 from ndjax.training.report import format_bytes
 
 
@@ -47,12 +48,31 @@ def startup(exp: Experiment, workdir: str, resume_step: int | None) -> list[str]
         f"moments {t.opt_state_dtype}; remat {cfg.remat}; layers "
         f"{'scanned' if cfg.scan_layers else 'unrolled'}",
         *_loss(exp),
+        *_pipeline(exp),
         f"attention: {exp.attention.describe()}",
         f"batch: {t.batch_size} rows x {t.seq_len} tokens = {t.batch_size * t.seq_len} "
         f"tokens per step{micro}; {t.steps} steps; data {c.data.source}, tokenizer {tokenizer}",
         f"workdir: {workdir}; " + (f"resuming from checkpoint step {resume_step}"
                                    if resume_step is not None else "starting at step 1"),
     ]
+
+
+def _pipeline(exp: Experiment) -> list[str]:
+    """With stages: the schedule, what each stage holds and runs, and its bubble."""
+    cfg = exp.model_cfg
+    if cfg.stages == 1:
+        return []
+    plan = pipeline.schedule(cfg.stages, cfg.microbatches, cfg.virtual_stages)
+    staged = decoder.stacks(cfg)[-1]
+    chunk = staged.count // (plan.stages * plan.virtual)
+    before = f" after {staged.first} dense layers on every stage" if staged.first else ""
+    layers = f"{chunk} layer{'s' * (chunk > 1)}"
+    holds = (f"{layers} each" if plan.virtual == 1 else
+             f"{plan.virtual} chunks of {layers} each, taken in turn")
+    return [f"pipeline: {type(plan).__name__}, {plan.stages} stages of {holds}{before}; "
+            f"{plan.microbatches} micro-batches per step"
+            + (" per grad_accum slice" if exp.settings.train.grad_accum > 1 else "")
+            + f": {plan.ticks} ticks, {plan.bubble:.0%} of them idle on each stage (the bubble)"]
 
 
 def _loss(exp: Experiment) -> list[str]:
