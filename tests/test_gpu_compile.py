@@ -711,6 +711,14 @@ def test_pipeline_stages_compile_for_h100s_with_pallas_attention():
                 if x.kind == "collective-permute"}
     rows = 8 // 2 // 2  # a micro-batch's rows on one fsdp shard
     assert rows * 512 * exp.model_cfg.dim * 2 in permutes, permutes  # bf16 stream
+    # The circular schedule (2 chunks a stage) compiles with the same kernels and stream.
+    c.mesh.virtual_stages = 2
+    circular = Experiment.from_config(c, gpu_target.devices(H100, 4))
+    assert circular.attention.name == "pallas" and circular.model_cfg.virtual_stages == 2
+    assert rows * 512 * exp.model_cfg.dim * 2 in {
+        x.bytes for x in collectives(circular.compiled_step.as_text())
+        if x.kind == "collective-permute"}
+    c.mesh.virtual_stages = 1
     with pytest.raises(ConfigError, match=r"cannot run inside pipeline stages \(mesh.stage=2\)"):
         c.model.attn_impl = "cudnn"
         Experiment.from_config(c, gpu_target.devices(H100, 4))
