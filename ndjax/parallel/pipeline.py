@@ -147,41 +147,48 @@ def run(plan: GPipe, stage_fn: StageFn, params: Any, x: jax.Array, per_row: Any,
                                   policy=jax.checkpoint_policies.nothing_saveable)
     stages = jax.vmap(chunk_fn, spmd_axis_name="stage")
 
-    def inputs_at(t, state, loop):
+    def per_stage(mask: jax.Array) -> jax.Array:
+        return mask.reshape(s, *([1] * (len(xs.shape) - 1)))
+
+    def kept(buf: jax.Array, slot: jax.Array, value: jax.Array, mask: jax.Array) -> jax.Array:
+        """``buf`` (stages, m, ...) with ``value`` (stages, ...) in slot ``slot`` of the
+        stages in ``mask``: each stage writes its own copy, nothing crosses stages."""
+        return _constrain_staged(buf.at[:, slot].set(
+            jnp.where(per_stage(mask), value, buf[:, slot])), (None, *x_names))
+
+    def inputs_at(t, state, buf):
         """Stage 0 takes micro-batch t in the first round, and in a later round what the
-        last stage gave for it (``loop``: (stages, m, ...), stage 0's slots); stage
-        i > 0 what stage i - 1 gave at tick t - 1. Also ``loop`` updated."""
+        last stage gave for it (kept in stage 0's slots of ``buf``); stage i > 0 what
+        stage i - 1 gave at tick t - 1. Also ``buf`` updated."""
         first = xs[jnp.minimum(t, m - 1)][None]
         shifted = jnp.roll(state, 1, axis=0)  # a collective permute over ``stage``
         if v > 1:
             # What reaches stage 0 is the last stage's output of tick t - 1, micro-batch
             # (t - s) % m's; it waits on stage 0 until that micro-batch's next round, m - s
-            # ticks on (written first: with m == s it is taken at once). Kept on the
-            # stages rather than in ``out``, which every stage holds: sending each round
-            # to every stage would cross the stage axis V times.
-            loop = _constrain_staged(loop.at[:, (t - s) % m].set(shifted), (None, *x_names))
-            first = jnp.where(t < m, first, loop[:, t % m])
-        at_first = (stage_ids == 0).reshape(s, *([1] * (state.ndim - 1)))
-        return _constrain_staged(jnp.where(at_first, first, shifted), x_names), loop
+            # ticks on (written first: with m == s it is taken at once).
+            buf = kept(buf, (t - s) % m, shifted, stage_ids == 0)
+            first = jnp.where(t < m, first, buf[:, t % m])
+        return _constrain_staged(jnp.where(per_stage(stage_ids == 0), first, shifted),
+                                 x_names), buf
 
     def tick(carry, t):
-        state, out, loop, stats = carry
+        state, buf, stats = carry
         work = t - stage_ids                     # each stage's (round, micro-batch)
         rnd, mb = jnp.clip(work // m, 0, v - 1), jnp.clip(work % m, 0, m - 1)
         valid = (work >= 0) & (work < v * m)
         consts = jax.tree.map(lambda a: a[mb], rows)
-        h, loop = inputs_at(t, state, loop)
+        h, buf = inputs_at(t, state, buf)
         h, st = stages(staged, rnd, h, consts)
         h = _constrain_staged(h, x_names)
-        # The last stage's output in the last round is micro-batch (t - (s - 1)) % m's
-        # output, which every stage's devices keep (the head runs on them all). A
-        # conditional, so that other ticks send nothing across the stages.
-        slot = jnp.clip(t - (s - 1), 0, v * m - 1) % m
-        done = valid[s - 1] & (rnd[s - 1] == v - 1)
-        out = jax.lax.cond(done, lambda o, h: o.at[slot].set(h[s - 1]), lambda o, h: o, out, h)
+        # The last stage's output in its last round is micro-batch (t - (s - 1)) % m's
+        # output, kept in the last stage's slots and sent to the other stages once, after
+        # the last tick (each tick sending it would cross the stages in the bubble too,
+        # and a conditional around the send copies the buffer at every tick).
+        done = (stage_ids == s - 1) & valid & (rnd == v - 1)
+        buf = kept(buf, jnp.clip(t - (s - 1), 0, v * m - 1) % m, h, done)
         stats = {k: acc + _masked_sum(st[k], valid, rnd, v, k.startswith(per_layer))
                  for k, acc in stats.items()}
-        return (h, out, loop, stats), None
+        return (h, buf, stats), None
 
     state0 = _constrain_staged(jnp.zeros((s, *xs.shape[1:]), x.dtype), x_names)
     shapes = jax.eval_shape(stages, staged, jnp.zeros(s, jnp.int32), state0,
@@ -189,10 +196,11 @@ def run(plan: GPipe, stage_fn: StageFn, params: Any, x: jax.Array, per_row: Any,
     # Per-layer stats (stages, chunk's layers, ...) accumulate per round: (S, V, L/(S V)).
     stats0 = {k: jnp.zeros((s, v, *a.shape[1:]) if k.startswith(per_layer) else a.shape[1:],
                            a.dtype) for k, a in shapes.items()}
-    loop0 = (_constrain_staged(jnp.zeros((s, *xs.shape), x.dtype), (None, *x_names))
-             if v > 1 else jnp.zeros((), x.dtype))
-    (_, out, _, stats), _ = jax.lax.scan(tick, (state0, jnp.zeros_like(xs), loop0, stats0),
-                                         jnp.arange(plan.ticks))
+    # Each stage's m micro-batch slots: the first stage's hold micro-batches between
+    # rounds, the last stage's the output.
+    buf0 = _constrain_staged(jnp.zeros((s, *xs.shape), x.dtype), (None, *x_names))
+    (_, buf, stats), _ = jax.lax.scan(tick, (state0, buf0, stats0), jnp.arange(plan.ticks))
+    out = rules_lib.constrain(buf[s - 1], (None, *x_names))  # to every stage, once
     stats = {k: (a.reshape(-1, *a.shape[3:]) if k.startswith(per_layer) else a)
              for k, a in stats.items()}
     return rules_lib.constrain(_join_rows(out), x_names), stats
