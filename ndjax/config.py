@@ -250,6 +250,10 @@ class ModelSettings:
     # (ndjax.models.decoder.default_scan_layers says why).
     scan_layers: bool | None = setting(None)
     remat: str = setting("none", choices=_remat)
+    # Under mesh.stage > 1: gather each stage's layers over the data axes (fsdp) once per
+    # step and keep them gathered, instead of once per tick; their gradients come back
+    # once. Fewer, larger gathers for a stage's whole weights in memory.
+    pipeline_gather_once: bool = setting(False)
     # Attention: auto = ring over mesh.context, cuDNN or Pallas on a GPU, else by
     # length: dense, blocked, tiled (ndjax.ops.attention.choose); or a kernel by name.
     attn_impl: str = setting("auto", choices=_attn_impls,

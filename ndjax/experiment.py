@@ -483,7 +483,8 @@ def place_model(model_cfg: DecoderConfig, settings: Settings, rules: rules_lib.R
     if stages > 1:
         model_cfg = dataclasses.replace(model_cfg, stages=stages,
                                         microbatches=t.microbatches or stages,
-                                        virtual_stages=settings.mesh.virtual_stages)
+                                        virtual_stages=settings.mesh.virtual_stages,
+                                        pipeline_gather_once=settings.model.pipeline_gather_once)
     site = attention_ops.Site.of(model_cfg, t.seq_len, rules, t.batch_size // t.grad_accum)
     chosen = attention_ops.choose(model_cfg.attn_impl, site)
     model_cfg = dataclasses.replace(model_cfg, attn_impl=chosen.name,
@@ -501,7 +502,8 @@ def _check_placement(model_cfg: DecoderConfig, settings: Settings,
                      rules: rules_lib.Rules) -> None:
     """The experts, the batch and the loss chunks against the mesh (no kernel chosen)."""
     _check_experts(model_cfg, rules, settings.model.family)
-    _check_pipeline(model_cfg, settings.train, rules, settings.mesh.virtual_stages)
+    _check_pipeline(model_cfg, settings.train, rules, settings.mesh.virtual_stages,
+                    settings.model.pipeline_gather_once)
     _check_batch(settings.train, rules, rules.mesh)
     _check_loss_chunk(settings.train, rules, rules.mesh)
 
@@ -1089,15 +1091,20 @@ def _check_batch(t: TrainSettings, rules: rules_lib.Rules, mesh: Mesh) -> None:
 
 
 def _check_pipeline(model_cfg: DecoderConfig, t: TrainSettings, rules: rules_lib.Rules,
-                    virtual: int = 1) -> None:
-    """mesh.stage and mesh.virtual_stages against the layers, the layer pattern and the
-    micro-batches."""
+                    virtual: int = 1, gather_once: bool = False) -> None:
+    """mesh.stage, mesh.virtual_stages and model.pipeline_gather_once against the layers,
+    the layer pattern and the micro-batches."""
     stages = mesh_lib.stages(rules.mesh)
     if stages == 1:
         if virtual > 1:
             raise ConfigError(
                 f"mesh.virtual_stages={virtual} needs pipeline stages: it is the chunks of "
                 "layers each stage holds. Set mesh.stage > 1 or mesh.virtual_stages=1.")
+        if gather_once:
+            raise ConfigError(
+                "model.pipeline_gather_once=True needs pipeline stages: it gathers each "
+                "stage's layers once per step instead of once per tick. Set mesh.stage > 1 "
+                "or model.pipeline_gather_once=False.")
         return
     # DeepSeek V3's dense first layers run before the stages; the stages cut the rest.
     n, k = model_cfg.n_layers, model_cfg.first_k_dense

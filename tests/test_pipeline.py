@@ -21,6 +21,7 @@ from test_checkpoint import logged_steps, losses_by_step
 
 from ndjax.experiment import Experiment
 from ndjax.parallel import pipeline, rules
+from ndjax.parallel.collectives import collectives
 from ndjax.runtime.errors import ConfigError
 from ndjax.training.loop import train
 from ndjax.verbs import generate
@@ -72,6 +73,15 @@ LAYOUTS = {
     "stage2_virtual2_context2_expert2_deepseek": (
         dict(stage=2, virtual_stages=2, context=2, expert=2), {**DEEPSEEK, "n_layers": 5},
         {}, 8),
+    # Each stage's layers gathered over fsdp once per step (model.pipeline_gather_once).
+    "stage2_fsdp2_tensor2_gather_once": (dict(stage=2, fsdp=2, tensor=2),
+                                         {"pipeline_gather_once": True}, {}, 8),
+    "stage2_virtual2_fsdp4_gather_once_lora": (
+        dict(stage=2, virtual_stages=2, fsdp=4), {**LORA, "n_layers": 4,
+                                                  "pipeline_gather_once": True}, {}, 8),
+    "stage2_fsdp2_expert2_moe_gather_once_grad_accum": (
+        dict(stage=2, fsdp=2, expert=2), {**MOE, "pipeline_gather_once": True},
+        {"train.grad_accum": 2, "train.batch_size": 16}, 8),
     # The dense first layer on every stage's devices, then 4 MoE layers over 2 stages; the
     # load-balancing biases move by the per-layer counts the stages return in layer order.
     "stage2_fsdp2_expert2_deepseek": (dict(stage=2, fsdp=2, expert=2),
@@ -93,7 +103,9 @@ def test_stages_train_like_one_device(cpu_devices, tmp_path, layout):
     if "dense_layers" in exp.state_sharding.params:  # on every stage, as the embedding
         dense = jax.tree.leaves(exp.state_sharding.params["dense_layers"])
         assert dense and all("stage" not in str(s.spec) for s in dense)
-    assert_same_training(exp, model, overrides or None)
+    # The one-device reference has no stages to gather once.
+    reference = {k: v for k, v in model.items() if k != "pipeline_gather_once"}
+    assert_same_training(exp, reference, overrides or None)
 
 
 def test_checkpoints_move_between_stage_counts(tmp_path):
@@ -188,6 +200,29 @@ def test_the_bubble_and_the_activations_held_are_the_programs(cpu_devices):
     assert all(shape[1:4] == (stages, rows, seq) for shape in per_tick), per_tick
 
 
+def test_gather_once_gathers_each_stages_layers_outside_the_ticks(cpu_devices):
+    """model.pipeline_gather_once: every all-gather of the step runs once a step (the
+    layers' weights, gathered over fsdp before the ticks); without it the layers'
+    gathers run at every tick. The gradients' reductions are the same either way
+    (each tick's, to the storage layout: the trains-like-one-device layouts above
+    check their sums)."""
+    def gathers(once):
+        exp = Experiment.from_config(tiny_config(
+            mesh=dict(stage=2, fsdp=4), model=dict(n_layers=4, pipeline_gather_once=once),
+            train=dict(microbatches=2, batch_size=16)), cpu_devices)
+        found = collectives(exp.compiled_step.as_text())
+        reductions = sorted((c.kind, c.executed, c.bytes) for c in found
+                            if c.kind in ("reduce-scatter", "all-reduce"))
+        return [c for c in found if c.kind == "all-gather"], reductions
+
+    per_tick, reductions = gathers(False)
+    once, reductions_once = gathers(True)
+    assert any(c.executed > 1 for c in per_tick)
+    assert once and all(c.executed == 1 for c in once), [(c.name, c.executed) for c in once]
+    assert sum(c.executed * c.bytes for c in once) < sum(c.executed * c.bytes for c in per_tick)
+    assert reductions_once == reductions
+
+
 def test_the_start_up_lines_name_the_schedule(cpu_devices, tmp_path):
     from ndjax.training import summary
 
@@ -228,6 +263,8 @@ def test_the_start_up_lines_name_the_schedule(cpu_devices, tmp_path):
     (dict(stage=4, fsdp=2, virtual_stages=2), dict(n_layers=8), dict(microbatches=2),
      r"^train.microbatches=2 with mesh.stage=4, mesh.virtual_stages=2: .* Use "
      r"train.microbatches >= 4\.$"),
+    (dict(fsdp=8), dict(pipeline_gather_once=True), {},
+     r"^model.pipeline_gather_once=True needs pipeline stages: .* Set mesh.stage > 1 or "),
     (dict(stage=2, fsdp=4, virtual_stages=2), dict(n_layers=4), dict(objective="grpo"),
      r"^train.objective='grpo' with mesh.virtual_stages=2: GRPO samples from the train "
      r"state, .* not built yet\. Set mesh.virtual_stages=1\.$"),

@@ -23,6 +23,7 @@ RoPE, q/k/v/o per head) so that checkpoints convert by reshapes only.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 from typing import Any
@@ -52,7 +53,7 @@ from ndjax.models.moe import PER_LAYER, MoE, aux_metrics
 from ndjax.ops.attention import HEADS, KV_HEADS, AttentionSpec, attention
 from ndjax.ops.layer_scan import scan_full_remat
 from ndjax.parallel import pipeline
-from ndjax.parallel.rules import Weight, constrain
+from ndjax.parallel.rules import Weight, constrain, gathered, params_gathered
 
 FULL, SLIDING = "full_attention", "sliding_attention"
 LAYER_TYPES = (FULL, SLIDING)
@@ -154,6 +155,8 @@ class DecoderConfig:
     # Chunks of layers per stage (the circular schedule where > 1): the pipelined stack's
     # parameters are stored in ``pipeline.storage_order`` (``layer_order``).
     virtual_stages: int = 1
+    # Each stage's layers gathered over the data axes once per step, not once per tick.
+    pipeline_gather_once: bool = False
 
     @property
     def hd(self) -> int:
@@ -652,6 +655,12 @@ class Decoder(nnx.Module):
         cfg = self.cfg
         stack = stacks(cfg)[-1]
         _, stacked = nnx.split(getattr(self, stack.name))
+        if cfg.pipeline_gather_once:
+            # Gathered here, outside the ticks; the layers then use them as they come
+            # (rules.params_gathered), and each parameter's gradient, summed over the
+            # ticks in that layout, goes back to its storage layout once.
+            nnx.replace_by_pure_dict(stacked, jax.tree.map(
+                gathered, nnx.to_pure_dict(stacked), logical_axes(stacked)))
         per_chunk = stack.count // (cfg.stages * cfg.virtual_stages)
         order = layer_order(cfg)
         layer_ids = stack.first + jnp.asarray(
@@ -663,8 +672,9 @@ class Decoder(nnx.Module):
             drop = None if dropout is None else dataclasses.replace(dropout, token_ids=token_ids)
             # A chunk's layer types are the stack's first ones (Experiment checks that
             # the pattern's period divides a chunk).
-            return self._run_stack(stack, h, tables, seg, drop, stack.first,
-                                   stack.first + per_chunk, params, ids)
+            with params_gathered() if cfg.pipeline_gather_once else contextlib.nullcontext():
+                return self._run_stack(stack, h, tables, seg, drop, stack.first,
+                                       stack.first + per_chunk, params, ids)
 
         plan = pipeline.schedule(cfg.stages, cfg.microbatches, cfg.virtual_stages)
         token_ids = None if dropout is None else dropout.token_ids

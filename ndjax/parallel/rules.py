@@ -221,6 +221,8 @@ def check_divisible(spec: PartitionSpec, shape: Sequence[int], names: Sequence[s
 
 
 _ACTIVE: contextvars.ContextVar[Rules | None] = contextvars.ContextVar("ndjax_rules", default=None)
+# Parameters arrive already in their compute layout (``params_gathered``).
+_GATHERED: contextvars.ContextVar[bool] = contextvars.ContextVar("ndjax_gathered", default=False)
 
 
 def active() -> Rules | None:
@@ -252,6 +254,49 @@ def suspended() -> Iterator[None]:
         yield
     finally:
         _ACTIVE.reset(token)
+
+
+@contextlib.contextmanager
+def params_gathered() -> Iterator[None]:
+    """Inside, parameters come already gathered to their compute layout (``gathered``:
+    a pipeline's stages gathered once per step, not once per tick): no use gathers
+    them again (``ParamUse.arrives_gathered``), and each use's gradient still goes to
+    the storage layout, summed in float32 across the data axes."""
+    token = _GATHERED.set(True)
+    try:
+        yield
+    finally:
+        _GATHERED.reset(token)
+
+
+def gathered(value: jax.Array, names: Sequence[str | None]) -> jax.Array:
+    """A stored parameter with these logical names in its compute layout, in its own
+    dtype (``params_gathered``'s input). Its gradient is constrained to the storage
+    layout, where the uses inside hand theirs: the sum over the uses stays there
+    rather than being gathered back."""
+    rules = _ACTIVE.get()
+    if rules is None:
+        return value
+    names = tuple(names)
+    return _gather_once(value, NamedSharding(rules.mesh, rules.spec(names)),
+                        NamedSharding(rules.mesh, rules.compute_spec(names)))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
+def _gather_once(value: jax.Array, storage: NamedSharding, compute: NamedSharding
+                 ) -> jax.Array:
+    return jax.lax.with_sharding_constraint(value, compute)
+
+
+def _gather_once_fwd(value, storage, compute):
+    return _gather_once(value, storage, compute), None
+
+
+def _gather_once_bwd(storage, compute, _, g):
+    return (jax.lax.with_sharding_constraint(g, storage),)
+
+
+_gather_once.defvjp(_gather_once_fwd, _gather_once_bwd)
 
 
 def constrain(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
@@ -292,6 +337,10 @@ class ParamUse:
     partitioner to finish the sum before the rounding: an all-reduce of the whole
     gradient, sliced afterwards, twice a reduce-scatter's bytes.
 
+    ``arrives_gathered`` (``params_gathered``): the value comes already in the
+    ``gathered`` layout, in its own dtype; the forward casts it there, and the
+    gradient still goes to ``storage``.
+
     The shardings are None when no rules are active (one device, shape inference).
     """
 
@@ -301,6 +350,7 @@ class ParamUse:
     compute: NamedSharding | None = None
     repeat: int = 1
     axis: int = 0
+    arrives_gathered: bool = False
 
     @property
     def T(self) -> ParamUse:  # noqa: N802 (as jax.Array.T)
@@ -313,7 +363,8 @@ class ParamUse:
                 return None
             spec = tuple(s.spec) + (None,) * (2 - len(s.spec))
             return NamedSharding(s.mesh, PartitionSpec(*spec[::-1]))
-        return ParamUse(self.dtype, t(self.storage), t(self.gathered), t(self.compute))
+        return ParamUse(self.dtype, t(self.storage), t(self.gathered), t(self.compute),
+                        arrives_gathered=self.arrives_gathered)
 
 
 def param_use(names: Sequence[str | None], dtype, n_kv_heads: int | None = None) -> ParamUse:
@@ -331,7 +382,7 @@ def param_use(names: Sequence[str | None], dtype, n_kv_heads: int | None = None)
     sharding = functools.partial(NamedSharding, rules.mesh)
     return ParamUse(dtype, sharding(rules.spec(stored)), sharding(rules.compute_spec(stored)),
                     sharding(rules.compute_spec(names)), repeat,
-                    list(names).index("kv_heads") if repeat > 1 else 0)
+                    list(names).index("kv_heads") if repeat > 1 else 0, _GATHERED.get())
 
 
 def _constrain_to(x: jax.Array, sharding: NamedSharding | None) -> jax.Array:
@@ -348,9 +399,12 @@ def gather(w: jax.Array, use: ParamUse) -> jax.Array:
     # Gather in the narrower of the two dtypes (bfloat16 parameters computed in
     # float32 are widened after the gather). The cast is pinned to the storage
     # layout too, or propagation may place it after the gather.
-    narrow = use.dtype if use.dtype.itemsize <= w.dtype.itemsize else w.dtype
-    w = _constrain_to(w.astype(narrow), use.storage)
-    w = _constrain_to(_constrain_to(w, use.gathered).astype(use.dtype), use.gathered)
+    if use.arrives_gathered:
+        w = _constrain_to(w.astype(use.dtype), use.gathered)
+    else:
+        narrow = use.dtype if use.dtype.itemsize <= w.dtype.itemsize else w.dtype
+        w = _constrain_to(w.astype(narrow), use.storage)
+        w = _constrain_to(_constrain_to(w, use.gathered).astype(use.dtype), use.gathered)
     if use.repeat == 1:
         return w
     return _constrain_to(jnp.repeat(w, use.repeat, axis=use.axis), use.compute)
