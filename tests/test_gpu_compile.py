@@ -533,6 +533,18 @@ def test_bench_moe_layouts_tiny():
 
 
 @needs_extra
+def test_bench_pipeline_schedules_tiny():
+    """No stages, GPipe and the circular schedule gathering each stage's layers once,
+    compiled for H100s and tabled with their ticks and bubbles."""
+    lines = run_tiny("pipeline_schedules.py").stdout.splitlines()
+    rows = table_rows(lines, "none", "GPipe, gathered once", "circular, gathered once")
+    assert [r[1:5] for r in rows] == [["fsdp=8", "full", "-", "-"],
+                                      ["stage=4 x fsdp=2", "none", "11", "27%"],
+                                      ["stage=4 x fsdp=2", "none", "19", "16%"]], rows
+    assert all(float(r[11].replace(",", "")) > 0 for r in rows), rows
+
+
+@needs_extra
 def test_bench_open_models_tiny():
     """GPT-OSS under LoRA over expert=8 (its sinks: no fused kernel, cuDNN and Pallas
     have none) and DeepSeek V3 (latent attention, a dense first layer) over expert x

@@ -14,7 +14,7 @@ import jax
 import pytest
 from conftest import tiny_config
 
-from ndjax.experiment import Experiment
+from ndjax.experiment import Experiment, model_config
 from ndjax.hardware import roofline
 from ndjax.planning import planner
 from ndjax.runtime import compiler
@@ -253,6 +253,40 @@ def test_a_staged_layout_is_priced_by_its_bubble_and_sends():
         checked.executed_flops / 4 / (H100.peak_tflops * 1e12))
     assert 0 < checked.least_step_s(H100) <= cand.estimate.serial_s
     assert cand.as_dict()["bubble"] == pytest.approx(1 / 5)
+
+
+def test_a_circular_layout_gathering_once_is_priced_by_its_schedule():
+    """mesh.virtual_stages=2 (the config's, on every staged layout) with
+    model.pipeline_gather_once: the compute is V M + S - 1 ticks of a chunk for V M of
+    useful work, with every layer's forward run again (each chunk is rematerialised);
+    the bound gathers the staged weights once and stays below the compiled step's
+    bytes of every kind."""
+    config = tiny_config(model={"n_layers": 4, "attn_impl": "dense",
+                                "pipeline_gather_once": True},
+                         train={"batch_size": 8, "seq_len": 64})
+    config.mesh.virtual_stages = 2
+    layout = next(x for x in planner.layouts(config, 4, ["default"], 2, stages=[2])
+                  if x.degrees == (2, 1, 2, 1, 1, 1))
+    assert (layout.virtual_stages, layout.microbatches) == (2, 4)
+    assert layout.settings == "default, 4 micro-batches, 2 chunks a stage"
+    assert layout.schedule.bubble == pytest.approx(1 / 9)
+    checked = planner.check(config, layout, jax.devices()[:4], H100, devices_per_node=2)
+    cfg = checked.settings.model
+    head = 6 * cfg.dim * cfg.vocab_size * checked.tokens
+    model_cfg = model_config(checked.settings.model, platform="gpu")
+    forward = sum(roofline.recomputed_forward_flops(model_cfg, 64, "full").values())
+    assert checked.recompute_flops == pytest.approx(forward * checked.tokens)
+    assert checked.executed_flops == pytest.approx(
+        (checked.model_flops + checked.recompute_flops - head) * 9 / 8 + 2 * head)
+    cand = planner.Candidate(layout)
+    planner._fill(cand, planner.measure(checked.config.to_json(sort_keys=True), 4), checked,
+                  H100, 2, 1e12)
+    assert cand.status == "ranked", cand.reason
+    for kind in ("all-gather", "reduce-scatter", "all-reduce", "collective-permute"):
+        least = sum(getattr(checked.least_link, side).get(kind, 0) for side in
+                    ("inside", "across"))
+        compiled = sum(getattr(cand.link, side).get(kind, 0) for side in ("inside", "across"))
+        assert least <= compiled * (1 + 1e-9), (kind, least, compiled)
 
 
 def test_traffic_splits_by_the_nodes_a_group_spans():

@@ -67,11 +67,10 @@ import ml_collections
 from ndjax.config import Settings, as_settings, default_config
 from ndjax.hardware import roofline
 from ndjax.models import decoder
-from ndjax.parallel import platforms
+from ndjax.parallel import pipeline, platforms
 from ndjax.parallel import rules as rules_lib
 from ndjax.parallel.collectives import collectives
 from ndjax.parallel.mesh import AXES
-from ndjax.parallel.pipeline import GPipe
 from ndjax.parallel.rules import PRESETS
 from ndjax.planning import traffic_bound
 from ndjax.runtime import children, compiler
@@ -104,6 +103,7 @@ class Layout:
     expert: int = 1              # mesh.expert (positional calls name the other four)
     stage: int = 1               # mesh.stage: pipeline stages
     microbatches: int = 0        # train.microbatches, with stage > 1 (GPipe's micro-batches)
+    virtual_stages: int = 1      # mesh.virtual_stages, with stage > 1 (circular where > 1)
 
     @property
     def degrees(self) -> tuple[int, ...]:
@@ -119,12 +119,15 @@ class Layout:
         """The rule table, the CP algorithm where the sequence is split, and the
         micro-batches where the layers are."""
         return (self.rules + (f", {self.cp_impl}" if self.context > 1 else "")
-                + (f", {self.microbatches} micro-batches" if self.stage > 1 else ""))
+                + (f", {self.microbatches} micro-batches" if self.stage > 1 else "")
+                + (f", {self.virtual_stages} chunks a stage" if self.stage > 1
+                   and self.virtual_stages > 1 else ""))
 
     @property
-    def schedule(self) -> GPipe | None:
+    def schedule(self) -> pipeline.GPipe | None:
         """The pipeline's schedule (None without stages)."""
-        return GPipe(self.stage, self.microbatches) if self.stage > 1 else None
+        return (pipeline.schedule(self.stage, self.microbatches, self.virtual_stages)
+                if self.stage > 1 else None)
 
     def with_(self, **changes: Any) -> Layout:
         return dataclasses.replace(self, **changes)
@@ -209,7 +212,10 @@ def layouts(config: ml_collections.ConfigDict, n: int,
                               else (cp,)):
                 layout = Layout(**mesh, rules=rules, remat=config.model.remat,
                                 grad_accum=config.train.grad_accum, cp_impl=algorithm)
-                out.append(layout.with_(microbatches=microbatches(config, layout)))
+                out.append(layout.with_(
+                    microbatches=microbatches(config, layout),
+                    virtual_stages=config.mesh.get("virtual_stages", 1) if mesh["stage"] > 1
+                    else 1))
     return out
 
 
@@ -232,7 +238,8 @@ def layout_settings(config: ml_collections.ConfigDict | Settings, layout: Layout
     s = as_settings(config)
     return dataclasses.replace(
         s, model=dataclasses.replace(s.model, remat=layout.remat, cp_impl=layout.cp_impl),
-        mesh=dataclasses.replace(s.mesh, auto=False, **dict(zip(AXES, layout.degrees))),
+        mesh=dataclasses.replace(s.mesh, auto=False, virtual_stages=layout.virtual_stages,
+                                 **dict(zip(AXES, layout.degrees))),
         train=dataclasses.replace(s.train, grad_accum=layout.grad_accum,
                                   microbatches=layout.microbatches or s.train.microbatches),
         rules=s.rules if layout.rules == CONFIG_RULES else layout.rules)
@@ -332,10 +339,10 @@ def check(config: ml_collections.ConfigDict | Settings, layout: Layout,
         target.model, attn_impl=stand_in, cp_impl=choice.cp or target.model.cp_impl))
     attention = choice.label if stand_in == on_gpu else f"{choice.label} (compiled as {stand_in})"
     tokens = t.batch_size * t.seq_len
-    signature = (layout.remat, layout.grad_accum, layout.microbatches, target.model.attn_impl,
-                 target.model.cp_impl, program_signature(exp.rules, exp.mesh))
-    rerun = sum(roofline.recomputed_forward_flops(exp.model_cfg, t.seq_len,
-                                                  layout.remat).values()) * tokens
+    signature = (layout.remat, layout.grad_accum, layout.microbatches, layout.virtual_stages,
+                 target.model.attn_impl, target.model.cp_impl,
+                 program_signature(exp.rules, exp.mesh))
+    rerun = pipeline_rerun_flops(exp.model_cfg, t.seq_len, layout.remat, layout) * tokens
     model_flops = flops_per_token(exp.model_cfg, t.seq_len) * tokens
     return Checked(layout, target, attention, model_flops, tokens, signature,
                    argument_bytes(exp), recompute_flops=rerun,
@@ -346,15 +353,26 @@ def check(config: ml_collections.ConfigDict | Settings, layout: Layout,
 
 def executed_flops(cfg: Any, layout: Layout, flops: float, tokens: int) -> float | None:
     """What the devices compute in one step of a layout with stages, all devices, from
-    ``flops`` (the model's and remat's): GPipe runs every stage at every tick, the
-    bubble's on zeros, so the layers take ticks / micro-batches of their work; the
-    embedding, LM head and loss run outside the stages on every stage's devices, once
-    per stage (DeepSeek V3's dense first layers too: not counted). None without stages."""
+    ``flops`` (the model's and remat's): the schedule runs every stage at every tick,
+    the bubble's on zeros, so the layers take ticks / (chunks x micro-batches) of their
+    work; the embedding, LM head and loss run outside the stages on every stage's
+    devices, once per stage (DeepSeek V3's dense first layers too: not counted). None
+    without stages."""
     plan = layout.schedule
     if plan is None:
         return None
     head = decoder.head_flops_per_token(cfg) * tokens
-    return (flops - head) * plan.ticks / plan.microbatches + head * plan.stages
+    return (flops - head) * plan.ticks / (plan.virtual * plan.microbatches) + head * plan.stages
+
+
+def pipeline_rerun_flops(cfg: Any, seq_len: int, remat: str, layout: Layout) -> float:
+    """FLOPs per token the backward pass runs again: ``remat``'s, and under the circular
+    schedule every layer's forward once more (each chunk is rematerialised whole,
+    ``pipeline.Circular``)."""
+    rerun = sum(roofline.recomputed_forward_flops(cfg, seq_len, remat).values())
+    if layout.stage > 1 and layout.virtual_stages > 1:
+        rerun += sum(roofline.recomputed_forward_flops(cfg, seq_len, "full").values())
+    return rerun
 
 
 def argument_bytes(exp: Any) -> int:

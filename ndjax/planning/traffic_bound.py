@@ -26,12 +26,13 @@ program cannot avoid is counted, each once:
   two transposes in the backward pass when every parameter is trained.
 * **Pipeline stages** (``mesh.stage``): a device runs its stage's layers only (the
   per-layer terms above count those) and holds its stage's share of the stacked
-  weights (never gathered over ``stage``). GPipe's program (``ndjax.parallel.pipeline``)
-  gathers those weights and reduce-scatters their gradients at every tick (M + S - 1
-  of them a step, bubble ticks included: XLA does not hoist them out of the tick
-  loop), and at every tick each device sends its share of a micro-batch's residual
-  stream to the next stage and, backward, its gradient back: two collective permutes
-  over ``stage`` a tick.
+  weights (never gathered over ``stage``). The pipeline's program
+  (``ndjax.parallel.pipeline``) gathers the chunk of those weights it runs and
+  reduce-scatters its gradients at every tick (V M + S - 1 of them a step, bubble
+  ticks included: XLA does not hoist them out of the tick loop), or gathers them once
+  a step under ``model.pipeline_gather_once``; and at every tick each device sends its
+  share of a micro-batch's residual stream to the next stage and, backward, its
+  gradient back: two collective permutes over ``stage`` a tick.
 
 Context parallelism's exchange of keys and values, the vocabulary-parallel head and loss,
 and every bookkeeping reduction are left out: the bound is below what a compiled step
@@ -50,7 +51,7 @@ import numpy as np
 from ndjax.hardware import roofline
 from ndjax.models import moe
 from ndjax.models.layers import STACKED_AXES
-from ndjax.parallel.pipeline import GPipe
+from ndjax.parallel import pipeline
 
 
 def _axes(spec: Any) -> set[str]:
@@ -94,8 +95,10 @@ def least_traffic(exp: Any, devices: Any, devices_per_node: int) -> roofline.Lin
     def size(axes: set[str]) -> int:
         return math.prod(mesh.shape[a] for a in axes)
 
-    # GPipe's ticks: the staged weights' gathers and reductions run at each one.
-    ticks = _ticks(cfg)
+    # The staged weights' gathers and reductions run at each tick, a chunk of them each
+    # (the whole stage's weights once per round); the gathers once a step where
+    # model.pipeline_gather_once.
+    rounds = _ticks(cfg) / max(cfg.virtual_stages, 1)
     trained = {jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(
         exp.trainable(exp.param_shapes))}
     compute_bytes = np.dtype(cfg.dtype).itemsize
@@ -116,8 +119,9 @@ def least_traffic(exp: Any, devices: Any, devices_per_node: int) -> roofline.Lin
         elements = math.prod(shape.shape) / size(kept | lead)
         g = size(gathered_over)
         narrow = min(shape.dtype.itemsize, compute_bytes)
-        times = ticks if lead else 1
-        send("all-gather", gathered_over, times * (g - 1) / g * elements * narrow)
+        times = rounds if lead else 1
+        gathers = 1 if lead and cfg.pipeline_gather_once else times
+        send("all-gather", gathered_over, gathers * (g - 1) / g * elements * narrow)
         if jax.tree_util.keystr(path) not in trained:
             continue
         send("reduce-scatter", gathered_over, times * (g - 1) / g * elements * 4)
@@ -132,8 +136,10 @@ def least_traffic(exp: Any, devices: Any, devices_per_node: int) -> roofline.Lin
 
 
 def _ticks(cfg: Any) -> int:
-    """GPipe's ticks a step (of one grad_accum slice); 1 without stages."""
-    return GPipe(cfg.stages, cfg.microbatches).ticks if cfg.stages > 1 else 1
+    """The pipeline's ticks a step (of one grad_accum slice); 1 without stages."""
+    if cfg.stages == 1:
+        return 1
+    return pipeline.schedule(cfg.stages, cfg.microbatches, cfg.virtual_stages).ticks
 
 
 def _layers_per_device(cfg: Any, moe_only: bool = False) -> float:

@@ -177,9 +177,11 @@ def report(plan, config, top: int) -> str:  # noqa: ANN001 -- planner.Plan, Conf
         if c.aliases:
             notes.append(f"  #{i}: the same program as {', '.join(c.aliases)}")
         if schedule := c.layout.schedule:
-            notes.append(f"  #{i}: GPipe over {schedule.stages} stages, {schedule.microbatches} "
-                         f"micro-batches: {schedule.bubble:.0%} of each stage's ticks idle "
-                         "(the bubble, in compute ms)")
+            chunks = f" of {schedule.virtual} chunks" if schedule.virtual > 1 else ""
+            notes.append(f"  #{i}: {type(schedule).__name__} over {schedule.stages} stages"
+                         f"{chunks}, {schedule.microbatches} micro-batches: "
+                         f"{schedule.bubble:.0%} of each stage's ticks idle (the bubble, in "
+                         "compute ms)")
         if c.host:
             notes.append(f"  #{i}: {_gib(c.host)} GiB of layer inputs per device in host memory; "
                          f"{_ms(e.host_s)} ms over PCIe per step (in comm ms)")
