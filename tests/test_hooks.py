@@ -174,14 +174,16 @@ def test_export_only_when_the_run_finished(monkeypatch):
     from ndjax.runs import hf
     calls = []
     monkeypatch.setattr(hf, "export", lambda *a, **kw: calls.append((a, kw)))
-    exp = types.SimpleNamespace(model_cfg="CFG")
+    # The state's parameters in layer order (a circular pipeline stores them otherwise).
+    exp = types.SimpleNamespace(model_cfg="CFG", in_layer_order=lambda p: ("in order", p))
     h = hooks.Export("/out", "bfloat16", 123, source="SRC")
     t = fake_trainer(exp=exp, stop_reason="SIGTERM")
     h.end(t)
     assert calls == [] and t.exported is None
     t = fake_trainer(exp=exp)
     h.end(t)
-    assert calls == [(("P", "CFG", "/out", "bfloat16"), dict(source="SRC", shard_bytes=123))]
+    assert calls == [((("in order", "P"), "CFG", "/out", "bfloat16"),
+                      dict(source="SRC", shard_bytes=123))]
     assert t.exported == "/out"
 
 
