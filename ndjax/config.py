@@ -364,6 +364,11 @@ class MeshSettings:
     # Chunks of layers each stage holds (> 1: the circular schedule, a micro-batch going
     # round the stages this many times; its bubble is this many times smaller).
     virtual_stages: int = setting(1, ge=1)
+    # gpipe: every micro-batch's forward, then every backward (circular where
+    # virtual_stages > 1); 1f1b: from the S-th tick each stage runs one micro-batch's
+    # forward and an earlier one's backward, so a stage holds at most 2 x stage - 1
+    # micro-batches' activations where GPipe holds all of them.
+    pipeline_schedule: str = setting("gpipe", choices=("gpipe", "1f1b"))
     # train.py plans the layout (ndjax.planning.auto): the degrees above, the rule table,
     # model.remat, train.grad_accum and model.cp_impl become ndjax plan's best for the
     # devices present.

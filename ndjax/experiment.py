@@ -484,7 +484,8 @@ def place_model(model_cfg: DecoderConfig, settings: Settings, rules: rules_lib.R
         model_cfg = dataclasses.replace(model_cfg, stages=stages,
                                         microbatches=t.microbatches or stages,
                                         virtual_stages=settings.mesh.virtual_stages,
-                                        pipeline_gather_once=settings.model.pipeline_gather_once)
+                                        pipeline_gather_once=settings.model.pipeline_gather_once,
+                                        pipeline_schedule=settings.mesh.pipeline_schedule)
     site = attention_ops.Site.of(model_cfg, t.seq_len, rules, t.batch_size // t.grad_accum)
     chosen = attention_ops.choose(model_cfg.attn_impl, site)
     model_cfg = dataclasses.replace(model_cfg, attn_impl=chosen.name,
@@ -504,6 +505,7 @@ def _check_placement(model_cfg: DecoderConfig, settings: Settings,
     _check_experts(model_cfg, rules, settings.model.family)
     _check_pipeline(model_cfg, settings.train, rules, settings.mesh.virtual_stages,
                     settings.model.pipeline_gather_once)
+    _check_one_f_one_b(model_cfg, settings, mesh_lib.stages(rules.mesh))
     _check_batch(settings.train, rules, rules.mesh)
     _check_loss_chunk(settings.train, rules, rules.mesh)
 
@@ -644,11 +646,12 @@ class Experiment:
         return nnx.merge(self.graphdef, params)(inputs, positions, segment_ids)
 
     def features(self, params: Any, inputs: jax.Array, positions: jax.Array,
-                 segment_ids: jax.Array, dropout: lora_lib.Dropout | None = None
-                 ) -> tuple[jax.Array, Any, dict[str, jax.Array]]:
-        """(final hidden states, LM head, MoE router metrics): what the loss needs."""
+                 segment_ids: jax.Array, dropout: lora_lib.Dropout | None = None,
+                 head_loss: decoder.HeadLoss | None = None) -> tuple:
+        """(final hidden states, LM head, MoE router metrics): what the loss needs; with
+        ``head_loss``, (its sums, the router's metrics): ``Decoder.features``."""
         return nnx.merge(self.graphdef, params).features(inputs, positions, segment_ids,
-                                                         dropout)
+                                                         dropout, head_loss)
 
     @property
     def objective(self) -> Objective:
@@ -1151,6 +1154,39 @@ def _check_pipeline(model_cfg: DecoderConfig, t: TrainSettings, rules: rules_lib
             f"into {m} micro-batches whose rows split over {data} = {parts}, the mesh axes "
             f"that split the batch, so {rows} must be a multiple of {m} x {data}. Use "
             f"train.microbatches in {fits} or a larger batch_size.")
+
+
+def _check_one_f_one_b(model_cfg: DecoderConfig, settings: Settings, stages: int) -> None:
+    """mesh.pipeline_schedule=1f1b: stages, one chunk each, micro-batches >= stages, and a
+    loss that can be formed per micro-batch (ndjax.parallel.pipeline.OneFOneB)."""
+    if settings.mesh.pipeline_schedule != "1f1b":
+        return
+    where = "mesh.pipeline_schedule='1f1b'"
+    m = settings.train.microbatches or stages
+    z_loss = settings.model.router_z_loss_coef
+    for bad, message in (
+            (stages == 1, "needs pipeline stages. Set mesh.stage > 1 or "
+                          "mesh.pipeline_schedule=gpipe."),
+            (settings.mesh.virtual_stages > 1,
+             f"with mesh.virtual_stages={settings.mesh.virtual_stages}: interleaved 1F1B is "
+             "not built. Set mesh.virtual_stages=1 (1F1B) or mesh.pipeline_schedule=gpipe "
+             "(the circular schedule)."),
+            (m < stages, f"with train.microbatches={m} < mesh.stage={stages}: 1F1B's "
+                         f"steady state runs a forward and a backward on every stage, which "
+                         f"needs at least as many micro-batches as stages. Use "
+                         f"train.microbatches >= {stages}."),
+            (settings.train.objective != "sft",
+             f"with train.objective={settings.train.objective!r}: 1F1B forms the loss per "
+             "micro-batch inside the pipeline, which only the sft cross-entropy does so "
+             "far. Use mesh.pipeline_schedule=gpipe."),
+            (bool(model_cfg.router_aux_loss_coef or z_loss),
+             f"with the router's losses in the loss (model.router_aux_loss_coef="
+             f"{model_cfg.router_aux_loss_coef}, model.router_z_loss_coef={z_loss}): they are "
+             "formed over the whole batch, and 1F1B starts a micro-batch's backward pass "
+             "before the last one's forward. Set both to 0 or use "
+             "mesh.pipeline_schedule=gpipe.")):
+        if bad:
+            raise ConfigError(f"{where} {message}")
 
 
 def _ways(rules: rules_lib.Rules, mesh: Mesh, names: Sequence[str]) -> tuple[int, str]:

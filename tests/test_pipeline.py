@@ -82,6 +82,29 @@ LAYOUTS = {
     "stage2_fsdp2_expert2_moe_gather_once_grad_accum": (
         dict(stage=2, fsdp=2, expert=2), {**MOE, "pipeline_gather_once": True},
         {"train.grad_accum": 2, "train.batch_size": 16}, 8),
+    # 1F1B: each tick a forward and an earlier micro-batch's backward on every stage, the
+    # loss formed per micro-batch on the last stage. 2 stages, 4 micro-batches: more than
+    # the 2S - 1 = 3 a stage holds, so the slots of its kept inputs are reused.
+    "stage2_1f1b": (dict(stage=2, pipeline_schedule="1f1b"), {},
+                    {"train.microbatches": 4}, 2),
+    # 4 stages (every slot used once), fsdp inside them, each layer recomputed inside a
+    # chunk's backward.
+    "stage4_fsdp2_1f1b_remat": (dict(stage=4, fsdp=2, pipeline_schedule="1f1b"),
+                                {**FOUR, "remat": "full"}, {"train.microbatches": 4}, 8),
+    # The adapters alone differentiated (the frozen base's gradients never formed), LoRA
+    # dropout's masks, tensor parallelism, the layers gathered once a step.
+    "stage2_fsdp2_tensor2_1f1b_lora_dropout_gather_once": (
+        dict(stage=2, fsdp=2, tensor=2, pipeline_schedule="1f1b"),
+        {"lora": {**LORA["lora"], "dropout": 0.1}, "pipeline_gather_once": True},
+        {"train.microbatches": 4}, 8),
+    # Packed chat rows through ring attention; the loss's tokens counted per micro-batch.
+    "stage2_fsdp2_context2_ring_chat_1f1b": (
+        dict(stage=2, fsdp=2, context=2, pipeline_schedule="1f1b"), {}, "chat", 8),
+    # DeepSeek V3: ring attention over MLA and the experts' exchange inside the stages,
+    # the load-balancing biases moving by the counts of the forward ticks.
+    "stage2_context2_expert2_1f1b_deepseek": (
+        dict(stage=2, context=2, expert=2, pipeline_schedule="1f1b"),
+        {**DEEPSEEK, "n_layers": 3}, {"train.grad_accum": 2, "train.batch_size": 16}, 8),
     # The dense first layer on every stage's devices, then 4 MoE layers over 2 stages; the
     # load-balancing biases move by the per-layer counts the stages return in layer order.
     "stage2_fsdp2_expert2_deepseek": (dict(stage=2, fsdp=2, expert=2),

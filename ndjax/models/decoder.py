@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -157,6 +158,8 @@ class DecoderConfig:
     virtual_stages: int = 1
     # Each stage's layers gathered over the data axes once per step, not once per tick.
     pipeline_gather_once: bool = False
+    # gpipe (circular where virtual_stages > 1) | 1f1b: pipeline.schedule's ``kind``.
+    pipeline_schedule: str = "gpipe"
 
     @property
     def hd(self) -> int:
@@ -410,6 +413,18 @@ HIDDEN = ("act_batch", "act_seq", "act_embed")
 
 
 @dataclasses.dataclass(frozen=True)
+class HeadLoss:
+    """A loss summed from the final hidden states: ``fn(x (b, s, dim), LM head (a
+    rules.Weight), rows)`` -> (the loss's sum, other sums), ``rows`` arrays with the
+    batch as leading axis (targets, loss mask). Given to ``Decoder.features``, which
+    applies it to the whole batch, or, under the 1F1B pipeline, to each micro-batch as
+    it leaves the last stage."""
+
+    fn: Callable[[jax.Array, Weight, Any], tuple[jax.Array, ...]]
+    rows: Any
+
+
+@dataclasses.dataclass(frozen=True)
 class Stack:
     """Consecutive layers of one kind, their parameters stacked: the Decoder's attribute
     (and parameter key) ``name``, layers ``first`` .. ``first + count - 1`` of the model,
@@ -585,8 +600,8 @@ class Decoder(nnx.Module):
                 for t in dict.fromkeys(cfg.types)}
 
     def features(self, tokens: jax.Array, positions: jax.Array, segment_ids: jax.Array,
-                 dropout: lora_lib.Dropout | None = None
-                 ) -> tuple[jax.Array, Weight, dict[str, jax.Array]]:
+                 dropout: lora_lib.Dropout | None = None, head_loss: HeadLoss | None = None
+                 ) -> tuple:
         """tokens, positions, segment_ids: (b, s) int32 -> (final hidden states (b, s, dim)
         in the compute dtype, LM head (dim, vocab): a ``rules.Weight``, gathered to its
         compute layout and as stored, the MoE's router metrics: ``moe.aux_metrics``, the
@@ -604,25 +619,35 @@ class Decoder(nnx.Module):
 
         ``dropout`` (the train step's LoRA dropout): each layer's parameters travel with
         the layer's index, from which its masks are drawn (``lora.Dropout``).
+
+        ``head_loss``: (its sums over the batch, the router's metrics) in place of the
+        hidden states and head; the 1F1B pipeline forms it per micro-batch.
         """
         cfg = self.cfg
         x, embed = self.embed_tokens(tokens)
+        head = Weight(*embed).T if cfg.tie_embeddings else Weight(
+            *use_param(self.lm_head, cfg.dtype, param_dtype=cfg.param_dtype))
+        in_pipeline = (head_loss is not None and cfg.stages > 1
+                       and cfg.pipeline_schedule == "1f1b")
         if cfg.stages > 1:
             tables = self.rope_tables(positions)
             *before, staged = stacks(cfg)
             stats = {}
             if before:  # DeepSeek V3's dense first layers: on every stage, before the stages
                 x, stats = self.layer_stack(x, tables, segment_ids, dropout, 0, staged.first)
-            x, part = self.pipelined(x, tables, segment_ids, dropout)
+            x, part = self.pipelined(x, tables, segment_ids, dropout,
+                                     (head_loss, head) if in_pipeline else None)
             stats = _add_stats(stats, part)
         else:
             x, stats = self.layer_stack(x, self.rope_tables(positions), segment_ids, dropout)
         aux = aux_metrics(stats, cfg.n_experts, cfg.experts_per_token) if cfg.n_experts else {}
+        if in_pipeline:
+            return x, aux  # the loss's sums
 
         x = constrain(self.final_norm(x), HIDDEN)
-        if cfg.tie_embeddings:
-            return x, Weight(*embed).T, aux
-        return x, Weight(*use_param(self.lm_head, cfg.dtype, param_dtype=cfg.param_dtype)), aux
+        if head_loss is not None:
+            return head_loss.fn(x, head, head_loss.rows), aux
+        return x, head, aux
 
     def layer_stack(self, x: jax.Array, tables: dict[str, tuple[jax.Array, jax.Array]],
                     segment_ids: jax.Array, dropout: lora_lib.Dropout | None = None,
@@ -644,8 +669,9 @@ class Decoder(nnx.Module):
         return x, stats
 
     def pipelined(self, x: jax.Array, tables: dict[str, tuple[jax.Array, jax.Array]],
-                  segment_ids: jax.Array, dropout: lora_lib.Dropout | None = None
-                  ) -> tuple[jax.Array, dict[str, jax.Array]]:
+                  segment_ids: jax.Array, dropout: lora_lib.Dropout | None = None,
+                  head: tuple[HeadLoss, Weight] | None = None
+                  ) -> tuple[Any, dict[str, jax.Array]]:
         """``layer_stack`` over the last stack's layers (all of them but DeepSeek V3's
         dense first ones) as ``cfg.stages`` pipeline stages of an equal run of layers
         each (``ndjax.parallel.pipeline``). Each stage runs the same layer types
@@ -676,10 +702,26 @@ class Decoder(nnx.Module):
                 return self._run_stack(stack, h, tables, seg, drop, stack.first,
                                        stack.first + per_chunk, params, ids)
 
-        plan = pipeline.schedule(cfg.stages, cfg.microbatches, cfg.virtual_stages)
+        plan = pipeline.schedule(cfg.stages, cfg.microbatches, cfg.virtual_stages,
+                                 cfg.pipeline_schedule if head is not None else "gpipe")
         token_ids = None if dropout is None else dropout.token_ids
-        return pipeline.run(plan, stage, (stacked, layer_ids), x,
-                            (tables, segment_ids, token_ids), RESIDUAL, PER_LAYER)
+        per_row = (tables, segment_ids, token_ids)
+        if head is None:
+            return pipeline.run(plan, stage, (stacked, layer_ids), x, per_row, RESIDUAL,
+                                PER_LAYER)
+        head_loss, weight = head
+        norm_def, norm_state = nnx.split(self.final_norm)
+
+        def head_fn(params, gathered_head, h, rows):
+            """The final norm, the LM head and the loss on one micro-batch."""
+            norm, value = params
+            h = constrain(nnx.merge(norm_def, norm)(h), HIDDEN)
+            return head_loss.fn(h, Weight(gathered_head, value, weight.use), rows)
+
+        names = jax.tree.leaves(logical_axes(stacked), is_leaf=lambda a: isinstance(a, tuple))
+        return pipeline.run_with_loss(plan, stage, (stacked, layer_ids), x, per_row, RESIDUAL,
+                                      PER_LAYER, head_fn, (norm_state, weight.value),
+                                      weight.gathered, head_loss.rows, [*names, None])
 
     def _run_stack(self, stack: Stack, x: jax.Array, tables: dict, segment_ids: jax.Array,
                    dropout: lora_lib.Dropout | None, start: int, stop: int,

@@ -13,13 +13,15 @@ import jax
 import jax.numpy as jnp
 
 from ndjax.models import lora
+from ndjax.models.decoder import HeadLoss
 from ndjax.ops.cross_entropy import loss_sums
 from ndjax.parallel.rules import Weight
 
 Batch = dict[str, jax.Array]
-# (params, inputs, positions, segment_ids) -> (final hidden states (b, s, dim),
+# (params, inputs, positions, segment_ids[, dropout]) -> (final hidden states (b, s, dim),
 # LM head (dim, vocab) as stored, rules.Weight, the MoE router's metrics: {} or
-# aux_loss and the experts' loads); see Decoder.features.
+# aux_loss and the experts' loads); with ``head_loss=`` (decoder.HeadLoss), (its sums,
+# the router's metrics). See Decoder.features.
 FeaturesFn = Callable[[Any, jax.Array, jax.Array, jax.Array],
                       tuple[jax.Array, Weight, dict[str, jax.Array]]]
 
@@ -69,10 +71,13 @@ class CrossEntropy:
         router's metrics). ``dropout``: LoRA's, for the tokens ``batch["token_ids"]``
         names."""
         args = [batch["inputs"], batch["positions"], batch["segment_ids"]]
-        if dropout is not None:
-            args.append(dataclasses.replace(dropout, token_ids=batch["token_ids"]))
-        x, head, aux = features(params, *args)
-        return (*loss_sums(x, head, batch["targets"], batch["loss_mask"], chunk), aux)
+        dropout = None if dropout is None else dataclasses.replace(
+            dropout, token_ids=batch["token_ids"])
+        # Through head_loss, so that the 1F1B pipeline can form it per micro-batch.
+        head_loss = HeadLoss(lambda x, head, rows: loss_sums(x, head, *rows, chunk),
+                             (batch["targets"], batch["loss_mask"]))
+        (total, tokens), aux = features(params, *args, dropout, head_loss=head_loss)
+        return total, tokens, aux
 
     def weight(self, batch: Batch) -> jax.Array:
         return jnp.sum(batch["loss_mask"].astype(jnp.float32))

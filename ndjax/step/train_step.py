@@ -33,7 +33,7 @@ def reference_features(features: FeaturesFn, mode: str, params: Any, held: Any
     else:
         ref = held
     ref = jax.lax.stop_gradient(ref)
-    return lambda *args: features(ref, *args)
+    return lambda *args, **kwargs: features(ref, *args, **kwargs)
 
 
 def eval_step(features: FeaturesFn, objective: Objective, chunk: int, params: Any,
@@ -118,7 +118,11 @@ def router_loss(options: StepOptions, aux: dict[str, jax.Array]) -> jax.Array | 
     model): ``aux_loss_coef`` x its load-balancing loss and ``z_loss_coef`` x its z-loss."""
     if "aux_loss" not in aux:
         return 0.0
-    return options.aux_loss_coef * aux["aux_loss"] + options.z_loss_coef * aux["router_z_loss"]
+    # A term weighted 0 is left out, not multiplied by 0: no gradient reaches the
+    # router's statistics then (the 1F1B pipeline refuses one).
+    return sum((coef * aux[name] for coef, name in ((options.aux_loss_coef, "aux_loss"),
+                                                    (options.z_loss_coef, "router_z_loss"))
+                if coef), 0.0)
 
 
 def loss_aux_and_grads(features: FeaturesFn, options: StepOptions, params: Any, batch: Batch,
@@ -250,8 +254,8 @@ def train_step(features: FeaturesFn, optimizer: optax.GradientTransformation,
         grad_shardings = lora.trainable(grad_shardings, True, options.saved)
         base_features = features
 
-        def features(p, *args):
-            return base_features(lora.merge(frozen, p), *args)
+        def features(p, *args, **kwargs):
+            return base_features(lora.merge(frozen, p), *args, **kwargs)
     loss, tokens, grads, aux = loss_aux_and_grads(
         features, options, trainable, batch, grad_shardings,
         step_dropout(options, state.step, batch),
