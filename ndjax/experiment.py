@@ -294,6 +294,10 @@ def _check_objective(settings: Settings) -> None:
                               "data.format=chat for SFT.")
         return
     where = f"train.objective={t.objective!r}"
+    if settings.mesh.pipeline_schedule == "1f1b":
+        raise ConfigError(f"mesh.pipeline_schedule='1f1b' with {where}: 1F1B forms the loss "
+                          "per micro-batch inside the pipeline, which only the sft "
+                          "cross-entropy does so far. Use mesh.pipeline_schedule=gpipe.")
     if t.eval_every or t.evals_per_epoch:
         raise ConfigError(f"{where}: evaluation on a validation split is not built yet for "
                           "the post-training objectives; set train.eval_every=0 and "
@@ -1157,8 +1161,9 @@ def _check_pipeline(model_cfg: DecoderConfig, t: TrainSettings, rules: rules_lib
 
 
 def _check_one_f_one_b(model_cfg: DecoderConfig, settings: Settings, stages: int) -> None:
-    """mesh.pipeline_schedule=1f1b: stages, one chunk each, micro-batches >= stages, and a
-    loss that can be formed per micro-batch (ndjax.parallel.pipeline.OneFOneB)."""
+    """mesh.pipeline_schedule=1f1b: stages, one chunk each, micro-batches >= stages, and no
+    loss over the whole batch's router statistics (ndjax.parallel.pipeline.OneFOneB; the
+    objective is _check_objective's)."""
     if settings.mesh.pipeline_schedule != "1f1b":
         return
     where = "mesh.pipeline_schedule='1f1b'"
@@ -1175,10 +1180,6 @@ def _check_one_f_one_b(model_cfg: DecoderConfig, settings: Settings, stages: int
                          f"steady state runs a forward and a backward on every stage, which "
                          f"needs at least as many micro-batches as stages. Use "
                          f"train.microbatches >= {stages}."),
-            (settings.train.objective != "sft",
-             f"with train.objective={settings.train.objective!r}: 1F1B forms the loss per "
-             "micro-batch inside the pipeline, which only the sft cross-entropy does so "
-             "far. Use mesh.pipeline_schedule=gpipe."),
             (bool(model_cfg.router_aux_loss_coef or z_loss),
              f"with the router's losses in the loss (model.router_aux_loss_coef="
              f"{model_cfg.router_aux_loss_coef}, model.router_z_loss_coef={z_loss}): they are "

@@ -223,6 +223,76 @@ def test_the_bubble_and_the_activations_held_are_the_programs(cpu_devices):
     assert all(shape[1:4] == (stages, rows, seq) for shape in per_tick), per_tick
 
 
+def _scans(jaxpr) -> list[tuple[list[tuple[int, ...]], list[tuple[int, ...]]]]:
+    """Each scan in ``jaxpr`` (nested ones too): (the shapes it carries from tick to
+    tick, the shapes it stacks over its ticks)."""
+    from jax.extend.core import jaxprs_in_params
+
+    scans = []
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "scan":
+            body = eqn.params["jaxpr"].jaxpr
+            first, n = eqn.params["num_consts"], eqn.params["num_carry"]
+            scans.append(([v.aval.shape for v in body.invars[first:first + n]],
+                          [v.aval.shape for v in eqn.outvars[n:]]))
+        for sub in jaxprs_in_params(eqn.params):
+            scans += _scans(sub)
+    return scans
+
+
+@pytest.mark.parametrize("stages, fsdp, micro", [(2, 1, 8), (4, 2, 4)])
+def test_1f1b_holds_at_most_2s_minus_1_micro_batches(cpu_devices, stages, fsdp, micro):
+    """The 1F1B step's program (its gradient's jaxpr): the ticks carry each stage's kept
+    chunk inputs, min(M, 2S - 1) micro-batches of them, and the embedding's gradient
+    (M micro-batches on stage 0, as GPipe's output buffer); nothing else shaped like
+    micro-batches of activations crosses the ticks, and no tick's activations are
+    stacked for a backward pass (the scans have none: the gradient is formed in them).
+    GPipe's step at the same shapes saves (M + S - 1) ticks x its layers' inputs."""
+    from ndjax.models.decoder import HeadLoss
+    from ndjax.ops.cross_entropy import loss_sums
+
+    def program(schedule):
+        exp = Experiment.from_config(tiny_config(
+            mesh=dict(stage=stages, fsdp=fsdp, pipeline_schedule=schedule),
+            model={"n_layers": 8, "remat": "full"},
+            train=dict(microbatches=micro, batch_size=16)), cpu_devices[:stages * fsdp])
+        batch = exp.abstract_batch
+
+        def loss(params, batch):
+            head_loss = HeadLoss(lambda x, head, rows: loss_sums(x, head, *rows, 32),
+                                 (batch["targets"], batch["loss_mask"]))
+            (total, _), _ = exp.features(params, batch["inputs"], batch["positions"],
+                                         batch["segment_ids"], head_loss=head_loss)
+            return total
+
+        with jax.set_mesh(exp.mesh), rules.use(exp.rules):
+            return exp, jax.make_jaxpr(jax.grad(loss))(exp.abstract_state.params, batch)
+
+    exp, jaxpr = program("1f1b")
+    plan = pipeline.schedule(stages, micro, kind="1f1b")
+    assert plan.held == min(micro, 2 * stages - 1)
+    rows, seq, dim = 16 // micro, 32, exp.model_cfg.dim
+    kept = (stages, plan.held, rows, seq, dim)
+    embedding_grad = (stages, micro, rows, seq, dim)
+    ticks = [scan for scan in _scans(jaxpr.jaxpr) if kept in scan[0]]
+    assert ticks
+    # The micro-batch buffers the ticks carry: the kept inputs and the embedding's
+    # gradient (stage 0's slots), nothing else; and nothing stacked over the ticks.
+    buffers = {shape for carried, _ in ticks for shape in carried
+               if len(shape) == 5 and shape[0] == stages and shape[-3:] == (rows, seq, dim)}
+    assert buffers == {kept, embedding_grad}, buffers
+    assert all(not stacked for _, stacked in ticks), ticks
+    assert plan.bubble == pipeline.GPipe(stages, micro).bubble == (stages - 1) / (
+        micro + stages - 1)
+
+    # GPipe's forward ticks stack each layer's input of every tick for the backward pass.
+    _, jaxpr = program("gpipe")
+    gpipe = pipeline.GPipe(stages, micro)
+    saved = [shape for _, stacked in _scans(jaxpr.jaxpr) for shape in stacked
+             if shape[-3:] == (rows, seq, dim)]
+    assert (gpipe.ticks, 8 // stages, stages, rows, seq, dim) in saved, saved
+
+
 def test_gather_once_gathers_each_stages_layers_outside_the_ticks(cpu_devices):
     """model.pipeline_gather_once: every all-gather of the step runs once a step (the
     layers' weights, gathered over fsdp before the ticks); without it the layers'
@@ -261,6 +331,11 @@ def test_the_start_up_lines_name_the_schedule(cpu_devices, tmp_path):
     assert line(dict(stage=4, fsdp=2), FOUR, dict(grad_accum=2, microbatches=2)) == [
         "pipeline: GPipe, 4 stages of 1 layer each; 2 micro-batches per step per grad_accum "
         "slice: 5 ticks, 60% of them idle on each stage (the bubble)"]
+    assert line(dict(stage=2, fsdp=2, tensor=2, pipeline_schedule="1f1b"), FOUR,
+                dict(microbatches=4)) == [
+        "pipeline: 1F1B, 2 stages of 2 layers each; 4 micro-batches per step: 6 ticks of a "
+        "forward and a backward, the first and last 1 of one kind, 20% of the step idle on "
+        "each stage (the bubble); a stage holds at most 3 micro-batches' activations"]
     assert line(dict(fsdp=8), {}) == []
 
 
@@ -291,6 +366,19 @@ def test_the_start_up_lines_name_the_schedule(cpu_devices, tmp_path):
     (dict(stage=2, fsdp=4, virtual_stages=2), dict(n_layers=4), dict(objective="grpo"),
      r"^train.objective='grpo' with mesh.virtual_stages=2: GRPO samples from the train "
      r"state, .* not built yet\. Set mesh.virtual_stages=1\.$"),
+    (dict(fsdp=8, pipeline_schedule="1f1b"), {}, {},
+     r"^mesh.pipeline_schedule='1f1b' needs pipeline stages\. Set mesh.stage > 1 or "),
+    (dict(stage=4, fsdp=2, pipeline_schedule="1f1b"), FOUR, dict(microbatches=2),
+     r"^mesh.pipeline_schedule='1f1b' with train.microbatches=2 < mesh.stage=4: .* Use "
+     r"train.microbatches >= 4\.$"),
+    (dict(stage=2, fsdp=4, virtual_stages=2, pipeline_schedule="1f1b"), dict(n_layers=4),
+     {}, r"^mesh.pipeline_schedule='1f1b' with mesh.virtual_stages=2: interleaved 1F1B "),
+    (dict(stage=2, fsdp=4, pipeline_schedule="1f1b"), {}, dict(objective="dpo"),
+     r"^mesh.pipeline_schedule='1f1b' with train.objective='dpo': .* Use "
+     r"mesh.pipeline_schedule=gpipe\.$"),
+    (dict(stage=2, fsdp=4, pipeline_schedule="1f1b"), {**MOE, "router_aux_loss_coef": 0.01},
+     {}, r"^mesh.pipeline_schedule='1f1b' with the router's losses in the loss "
+         r"\(model.router_aux_loss_coef=0.01, model.router_z_loss_coef=0.0\): "),
 ])
 def test_bad_pipelines_are_one_line(cpu_devices, mesh, model, train_, message):
     with pytest.raises(ConfigError, match=message) as e:

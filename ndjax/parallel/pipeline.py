@@ -39,6 +39,7 @@ class GPipe:
 
     stages: int
     microbatches: int
+    name = "GPipe"
 
     @property
     def virtual(self) -> int:
@@ -68,6 +69,7 @@ class Circular(GPipe):
     tick, and the scan would otherwise save every tick's pick)."""
 
     virtual_stages: int = 2
+    name = "Circular"
 
     @property
     def virtual(self) -> int:
@@ -88,6 +90,8 @@ class OneFOneB(GPipe):
     stage runs the same program.) The first S - 1 ticks run forwards only and the last
     S - 1 backwards only, so the devices idle (S - 1) / (M + S - 1) of the step, as
     GPipe's. The backward pass runs each chunk's forward again from its input."""
+
+    name = "1F1B"
 
     @property
     def ticks(self) -> int:

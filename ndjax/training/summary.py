@@ -62,17 +62,24 @@ def _pipeline(exp: Experiment) -> list[str]:
     cfg = exp.model_cfg
     if cfg.stages == 1:
         return []
-    plan = pipeline.schedule(cfg.stages, cfg.microbatches, cfg.virtual_stages)
+    plan = pipeline.schedule(cfg.stages, cfg.microbatches, cfg.virtual_stages,
+                             cfg.pipeline_schedule)
     staged = decoder.stacks(cfg)[-1]
     chunk = staged.count // (plan.stages * plan.virtual)
     before = f" after {staged.first} dense layers on every stage" if staged.first else ""
     layers = f"{chunk} layer{'s' * (chunk > 1)}"
     holds = (f"{layers} each" if plan.virtual == 1 else
              f"{plan.virtual} chunks of {layers} each, taken in turn")
-    return [f"pipeline: {type(plan).__name__}, {plan.stages} stages of {holds}{before}; "
+    head = (f"pipeline: {plan.name}, {plan.stages} stages of {holds}{before}; "
             f"{plan.microbatches} micro-batches per step"
-            + (" per grad_accum slice" if exp.settings.train.grad_accum > 1 else "")
-            + f": {plan.ticks} ticks, {plan.bubble:.0%} of them idle on each stage (the bubble)"]
+            + (" per grad_accum slice" if exp.settings.train.grad_accum > 1 else ""))
+    if isinstance(plan, pipeline.OneFOneB):
+        return [f"{head}: {plan.ticks} ticks of a forward and a backward, the first and last "
+                f"{plan.stages - 1} of one kind, {plan.bubble:.0%} of the step idle on each "
+                f"stage (the bubble); a stage holds at most {plan.held} micro-batches' "
+                "activations"]
+    return [f"{head}: {plan.ticks} ticks, {plan.bubble:.0%} of them idle on each stage "
+            "(the bubble)"]
 
 
 def _loss(exp: Experiment) -> list[str]:
