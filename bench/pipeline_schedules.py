@@ -23,31 +23,40 @@ import platform
 
 GiB = 2**30
 KINDS = ("all-gather", "reduce-scatter", "all-reduce", "collective-permute")
-# (label, mesh, virtual_stages, pipeline_gather_once, remat)
+# (label, mesh, virtual_stages, pipeline_gather_once, remat, mesh.pipeline_schedule)
 CASES = [
-    ("none", dict(fsdp=8), 1, False, "full"),
-    ("GPipe", dict(stage=4, fsdp=2), 1, False, "none"),
-    ("GPipe, gathered once", dict(stage=4, fsdp=2), 1, True, "none"),
-    ("GPipe", dict(stage=4, fsdp=2), 1, False, "full"),
-    ("circular", dict(stage=4, fsdp=2), 2, False, "none"),
-    ("circular, gathered once", dict(stage=4, fsdp=2), 2, True, "none"),
-    ("GPipe", dict(stage=4, tensor=2), 1, False, "none"),
-    ("circular", dict(stage=4, tensor=2), 2, False, "none"),
+    ("none", dict(fsdp=8), 1, False, "full", "gpipe"),
+    ("GPipe", dict(stage=4, fsdp=2), 1, False, "none", "gpipe"),
+    ("GPipe, gathered once", dict(stage=4, fsdp=2), 1, True, "none", "gpipe"),
+    ("GPipe", dict(stage=4, fsdp=2), 1, False, "full", "gpipe"),
+    ("circular", dict(stage=4, fsdp=2), 2, False, "none", "gpipe"),
+    ("circular, gathered once", dict(stage=4, fsdp=2), 2, True, "none", "gpipe"),
+    ("1F1B", dict(stage=4, fsdp=2), 1, False, "none", "1f1b"),
+    ("1F1B, gathered once", dict(stage=4, fsdp=2), 1, True, "none", "1f1b"),
+    ("GPipe", dict(stage=4, tensor=2), 1, False, "none", "gpipe"),
+    ("circular", dict(stage=4, tensor=2), 2, False, "none", "gpipe"),
+    ("1F1B", dict(stage=4, tensor=2), 1, False, "none", "1f1b"),
 ]
-TINY_CASES = [CASES[0], CASES[2], CASES[5]]
+TINY_CASES = [CASES[0], CASES[2], CASES[5], CASES[7]]
 MICROBATCHES = 8
+# Temporaries as the micro-batches grow, at 2 rows each (batch 2 M) on stage=4 x fsdp=2:
+# (label, remat, mesh.pipeline_schedule).
+GROWTH = [("GPipe", "none", "gpipe"), ("GPipe", "full", "gpipe"), ("1F1B", "none", "1f1b")]
+GROWTH_M = (4, 8, 16)
 
 
-def config(mesh: dict, virtual: int, once: bool, remat: str, tiny: bool):
+def config(mesh: dict, virtual: int, once: bool, remat: str, schedule: str, tiny: bool,
+           micro: int = MICROBATCHES, batch: int = 16):
     from ndjax.config import default_config
 
     c = default_config()
-    c.mesh.update({"fsdp": 1, **mesh, "virtual_stages": virtual})
+    c.mesh.update({"fsdp": 1, **mesh, "virtual_stages": virtual,
+                   "pipeline_schedule": schedule})
     c.model.update(dict(preset="tiny" if tiny else "llama3_8b", remat=remat, dtype="bfloat16",
                         pipeline_gather_once=once))
     c.model.n_layers = 8  # 4 stages x 2 chunks of 1 (the tiny preset has 8 too)
-    c.train.update(dict(batch_size=16, seq_len=256 if tiny else 4096,
-                        microbatches=MICROBATCHES if "stage" in mesh else 0))
+    c.train.update(dict(batch_size=batch, seq_len=256 if tiny else 4096,
+                        microbatches=micro if "stage" in mesh else 0))
     c.data.source = "synthetic"
     return c
 
@@ -60,15 +69,15 @@ def row(case: tuple, tiny: bool) -> str:
     from ndjax.planning import planner
     from ndjax.verbs.compile import compile_for
 
-    label, mesh, virtual, once, remat = case
-    c = config(mesh, virtual, once, remat, tiny)
+    label, mesh, virtual, once, remat, schedule = case
+    c = config(mesh, virtual, once, remat, schedule, tiny)
     r = compile_for(c, "h100", 8)
     cfg = model_config(Settings.parse(c).model, platform="gpu")
     t = c.train
     tokens = t.batch_size * t.seq_len
     layout = planner.Layout(1, mesh.get("fsdp", 1), 1, mesh.get("tensor", 1), remat=remat,
                             stage=mesh.get("stage", 1), microbatches=t.microbatches,
-                            virtual_stages=virtual)
+                            virtual_stages=virtual, pipeline_schedule=schedule)
     flops = flops_per_token(cfg, t.seq_len) * tokens
     rerun = planner.pipeline_rerun_flops(cfg, t.seq_len, remat, layout) * tokens
     executed = planner.executed_flops(cfg, layout, flops + rerun, tokens)
@@ -104,6 +113,24 @@ def main() -> None:
           "|:--|:--|:--|--:|--:|--:|--:|" + "--:|" * len(KINDS) + "--:|--:|")
     for case in TINY_CASES if args.tiny else CASES:
         print(row(case, args.tiny), flush=True)
+    if not args.tiny:
+        growth()
+
+
+def growth() -> None:
+    """Temporaries per device as the micro-batches grow, 2 rows each."""
+    from ndjax.verbs.compile import compile_for
+
+    print("\nTemporaries (GiB per device) on stage=4 x fsdp=2 as the micro-batches grow, "
+          "2 rows of 4096 tokens each (the batch grows with them):\n")
+    print("| schedule | remat | " + " | ".join(f"M={m}" for m in GROWTH_M) + " |\n"
+          "|:--|:--|" + "--:|" * len(GROWTH_M))
+    for label, remat, schedule in GROWTH:
+        temps = [compile_for(config(dict(stage=4, fsdp=2), 1, False, remat, schedule, False,
+                                    micro=m, batch=2 * m), "h100", 8)["temp_bytes"] / GiB
+                 for m in GROWTH_M]
+        print(f"| {label} | {remat} | " + " | ".join(f"{t:.2f}" for t in temps) + " |",
+              flush=True)
 
 
 if __name__ == "__main__":

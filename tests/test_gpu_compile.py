@@ -534,13 +534,15 @@ def test_bench_moe_layouts_tiny():
 
 @needs_extra
 def test_bench_pipeline_schedules_tiny():
-    """No stages, GPipe and the circular schedule gathering each stage's layers once,
-    compiled for H100s and tabled with their ticks and bubbles."""
+    """No stages, and GPipe, the circular schedule and 1F1B gathering each stage's layers
+    once, compiled for H100s and tabled with their ticks and bubbles."""
     lines = run_tiny("pipeline_schedules.py").stdout.splitlines()
-    rows = table_rows(lines, "none", "GPipe, gathered once", "circular, gathered once")
+    rows = table_rows(lines, "none", "GPipe, gathered once", "circular, gathered once",
+                      "1F1B, gathered once")
     assert [r[1:5] for r in rows] == [["fsdp=8", "full", "-", "-"],
                                       ["stage=4 x fsdp=2", "none", "11", "27%"],
-                                      ["stage=4 x fsdp=2", "none", "19", "16%"]], rows
+                                      ["stage=4 x fsdp=2", "none", "19", "16%"],
+                                      ["stage=4 x fsdp=2", "none", "14", "27%"]], rows
     assert all(float(r[11].replace(",", "")) > 0 for r in rows), rows
 
 

@@ -1,7 +1,7 @@
-"""Pipeline parallelism (mesh.stage, ndjax.parallel.pipeline): GPipe over 2 and 4 stages,
-alone and with every other axis, trains like one device; checkpoints move between stage
-counts; the schedule's bubble and held activations are the program's; bad input is one
-line.
+"""Pipeline parallelism (mesh.stage, ndjax.parallel.pipeline): GPipe, circular and 1F1B
+over 2 and 4 stages, alone and with every other axis, train like one device; checkpoints
+move between stage counts and schedules; the schedules' bubbles and held activations
+are the programs'; bad input is one line.
 
 Tolerances as tests/test_layouts.py (helpers.assert_same_training): 3 AdamW steps' losses
 at rtol 1e-5, the first step's gradients within 1e-5 of each parameter's largest. What is
@@ -132,8 +132,8 @@ def test_stages_train_like_one_device(cpu_devices, tmp_path, layout):
 
 
 def test_checkpoints_move_between_stage_counts(tmp_path):
-    """Saved at step 2 on 4 stages (x fsdp 2), resumed on 2 stages, on 2 stages of 2
-    chunks each (the circular schedule's stored order) and on none: steps 3 to 5 are
+    """Saved at step 2 on 4 stages (x fsdp 2), resumed on 2 stages (GPipe and 1F1B), on 2
+    stages of 2 chunks each (the circular schedule's stored order) and on none: steps 3 to 5 are
     the uninterrupted run's. The circular run's own step-4 checkpoint (saved in layer
     order) resumes on no stages for step 5. ``ndjax generate`` decodes such a run
     without stages."""
@@ -162,6 +162,7 @@ def test_checkpoints_move_between_stage_counts(tmp_path):
         return workdir
 
     resume(dict(stage=2, fsdp=4), "stage2", source / "checkpoints", 2)
+    resume(dict(stage=2, fsdp=4, pipeline_schedule="1f1b"), "1f1b", source / "checkpoints", 2)
     circular = resume(dict(stage=2, virtual_stages=2, fsdp=4), "circular",
                       source / "checkpoints", 2)
     resume(dict(fsdp=8), "none", source / "checkpoints", 2)
@@ -291,6 +292,25 @@ def test_1f1b_holds_at_most_2s_minus_1_micro_batches(cpu_devices, stages, fsdp, 
     saved = [shape for _, stacked in _scans(jaxpr.jaxpr) for shape in stacked
              if shape[-3:] == (rows, seq, dim)]
     assert (gpipe.ticks, 8 // stages, stages, rows, seq, dim) in saved, saved
+
+
+def test_a_1f1b_eval_step_is_gpipes_forward(cpu_devices):
+    """An eval step takes no gradient, so the 1F1B pipeline's custom VJP runs its primal:
+    GPipe's forward, then the loss over the whole batch. Its loss is one device's."""
+    from helpers import host_batches
+
+    def eval_loss(mesh, devices, params=None):
+        exp = Experiment.from_config(tiny_config(mesh=mesh, model=FOUR,
+                                                 train=dict(microbatches=4)), devices)
+        params = exp.init_state().params if params is None else jax.device_put(
+            params, exp.state_sharding.params)
+        batch = exp.device_batch(next(iter(host_batches(exp.config, 1))))
+        return jax.device_get(params), float(exp.compiled_eval(params, batch)["loss"])
+
+    params, one = eval_loss(dict(fsdp=1), cpu_devices[:1])
+    _, staged = eval_loss(dict(stage=2, fsdp=2, pipeline_schedule="1f1b"), cpu_devices[:4],
+                          params)
+    np.testing.assert_allclose(staged, one, rtol=1e-5)
 
 
 def test_gather_once_gathers_each_stages_layers_outside_the_ticks(cpu_devices):

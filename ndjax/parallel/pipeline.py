@@ -55,6 +55,11 @@ class GPipe:
         """The share of stage-ticks with no micro-batch to run: (S - 1) / (V M + S - 1)."""
         return (self.stages - 1) / self.ticks
 
+    @property
+    def passes(self) -> int:
+        """The chunk passes each stage runs forward in a step, and as many backward."""
+        return self.ticks
+
 
 @dataclasses.dataclass(frozen=True)
 class Circular(GPipe):
@@ -101,6 +106,10 @@ class OneFOneB(GPipe):
     def bubble(self) -> float:
         """(S - 1) / (M + S - 1): S - 1 forward-only and S - 1 backward-only ticks."""
         return (self.stages - 1) / (self.microbatches + self.stages - 1)
+
+    @property
+    def passes(self) -> int:
+        return self.microbatches + self.stages - 1
 
     @property
     def held(self) -> int:

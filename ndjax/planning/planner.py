@@ -104,6 +104,7 @@ class Layout:
     stage: int = 1               # mesh.stage: pipeline stages
     microbatches: int = 0        # train.microbatches, with stage > 1 (GPipe's micro-batches)
     virtual_stages: int = 1      # mesh.virtual_stages, with stage > 1 (circular where > 1)
+    pipeline_schedule: str = "gpipe"  # mesh.pipeline_schedule, with stage > 1
 
     @property
     def degrees(self) -> tuple[int, ...]:
@@ -121,13 +122,14 @@ class Layout:
         return (self.rules + (f", {self.cp_impl}" if self.context > 1 else "")
                 + (f", {self.microbatches} micro-batches" if self.stage > 1 else "")
                 + (f", {self.virtual_stages} chunks a stage" if self.stage > 1
-                   and self.virtual_stages > 1 else ""))
+                   and self.virtual_stages > 1 else "")
+                + (", 1F1B" if self.stage > 1 and self.pipeline_schedule == "1f1b" else ""))
 
     @property
     def schedule(self) -> pipeline.GPipe | None:
         """The pipeline's schedule (None without stages)."""
-        return (pipeline.schedule(self.stage, self.microbatches, self.virtual_stages)
-                if self.stage > 1 else None)
+        return (pipeline.schedule(self.stage, self.microbatches, self.virtual_stages,
+                                  self.pipeline_schedule) if self.stage > 1 else None)
 
     def with_(self, **changes: Any) -> Layout:
         return dataclasses.replace(self, **changes)
@@ -212,10 +214,12 @@ def layouts(config: ml_collections.ConfigDict, n: int,
                               else (cp,)):
                 layout = Layout(**mesh, rules=rules, remat=config.model.remat,
                                 grad_accum=config.train.grad_accum, cp_impl=algorithm)
+                staged = mesh["stage"] > 1
                 out.append(layout.with_(
                     microbatches=microbatches(config, layout),
-                    virtual_stages=config.mesh.get("virtual_stages", 1) if mesh["stage"] > 1
-                    else 1))
+                    virtual_stages=config.mesh.get("virtual_stages", 1) if staged else 1,
+                    pipeline_schedule=config.mesh.get("pipeline_schedule", "gpipe") if staged
+                    else "gpipe"))
     return out
 
 
@@ -239,6 +243,7 @@ def layout_settings(config: ml_collections.ConfigDict | Settings, layout: Layout
     return dataclasses.replace(
         s, model=dataclasses.replace(s.model, remat=layout.remat, cp_impl=layout.cp_impl),
         mesh=dataclasses.replace(s.mesh, auto=False, virtual_stages=layout.virtual_stages,
+                                 pipeline_schedule=layout.pipeline_schedule,
                                  **dict(zip(AXES, layout.degrees))),
         train=dataclasses.replace(s.train, grad_accum=layout.grad_accum,
                                   microbatches=layout.microbatches or s.train.microbatches),
@@ -340,6 +345,7 @@ def check(config: ml_collections.ConfigDict | Settings, layout: Layout,
     attention = choice.label if stand_in == on_gpu else f"{choice.label} (compiled as {stand_in})"
     tokens = t.batch_size * t.seq_len
     signature = (layout.remat, layout.grad_accum, layout.microbatches, layout.virtual_stages,
+                 layout.pipeline_schedule,
                  target.model.attn_impl, target.model.cp_impl,
                  program_signature(exp.rules, exp.mesh))
     rerun = pipeline_rerun_flops(exp.model_cfg, t.seq_len, layout.remat, layout) * tokens
@@ -354,23 +360,23 @@ def check(config: ml_collections.ConfigDict | Settings, layout: Layout,
 def executed_flops(cfg: Any, layout: Layout, flops: float, tokens: int) -> float | None:
     """What the devices compute in one step of a layout with stages, all devices, from
     ``flops`` (the model's and remat's): the schedule runs every stage at every tick,
-    the bubble's on zeros, so the layers take ticks / (chunks x micro-batches) of their
-    work; the embedding, LM head and loss run outside the stages on every stage's
-    devices, once per stage (DeepSeek V3's dense first layers too: not counted). None
-    without stages."""
+    the bubble's on zeros, so the layers take passes / (chunks x micro-batches) of their
+    work (``GPipe.passes``); the embedding, LM head and loss run outside the stages on
+    every stage's devices, once per stage (DeepSeek V3's dense first layers too: not
+    counted). None without stages."""
     plan = layout.schedule
     if plan is None:
         return None
     head = decoder.head_flops_per_token(cfg) * tokens
-    return (flops - head) * plan.ticks / (plan.virtual * plan.microbatches) + head * plan.stages
+    return (flops - head) * plan.passes / (plan.virtual * plan.microbatches) + head * plan.stages
 
 
 def pipeline_rerun_flops(cfg: Any, seq_len: int, remat: str, layout: Layout) -> float:
     """FLOPs per token the backward pass runs again: ``remat``'s, and under the circular
-    schedule every layer's forward once more (each chunk is rematerialised whole,
-    ``pipeline.Circular``)."""
+    and 1F1B schedules every layer's forward once more (each chunk is rematerialised
+    whole, ``pipeline.Circular``, ``pipeline.OneFOneB``)."""
     rerun = sum(roofline.recomputed_forward_flops(cfg, seq_len, remat).values())
-    if layout.stage > 1 and layout.virtual_stages > 1:
+    if layout.stage > 1 and (layout.virtual_stages > 1 or layout.pipeline_schedule == "1f1b"):
         rerun += sum(roofline.recomputed_forward_flops(cfg, seq_len, "full").values())
     return rerun
 

@@ -136,10 +136,12 @@ def least_traffic(exp: Any, devices: Any, devices_per_node: int) -> roofline.Lin
 
 
 def _ticks(cfg: Any) -> int:
-    """The pipeline's ticks a step (of one grad_accum slice); 1 without stages."""
+    """The chunk passes each stage runs a step (of one grad_accum slice) each way; 1
+    without stages."""
     if cfg.stages == 1:
         return 1
-    return pipeline.schedule(cfg.stages, cfg.microbatches, cfg.virtual_stages).ticks
+    return pipeline.schedule(cfg.stages, cfg.microbatches, cfg.virtual_stages,
+                             cfg.pipeline_schedule).passes
 
 
 def _layers_per_device(cfg: Any, moe_only: bool = False) -> float:

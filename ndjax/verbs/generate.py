@@ -117,6 +117,7 @@ def for_generation(config: ml_collections.ConfigDict, n_devices: int
     stages = c.mesh.get("stage", 1)
     if stages > 1:  # decoding runs no pipeline: the stages' devices shard the weights
         c.mesh.stage, c.mesh.virtual_stages = 1, 1
+        c.mesh.pipeline_schedule = "gpipe"
         c.mesh.fsdp = -1 if c.mesh.fsdp == -1 else c.mesh.fsdp * stages
     return c
 
