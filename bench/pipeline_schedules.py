@@ -1,7 +1,8 @@
-"""Pipeline schedules side by side, compiled for H100s: GPipe and the circular schedule,
-with FSDP inside the stages gathered at every tick or once a step, against no stages.
+"""Pipeline schedules side by side, compiled for H100s: GPipe, the circular schedule and
+1F1B, with FSDP inside the stages gathered at every tick or once a step, against no
+stages; then the temporaries of GPipe and 1F1B as the micro-batches grow.
 
-    PYTHONPATH=. python bench/pipeline_schedules.py          # ~10 compiles (gpu-compile extra)
+    PYTHONPATH=. python bench/pipeline_schedules.py          # 20 compiles (gpu-compile extra)
     PYTHONPATH=. python bench/pipeline_schedules.py --tiny   # smoke run: the tiny model
 
 Llama 3 8B cut to 8 of its 32 layers (so each compile takes seconds), 16 rows of 4096

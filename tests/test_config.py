@@ -40,6 +40,7 @@ GOOD = {
     "model.lora.init_from": "/nowhere/adapter", "model.lora.modules_to_save": "embed_tokens",
     "mesh.replica": "2", "mesh.fsdp": "2", "mesh.expert": "2", "mesh.context": "2",
     "mesh.tensor": "2", "mesh.stage": "2", "mesh.virtual_stages": "2",
+    "mesh.pipeline_schedule": "1f1b",
     "mesh.auto": "True",
     "runtime.cpu_devices": "4", "runtime.coordinator": "localhost:1234",
     "runtime.num_processes": "2", "runtime.process_id": "1",
@@ -155,6 +156,7 @@ BAD = {
     **{f"mesh.{a}": (2.5, r" must be an int")
        for a in ("replica", "fsdp", "expert", "context", "tensor", "stage")},
     "mesh.virtual_stages": (0, r" must be an int >= 1"),
+    "mesh.pipeline_schedule": ("zb", r": choose one of \('gpipe', '1f1b'\)"),
     "mesh.auto": ("yes", r" must be True or False"),
     "runtime.cpu_devices": (0, r" must be an int >= 1"),
     "runtime.coordinator": (1234, r" must be a string"),

@@ -255,21 +255,29 @@ def test_a_staged_layout_is_priced_by_its_bubble_and_sends():
     assert cand.as_dict()["bubble"] == pytest.approx(1 / 5)
 
 
-def test_a_circular_layout_gathering_once_is_priced_by_its_schedule():
-    """mesh.virtual_stages=2 (the config's, on every staged layout) with
-    model.pipeline_gather_once: the compute is V M + S - 1 ticks of a chunk for V M of
-    useful work, with every layer's forward run again (each chunk is rematerialised);
-    the bound gathers the staged weights once and stays below the compiled step's
-    bytes of every kind."""
+@pytest.mark.parametrize("virtual, schedule, settings, passes", [
+    (2, "gpipe", "default, 4 micro-batches, 2 chunks a stage", 9),
+    (1, "1f1b", "default, 4 micro-batches, 1F1B", 5),
+])
+def test_a_circular_or_1f1b_layout_gathering_once_is_priced_by_its_schedule(
+        virtual, schedule, settings, passes):
+    """mesh.virtual_stages=2, or mesh.pipeline_schedule=1f1b (the config's, on every
+    staged layout), with model.pipeline_gather_once: the compute is the chunk passes a
+    stage runs (circular: V M + S - 1 ticks; 1F1B: M + S - 1 each way, over M + 2S - 2
+    ticks) for V M of useful work, with every layer's forward run again (each chunk is
+    rematerialised); the bound gathers the staged weights once and stays below the
+    compiled step's bytes of every kind."""
     config = tiny_config(model={"n_layers": 4, "attn_impl": "dense",
                                 "pipeline_gather_once": True},
                          train={"batch_size": 8, "seq_len": 64})
-    config.mesh.virtual_stages = 2
+    config.mesh.virtual_stages = virtual
+    config.mesh.pipeline_schedule = schedule
     layout = next(x for x in planner.layouts(config, 4, ["default"], 2, stages=[2])
                   if x.degrees == (2, 1, 2, 1, 1, 1))
-    assert (layout.virtual_stages, layout.microbatches) == (2, 4)
-    assert layout.settings == "default, 4 micro-batches, 2 chunks a stage"
-    assert layout.schedule.bubble == pytest.approx(1 / 9)
+    assert (layout.virtual_stages, layout.microbatches) == (virtual, 4)
+    assert layout.settings == settings
+    assert layout.schedule.passes == passes
+    assert layout.schedule.bubble == pytest.approx(1 / passes)
     checked = planner.check(config, layout, jax.devices()[:4], H100, devices_per_node=2)
     cfg = checked.settings.model
     head = 6 * cfg.dim * cfg.vocab_size * checked.tokens
@@ -277,7 +285,8 @@ def test_a_circular_layout_gathering_once_is_priced_by_its_schedule():
     forward = sum(roofline.recomputed_forward_flops(model_cfg, 64, "full").values())
     assert checked.recompute_flops == pytest.approx(forward * checked.tokens)
     assert checked.executed_flops == pytest.approx(
-        (checked.model_flops + checked.recompute_flops - head) * 9 / 8 + 2 * head)
+        (checked.model_flops + checked.recompute_flops - head) * passes / (4 * virtual)
+        + 2 * head)
     cand = planner.Candidate(layout)
     planner._fill(cand, planner.measure(checked.config.to_json(sort_keys=True), 4), checked,
                   H100, 2, 1e12)
