@@ -14,6 +14,7 @@ import jax
 import pytest
 from conftest import tiny_config
 
+from ndjax.config import as_settings
 from ndjax.experiment import Experiment, model_config
 from ndjax.hardware import roofline
 from ndjax.planning import planner
@@ -274,6 +275,9 @@ def test_a_circular_or_1f1b_layout_gathering_once_is_priced_by_its_schedule(
     config.mesh.pipeline_schedule = schedule
     layout = next(x for x in planner.layouts(config, 4, ["default"], 2, stages=[2])
                   if x.degrees == (2, 1, 2, 1, 1, 1))
+    # make_plan hands the layouts typed settings, not the ConfigDict.
+    assert planner.layouts(as_settings(config), 4, ["default"], 2, stages=[2]) == \
+        planner.layouts(config, 4, ["default"], 2, stages=[2])
     assert (layout.virtual_stages, layout.microbatches) == (virtual, 4)
     assert layout.settings == settings
     assert layout.schedule.passes == passes

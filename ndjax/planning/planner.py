@@ -217,9 +217,9 @@ def layouts(config: ml_collections.ConfigDict, n: int,
                 staged = mesh["stage"] > 1
                 out.append(layout.with_(
                     microbatches=microbatches(config, layout),
-                    virtual_stages=config.mesh.get("virtual_stages", 1) if staged else 1,
-                    pipeline_schedule=config.mesh.get("pipeline_schedule", "gpipe") if staged
-                    else "gpipe"))
+                    virtual_stages=getattr(config.mesh, "virtual_stages", 1) if staged else 1,
+                    pipeline_schedule=getattr(config.mesh, "pipeline_schedule", "gpipe")
+                    if staged else "gpipe"))
     return out
 
 
