@@ -24,17 +24,19 @@ For one config and N devices:
    and temporary bytes per device (``memory_analysis``), every collective
    (``ndjax.parallel.collectives``) and the partitioner's involuntary rematerialisations.
    A layout whose inputs alone (parameters, optimizer state, batch: known from
-   their shardings) overflow the budget is not compiled. With ``top`` the layouts
-   compile best first, by their least step time (``Checked.least_step_s``: compute
-   and ``ndjax.planning.traffic_bound``), and one that cannot beat the ``top``-th best that
-   fits is not compiled (status ``slower``). Results are cached on
+   their shardings) overflow the budget is not compiled. Results are cached on
    disk, keyed by the config, N, the compiler, the jax version and ndjax's source.
 4. A layout over the memory budget whose parameters, optimizer state and batch
    fit is retried with more rematerialisation (``none`` -> ``save_proj`` -> ``full``)
    and then gradient accumulation (x2, x4, ...), until it fits or nothing is left.
-   With ``top``, a retry whose step time cannot beat the ``top``-th best layout
-   that fits (its measured communication plus the compute of more remat: more
-   remat adds compute and never removes a collective) is not compiled.
+   With ``top`` (``_search``) the layouts and their retries compile from one queue,
+   best first by a lower bound of their step time: a layout's from its compute and
+   the traffic its shardings force (``Checked.least_step_s``,
+   ``ndjax.planning.traffic_bound``), a retry's from the communication measured at
+   less remat and its own compute (more remat adds compute and never removes a
+   collective). Once the lowest bound left cannot beat the ``top``-th best that
+   fits, nothing more is compiled: a layout left is ``slower``, a retry left says
+   it could not rank.
 5. ``ndjax.hardware.roofline`` turns FLOPs and collectives into a step time on the target
    hardware; fitting layouts are ranked by it (no-overlap figure). With stages the
    compute is what the devices run (``executed_flops``: GPipe's bubble and the LM head
@@ -592,7 +594,7 @@ class Candidate:
     tried: list[str] = dataclasses.field(default_factory=list)  # remedies that did not fit
     aliases: list[str] = dataclasses.field(default_factory=list)  # the same program
     least_memory: int = 0        # the smallest of the tries, when none fits
-    cannot_rank: str = ""        # why its remedies were not compiled (_remedy)
+    cannot_rank: str = ""        # why its remedies were not compiled (_search)
     # A lower bound of its step time before compiling (Checked.least_step_s), seconds.
     least_step_s: float = 0.0
     # The SPMD partitioner's "involuntary full rematerialization" warnings: a
@@ -744,64 +746,103 @@ def _at_least(cand: Candidate, c: Checked, hardware: roofline.Hardware) -> float
     return c.estimate(hardware, cand.link, cand.host).serial_s
 
 
-def _remedy(config: Settings, over: list[Candidate],
-            checked: dict[int, Checked], compiler: Compiler, hardware: roofline.Hardware,
-            devices: Sequence[jax.Device], devices_per_node: int, budget: float,
-            ranked: Sequence[Candidate], top: int | None, inputs: Any) -> None:
-    """Candidates over the budget whose parameters, optimizer state and batch fit are
-    retried with more remat, then grad_accum, one rung per round (so that each
-    round compiles in parallel), until they fit or nothing is left to try. A rung
-    whose step time cannot beat the ``top``-th best layout that fits (``_at_least``)
-    is not compiled: the layout could not rank, and says so."""
+@dataclasses.dataclass
+class _Try:
+    """One compile the search may make: a candidate's layout as checked (``remedy``: one
+    of its rungs after it compiled over the budget), and a lower bound of its step time."""
+
+    bound: float
+    cand: Candidate
+    checked: Checked
+    remedy: bool = False
+
+
+def _next_rung(cand: Candidate, queue: list[Layout], config: Settings,
+               devices: Sequence[jax.Device], hardware: roofline.Hardware, inputs: Any,
+               devices_per_node: int) -> _Try | None:
+    """The next remedy of ``queue`` that passes the checks, bounded below by the
+    candidate's measured communication (``_at_least``); None when none is left."""
+    while queue:
+        layout = queue.pop(0)  # more accumulation: fewer rows to cut into micro-batches
+        try:
+            c = check(config, layout.with_(microbatches=microbatches(config, layout)),
+                      devices, hardware, inputs, devices_per_node)
+        except ConfigError:  # e.g. a grad_accum the batch does not split into
+            continue
+        return _Try(_at_least(cand, c, hardware), cand, c, remedy=True)
+    return None
+
+
+def _search(config: Settings, pending: list[Candidate], checked: dict[int, Checked],
+            compiler: Compiler, hardware: roofline.Hardware, devices: Sequence[jax.Device],
+            devices_per_node: int, budget: float, top: int | None, inputs: Any) -> None:
+    """Compile the candidates, and the remedies of those over the budget, least step
+    time first. Each candidate is compiled as configured; one whose parameters,
+    optimizer state and batch fit but whose step does not is retried with more remat,
+    then grad_accum, one rung at a time, until it fits or nothing is left to try.
+
+    With ``top``, every possible compile waits in one queue ordered by a lower bound of
+    its step time: a candidate's from its shardings (``Checked.least_step_s``), a rung's
+    from the communication measured at less remat and its own compute (``_at_least``).
+    A few of the lowest are compiled at a time, until the lowest left cannot beat the
+    ``top``-th best that fits. What is left is provably slower: a candidate is
+    ``slower`` (not compiled), a rung's candidate stays over and says why. So remedies
+    need not wait for every first compile, and a layout that fits only with remat full
+    can set the bar that stops the rest. Without ``top`` everything is compiled."""
+    for cand in pending:
+        cand.least_step_s = checked[id(cand)].least_step_s(hardware)
+    waiting = [_Try(cand.least_step_s, cand, checked[id(cand)]) for cand in pending]
     queues: dict[int, list[Layout]] = {}
-    for cand in over:
-        t = checked[id(cand)].config.train
-        rows = t.batch_size // (cand.layout.replica * cand.layout.fsdp) // t.grad_accum
-        queues[id(cand)] = _remedies(cand.layout, rows, offload=compiler.target is not None)
-        cand.least_memory = cand.memory
-    given = {id(c): (c.layout, f"{_label(c.layout)}: {_gib(c.memory)}") for c in over}
-    while queues:
-        trying: list[tuple[Candidate, Checked]] = []
-        for cand in over:
-            queue = queues.get(id(cand))
-            if queue is None:
-                continue
-            chosen = None
-            while queue and chosen is None:
-                layout = queue.pop(0)  # more accumulation: fewer rows to cut into micro-batches
-                try:
-                    c = check(config, layout.with_(microbatches=microbatches(config, layout)),
-                              devices, hardware, inputs, devices_per_node)
-                except ConfigError:  # e.g. a grad_accum the batch does not split into
-                    continue
-                bound, best = _at_least(cand, c, hardware), _kth_best([*ranked, *over], top)
-                if bound > best:
-                    cand.cannot_rank = (f"it could only rank below #{top}: with "
-                                        f"{_label(c.layout)} its step takes at least "
-                                        f"{bound * 1e3:,.1f} ms, #{top} takes {best * 1e3:,.1f}")
-                    queue.clear()
-                else:
-                    chosen = c
-            if chosen is None:
-                del queues[id(cand)]
-            else:
-                trying.append((cand, chosen))
-        results = compiler.measure_all([c.config for _, c in trying])
-        for (cand, c), r in zip(trying, results):
-            total = r["arguments"] + r["temporaries"] if "error" not in r else None
-            if total is not None and _fits(r, hardware, budget):
+    given: dict[int, tuple[Layout, str]] = {}
+    batch = max(2 * compiler.workers, top or 1, 1)
+    while waiting:
+        best = _kth_best(pending, top)
+        waiting.sort(key=lambda t: t.bound)
+        now = [t for t in waiting if t.bound <= best][:batch if top is not None else None]
+        if not now:
+            break
+        waiting = [t for t in waiting if all(t is not x for x in now)]
+        results = compiler.measure_all([t.checked.config for t in now])
+        for t, r in zip(now, results):
+            cand, c = t.cand, t.checked
+            if not t.remedy:
                 _fill(cand, r, c, hardware, devices_per_node, budget)
-                cand.tried.insert(0, given[id(cand)][1])
-                cand.reason = _describe_fix(given[id(cand)][0], c.layout)
-                del queues[id(cand)]
-                continue
-            cand.tried.append(f"{_label(c.layout)}: " + (r.get("error") or _gib(total)))
-            if total is None:
-                continue
-            if c.layout.grad_accum > 1 and total > cand.least_memory:
-                # Accumulation added a gradient buffer and saved less: more won't help.
-                queues.pop(id(cand), None)
-            cand.least_memory = min(cand.least_memory, total)
+                if cand.status != "over" or cand.arguments > budget:
+                    continue
+                rows = (c.config.train.batch_size // (cand.layout.replica * cand.layout.fsdp)
+                        // c.config.train.grad_accum)
+                queues[id(cand)] = _remedies(cand.layout, rows,
+                                             offload=compiler.target is not None)
+                cand.least_memory = cand.memory
+                given[id(cand)] = (cand.layout, f"{_label(cand.layout)}: {_gib(cand.memory)}")
+            else:
+                total = r["arguments"] + r["temporaries"] if "error" not in r else None
+                if total is not None and _fits(r, hardware, budget):
+                    _fill(cand, r, c, hardware, devices_per_node, budget)
+                    cand.tried.insert(0, given[id(cand)][1])
+                    cand.reason = _describe_fix(given[id(cand)][0], c.layout)
+                    continue
+                cand.tried.append(f"{_label(c.layout)}: " + (r.get("error") or _gib(total)))
+                if total is not None:
+                    if c.layout.grad_accum > 1 and total > cand.least_memory:
+                        # Accumulation added a gradient buffer and saved less: more won't help.
+                        queues[id(cand)].clear()
+                    cand.least_memory = min(cand.least_memory, total)
+            rung = _next_rung(cand, queues[id(cand)], config, devices, hardware, inputs,
+                              devices_per_node)
+            if rung is not None:
+                waiting.append(rung)
+    best = _kth_best(pending, top)
+    for t in waiting:
+        if t.remedy:
+            t.cand.cannot_rank = (f"it could only rank below #{top}: with "
+                                  f"{_label(t.checked.layout)} its step takes at least "
+                                  f"{t.bound * 1e3:,.1f} ms, #{top} takes {best * 1e3:,.1f}")
+        else:
+            t.cand.status = "slower"
+            t.cand.reason = (f"not compiled: its step takes at least {t.bound * 1e3:,.1f} ms "
+                             f"(its compute and the traffic its shardings force), #{top} "
+                             f"takes {best * 1e3:,.1f}")
 
 
 def _why_over(cand: Candidate, budget: float) -> str:
@@ -845,11 +886,8 @@ def make_plan(config: ml_collections.ConfigDict, n: int, hardware: roofline.Hard
         if checked[id(cand)].arguments > budget:
             cand.status, cand.arguments = "over", checked[id(cand)].arguments
     pending = [c for c in pending if c.status != "over"]
-    _first_round(pending, checked, compiler, hardware, devices_per_node, budget, top)
-    over = [c for c in pending if c.status == "over" and c.arguments <= budget]
-    ranked = [c for c in pending if c.status == "ranked"]
-    _remedy(settings, over, checked, compiler, hardware, devices, devices_per_node, budget,
-            ranked, top, inputs)
+    _search(settings, pending, checked, compiler, hardware, devices, devices_per_node, budget,
+            top, inputs)
     for cand in candidates:
         if cand.status == "over":
             cand.reason = _why_over(cand, budget)
@@ -859,37 +897,6 @@ def make_plan(config: ml_collections.ConfigDict, n: int, hardware: roofline.Hard
                                    else c.memory if c.status == "over" else 0))
     return Plan(n, hardware, devices_per_node, budget, candidates, aliases, model,
                 compiler.target or "cpu")
-
-
-def _first_round(pending: list[Candidate], checked: dict[int, Checked], compiler: Compiler,
-                 hardware: roofline.Hardware, devices_per_node: int, budget: float,
-                 top: int | None) -> None:
-    """Each candidate compiled as configured, or with ``top`` best first: in the order of
-    their least step times (``Checked.least_step_s``), a few at a time, and none whose
-    least step time is already slower than the ``top``-th best that fits (status
-    ``slower``: it could not rank)."""
-    for cand in pending:
-        cand.least_step_s = checked[id(cand)].least_step_s(hardware)
-    if top is None:
-        results = compiler.measure_all([checked[id(c)].config for c in pending])
-        for cand, r in zip(pending, results):
-            _fill(cand, r, checked[id(cand)], hardware, devices_per_node, budget)
-        return
-    least = {id(c): c.least_step_s for c in pending}
-    queue = sorted(pending, key=lambda c: least[id(c)])
-    batch = max(2 * compiler.workers, top, 1)
-    while queue:
-        best = _kth_best(pending, top)
-        for cand in [c for c in queue if least[id(c)] > best]:
-            cand.status = "slower"
-            cand.reason = (f"not compiled: its step takes at least {least[id(cand)] * 1e3:,.1f} "
-                           f"ms (its compute and the traffic its shardings force), #{top} "
-                           f"takes {best * 1e3:,.1f}")
-        queue = [c for c in queue if least[id(c)] <= best]
-        now, queue = queue[:batch], queue[batch:]
-        results = compiler.measure_all([checked[id(c)].config for c in now])
-        for cand, r in zip(now, results):
-            _fill(cand, r, checked[id(cand)], hardware, devices_per_node, budget)
 
 
 def default_cache_dir() -> str:
