@@ -72,6 +72,28 @@ def test_planned_memory_equals_the_compiled_train_step():
     assert {"all-gather", "all-reduce"} <= kinds
 
 
+@pytest.mark.parametrize("layout, model", [
+    (planner.Layout(1, 4, 1, 2, remat="none"), {}),
+    (planner.Layout(1, 8, 1, 1, remat="full"), {}),
+    (planner.Layout(1, 4, 1, 1, remat="none", stage=2, microbatches=2), {}),
+    (planner.Layout(1, 8, 1, 1, remat="save_proj"), {"lora": {"rank": 4, "alpha": 8.0}}),
+])
+def test_the_activation_floor_is_below_the_compiled_temporaries(layout, model):
+    """What lets the planner skip compiling a step whose saved activations alone overflow
+    (planner.activation_floor): never above the compiled temporaries, and not a trivial
+    0. With a budget below it, measure compiles nothing and says so."""
+    config = tiny_config(model={"dtype": "bfloat16", **model},
+                         train={"seq_len": 256, "batch_size": 16})
+    checked = planner.check(config, layout, jax.devices(), H100)
+    text = checked.config.to_json(sort_keys=True)
+    exp = Experiment.from_config(checked.config)
+    floor = planner.activation_floor(exp)
+    planned = planner.measure(text, 8)
+    assert 0 < floor <= planned["temporaries"], (floor, planned["temporaries"])
+    skipped = planner.measure(text, 8, budget=planned["arguments"] + floor - 1)
+    assert skipped == dict(arguments=planner.argument_bytes(exp), temporaries_at_least=floor)
+
+
 def test_argument_bytes_from_the_shardings_are_the_compiled_arguments():
     """What lets the planner skip compiling a layout whose inputs alone overflow."""
     for mesh, rules in ((dict(fsdp=4, tensor=2), "default"),
@@ -181,12 +203,21 @@ def test_plan_rejects_with_reasons_and_fits_with_remat(tmp_path):
 
 def test_remedies_add_offload_where_the_gpu_compiler_measures():
     """After full, a GPU compile tries offload (the layer inputs in host memory); a CPU
-    compile, whose host and device memory are one, goes on to gradient accumulation."""
+    compile, whose host and device memory are one, goes on to gradient accumulation. A
+    GPipe layout tries 1F1B before full."""
     base = planner.Layout(1, 2, 1, 1, remat="save_proj")
     cpu = [(x.remat, x.grad_accum) for x in planner._remedies(base, 4)]
     gpu = [(x.remat, x.grad_accum) for x in planner._remedies(base, 4, offload=True)]
     assert cpu == [("full", 1), ("full", 2), ("full", 4)]
     assert gpu == [("full", 1), ("offload", 1), ("full", 2), ("full", 4)]
+    # A GPipe layout tries 1F1B at its own remat before full.
+    staged = planner.Layout(1, 2, 1, 1, stage=2, microbatches=2)
+    assert [(x.remat, x.grad_accum, x.pipeline_schedule) for x in
+            planner._remedies(staged, 4)] == [
+        ("save_proj", 1, "gpipe"), ("none", 1, "1f1b"), ("full", 1, "gpipe"),
+        ("full", 2, "gpipe"), ("full", 4, "gpipe")]
+    assert planner._describe_fix(staged, staged.with_(pipeline_schedule="1f1b")) == \
+        "fits with mesh.pipeline_schedule=1f1b"
 
 
 def test_layouts_plan_both_cp_algorithms_where_auto_chooses():

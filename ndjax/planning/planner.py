@@ -389,6 +389,47 @@ def argument_bytes(exp: Any) -> int:
     return bytes_per_device((exp.abstract_state, exp.abstract_batch))
 
 
+def activation_floor(exp: Any) -> int:
+    """Bytes per device the step's saved activations need at least: what the forward
+    pass of a grad_accum slice keeps for the backward pass, per ``model.remat``, stacked
+    by the layer scans (or by the pipeline's ticks), spread evenly over every device.
+
+    Read from ``jax.vjp``'s residuals of the loss (with respect to what the step
+    trains), counting only those stacked over a scan's layers or ticks: the scan writes
+    them into buffers that live until the backward pass reads them, and every device
+    holds at least its share. A lower bound of the compiled step's temporaries (bf16 in
+    bf16; XLA's CPU compiler widens them to f32). 0 where no layer is scanned, for an
+    objective that reads a reference model, and under 1F1B (its gradient is formed in
+    the forward pass)."""
+    from ndjax.models import lora
+
+    cfg, t, objective = exp.model_cfg, exp.settings.train, exp.objective
+    if not cfg.scan_layers or objective.needs_reference:
+        return 0
+    stacked = {stack.count for stack in decoder.stacks(cfg)}
+    if cfg.stages > 1:
+        stacked = {pipeline.schedule(cfg.stages, cfg.microbatches, cfg.virtual_stages,
+                                     cfg.pipeline_schedule).ticks}
+    options = exp.step_options
+    rows = t.batch_size // t.grad_accum
+    batch = {k: jax.ShapeDtypeStruct((rows, *v.shape[1:]), v.dtype)
+             for k, v in exp.abstract_batch.items()}
+
+    def residuals(params: Any, batch: dict) -> list:
+        trainable, frozen = lora.split(params, options.adapters_only, options.saved)
+
+        def loss(p: Any) -> jax.Array:
+            merged = lora.merge(frozen, p) if frozen else p
+            return objective.loss_sum(exp.features, merged, batch, t.loss_chunk)[0]
+        return jax.tree.leaves(jax.vjp(loss, trainable)[1])
+
+    with jax.set_mesh(exp.mesh), rules_lib.use(exp.rules):
+        saved = jax.eval_shape(residuals, exp.abstract_state.params, batch)
+    total = sum(a.size * a.dtype.itemsize for a in saved
+                if a.ndim >= 3 and a.shape[0] in stacked)
+    return total // exp.mesh.size
+
+
 def bytes_per_device(tree: Any) -> int:
     """The bytes one device holds of a tree of sharded abstract arrays."""
     return sum(math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize
@@ -441,10 +482,12 @@ def config_from_json(text: str) -> ml_collections.ConfigDict:
 
 
 def measure(config_json: str, n: int, target: str | None = None,
-            per_node: int = 8) -> dict[str, Any]:
+            per_node: int = 8, budget: float | None = None) -> dict[str, Any]:
     """Compile the train step of one layout for n devices and read it: the first n
     CPU devices, or with ``target`` (a ``roofline.HARDWARE`` name) n GPUs of that
-    kind, ``per_node`` to a node, by XLA's GPU compiler (``ndjax.hardware.gpu_target``)."""
+    kind, ``per_node`` to a node, by XLA's GPU compiler (``ndjax.hardware.gpu_target``).
+    With ``budget`` (bytes per device), a step whose inputs and ``activation_floor``
+    already exceed it is not compiled: {"arguments", "temporaries_at_least"}."""
     from ndjax.experiment import Experiment
     from ndjax.hardware import gpu_target
     from ndjax.runtime.console import native_stderr
@@ -456,11 +499,16 @@ def measure(config_json: str, n: int, target: str | None = None,
             warnings.simplefilter("ignore")
             if target:
                 devices = gpu_target.devices(gpu_target.hardware(target), n, per_node)
-                exp = Experiment.from_config(config, devices)
-                compiled = exp.compiled_step  # with the GPU options train.py compiles with
             else:
                 devices = jax.devices()[:n]
-                exp = Experiment.from_config(config, devices)
+            exp = Experiment.from_config(config, devices)
+            if budget is not None:
+                arguments, floor = argument_bytes(exp), activation_floor(exp)
+                if arguments + floor > budget:
+                    return dict(arguments=arguments, temporaries_at_least=floor)
+            if target:
+                compiled = exp.compiled_step  # with the GPU options train.py compiles with
+            else:
                 compiled = compiler.compile_step(
                     exp.lower_step(), {**compiler.options("cpu"), **MEASURE_OPTIONS}, "cpu")
     except Exception as e:  # noqa: BLE001 -- a layout XLA cannot compile is a result too
@@ -552,7 +600,11 @@ class Compiler:
         if self._pool is not None:
             self._pool.shutdown(cancel_futures=True)
 
-    def measure_all(self, configs: Sequence[ml_collections.ConfigDict]) -> list[dict]:
+    def measure_all(self, configs: Sequence[ml_collections.ConfigDict],
+                    budget: float | None = None) -> list[dict]:
+        """``measure`` of each config, from the cache where it is there; ``budget``:
+        ``measure``'s (what it does not compile is not cached: another plan's budget
+        may fit it)."""
         texts = [c.to_json(sort_keys=True) for c in configs]
         keys = [self.cache.key(t, self.n, f"{self.target}/{self.per_node}" if self.target
                                else "cpu") for t in texts]
@@ -561,14 +613,15 @@ class Compiler:
         if out:
             self.progress(f"compiling {len(todo)} step(s) ({len(out) - len(todo)} cached)")
         if self._pool is None:
-            results: Iterable[dict] = (measure(texts[i], self.n, self.target, self.per_node)
-                                       for i in todo)
+            results: Iterable[dict] = (measure(texts[i], self.n, self.target, self.per_node,
+                                               budget) for i in todo)
         else:
             k = len(todo)
             results = self._pool.map(measure, [texts[i] for i in todo], [self.n] * k,
-                                     [self.target] * k, [self.per_node] * k)
+                                     [self.target] * k, [self.per_node] * k, [budget] * k)
         for done, (i, r) in enumerate(zip(todo, results), start=1):
-            self.cache.put(keys[i], r)
+            if "temporaries_at_least" not in r:
+                self.cache.put(keys[i], r)
             out[i] = r
             if done % 5 == 0 or done == len(todo):
                 self.progress(f"compiled {done}/{len(todo)}")
@@ -650,11 +703,19 @@ class Plan:
 def _remedies(layout: Layout, batch_per_device_rows: int, offload: bool = False
               ) -> list[Layout]:
     """What to try, in order, when only the activations do not fit; ``offload``: the
-    host-offload rung after ``full`` (measured by the GPU compiler only)."""
+    host-offload rung after ``full`` (measured by the GPU compiler only). A GPipe
+    layout tries 1F1B before ``full``: at its own remat, a stage then holds at most
+    2 x stages - 1 micro-batches' activations instead of all of them, for a forward
+    run again as ``full`` runs one (where the run cannot take 1F1B, its check says so
+    and the rung is skipped)."""
     out = []
     ladder = (*REMAT_LADDER, OFFLOAD) if offload else REMAT_LADDER
     ladder = ladder if layout.remat in ladder else (layout.remat, "full")
+    gpipe = layout.stage > 1 and layout.virtual_stages == 1 and \
+        layout.pipeline_schedule == "gpipe"
     for remat in ladder[ladder.index(layout.remat) + 1:]:
+        if remat == "full" and gpipe:
+            out.append(layout.with_(pipeline_schedule="1f1b"))
         out.append(layout.with_(remat=remat))
     k = layout.grad_accum * 2
     while k <= batch_per_device_rows * layout.grad_accum:
@@ -669,6 +730,8 @@ def _describe_fix(base: Layout, layout: Layout) -> str:
         parts.append(f"model.remat={layout.remat}")
     if layout.grad_accum != base.grad_accum:
         parts.append(f"train.grad_accum={layout.grad_accum}")
+    if layout.pipeline_schedule != base.pipeline_schedule:
+        parts.append(f"mesh.pipeline_schedule={layout.pipeline_schedule}")
     return "fits with " + " and ".join(parts) if parts else ""
 
 
@@ -712,6 +775,10 @@ def _fill(cand: Candidate, r: dict, c: Checked, hardware: roofline.Hardware,
     if "error" in r:
         cand.status, cand.reason = "failed", r["error"]
         return
+    if "temporaries_at_least" in r:  # over the budget before compiling (measure)
+        cand.status, cand.layout = "over", c.layout
+        cand.arguments, cand.temporaries = r["arguments"], r["temporaries_at_least"]
+        return
     cand.layout = c.layout
     cand.arguments, cand.temporaries = r["arguments"], r["temporaries"]
     cand.host = r.get("host", 0)
@@ -723,12 +790,26 @@ def _fill(cand: Candidate, r: dict, c: Checked, hardware: roofline.Hardware,
 
 
 def _fits(r: dict, hardware: roofline.Hardware, budget: float) -> bool:
+    if "temporaries" not in r:  # not compiled: over the budget (measure)
+        return False
     return hardware.fits(r["arguments"] + r["temporaries"], r.get("host", 0),
                          budget / hardware.memory_bytes)
 
 
+def _measured(r: dict) -> str:
+    """What a try of a remedy needed: its bytes, or at least its bytes where it was not
+    compiled, or its compile error."""
+    if "error" in r:
+        return r["error"]
+    if "temporaries_at_least" in r:
+        return (f"at least {_gib(r['arguments'] + r['temporaries_at_least'])} (its saved "
+                "activations alone overflow: not compiled)")
+    return _gib(r["arguments"] + r["temporaries"])
+
+
 def _label(layout: Layout) -> str:
-    return f"remat {layout.remat}, grad_accum {layout.grad_accum}"
+    return (f"remat {layout.remat}, grad_accum {layout.grad_accum}"
+            + (", 1F1B" if layout.stage > 1 and layout.pipeline_schedule == "1f1b" else ""))
 
 
 def _kth_best(candidates: Sequence[Candidate], top: int | None) -> float:
@@ -742,7 +823,11 @@ def _kth_best(candidates: Sequence[Candidate], top: int | None) -> float:
 def _at_least(cand: Candidate, c: Checked, hardware: roofline.Hardware) -> float:
     """A lower bound of ``c``'s step time from ``cand``'s measurement at less remat:
     more remat (or accumulation) adds compute and never removes a collective, so the
-    communication measured there and the compute of ``c``'s remat bound it below."""
+    communication measured there and the compute of ``c``'s remat bound it below.
+    Where ``cand`` was not compiled (its activations alone overflowed), ``c``'s own
+    bound from its shardings."""
+    if cand.link is None:
+        return c.least_step_s(hardware)
     return c.estimate(hardware, cand.link, cand.host).serial_s
 
 
@@ -802,7 +887,7 @@ def _search(config: Settings, pending: list[Candidate], checked: dict[int, Check
         if not now:
             break
         waiting = [t for t in waiting if all(t is not x for x in now)]
-        results = compiler.measure_all([t.checked.config for t in now])
+        results = compiler.measure_all([t.checked.config for t in now], budget)
         for t, r in zip(now, results):
             cand, c = t.cand, t.checked
             if not t.remedy:
@@ -814,15 +899,16 @@ def _search(config: Settings, pending: list[Candidate], checked: dict[int, Check
                 queues[id(cand)] = _remedies(cand.layout, rows,
                                              offload=compiler.target is not None)
                 cand.least_memory = cand.memory
-                given[id(cand)] = (cand.layout, f"{_label(cand.layout)}: {_gib(cand.memory)}")
+                given[id(cand)] = (cand.layout, f"{_label(cand.layout)}: {_measured(r)}")
             else:
-                total = r["arguments"] + r["temporaries"] if "error" not in r else None
+                total = (None if "error" in r else
+                         r["arguments"] + r.get("temporaries", r.get("temporaries_at_least")))
                 if total is not None and _fits(r, hardware, budget):
                     _fill(cand, r, c, hardware, devices_per_node, budget)
                     cand.tried.insert(0, given[id(cand)][1])
                     cand.reason = _describe_fix(given[id(cand)][0], c.layout)
                     continue
-                cand.tried.append(f"{_label(c.layout)}: " + (r.get("error") or _gib(total)))
+                cand.tried.append(f"{_label(c.layout)}: {_measured(r)}")
                 if total is not None:
                     if c.layout.grad_accum > 1 and total > cand.least_memory:
                         # Accumulation added a gradient buffer and saved less: more won't help.
