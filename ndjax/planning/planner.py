@@ -289,6 +289,8 @@ class Checked:
     least_link: roofline.Link | None = None
     # What its devices compute in one step, all devices (``executed_flops``).
     executed_flops: float | None = None
+    # Bytes per device its saved activations need at least (``activation_floor``).
+    activation_bytes: int = 0
 
     def least_step_s(self, hardware: roofline.Hardware) -> float:
         """A lower bound of its step time: its compute, and its least traffic."""
@@ -356,7 +358,35 @@ def check(config: ml_collections.ConfigDict | Settings, layout: Layout,
                    argument_bytes(exp), recompute_flops=rerun,
                    least_link=traffic_bound.least_traffic(exp, devices, devices_per_node),
                    executed_flops=executed_flops(exp.model_cfg, layout, model_flops + rerun,
-                                                 tokens))
+                                                 tokens),
+                   activation_bytes=_saved_activations(target, devices, inputs,
+                                                       bool(exp.model_cfg.n_experts))
+                   // len(devices))
+
+
+# The saved activations' global bytes (``activation_floor`` x devices) by what decides
+# them: the target's settings less the data degrees a dense step's shapes do not depend on.
+_SAVED: dict[str, int] = {}
+
+
+def _saved_activations(target: Settings, devices: Sequence[jax.Device], inputs: Any,
+                       moe: bool) -> int:
+    """``activation_floor`` of the step ``target`` compiles to, all devices together,
+    computed once for the layouts that share it."""
+    from ndjax.experiment import Experiment
+
+    m = target.mesh
+    # A mixture of experts' exchange and context parallelism's shard_maps shape their
+    # residuals by every axis; other steps' global shapes do not see replica or fsdp.
+    data_free = not moe and m.context == 1
+    key = repr((target.model, target.train, target.preference, target.rules,
+                dataclasses.replace(m, replica=0, fsdp=0) if data_free else m, len(devices)))
+    if key not in _SAVED:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            exp = Experiment.from_config(target, devices, inputs)
+        _SAVED[key] = activation_floor(exp) * exp.mesh.size
+    return _SAVED[key]
 
 
 def executed_flops(cfg: Any, layout: Layout, flops: float, tokens: int) -> float | None:
@@ -482,12 +512,10 @@ def config_from_json(text: str) -> ml_collections.ConfigDict:
 
 
 def measure(config_json: str, n: int, target: str | None = None,
-            per_node: int = 8, budget: float | None = None) -> dict[str, Any]:
+            per_node: int = 8) -> dict[str, Any]:
     """Compile the train step of one layout for n devices and read it: the first n
     CPU devices, or with ``target`` (a ``roofline.HARDWARE`` name) n GPUs of that
-    kind, ``per_node`` to a node, by XLA's GPU compiler (``ndjax.hardware.gpu_target``).
-    With ``budget`` (bytes per device), a step whose inputs and ``activation_floor``
-    already exceed it is not compiled: {"arguments", "temporaries_at_least"}."""
+    kind, ``per_node`` to a node, by XLA's GPU compiler (``ndjax.hardware.gpu_target``)."""
     from ndjax.experiment import Experiment
     from ndjax.hardware import gpu_target
     from ndjax.runtime.console import native_stderr
@@ -502,10 +530,6 @@ def measure(config_json: str, n: int, target: str | None = None,
             else:
                 devices = jax.devices()[:n]
             exp = Experiment.from_config(config, devices)
-            if budget is not None:
-                arguments, floor = argument_bytes(exp), activation_floor(exp)
-                if arguments + floor > budget:
-                    return dict(arguments=arguments, temporaries_at_least=floor)
             if target:
                 compiled = exp.compiled_step  # with the GPU options train.py compiles with
             else:
@@ -600,11 +624,8 @@ class Compiler:
         if self._pool is not None:
             self._pool.shutdown(cancel_futures=True)
 
-    def measure_all(self, configs: Sequence[ml_collections.ConfigDict],
-                    budget: float | None = None) -> list[dict]:
-        """``measure`` of each config, from the cache where it is there; ``budget``:
-        ``measure``'s (what it does not compile is not cached: another plan's budget
-        may fit it)."""
+    def measure_all(self, configs: Sequence[ml_collections.ConfigDict]) -> list[dict]:
+        """``measure`` of each config, from the cache where it is there."""
         texts = [c.to_json(sort_keys=True) for c in configs]
         keys = [self.cache.key(t, self.n, f"{self.target}/{self.per_node}" if self.target
                                else "cpu") for t in texts]
@@ -613,15 +634,14 @@ class Compiler:
         if out:
             self.progress(f"compiling {len(todo)} step(s) ({len(out) - len(todo)} cached)")
         if self._pool is None:
-            results: Iterable[dict] = (measure(texts[i], self.n, self.target, self.per_node,
-                                               budget) for i in todo)
+            results: Iterable[dict] = (measure(texts[i], self.n, self.target, self.per_node)
+                                       for i in todo)
         else:
             k = len(todo)
             results = self._pool.map(measure, [texts[i] for i in todo], [self.n] * k,
-                                     [self.target] * k, [self.per_node] * k, [budget] * k)
+                                     [self.target] * k, [self.per_node] * k)
         for done, (i, r) in enumerate(zip(todo, results), start=1):
-            if "temporaries_at_least" not in r:
-                self.cache.put(keys[i], r)
+            self.cache.put(keys[i], r)
             out[i] = r
             if done % 5 == 0 or done == len(todo):
                 self.progress(f"compiled {done}/{len(todo)}")
@@ -775,7 +795,7 @@ def _fill(cand: Candidate, r: dict, c: Checked, hardware: roofline.Hardware,
     if "error" in r:
         cand.status, cand.reason = "failed", r["error"]
         return
-    if "temporaries_at_least" in r:  # over the budget before compiling (measure)
+    if "temporaries_at_least" in r:  # over the budget before compiling (_search)
         cand.status, cand.layout = "over", c.layout
         cand.arguments, cand.temporaries = r["arguments"], r["temporaries_at_least"]
         return
@@ -790,7 +810,7 @@ def _fill(cand: Candidate, r: dict, c: Checked, hardware: roofline.Hardware,
 
 
 def _fits(r: dict, hardware: roofline.Hardware, budget: float) -> bool:
-    if "temporaries" not in r:  # not compiled: over the budget (measure)
+    if "temporaries" not in r:  # not compiled: over the budget (_search)
         return False
     return hardware.fits(r["arguments"] + r["temporaries"], r.get("host", 0),
                          budget / hardware.memory_bytes)
@@ -887,7 +907,13 @@ def _search(config: Settings, pending: list[Candidate], checked: dict[int, Check
         if not now:
             break
         waiting = [t for t in waiting if all(t is not x for x in now)]
-        results = compiler.measure_all([t.checked.config for t in now], budget)
+        # A step whose inputs and saved activations alone overflow is not compiled.
+        skip = [t.checked.arguments + t.checked.activation_bytes > budget for t in now]
+        measured = iter(compiler.measure_all([t.checked.config for t, over in zip(now, skip)
+                                              if not over]))
+        results = [dict(arguments=t.checked.arguments,
+                        temporaries_at_least=t.checked.activation_bytes) if over
+                   else next(measured) for t, over in zip(now, skip)]
         for t, r in zip(now, results):
             cand, c = t.cand, t.checked
             if not t.remedy:
