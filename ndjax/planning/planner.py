@@ -359,8 +359,7 @@ def check(config: ml_collections.ConfigDict | Settings, layout: Layout,
                    least_link=traffic_bound.least_traffic(exp, devices, devices_per_node),
                    executed_flops=executed_flops(exp.model_cfg, layout, model_flops + rerun,
                                                  tokens),
-                   activation_bytes=_saved_activations(target, devices, inputs,
-                                                       bool(exp.model_cfg.n_experts))
+                   activation_bytes=_saved_activations(target, devices, inputs)
                    // len(devices))
 
 
@@ -369,18 +368,18 @@ def check(config: ml_collections.ConfigDict | Settings, layout: Layout,
 _SAVED: dict[str, int] = {}
 
 
-def _saved_activations(target: Settings, devices: Sequence[jax.Device], inputs: Any,
-                       moe: bool) -> int:
+def _saved_activations(target: Settings, devices: Sequence[jax.Device], inputs: Any
+                       ) -> int:
     """``activation_floor`` of the step ``target`` compiles to, all devices together,
     computed once for the layouts that share it."""
     from ndjax.experiment import Experiment
 
-    m = target.mesh
-    # A mixture of experts' exchange and context parallelism's shard_maps shape their
-    # residuals by every axis; other steps' global shapes do not see replica or fsdp.
-    data_free = not moe and m.context == 1
+    # Given the other degrees, replica x fsdp is what is left of the devices, and both
+    # split the batch alike: a device's activations, and so the global shapes of what is
+    # saved (shard_map's residuals are its devices' pieces side by side), are the same
+    # for every split of it.
     key = repr((target.model, target.train, target.preference, target.rules,
-                dataclasses.replace(m, replica=0, fsdp=0) if data_free else m, len(devices)))
+                dataclasses.replace(target.mesh, replica=0, fsdp=0), len(devices)))
     if key not in _SAVED:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
