@@ -289,8 +289,6 @@ class Checked:
     least_link: roofline.Link | None = None
     # What its devices compute in one step, all devices (``executed_flops``).
     executed_flops: float | None = None
-    # Bytes per device its saved activations need at least (``activation_floor``).
-    activation_bytes: int = 0
 
     def least_step_s(self, hardware: roofline.Hardware) -> float:
         """A lower bound of its step time: its compute, and its least traffic."""
@@ -358,26 +356,35 @@ def check(config: ml_collections.ConfigDict | Settings, layout: Layout,
                    argument_bytes(exp), recompute_flops=rerun,
                    least_link=traffic_bound.least_traffic(exp, devices, devices_per_node),
                    executed_flops=executed_flops(exp.model_cfg, layout, model_flops + rerun,
-                                                 tokens),
-                   activation_bytes=_saved_activations(target, devices, inputs)
-                   // len(devices))
+                                                 tokens))
 
 
 # The saved activations' global bytes (``activation_floor`` x devices) by what decides
-# them: the target's settings less the data degrees a dense step's shapes do not depend on.
+# them: the target's settings less the data degrees the shapes do not depend on.
 _SAVED: dict[str, int] = {}
 
 
-def _saved_activations(target: Settings, devices: Sequence[jax.Device], inputs: Any
-                       ) -> int:
-    """``activation_floor`` of the step ``target`` compiles to, all devices together,
-    computed once for the layouts that share it."""
+def saved_activations(c: Checked, devices: Sequence[jax.Device], inputs: Any = None) -> int:
+    """Bytes per device the step of ``c`` saves for its backward pass at least
+    (``activation_floor``), taken once for the layouts that share it.
+
+    Given the other degrees, replica x fsdp is what is left of the devices, and both
+    split the batch alike: a device's activations, and so the global shapes of what is
+    saved (shard_map's residuals are its devices' pieces side by side), are the same
+    for every split. A GPipe step saves each layer's residuals for every micro-batch
+    (and its bubble's ticks), at least the step's without stages on the same rows:
+    that one stands in, its stage axis folded into fsdp. A circular or 1F1B step runs
+    each chunk again from its input and saves less: 0."""
     from ndjax.experiment import Experiment
 
-    # Given the other degrees, replica x fsdp is what is left of the devices, and both
-    # split the batch alike: a device's activations, and so the global shapes of what is
-    # saved (shard_map's residuals are its devices' pieces side by side), are the same
-    # for every split of it.
+    target, m = c.settings, c.settings.mesh
+    if m.stage > 1:
+        if m.virtual_stages > 1 or m.pipeline_schedule != "gpipe":
+            return 0
+        target = dataclasses.replace(
+            target, mesh=dataclasses.replace(m, stage=1, fsdp=m.fsdp * m.stage),
+            model=dataclasses.replace(target.model, pipeline_gather_once=False),
+            train=dataclasses.replace(target.train, microbatches=0))
     key = repr((target.model, target.train, target.preference, target.rules,
                 dataclasses.replace(target.mesh, replica=0, fsdp=0), len(devices)))
     if key not in _SAVED:
@@ -385,7 +392,7 @@ def _saved_activations(target: Settings, devices: Sequence[jax.Device], inputs: 
             warnings.simplefilter("ignore")
             exp = Experiment.from_config(target, devices, inputs)
         _SAVED[key] = activation_floor(exp) * exp.mesh.size
-    return _SAVED[key]
+    return _SAVED[key] // len(devices)
 
 
 def executed_flops(cfg: Any, layout: Layout, flops: float, tokens: int) -> float | None:
@@ -907,12 +914,12 @@ def _search(config: Settings, pending: list[Candidate], checked: dict[int, Check
             break
         waiting = [t for t in waiting if all(t is not x for x in now)]
         # A step whose inputs and saved activations alone overflow is not compiled.
-        skip = [t.checked.arguments + t.checked.activation_bytes > budget for t in now]
+        floors = [saved_activations(t.checked, devices, inputs) for t in now]
+        skip = [t.checked.arguments + f > budget for t, f in zip(now, floors)]
         measured = iter(compiler.measure_all([t.checked.config for t, over in zip(now, skip)
                                               if not over]))
-        results = [dict(arguments=t.checked.arguments,
-                        temporaries_at_least=t.checked.activation_bytes) if over
-                   else next(measured) for t, over in zip(now, skip)]
+        results = [dict(arguments=t.checked.arguments, temporaries_at_least=f) if over
+                   else next(measured) for t, f, over in zip(now, floors, skip)]
         for t, r in zip(now, results):
             cand, c = t.cand, t.checked
             if not t.remedy:
