@@ -222,17 +222,17 @@ def test_plan_rejects_with_reasons_and_fits_with_remat(tmp_path):
 def test_remedies_add_offload_where_the_gpu_compiler_measures():
     """After full, a GPU compile tries offload (the layer inputs in host memory); a CPU
     compile, whose host and device memory are one, goes on to gradient accumulation. A
-    GPipe layout tries 1F1B before full."""
+    GPipe layout tries 1F1B after full."""
     base = planner.Layout(1, 2, 1, 1, remat="save_proj")
     cpu = [(x.remat, x.grad_accum) for x in planner._remedies(base, 4)]
     gpu = [(x.remat, x.grad_accum) for x in planner._remedies(base, 4, offload=True)]
     assert cpu == [("full", 1), ("full", 2), ("full", 4)]
     assert gpu == [("full", 1), ("offload", 1), ("full", 2), ("full", 4)]
-    # A GPipe layout tries 1F1B at its own remat before full.
+    # A GPipe layout tries 1F1B at its own remat after full.
     staged = planner.Layout(1, 2, 1, 1, stage=2, microbatches=2)
     assert [(x.remat, x.grad_accum, x.pipeline_schedule) for x in
             planner._remedies(staged, 4)] == [
-        ("save_proj", 1, "gpipe"), ("none", 1, "1f1b"), ("full", 1, "gpipe"),
+        ("save_proj", 1, "gpipe"), ("full", 1, "gpipe"), ("none", 1, "1f1b"),
         ("full", 2, "gpipe"), ("full", 4, "gpipe")]
     assert planner._describe_fix(staged, staged.with_(pipeline_schedule="1f1b")) == \
         "fits with mesh.pipeline_schedule=1f1b"

@@ -388,10 +388,13 @@ def saved_activations(c: Checked, devices: Sequence[jax.Device], inputs: Any = N
     key = repr((target.model, target.train, target.preference, target.rules,
                 dataclasses.replace(target.mesh, replica=0, fsdp=0), len(devices)))
     if key not in _SAVED:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            exp = Experiment.from_config(target, devices, inputs)
-        _SAVED[key] = activation_floor(exp) * exp.mesh.size
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                exp = Experiment.from_config(target, devices, inputs)
+            _SAVED[key] = activation_floor(exp) * exp.mesh.size
+        except ConfigError:  # the stand-in without stages splits the batch otherwise
+            _SAVED[key] = 0
     return _SAVED[key] // len(devices)
 
 
@@ -730,19 +733,20 @@ def _remedies(layout: Layout, batch_per_device_rows: int, offload: bool = False
               ) -> list[Layout]:
     """What to try, in order, when only the activations do not fit; ``offload``: the
     host-offload rung after ``full`` (measured by the GPU compiler only). A GPipe
-    layout tries 1F1B before ``full``: at its own remat, a stage then holds at most
+    layout tries 1F1B after ``full``, at its own remat: a stage then holds at most
     2 x stages - 1 micro-batches' activations instead of all of them, for a forward
-    run again as ``full`` runs one (where the run cannot take 1F1B, its check says so
-    and the rung is skipped)."""
+    run again as ``full`` runs one, and more gathers (so not before ``full``, which
+    mostly fits, to save compiles). Where the run cannot take 1F1B, its check says so
+    and the rung is skipped."""
     out = []
     ladder = (*REMAT_LADDER, OFFLOAD) if offload else REMAT_LADDER
     ladder = ladder if layout.remat in ladder else (layout.remat, "full")
     gpipe = layout.stage > 1 and layout.virtual_stages == 1 and \
         layout.pipeline_schedule == "gpipe"
     for remat in ladder[ladder.index(layout.remat) + 1:]:
+        out.append(layout.with_(remat=remat))
         if remat == "full" and gpipe:
             out.append(layout.with_(pipeline_schedule="1f1b"))
-        out.append(layout.with_(remat=remat))
     k = layout.grad_accum * 2
     while k <= batch_per_device_rows * layout.grad_accum:
         out.append(layout.with_(remat="full", grad_accum=k))
