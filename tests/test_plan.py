@@ -72,46 +72,6 @@ def test_planned_memory_equals_the_compiled_train_step():
     assert {"all-gather", "all-reduce"} <= kinds
 
 
-@pytest.mark.parametrize("layout, model", [
-    (planner.Layout(1, 4, 1, 2, remat="none"), {}),
-    (planner.Layout(1, 8, 1, 1, remat="full"), {}),
-    (planner.Layout(1, 4, 1, 1, remat="none", stage=2, microbatches=2), {}),
-    (planner.Layout(1, 8, 1, 1, remat="save_proj"), {"lora": {"rank": 4, "alpha": 8.0}}),
-])
-def test_the_activation_floor_is_below_the_compiled_temporaries(layout, model):
-    """What lets the planner skip compiling a step whose saved activations alone overflow
-    (planner.activation_floor): never above the compiled temporaries, and not a trivial
-    0; the checked layout carries it."""
-    config = tiny_config(model={"dtype": "bfloat16", **model},
-                         train={"seq_len": 256, "batch_size": 16})
-    checked = planner.check(config, layout, jax.devices(), H100)
-    exp = Experiment.from_config(checked.config)
-    floor = planner.activation_floor(exp)
-    planned = planner.measure(checked.config.to_json(sort_keys=True), 8)
-    assert 0 < floor <= planned["temporaries"], (floor, planned["temporaries"])
-    # What the planner compares with its budget: for GPipe, the floor of the step without
-    # stages on the same rows, also below the staged step's temporaries.
-    used = planner.saved_activations(checked, jax.devices())
-    assert 0 < used <= planned["temporaries"], (used, planned["temporaries"])
-    assert layout.stage > 1 or used == floor
-
-
-def test_the_activation_floor_is_the_same_for_every_split_of_the_data_axes():
-    """The planner takes the saved activations once for the layouts that differ only in
-    how replica x fsdp is split (planner.saved_activations): their global bytes are the
-    same, with and without context parallelism's and the experts' shard_maps."""
-    def floor(mesh, model=None):
-        config = tiny_config(mesh=mesh, model={"dtype": "bfloat16", **(model or {})},
-                             train={"seq_len": 256, "batch_size": 16})
-        return planner.activation_floor(Experiment.from_config(config)) * 8
-
-    assert floor(dict(fsdp=8)) == floor(dict(replica=2, fsdp=4)) == floor(dict(replica=8))
-    assert floor(dict(fsdp=4, context=2)) == floor(dict(replica=2, fsdp=2, context=2))
-    moe = dict(family="qwen3_moe", head_dim=16, n_experts=4, experts_per_token=2,
-               moe_ffn_dim=32)
-    assert floor(dict(fsdp=4, expert=2), moe) == floor(dict(replica=2, fsdp=2, expert=2), moe)
-
-
 def test_argument_bytes_from_the_shardings_are_the_compiled_arguments():
     """What lets the planner skip compiling a layout whose inputs alone overflow."""
     for mesh, rules in ((dict(fsdp=4, tensor=2), "default"),

@@ -359,45 +359,6 @@ def check(config: ml_collections.ConfigDict | Settings, layout: Layout,
                                                  tokens))
 
 
-# The saved activations' global bytes (``activation_floor`` x devices) by what decides
-# them: the target's settings less the data degrees the shapes do not depend on.
-_SAVED: dict[str, int] = {}
-
-
-def saved_activations(c: Checked, devices: Sequence[jax.Device], inputs: Any = None) -> int:
-    """Bytes per device the step of ``c`` saves for its backward pass at least
-    (``activation_floor``), taken once for the layouts that share it.
-
-    Given the other degrees, replica x fsdp is what is left of the devices, and both
-    split the batch alike: a device's activations, and so the global shapes of what is
-    saved (shard_map's residuals are its devices' pieces side by side), are the same
-    for every split. A GPipe step saves each layer's residuals for every micro-batch
-    (and its bubble's ticks), at least the step's without stages on the same rows:
-    that one stands in, its stage axis folded into fsdp. A circular or 1F1B step runs
-    each chunk again from its input and saves less: 0."""
-    from ndjax.experiment import Experiment
-
-    target, m = c.settings, c.settings.mesh
-    if m.stage > 1:
-        if m.virtual_stages > 1 or m.pipeline_schedule != "gpipe":
-            return 0
-        target = dataclasses.replace(
-            target, mesh=dataclasses.replace(m, stage=1, fsdp=m.fsdp * m.stage),
-            model=dataclasses.replace(target.model, pipeline_gather_once=False),
-            train=dataclasses.replace(target.train, microbatches=0))
-    key = repr((target.model, target.train, target.preference, target.rules,
-                dataclasses.replace(target.mesh, replica=0, fsdp=0), len(devices)))
-    if key not in _SAVED:
-        try:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                exp = Experiment.from_config(target, devices, inputs)
-            _SAVED[key] = activation_floor(exp) * exp.mesh.size
-        except ConfigError:  # the stand-in without stages splits the batch otherwise
-            _SAVED[key] = 0
-    return _SAVED[key] // len(devices)
-
-
 def executed_flops(cfg: Any, layout: Layout, flops: float, tokens: int) -> float | None:
     """What the devices compute in one step of a layout with stages, all devices, from
     ``flops`` (the model's and remat's): the schedule runs every stage at every tick,
@@ -426,47 +387,6 @@ def argument_bytes(exp: Any) -> int:
     """The train step's inputs per device, from their shardings: the parameters,
     optimizer state and batch a compile would report as its arguments."""
     return bytes_per_device((exp.abstract_state, exp.abstract_batch))
-
-
-def activation_floor(exp: Any) -> int:
-    """Bytes per device the step's saved activations need at least: what the forward
-    pass of a grad_accum slice keeps for the backward pass, per ``model.remat``, stacked
-    by the layer scans (or by the pipeline's ticks), spread evenly over every device.
-
-    Read from ``jax.vjp``'s residuals of the loss (with respect to what the step
-    trains), counting only those stacked over a scan's layers or ticks: the scan writes
-    them into buffers that live until the backward pass reads them, and every device
-    holds at least its share. A lower bound of the compiled step's temporaries (bf16 in
-    bf16; XLA's CPU compiler widens them to f32). 0 where no layer is scanned, for an
-    objective that reads a reference model, and under 1F1B (its gradient is formed in
-    the forward pass)."""
-    from ndjax.models import lora
-
-    cfg, t, objective = exp.model_cfg, exp.settings.train, exp.objective
-    if not cfg.scan_layers or objective.needs_reference:
-        return 0
-    stacked = {stack.count for stack in decoder.stacks(cfg)}
-    if cfg.stages > 1:
-        stacked = {pipeline.schedule(cfg.stages, cfg.microbatches, cfg.virtual_stages,
-                                     cfg.pipeline_schedule).ticks}
-    options = exp.step_options
-    rows = t.batch_size // t.grad_accum
-    batch = {k: jax.ShapeDtypeStruct((rows, *v.shape[1:]), v.dtype)
-             for k, v in exp.abstract_batch.items()}
-
-    def residuals(params: Any, batch: dict) -> list:
-        trainable, frozen = lora.split(params, options.adapters_only, options.saved)
-
-        def loss(p: Any) -> jax.Array:
-            merged = lora.merge(frozen, p) if frozen else p
-            return objective.loss_sum(exp.features, merged, batch, t.loss_chunk)[0]
-        return jax.tree.leaves(jax.vjp(loss, trainable)[1])
-
-    with jax.set_mesh(exp.mesh), rules_lib.use(exp.rules):
-        saved = jax.eval_shape(residuals, exp.abstract_state.params, batch)
-    total = sum(a.size * a.dtype.itemsize for a in saved
-                if a.ndim >= 3 and a.shape[0] in stacked)
-    return total // exp.mesh.size
 
 
 def bytes_per_device(tree: Any) -> int:
@@ -536,12 +456,11 @@ def measure(config_json: str, n: int, target: str | None = None,
             warnings.simplefilter("ignore")
             if target:
                 devices = gpu_target.devices(gpu_target.hardware(target), n, per_node)
-            else:
-                devices = jax.devices()[:n]
-            exp = Experiment.from_config(config, devices)
-            if target:
+                exp = Experiment.from_config(config, devices)
                 compiled = exp.compiled_step  # with the GPU options train.py compiles with
             else:
+                devices = jax.devices()[:n]
+                exp = Experiment.from_config(config, devices)
                 compiled = compiler.compile_step(
                     exp.lower_step(), {**compiler.options("cpu"), **MEASURE_OPTIONS}, "cpu")
     except Exception as e:  # noqa: BLE001 -- a layout XLA cannot compile is a result too
@@ -634,7 +553,6 @@ class Compiler:
             self._pool.shutdown(cancel_futures=True)
 
     def measure_all(self, configs: Sequence[ml_collections.ConfigDict]) -> list[dict]:
-        """``measure`` of each config, from the cache where it is there."""
         texts = [c.to_json(sort_keys=True) for c in configs]
         keys = [self.cache.key(t, self.n, f"{self.target}/{self.per_node}" if self.target
                                else "cpu") for t in texts]
@@ -805,10 +723,6 @@ def _fill(cand: Candidate, r: dict, c: Checked, hardware: roofline.Hardware,
     if "error" in r:
         cand.status, cand.reason = "failed", r["error"]
         return
-    if "temporaries_at_least" in r:  # over the budget before compiling (_search)
-        cand.status, cand.layout = "over", c.layout
-        cand.arguments, cand.temporaries = r["arguments"], r["temporaries_at_least"]
-        return
     cand.layout = c.layout
     cand.arguments, cand.temporaries = r["arguments"], r["temporaries"]
     cand.host = r.get("host", 0)
@@ -820,21 +734,8 @@ def _fill(cand: Candidate, r: dict, c: Checked, hardware: roofline.Hardware,
 
 
 def _fits(r: dict, hardware: roofline.Hardware, budget: float) -> bool:
-    if "temporaries" not in r:  # not compiled: over the budget (_search)
-        return False
     return hardware.fits(r["arguments"] + r["temporaries"], r.get("host", 0),
                          budget / hardware.memory_bytes)
-
-
-def _measured(r: dict) -> str:
-    """What a try of a remedy needed: its bytes, or at least its bytes where it was not
-    compiled, or its compile error."""
-    if "error" in r:
-        return r["error"]
-    if "temporaries_at_least" in r:
-        return (f"at least {_gib(r['arguments'] + r['temporaries_at_least'])} (its saved "
-                "activations alone overflow: not compiled)")
-    return _gib(r["arguments"] + r["temporaries"])
 
 
 def _label(layout: Layout) -> str:
@@ -853,11 +754,7 @@ def _kth_best(candidates: Sequence[Candidate], top: int | None) -> float:
 def _at_least(cand: Candidate, c: Checked, hardware: roofline.Hardware) -> float:
     """A lower bound of ``c``'s step time from ``cand``'s measurement at less remat:
     more remat (or accumulation) adds compute and never removes a collective, so the
-    communication measured there and the compute of ``c``'s remat bound it below.
-    Where ``cand`` was not compiled (its activations alone overflowed), ``c``'s own
-    bound from its shardings."""
-    if cand.link is None:
-        return c.least_step_s(hardware)
+    communication measured there and the compute of ``c``'s remat bound it below."""
     return c.estimate(hardware, cand.link, cand.host).serial_s
 
 
@@ -917,13 +814,7 @@ def _search(config: Settings, pending: list[Candidate], checked: dict[int, Check
         if not now:
             break
         waiting = [t for t in waiting if all(t is not x for x in now)]
-        # A step whose inputs and saved activations alone overflow is not compiled.
-        floors = [saved_activations(t.checked, devices, inputs) for t in now]
-        skip = [t.checked.arguments + f > budget for t, f in zip(now, floors)]
-        measured = iter(compiler.measure_all([t.checked.config for t, over in zip(now, skip)
-                                              if not over]))
-        results = [dict(arguments=t.checked.arguments, temporaries_at_least=f) if over
-                   else next(measured) for t, f, over in zip(now, floors, skip)]
+        results = compiler.measure_all([t.checked.config for t in now])
         for t, r in zip(now, results):
             cand, c = t.cand, t.checked
             if not t.remedy:
@@ -935,16 +826,15 @@ def _search(config: Settings, pending: list[Candidate], checked: dict[int, Check
                 queues[id(cand)] = _remedies(cand.layout, rows,
                                              offload=compiler.target is not None)
                 cand.least_memory = cand.memory
-                given[id(cand)] = (cand.layout, f"{_label(cand.layout)}: {_measured(r)}")
+                given[id(cand)] = (cand.layout, f"{_label(cand.layout)}: {_gib(cand.memory)}")
             else:
-                total = (None if "error" in r else
-                         r["arguments"] + r.get("temporaries", r.get("temporaries_at_least")))
+                total = r["arguments"] + r["temporaries"] if "error" not in r else None
                 if total is not None and _fits(r, hardware, budget):
                     _fill(cand, r, c, hardware, devices_per_node, budget)
                     cand.tried.insert(0, given[id(cand)][1])
                     cand.reason = _describe_fix(given[id(cand)][0], c.layout)
                     continue
-                cand.tried.append(f"{_label(c.layout)}: {_measured(r)}")
+                cand.tried.append(f"{_label(c.layout)}: " + (r.get("error") or _gib(total)))
                 if total is not None:
                     if c.layout.grad_accum > 1 and total > cand.least_memory:
                         # Accumulation added a gradient buffer and saved less: more won't help.
