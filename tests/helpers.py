@@ -123,8 +123,8 @@ def first_step_grads(exp: Experiment, initial_state):
     batch = exp.device_batch(host_batches(exp.config, 1)[0])
     trainable, frozen = lora.split(params, exp.adapters_only)
 
-    def features(p, *args):
-        return exp.features(lora.merge(frozen, p), *args)
+    def features(p, *args, **kwargs):
+        return exp.features(lora.merge(frozen, p), *args, **kwargs)
 
     def fn(trainable, batch):  # with the first step's LoRA dropout, as the step has it
         dropout = step_dropout(exp.step_options, initial_state.step, batch)

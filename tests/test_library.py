@@ -63,7 +63,7 @@ def test_apply_to_an_ndjax_config():
     config = ParallelismConfig(dp_shard_size=-1, tp_size=2, cp_size=2,
                                cp_handler=ContextParallelConfig("alltoall")).apply_to(tiny_config())
     assert dict(config.mesh) == dict(replica=1, fsdp=-1, expert=1, context=2, tensor=2, stage=1,
-                                     virtual_stages=1, auto=False)
+                                     virtual_stages=1, pipeline_schedule="gpipe", auto=False)
     assert config.model.cp_impl == "all_to_all"
     Settings.parse(config)  # a config ndjax accepts
     # Accelerate's own handler object is read the same way (only cp_comm_strategy).
