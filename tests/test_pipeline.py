@@ -233,7 +233,10 @@ def _scans(jaxpr) -> list[tuple[list[tuple[int, ...]], list[tuple[int, ...]]]]:
     for eqn in jaxpr.eqns:
         if eqn.primitive.name == "scan":
             body = eqn.params["jaxpr"].jaxpr
-            first, n = eqn.params["num_consts"], eqn.params["num_carry"]
+            if "num_consts" in eqn.params:
+                first, n = eqn.params["num_consts"], eqn.params["num_carry"]
+            else:  # jax 0.12: the (consts, carry, xs) trees of its inputs
+                first, n, _ = (len(list(part.vals)) for part in eqn.params["ft_in"].unpack())
             scans.append(([v.aval.shape for v in body.invars[first:first + n]],
                           [v.aval.shape for v in eqn.outvars[n:]]))
         for sub in jaxprs_in_params(eqn.params):
