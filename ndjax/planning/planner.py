@@ -536,6 +536,8 @@ class Compiler:
         self.workers = workers
         self.target, self.per_node = target, per_node
         self._pool = None
+        self._started: dict[concurrent.futures.Future, tuple[str, bool]] = {}
+        self.compiled = self.cached = 0  # measurements taken, by where they came from
         if workers > 0:
             self._pool = concurrent.futures.ProcessPoolExecutor(
                 max_workers=workers, mp_context=multiprocessing.get_context("spawn"),
@@ -552,27 +554,46 @@ class Compiler:
         if self._pool is not None:
             self._pool.shutdown(cancel_futures=True)
 
-    def measure_all(self, configs: Sequence[ml_collections.ConfigDict]) -> list[dict]:
-        texts = [c.to_json(sort_keys=True) for c in configs]
-        keys = [self.cache.key(t, self.n, f"{self.target}/{self.per_node}" if self.target
-                               else "cpu") for t in texts]
-        out: list[dict | None] = [self.cache.get(k) for k in keys]
-        todo = [i for i, r in enumerate(out) if r is None]
-        if out:
-            self.progress(f"compiling {len(todo)} step(s) ({len(out) - len(todo)} cached)")
-        if self._pool is None:
-            results: Iterable[dict] = (measure(texts[i], self.n, self.target, self.per_node)
-                                       for i in todo)
+    def start(self, config: ml_collections.ConfigDict) -> concurrent.futures.Future:
+        """One measurement of ``config``: from the cache (done at once), else begun in a
+        worker (without workers: done here before this returns). ``result`` takes it."""
+        text = config.to_json(sort_keys=True)
+        key = self.cache.key(text, self.n, f"{self.target}/{self.per_node}" if self.target
+                             else "cpu")
+        hit = self.cache.get(key)
+        if hit is not None or self._pool is None:
+            future: concurrent.futures.Future = concurrent.futures.Future()
+            future.set_result(hit if hit is not None
+                              else measure(text, self.n, self.target, self.per_node))
         else:
-            k = len(todo)
-            results = self._pool.map(measure, [texts[i] for i in todo], [self.n] * k,
-                                     [self.target] * k, [self.per_node] * k)
-        for done, (i, r) in enumerate(zip(todo, results), start=1):
-            self.cache.put(keys[i], r)
-            out[i] = r
-            if done % 5 == 0 or done == len(todo):
-                self.progress(f"compiled {done}/{len(todo)}")
-        return out  # type: ignore[return-value]
+            future = self._pool.submit(measure, text, self.n, self.target, self.per_node)
+        self._started[future] = (key, hit is not None)
+        return future
+
+    def finished(self, futures: Iterable[concurrent.futures.Future]
+                 ) -> list[concurrent.futures.Future]:
+        """Those of ``futures`` that are done, waiting for one at least, in the order
+        they were started."""
+        done, _ = concurrent.futures.wait(list(futures),
+                                          return_when=concurrent.futures.FIRST_COMPLETED)
+        order = list(self._started)
+        return sorted(done, key=order.index)
+
+    def result(self, future: concurrent.futures.Future) -> dict:
+        """A finished measurement's record, stored in the cache."""
+        key, cached = self._started.pop(future)
+        r = future.result()
+        if cached:
+            self.cached += 1
+        else:
+            self.cache.put(key, r)
+            self.compiled += 1
+        if (self.compiled + self.cached) % 5 == 0:
+            self.progress(self.tally())
+        return r
+
+    def tally(self) -> str:
+        return f"measured {self.compiled + self.cached} step(s) ({self.cached} cached)"
 
 
 # ----- the plan --------------------------------------------------------------------------------
@@ -796,54 +817,38 @@ def _search(config: Settings, pending: list[Candidate], checked: dict[int, Check
     With ``top``, every possible compile waits in one queue ordered by a lower bound of
     its step time: a candidate's from its shardings (``Checked.least_step_s``), a rung's
     from the communication measured at less remat and its own compute (``_at_least``).
-    A few of the lowest are compiled at a time, until the lowest left cannot beat the
+    Each worker takes the lowest as it frees up, until the lowest left cannot beat the
     ``top``-th best that fits. What is left is provably slower: a candidate is
     ``slower`` (not compiled), a rung's candidate stays over and says why. So remedies
     need not wait for every first compile, and a layout that fits only with remat full
-    can set the bar that stops the rest. Without ``top`` everything is compiled."""
+    can set the bar that stops the rest. Without ``top`` everything is compiled.
+
+    The ``top`` best are the same however the compiles interleave; with workers, which
+    of the others were compiled before the bar stopped them can differ between runs."""
     for cand in pending:
         cand.least_step_s = checked[id(cand)].least_step_s(hardware)
     waiting = [_Try(cand.least_step_s, cand, checked[id(cand)]) for cand in pending]
+    running: dict[concurrent.futures.Future, _Try] = {}
     queues: dict[int, list[Layout]] = {}
     given: dict[int, tuple[Layout, str]] = {}
-    batch = max(2 * compiler.workers, top or 1, 1)
-    while waiting:
+    while waiting or running:
         best = _kth_best(pending, top)
         waiting.sort(key=lambda t: t.bound)
-        now = [t for t in waiting if t.bound <= best][:batch if top is not None else None]
-        if not now:
+        while waiting and len(running) < max(compiler.workers, 1) and \
+                waiting[0].bound <= best:
+            t = waiting.pop(0)
+            running[compiler.start(t.checked.config)] = t
+        if not running:
             break
-        waiting = [t for t in waiting if all(t is not x for x in now)]
-        results = compiler.measure_all([t.checked.config for t in now])
-        for t, r in zip(now, results):
-            cand, c = t.cand, t.checked
-            if not t.remedy:
-                _fill(cand, r, c, hardware, devices_per_node, budget)
-                if cand.status != "over" or cand.arguments > budget:
-                    continue
-                rows = (c.config.train.batch_size // (cand.layout.replica * cand.layout.fsdp)
-                        // c.config.train.grad_accum)
-                queues[id(cand)] = _remedies(cand.layout, rows,
-                                             offload=compiler.target is not None)
-                cand.least_memory = cand.memory
-                given[id(cand)] = (cand.layout, f"{_label(cand.layout)}: {_gib(cand.memory)}")
-            else:
-                total = r["arguments"] + r["temporaries"] if "error" not in r else None
-                if total is not None and _fits(r, hardware, budget):
-                    _fill(cand, r, c, hardware, devices_per_node, budget)
-                    cand.tried.insert(0, given[id(cand)][1])
-                    cand.reason = _describe_fix(given[id(cand)][0], c.layout)
-                    continue
-                cand.tried.append(f"{_label(c.layout)}: " + (r.get("error") or _gib(total)))
-                if total is not None:
-                    if c.layout.grad_accum > 1 and total > cand.least_memory:
-                        # Accumulation added a gradient buffer and saved less: more won't help.
-                        queues[id(cand)].clear()
-                    cand.least_memory = min(cand.least_memory, total)
-            rung = _next_rung(cand, queues[id(cand)], config, devices, hardware, inputs,
-                              devices_per_node)
-            if rung is not None:
-                waiting.append(rung)
+        for future in compiler.finished(running):
+            t = running.pop(future)
+            if _take(t, compiler.result(future), queues, given, compiler.target is not None,
+                     hardware, devices_per_node, budget):
+                rung = _next_rung(t.cand, queues[id(t.cand)], config, devices, hardware,
+                                  inputs, devices_per_node)
+                if rung is not None:
+                    waiting.append(rung)
+    compiler.progress(compiler.tally())
     best = _kth_best(pending, top)
     for t in waiting:
         if t.remedy:
@@ -855,6 +860,38 @@ def _search(config: Settings, pending: list[Candidate], checked: dict[int, Check
             t.cand.reason = (f"not compiled: its step takes at least {t.bound * 1e3:,.1f} ms "
                              f"(its compute and the traffic its shardings force), #{top} "
                              f"takes {best * 1e3:,.1f}")
+
+
+def _take(t: _Try, r: dict, queues: dict[int, list[Layout]],
+          given: dict[int, tuple[Layout, str]], offload: bool,
+          hardware: roofline.Hardware, devices_per_node: int, budget: float) -> bool:
+    """A compile's record into its candidate (``_search``): filled in where it fits or
+    has nothing to retry; else its remedies queued (a first compile over the budget;
+    ``offload`` as ``_remedies``') or its failed try noted. True: try its next rung."""
+    cand, c = t.cand, t.checked
+    if not t.remedy:
+        _fill(cand, r, c, hardware, devices_per_node, budget)
+        if cand.status != "over" or cand.arguments > budget:
+            return False
+        rows = (c.config.train.batch_size // (cand.layout.replica * cand.layout.fsdp)
+                // c.config.train.grad_accum)
+        queues[id(cand)] = _remedies(cand.layout, rows, offload)
+        cand.least_memory = cand.memory
+        given[id(cand)] = (cand.layout, f"{_label(cand.layout)}: {_gib(cand.memory)}")
+        return True
+    total = r["arguments"] + r["temporaries"] if "error" not in r else None
+    if total is not None and _fits(r, hardware, budget):
+        _fill(cand, r, c, hardware, devices_per_node, budget)
+        cand.tried.insert(0, given[id(cand)][1])
+        cand.reason = _describe_fix(given[id(cand)][0], c.layout)
+        return False
+    cand.tried.append(f"{_label(c.layout)}: " + (r.get("error") or _gib(total)))
+    if total is not None:
+        if c.layout.grad_accum > 1 and total > cand.least_memory:
+            # Accumulation added a gradient buffer and saved less: more won't help.
+            queues[id(cand)].clear()
+        cand.least_memory = min(cand.least_memory, total)
+    return True
 
 
 def _why_over(cand: Candidate, budget: float) -> str:
