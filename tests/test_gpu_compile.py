@@ -671,6 +671,51 @@ def test_expert_parallelism_compiles_to_ragged_all_to_alls():
     assert exp.model_cfg.moe_impl == "mosaic" and _mosaic_calls(text) > 0
 
 
+# The planner's least traffic against the GPU compiler's, on 8 H100s in nodes of 4:
+# megatron_sp (its all-reduces as reduce-scatters and all-gathers), LoRA, stages over
+# replicas and tensor (every tick runs the layers' collectives and the gradients'
+# all-reduce, bubble ticks too). A narrow MLP-ful model at seq 1024, so the layers'
+# collectives are most of the traffic. 2 layers by default; with 1 a stage XLA sums the
+# gradients over replicas once a step, with 2 at every tick (traffic_bound counts both).
+TRAFFIC_LAYOUTS = {
+    "fsdp4_tensor2_megatron_sp": (dict(fsdp=4, tensor=2), {}, "megatron_sp"),
+    "fsdp2_tensor4_lora": (dict(fsdp=2, tensor=4), {"lora": {"rank": 8, "alpha": 16.0}},
+                           "default"),
+    "stage2_replica2_tensor2": (dict(stage=2, replica=2, tensor=2), {}, "default"),
+    "stage2_replica2_fsdp2_1f1b_4_layers": (
+        dict(stage=2, replica=2, fsdp=2, pipeline_schedule="1f1b"), {"n_layers": 4},
+        "default"),
+}
+
+
+@needs_extra
+@pytest.mark.parametrize("layout", list(TRAFFIC_LAYOUTS))
+def test_the_least_traffic_is_below_the_gpu_compilers(layout):
+    """Inside the nodes and across them, ``traffic_bound.least_traffic`` is at most what
+    the compiled step sends; without stages the layers' weights are gathered exactly as
+    often as it counts (twice: again in the backward pass, under every remat policy)."""
+    mesh, model, rules = TRAFFIC_LAYOUTS[layout]
+    c = tiny_config(mesh=mesh, model=dict(dim=512, n_heads=8, n_kv_heads=4, head_dim=64,
+                                          ffn_dim=1024, vocab_size=4096, dtype="bfloat16",
+                                          **model),
+                    train=dict(batch_size=8, seq_len=1024))
+    c.rules = rules
+    if "stage" in mesh:
+        c.train.microbatches = 4 if mesh.get("fsdp", 1) == 1 else 2
+    devices = gpu_target.devices(H100, 8, 4)
+    exp = Experiment.from_config(c, devices)
+    least = traffic_bound.least_traffic(exp, devices, 4)
+    sent = roofline.traffic(planner.collective_records(exp.compiled_step.as_text(),
+                                                       exp.mesh, devices), 4)
+    for side in ("inside", "across"):
+        bound, compiled = getattr(least, side), getattr(sent, side)
+        assert sum(bound.values()) <= sum(compiled.values()), (side, bound, compiled)
+    if "stage" not in mesh and rules == "default":
+        gathered = [link.inside.get("all-gather", 0) + link.across.get("all-gather", 0)
+                    for link in (least, sent)]
+        assert gathered[0] == pytest.approx(gathered[1], rel=0.05), gathered
+
+
 @needs_extra
 def test_preference_memory_tiny():
     """bench/preference_memory.py: sft and dpo compiled for 8 H100s, dpo's arguments

@@ -8,7 +8,9 @@ program cannot avoid is counted, each once:
 * **Weight gathers.** Every weight (two or more dims) goes from its storage layout to its
   compute layout through ``rules.gather``: an all-gather over the storage axes the compute
   layout drops, of the gathered shard, in the narrower of its dtype and the compute dtype.
-  Remat's second gather and grad_accum's per-micro-batch ones are not counted.
+  A layer's weights twice: no remat policy saves them, so its backward pass gathers
+  them again (staged layers: see below). grad_accum's per-micro-batch gathers are not
+  counted.
 * **Gradient reductions.** A trained weight's gradient is summed over every data axis
   that split the tokens: a reduce-scatter over the gathered axes of its float32 gathered
   shard, then an all-reduce over the other data axes of its float32 storage shard (the
@@ -16,28 +18,31 @@ program cannot avoid is counted, each once:
 * **Tensor parallelism's activations.** The attention's and a dense MLP's output
   projections contract a split dimension: per layer, one all-reduce (or its
   reduce-scatter and all-gather) of the block's output, per device's tokens, in the
-  compute dtype. The backward pass's reductions are not counted (under LoRA the first
-  layer's need not run).
+  compute dtype, and one of its input's gradient in the backward pass (under LoRA the
+  first layer's need not run). Remat's reruns of the forward's are not counted.
 
 * **The experts' exchange** (``mesh.expert``): per MoE layer, each device's (token, expert)
   pairs to their experts' devices and back, two all-to-alls over the expert axis in the
   compute dtype, counted as ``parallel.collectives`` counts a ragged all-to-all (the
   pairs a device has; in capacity mode ``min(1, capacity_factor)`` of them), and their
   two transposes in the backward pass when every parameter is trained.
-* **Pipeline stages** (``mesh.stage``): a device runs its stage's layers only (the
-  per-layer terms above count those) and holds its stage's share of the stacked
-  weights (never gathered over ``stage``). The pipeline's program
-  (``ndjax.parallel.pipeline``) gathers the chunk of those weights it runs and
-  reduce-scatters its gradients at every tick (V M + S - 1 of them a step, bubble
-  ticks included: XLA does not hoist them out of the tick loop), or gathers them once
-  a step under ``model.pipeline_gather_once``; and at every tick each device sends its
-  share of a micro-batch's residual stream to the next stage and, backward, its
+* **Pipeline stages** (``mesh.stage``): a device runs its stage's layers only, at every
+  tick, the bubble's on zeros (the per-layer terms above count those ticks), and holds
+  its stage's share of the stacked weights (never gathered over ``stage``). At every
+  tick (V M + S - 1 of them a step, bubble ticks included) the pipeline's program
+  (``ndjax.parallel.pipeline``) gathers the chunk of those weights it runs (once a
+  step under ``model.pipeline_gather_once``) and reduce-scatters their gradients:
+  XLA does not hoist either out of the tick loop. It all-reduces the gradients over
+  replicas at every tick too where a chunk has two layers or more; with one, the
+  layers' loop is gone and XLA moves that sum out of the tick loop (counted once;
+  ``tests/test_gpu_compile.py`` compiles both). And at every tick each device sends
+  its share of a micro-batch's residual stream to the next stage and, backward, its
   gradient back: two collective permutes over ``stage`` a tick.
 
 Context parallelism's exchange of keys and values, the vocabulary-parallel head and loss,
 and every bookkeeping reduction are left out: the bound is below what a compiled step
 sends (``tests/test_plan.py`` checks it on every layout it compiles,
-``tests/test_gpu_compile.py`` on an expert layout).
+``tests/test_gpu_compile.py`` on the GPU compiler's programs).
 """
 
 from __future__ import annotations
@@ -107,8 +112,9 @@ def least_traffic(exp: Any, devices: Any, devices_per_node: int) -> roofline.Lin
                  jax.tree.leaves(exp.state_sharding.params), strict=True)
     for (path, shape), names, storage in leaves:
         # A stack's layer axis (split over ``stage``): each device keeps its own layers.
-        lead = _axes(tuple(storage.spec)[:1]) if names and names[0] in STACKED_AXES else set()
-        names = names[1:] if names and names[0] in STACKED_AXES else names
+        names_stacked = bool(names) and names[0] in STACKED_AXES
+        lead = _axes(tuple(storage.spec)[:1]) if names_stacked else set()
+        names = names[1:] if names_stacked else names
         if len(names) < 2:
             continue  # norm scales and the like: not gathered through rules.gather
         stored = _axes(storage.spec) - lead
@@ -120,16 +126,21 @@ def least_traffic(exp: Any, devices: Any, devices_per_node: int) -> roofline.Lin
         g = size(gathered_over)
         narrow = min(shape.dtype.itemsize, compute_bytes)
         times = rounds if lead else 1
+        replica_sums = times if lead and _layers_per_chunk(cfg) > 1 else 1
         gathers = 1 if lead and cfg.pipeline_gather_once else times
+        if names_stacked and cfg.stages == 1:
+            # A layer's gathered weights are not activations no remat policy saves
+            # (decoder.REMAT_POLICIES): its backward pass gathers them again.
+            gathers = 2
         send("all-gather", gathered_over, gathers * (g - 1) / g * elements * narrow)
         if jax.tree_util.keystr(path) not in trained:
             continue
         send("reduce-scatter", gathered_over, times * (g - 1) / g * elements * 4)
         replicas = set(rules.data_axes) - stored - kept
         r = size(replicas)
-        send("all-reduce", replicas, 2 * (r - 1) / r * elements / g * 4)
-    _tensor_activations(exp, send, size)
+        send("all-reduce", replicas, replica_sums * 2 * (r - 1) / r * elements / g * 4)
     every_param = len(trained) == len(jax.tree.leaves(exp.param_shapes))
+    _tensor_activations(exp, send, size, every_param)
     _expert_exchange(exp, send, size, 4 if every_param else 2)
     _stage_sends(exp, send, size)
     return roofline.Link(inside, across)
@@ -144,12 +155,22 @@ def _ticks(cfg: Any) -> int:
                              cfg.pipeline_schedule).passes
 
 
+def _layers_per_chunk(cfg: Any) -> float:
+    """The layers one pipeline chunk runs (a stage's under GPipe and 1F1B)."""
+    return (cfg.n_layers - cfg.first_k_dense) / (cfg.stages * max(cfg.virtual_stages, 1))
+
+
 def _layers_per_device(cfg: Any, moe_only: bool = False) -> float:
-    """The layers a device runs: with pipeline stages, its stage's share of the staged
-    ones, and DeepSeek V3's dense first layers (run before the stages, on every device;
-    not with ``moe_only``)."""
+    """The layers a device runs, in whole passes over its tokens: with pipeline stages,
+    its stage's share of the staged ones at every tick, the bubble's on zeros
+    (``GPipe.passes``), and DeepSeek V3's dense first layers (run before the stages, on
+    every device; not with ``moe_only``)."""
     staged = cfg.n_layers - cfg.first_k_dense
-    return (0 if moe_only else cfg.first_k_dense) + staged / max(cfg.stages, 1)
+    dense = 0 if moe_only else cfg.first_k_dense
+    if cfg.stages <= 1:
+        return dense + staged
+    return dense + staged / cfg.stages * _ticks(cfg) / (max(cfg.virtual_stages, 1)
+                                                        * cfg.microbatches)
 
 
 def _stage_sends(exp: Any, send: Any, size: Any) -> None:
@@ -164,9 +185,12 @@ def _stage_sends(exp: Any, send: Any, size: Any) -> None:
     send("collective-permute", {"stage"}, 2 * ticks * shard * np.dtype(cfg.dtype).itemsize)
 
 
-def _tensor_activations(exp: Any, send: Any, size: Any) -> None:
+def _tensor_activations(exp: Any, send: Any, size: Any, every_param: bool) -> None:
     """One reduction a layer of each block output whose projection contracts a dimension
-    split over non-data axes (the attention's heads; a dense MLP's width)."""
+    split over non-data axes (the attention's heads; a dense MLP's width), and one in
+    the backward pass of its input's gradient, which the split projections in front
+    of it form as partial sums (with only adapters trained, the first layer's input
+    needs none)."""
     rules, cfg, t = exp.rules, exp.model_cfg, exp.settings.train
     data = set(rules.data_axes)
     tokens = t.batch_size * t.seq_len / size(data)
@@ -176,7 +200,9 @@ def _tensor_activations(exp: Any, send: Any, size: Any) -> None:
         split.append(set(rules.axes_of("mlp")) - data)
     for axes in split:
         k = size(axes)
-        send("all-reduce", axes, _layers_per_device(cfg) * 2 * (k - 1) / k * block_out)
+        layers = _layers_per_device(cfg)
+        passes = 2 * layers - (0 if every_param else 1)
+        send("all-reduce", axes, passes * 2 * (k - 1) / k * block_out)
 
 
 def _expert_exchange(exp: Any, send: Any, size: Any, per_layer: int) -> None:
