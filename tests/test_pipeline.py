@@ -87,6 +87,11 @@ LAYOUTS = {
     # the 2S - 1 = 3 a stage holds, so the slots of its kept inputs are reused.
     "stage2_1f1b": (dict(stage=2, pipeline_schedule="1f1b"), {},
                     {"train.microbatches": 4}, 2),
+    # Tied embeddings: the table's gradient is the embedding's, formed per micro-batch on
+    # stage 0, plus the LM head's, formed on the last stage inside the pipeline.
+    "stage2_fsdp2_1f1b_tied_embeddings": (dict(stage=2, fsdp=2, pipeline_schedule="1f1b"),
+                                          {"tie_embeddings": True},
+                                          {"train.microbatches": 4}, 4),
     # 4 stages (every slot used once), fsdp inside them, each layer recomputed inside a
     # chunk's backward.
     "stage4_fsdp2_1f1b_remat": (dict(stage=4, fsdp=2, pipeline_schedule="1f1b"),
