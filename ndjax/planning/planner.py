@@ -576,8 +576,7 @@ class Compiler:
         they were started."""
         done, _ = concurrent.futures.wait(list(futures),
                                           return_when=concurrent.futures.FIRST_COMPLETED)
-        order = list(self._started)
-        return sorted(done, key=order.index)
+        return [f for f in self._started if f in done]  # _started keeps the start order
 
     def result(self, future: concurrent.futures.Future) -> dict:
         """A finished measurement's record, stored in the cache."""

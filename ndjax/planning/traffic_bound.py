@@ -127,11 +127,12 @@ def least_traffic(exp: Any, devices: Any, devices_per_node: int) -> roofline.Lin
         narrow = min(shape.dtype.itemsize, compute_bytes)
         times = rounds if lead else 1
         replica_sums = times if lead and _layers_per_chunk(cfg) > 1 else 1
-        gathers = 1 if lead and cfg.pipeline_gather_once else times
-        if names_stacked and cfg.stages == 1:
+        if lead:  # staged: at every tick, or once a step
+            gathers = 1 if cfg.pipeline_gather_once else rounds
+        else:
             # A layer's gathered weights are not activations no remat policy saves
             # (decoder.REMAT_POLICIES): its backward pass gathers them again.
-            gathers = 2
+            gathers = 2 if names_stacked and cfg.stages == 1 else 1
         send("all-gather", gathered_over, gathers * (g - 1) / g * elements * narrow)
         if jax.tree_util.keystr(path) not in trained:
             continue
@@ -165,12 +166,10 @@ def _layers_per_device(cfg: Any, moe_only: bool = False) -> float:
     its stage's share of the staged ones at every tick, the bubble's on zeros
     (``GPipe.passes``), and DeepSeek V3's dense first layers (run before the stages, on
     every device; not with ``moe_only``)."""
-    staged = cfg.n_layers - cfg.first_k_dense
     dense = 0 if moe_only else cfg.first_k_dense
     if cfg.stages <= 1:
-        return dense + staged
-    return dense + staged / cfg.stages * _ticks(cfg) / (max(cfg.virtual_stages, 1)
-                                                        * cfg.microbatches)
+        return dense + cfg.n_layers - cfg.first_k_dense
+    return dense + _layers_per_chunk(cfg) * _ticks(cfg) / cfg.microbatches
 
 
 def _stage_sends(exp: Any, send: Any, size: Any) -> None:
@@ -198,11 +197,10 @@ def _tensor_activations(exp: Any, send: Any, size: Any, every_param: bool) -> No
     split = [set(rules.axes_of("q_heads")) - data]
     if not cfg.n_experts:
         split.append(set(rules.axes_of("mlp")) - data)
+    reductions = 2 * _layers_per_device(cfg) - (0 if every_param else 1)
     for axes in split:
         k = size(axes)
-        layers = _layers_per_device(cfg)
-        passes = 2 * layers - (0 if every_param else 1)
-        send("all-reduce", axes, passes * 2 * (k - 1) / k * block_out)
+        send("all-reduce", axes, reductions * 2 * (k - 1) / k * block_out)
 
 
 def _expert_exchange(exp: Any, send: Any, size: Any, per_layer: int) -> None:
