@@ -262,16 +262,21 @@ def test_bf16_experts_gather_bf16_and_reduce_f32():
         == {"f32"}
 
 
-def test_bf16_expert_parallelism_compiles_and_trains_on_cpus():
-    """The CPU stand-in for the ragged all-to-all gathers in float32: XLA:CPU aborted
-    the process compiling the bfloat16 reduce-scatter that is a bfloat16 all-gather's
-    transpose. fsdp=2 x expert=4 in bfloat16 gives one device's first loss within
-    bfloat16's rounding (its 8 mantissa bits: 2**-7 relative)."""
+@pytest.mark.parametrize("mesh", [dict(fsdp=2, expert=4), dict(fsdp=4, tensor=2)],
+                         ids=["expert", "tensor"])
+def test_bf16_moe_compiles_and_trains_on_cpus(mesh):
+    """Two XLA:CPU aborts that killed the process compiling a bfloat16 MoE step:
+    expert: the CPU stand-in for the ragged all-to-all gathers in float32, since the
+    bfloat16 reduce-scatter that is a bfloat16 all-gather's transpose aborted.
+    tensor: the tokens' gradient summed by a bfloat16 psum inside the dispatch's
+    shard_map aborted all-reduce-promotion; the partitioner sums it outside now.
+    Each gives one device's first loss within bfloat16's rounding (its 8 mantissa
+    bits: 2**-7 relative)."""
     from helpers import run_steps
     model = dict(MOE, dtype="bfloat16")
     one = Experiment.from_config(tiny_config(model=model), jax.devices()[:1])
     state = jax.device_get(one.init_state())
-    ep = Experiment.from_config(tiny_config(mesh=dict(fsdp=2, expert=4), model=model))
+    ep = Experiment.from_config(tiny_config(mesh=mesh, model=model))
     (want, *_), _ = run_steps(one, state, steps=1)
     (got, *_), _ = run_steps(ep, state, steps=1)
     assert np.isfinite(got) and abs(got - want) <= 2 ** -7 * abs(want)

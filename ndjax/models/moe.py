@@ -440,9 +440,18 @@ class MoE(nnx.Module):
             # Split over its width, each device's down projection is a partial sum:
             # stacked along a leading dimension over those axes, summed outside.
             part = PartitionSpec(width, *tok) if width else tok
+            # The tokens go in one copy per device of the width axes too, so that their
+            # gradient is summed outside the map by the partitioner, not by a psum inside
+            # it: XLA's CPU compiler aborts on that bfloat16 psum (all-reduce-promotion).
+            x_spec, x_in = tok, x
+            if width:
+                x_spec = PartitionSpec(width, *tok)
+                copies = math.prod(rules.mesh.shape[a] for a in width)
+                x_in = jax.lax.with_sharding_constraint(
+                    jnp.broadcast_to(x, (copies, *x.shape)), NamedSharding(rules.mesh, x_spec))
 
-            def mapped(*args):
-                out, assigned = local(*args)
+            def mapped(xm, *args):
+                out, assigned = local(xm[0] if width else xm, *args)
                 return (out[None] if width else out), assigned
             # Pipelined, manual over ``stage`` too: the pipeline vmaps the layers over it
             # (spmd_axis_name), and jax splits a vmapped shard_map's operands over that
@@ -451,9 +460,9 @@ class MoE(nnx.Module):
             stage = ("stage",) if mesh_lib.stages(rules.mesh) > 1 else ()
             out, assigned = jax.shard_map(
                 mapped, mesh=rules.mesh, axis_names=set(axes + width + stage),
-                in_specs=(tok, tok, tok, PartitionSpec(*rows), *w_specs),
+                in_specs=(x_spec, tok, tok, PartitionSpec(*rows), *w_specs),
                 out_specs=(part, PartitionSpec(axes or None)),
-                check_vma=False)(x, probs, choice, real, *w)
+                check_vma=False)(x_in, probs, choice, real, *w)
             if width:
                 out = jnp.sum(out.astype(jnp.float32), axis=0).astype(x.dtype)
         else:
