@@ -96,6 +96,47 @@ def _compiles(messages):
     return int([f for f in found if f][-1][1])
 
 
+FATAL = "hlo_instruction.cc:1234] Invalid binary instruction opcode copy"
+
+
+def _measure_or_abort(text, n, target=None, per_node=8, stderr_file=None):
+    """In a worker, XLA's part in an abort: a config of 3 layers writes a fatal line as
+    XLA's log does and aborts the process (SIGABRT, as LOG(FATAL) does); the others
+    return a record of their layers. No compile: what is checked is the planner's."""
+    from ndjax.runtime.console import native_stderr
+    layers = json.loads(text)["model"]["n_layers"]
+    with native_stderr(echo=False, into=stderr_file):
+        if layers == 3:
+            os.write(2, f"F1207 19:00:00.000000  123 {FATAL}\n".encode())
+            os.abort()
+    return {"layers": layers}
+
+
+class _Aborting(planner.Compiler):
+    _measure = staticmethod(_measure_or_abort)
+
+
+def test_a_layout_that_aborts_the_compiler_fails_and_the_others_are_measured(tmp_path):
+    """A worker killed by XLA breaks the pool and fails every measurement in flight:
+    each is measured again alone, the one that dies alone is failed with XLA's fatal
+    line (and not cached), and later measurements get a new pool."""
+    compiler = _Aborting(2, 2, planner.Cache(str(tmp_path)))
+    try:
+        started = {compiler.start(tiny_config(model=dict(n_layers=k))): k for k in (2, 3, 4)}
+        got = {}
+        while started:
+            for future in compiler.finished(started):
+                got[started.pop(future)] = compiler.result(future)
+        assert got == {2: {"layers": 2}, 4: {"layers": 4},
+                       3: {"error": f"XLA aborted the process compiling it: {FATAL}",
+                           "aborted": True}}
+        again = compiler.start(tiny_config(model=dict(n_layers=5)))
+        assert compiler.result(again) == {"layers": 5}
+        assert len(os.listdir(tmp_path)) == 3  # 2, 4 and 5 cached
+    finally:
+        compiler.close()
+
+
 def test_a_layout_whose_inputs_overflow_is_not_compiled(tmp_path):
     config = tiny_config(train={"batch_size": 2, "seq_len": 64})
     messages = []

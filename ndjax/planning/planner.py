@@ -57,10 +57,12 @@ import json
 import math
 import multiprocessing
 import os
+import re
 import tempfile
 import time
 import warnings
 from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures.process import BrokenProcessPool
 from typing import Any
 
 import jax
@@ -441,10 +443,11 @@ def config_from_json(text: str) -> ml_collections.ConfigDict:
 
 
 def measure(config_json: str, n: int, target: str | None = None,
-            per_node: int = 8) -> dict[str, Any]:
+            per_node: int = 8, stderr_file: str | None = None) -> dict[str, Any]:
     """Compile the train step of one layout for n devices and read it: the first n
     CPU devices, or with ``target`` (a ``roofline.HARDWARE`` name) n GPUs of that
-    kind, ``per_node`` to a node, by XLA's GPU compiler (``ndjax.hardware.gpu_target``)."""
+    kind, ``per_node`` to a node, by XLA's GPU compiler (``ndjax.hardware.gpu_target``).
+    XLA's native stderr is captured (into ``stderr_file`` where given)."""
     from ndjax.experiment import Experiment
     from ndjax.hardware import gpu_target
     from ndjax.runtime.console import native_stderr
@@ -452,7 +455,7 @@ def measure(config_json: str, n: int, target: str | None = None,
     config = config_from_json(config_json)
     start = time.perf_counter()
     try:
-        with warnings.catch_warnings(), native_stderr(echo=False) as native:
+        with warnings.catch_warnings(), native_stderr(echo=False, into=stderr_file) as native:
             warnings.simplefilter("ignore")
             if target:
                 devices = gpu_target.devices(gpu_target.hardware(target), n, per_node)
@@ -524,6 +527,19 @@ def _start_worker(n: int, parent: int) -> None:
     jax.config.update("jax_num_cpu_devices", n)
 
 
+def _last_words(path: str) -> str:
+    """The fatal line of XLA's log (``F1207 12:00:00.0 123 file.cc:45] message``) in a
+    dead process's captured stderr, else its last line."""
+    try:
+        with open(path, errors="replace") as f:
+            lines = [line.strip() for line in f if line.strip()]
+    except OSError:
+        lines = []
+    fatal = [line for line in lines if re.match(r"F\d{4} ", line)]
+    said = (fatal or lines or ["it wrote nothing"])[-1]
+    return re.sub(r"^F\d{4} [\d:.]+\s+\d+\s+", "", said)[:300]
+
+
 class Compiler:
     """Measures configs on n simulated devices, or for n GPUs of kind ``target`` with
     the GPU compiler: from the cache, else in ``workers`` processes (0: in this
@@ -535,13 +551,17 @@ class Compiler:
         self.n, self.cache, self.progress = n, cache, progress
         self.workers = workers
         self.target, self.per_node = target, per_node
-        self._pool = None
-        self._started: dict[concurrent.futures.Future, tuple[str, bool]] = {}
+        self._started: dict[concurrent.futures.Future, tuple[str, bool, str]] = {}
         self.compiled = self.cached = 0  # measurements taken, by where they came from
-        if workers > 0:
-            self._pool = concurrent.futures.ProcessPoolExecutor(
-                max_workers=workers, mp_context=multiprocessing.get_context("spawn"),
-                initializer=_start_worker, initargs=(n, os.getpid()))
+        self._pool = self._new_pool(workers) if workers > 0 else None
+
+    # What a worker runs (a test swaps it for one that aborts its process).
+    _measure = staticmethod(measure)
+
+    def _new_pool(self, workers: int) -> concurrent.futures.ProcessPoolExecutor:
+        return concurrent.futures.ProcessPoolExecutor(
+            max_workers=workers, mp_context=multiprocessing.get_context("spawn"),
+            initializer=_start_worker, initargs=(self.n, os.getpid()))
 
     def describe(self) -> str:
         if self.target:
@@ -564,11 +584,19 @@ class Compiler:
         if hit is not None or self._pool is None:
             future: concurrent.futures.Future = concurrent.futures.Future()
             future.set_result(hit if hit is not None
-                              else measure(text, self.n, self.target, self.per_node))
+                              else self._measure(text, self.n, self.target, self.per_node))
         else:
-            future = self._pool.submit(measure, text, self.n, self.target, self.per_node)
-        self._started[future] = (key, hit is not None)
+            try:
+                future = self._submit(text)
+            except BrokenProcessPool:  # a worker died: new ones
+                self._pool = self._new_pool(self.workers)
+                future = self._submit(text)
+        self._started[future] = (key, hit is not None, text)
         return future
+
+    def _submit(self, text: str) -> concurrent.futures.Future:
+        assert self._pool is not None
+        return self._pool.submit(self._measure, text, self.n, self.target, self.per_node)
 
     def finished(self, futures: Iterable[concurrent.futures.Future]
                  ) -> list[concurrent.futures.Future]:
@@ -580,16 +608,36 @@ class Compiler:
 
     def result(self, future: concurrent.futures.Future) -> dict:
         """A finished measurement's record, stored in the cache."""
-        key, cached = self._started.pop(future)
-        r = future.result()
+        key, cached, text = self._started.pop(future)
+        try:
+            r = future.result()
+        except BrokenProcessPool:
+            r = self._alone(text)
         if cached:
             self.cached += 1
         else:
-            self.cache.put(key, r)
+            if "aborted" not in r:  # not kept: the process may have died of something else
+                self.cache.put(key, r)
             self.compiled += 1
         if (self.compiled + self.cached) % 5 == 0:
             self.progress(self.tally())
         return r
+
+    def _alone(self, text: str) -> dict:
+        """A measurement whose worker died (XLA aborts the process on some programs),
+        again in a process of its own: the pool's death fails every measurement in
+        flight, and only the one that dies alone is the cause."""
+        pool = self._new_pool(1)
+        with tempfile.TemporaryDirectory(prefix="ndjax-plan-") as tmp:
+            said = os.path.join(tmp, "stderr")
+            try:
+                return pool.submit(self._measure, text, self.n, self.target,
+                                   self.per_node, said).result()
+            except BrokenProcessPool:
+                return {"error": "XLA aborted the process compiling it: " + _last_words(said),
+                        "aborted": True}
+            finally:
+                pool.shutdown(cancel_futures=True)
 
     def tally(self) -> str:
         return f"measured {self.compiled + self.cached} step(s) ({self.cached} cached)"

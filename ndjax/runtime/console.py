@@ -74,14 +74,16 @@ class NativeOutput:
 
 
 @contextlib.contextmanager
-def native_stderr(echo: bool = True) -> Iterator[NativeOutput]:
+def native_stderr(echo: bool = True, into: str | None = None) -> Iterator[NativeOutput]:
     """Captures file descriptor 2 (where XLA's C++ logs go) for the block. Known noise
     is dropped, the partitioner's rematerialisation warnings are collected as
-    findings, and anything else is written back to stderr afterwards (``echo``)."""
+    findings, and anything else is written back to stderr afterwards (``echo``).
+    ``into``: a file to capture into, which another process can read if XLA aborts
+    this one inside the block."""
     out = NativeOutput()
     sys.stderr.flush()
     saved = os.dup(2)
-    with tempfile.TemporaryFile(mode="w+b") as tmp:
+    with (open(into, "w+b") if into else tempfile.TemporaryFile(mode="w+b")) as tmp:
         os.dup2(tmp.fileno(), 2)
         try:
             yield out
