@@ -208,6 +208,7 @@ def test_param_count_formula_matches_the_model():
     ("llama3_1b", 1_235_814_400),     # Llama 3.2 1B
     ("llama3_8b", 8_030_261_248),     # Llama 3.1 8B
     ("llama3_70b", 70_553_706_496),   # Llama 3.1 70B
+    ("llama3_405b", 405_853_388_800),  # Llama 3.1 405B
 ])
 def test_presets_have_the_published_sizes(preset, published):
     assert decoder.num_params(registry.config_from_preset("llama", preset)) == published

@@ -12,7 +12,7 @@ PRESETS = {
     # CPU demo, about 10M parameters.
     "tiny": dict(vocab_size=2048, dim=256, n_layers=8, n_heads=8, n_kv_heads=4,
                  ffn_dim=1024, rope_theta=10_000.0),
-    # Dimensions of the public Llama 3.2 1B, Llama 3.1 8B and 70B models.
+    # Dimensions of the public Llama 3.2 1B, Llama 3.1 8B, 70B and 405B models.
     "llama3_1b": dict(vocab_size=128_256, dim=2048, n_layers=16, n_heads=32, n_kv_heads=8,
                       ffn_dim=8192, head_dim=64, tie_embeddings=True,
                       rope_scaling=RopeScaling(factor=32.0)),
@@ -20,6 +20,8 @@ PRESETS = {
                       ffn_dim=14_336, rope_scaling=RopeScaling(factor=8.0)),
     "llama3_70b": dict(vocab_size=128_256, dim=8192, n_layers=80, n_heads=64, n_kv_heads=8,
                        ffn_dim=28_672, rope_scaling=RopeScaling(factor=8.0)),
+    "llama3_405b": dict(vocab_size=128_256, dim=16_384, n_layers=126, n_heads=128,
+                        n_kv_heads=8, ffn_dim=53_248, rope_scaling=RopeScaling(factor=8.0)),
 }
 
 
