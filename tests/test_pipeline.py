@@ -54,9 +54,12 @@ LAYOUTS = {
     "stage2_fsdp2_context2_ring_chat": (dict(stage=2, fsdp=2, context=2), {}, "chat", 8),
     "stage2_context2_tensor2_all_to_all_qlora": (
         dict(stage=2, context=2, tensor=2), {**QLORA, "cp_impl": "all_to_all"}, {}, 8),
-    # The experts' exchange (a shard_map over the data axes) inside the stages, with the
-    # router's load-balancing loss summed over micro-batches.
-    "stage2_fsdp2_expert2_moe": (dict(stage=2, fsdp=2, expert=2), MOE, {}, 8),
+    # The experts' exchange (a shard_map over the data axes and the experts' width)
+    # inside the stages, with the router's load-balancing loss summed over
+    # micro-batches; each layer recomputed in the full remat scan's custom VJP, whose
+    # backward rule differentiates that shard_map under the stages' vmap.
+    "stage2_expert2_tensor2_moe_full_remat": (dict(stage=2, expert=2, tensor=2),
+                                              {**MOE, "remat": "full"}, {}, 8),
     # The circular schedule: 8 layers in 4 chunks of 2, stage 0 holding layers 0-1 and
     # 4-5; each micro-batch goes round the 2 stages twice.
     "stage2_virtual2": (dict(stage=2, virtual_stages=2), dict(n_layers=8), {}, 2),

@@ -700,7 +700,7 @@ class Decoder(nnx.Module):
             # the pattern's period divides a chunk).
             with params_gathered() if cfg.pipeline_gather_once else contextlib.nullcontext():
                 return self._run_stack(stack, h, tables, seg, drop, stack.first,
-                                       stack.first + per_chunk, params, ids)
+                                       stack.first + per_chunk, params, ids, staged=True)
 
         plan = pipeline.schedule(cfg.stages, cfg.microbatches, cfg.virtual_stages,
                                  cfg.pipeline_schedule if head is not None else "gpipe")
@@ -725,11 +725,12 @@ class Decoder(nnx.Module):
 
     def _run_stack(self, stack: Stack, x: jax.Array, tables: dict, segment_ids: jax.Array,
                    dropout: lora_lib.Dropout | None, start: int, stop: int,
-                   stacked: Any = None, layer_ids: jax.Array | None = None
-                   ) -> tuple[jax.Array, dict[str, jax.Array]]:
+                   stacked: Any = None, layer_ids: jax.Array | None = None,
+                   staged: bool = False) -> tuple[jax.Array, dict[str, jax.Array]]:
         """``layer_stack`` over layers ``start .. stop - 1``, all of ``stack``; ``stacked``:
         the layers' parameters in place of the stack's own, and ``layer_ids`` their
-        indices in the model (a pipeline stage's)."""
+        indices in the model (a pipeline stage's). ``staged``: run by the pipeline, in
+        its vmap over ``stage``."""
         cfg = self.cfg
         graphdef, own = nnx.split(getattr(self, stack.name))
         if stacked is None and stack.name == "layers" and layer_order(cfg) is not None:
@@ -789,7 +790,8 @@ class Decoder(nnx.Module):
                 params, index = params if dropout is not None else (params, None)
                 return scan_full_remat(layers if len(pattern) > 1 else layers[0], x, params,
                                        consts, offload=cfg.remat == "offload",
-                                       per_layer=index, kept_prefix=PER_LAYER)
+                                       per_layer=index, kept_prefix=PER_LAYER,
+                                       vmapped_over=("stage",) if staged else ())
             run = group(pattern, len(pattern) > 1)
             # The segment ids ride in the scan's carry, not as a constant of the body:
             # jax hoists work that depends only on a scan's constants out of the loop,

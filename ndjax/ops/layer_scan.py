@@ -21,6 +21,7 @@ memory: the copies are no-ops and the step is ``full``'s, bit for bit.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from typing import Any
 
@@ -67,9 +68,23 @@ def _parts(aux: dict, prefix: str | None) -> tuple[dict, dict]:
     return {k: v for k, v in aux.items() if k not in kept}, kept
 
 
+def _vmapped_over(axes: tuple[str, ...]) -> contextlib.AbstractContextManager:
+    """The mesh axes of the vmap (``spmd_axis_name``) a custom VJP's backward rule runs
+    under, put back in jax's axis env: jax leaves them out while it batches the rule
+    (``batching.batch_subtrace``, jax 0.10 to 0.12), so a shard_map differentiated in
+    the rule and manual over them (the MoE's, under a pipeline: ``stage``) names them
+    in its residuals' specs, and the vmap refuses those ("vmap spmd_axis_name cannot
+    appear in shard_map out_specs")."""
+    if not axes:
+        return contextlib.nullcontext()
+    from jax._src import core  # no public form: the forward pass gets this from vmap
+    return core.add_spmd_axis_names(axes)
+
+
 def scan_full_remat(layer: Layer | tuple[Layer, ...], h: jax.Array, params: Any,
                     consts: tuple, offload: bool = False, per_layer: Any = None,
-                    kept_prefix: str | None = None) -> tuple[jax.Array, Any]:
+                    kept_prefix: str | None = None, vmapped_over: tuple[str, ...] = ()
+                    ) -> tuple[jax.Array, Any]:
     """``h`` through every layer of the stacked ``params`` (leading axis: layers) ->
     (the output, the layers' aux summed; but the aux entries whose keys start with
     ``kept_prefix``, statistics that take no gradient, each layer's stacked along their
@@ -84,6 +99,7 @@ def scan_full_remat(layer: Layer | tuple[Layer, ...], h: jax.Array, params: Any,
     gradient. ``layer`` must not close over traced values. ``offload``: the saved
     inputs live in host memory between the passes. The aux sum's cotangent is every
     layer's aux cotangent; each recomputed layer takes it with its output's.
+    ``vmapped_over``: the mesh axes a pipeline vmaps this over (``_vmapped_over``).
     """
     layers = layer if isinstance(layer, tuple) else (layer,)
     inner = isinstance(layer, tuple)
@@ -154,8 +170,9 @@ def scan_full_remat(layer: Layer | tuple[Layer, ...], h: jax.Array, params: Any,
                 def summed(x, q, f=layers[j], c=c):
                     h, aux = f(x, q, c)
                     return h, _parts(aux, kept_prefix)[0]
-                _, vjp = jax.vjp(summed, x, at(p, j))
-                g, grads[j] = vjp((g, g_aux))
+                with _vmapped_over(vmapped_over):
+                    _, vjp = jax.vjp(summed, x, at(p, j))
+                    g, grads[j] = vjp((g, g_aux))
             g_p = jax.tree.map(lambda *gs: jnp.stack(gs), *grads) if inner else grads[0]
             return g, g_p
 
