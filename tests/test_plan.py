@@ -240,6 +240,22 @@ def test_remedies_add_offload_where_the_gpu_compiler_measures():
         "fits with mesh.pipeline_schedule=1f1b"
 
 
+def test_a_rung_that_fails_to_compile_drops_its_more_accumulated_rungs():
+    """A remedy that fails to compile (a staged MoE at remat full failed so on every
+    rung of Mixtral 8x7B's plan) would fail the same with more accumulation: those
+    rungs go, other schedules stay."""
+    staged = planner.Layout(1, 2, 1, 1, stage=2, microbatches=2, remat="save_proj")
+    cand = planner.Candidate(staged)
+    queue = planner._remedies(staged, 4)  # full, 1F1B, full x accumulation 2 and 4
+    first = queue.pop(0)
+    tried = planner._Try(0.0, cand, planner.Checked(first, None, "", 0.0, 0, ()), remedy=True)
+    again = planner._take(tried, {"error": "ValueError: no"}, {id(cand): queue},
+                          {id(cand): (staged, "")}, False, H100, 8, 1e9)
+    assert again and cand.tried == ["remat full, grad_accum 1: ValueError: no"]
+    assert [(x.remat, x.grad_accum, x.pipeline_schedule) for x in queue] == [
+        ("save_proj", 1, "1f1b")]
+
+
 def test_layouts_plan_both_cp_algorithms_where_auto_chooses():
     config = tiny_config()
     every = planner.layouts(config, 4, ["default"])

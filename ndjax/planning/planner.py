@@ -933,7 +933,12 @@ def _take(t: _Try, r: dict, queues: dict[int, list[Layout]],
         cand.reason = _describe_fix(given[id(cand)][0], c.layout)
         return False
     cand.tried.append(f"{_label(c.layout)}: " + (r.get("error") or _gib(total)))
-    if total is not None:
+    if total is None:  # failed to compile: with more accumulation it fails the same way
+        queues[id(cand)][:] = [
+            later for later in queues[id(cand)]
+            if (later.remat, later.pipeline_schedule)
+            != (c.layout.remat, c.layout.pipeline_schedule)]
+    else:
         if c.layout.grad_accum > 1 and total > cand.least_memory:
             # Accumulation added a gradient buffer and saved less: more won't help.
             queues[id(cand)].clear()
